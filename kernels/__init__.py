@@ -1,0 +1,3 @@
+"""Number formats, quantizers, fused error statistics and quantized layers."""
+
+__all__: list[str] = []

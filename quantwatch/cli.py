@@ -1,0 +1,31 @@
+"""The ``quantwatch`` command line."""
+
+from __future__ import annotations
+
+import typer
+
+from quantwatch import __version__
+
+app = typer.Typer(help="QuantWatch: watch quantization error while low-precision training runs.", no_args_is_help=True)
+
+
+@app.command()
+def version() -> None:
+    """Print the installed version."""
+    typer.echo(__version__)
+
+
+@app.command()
+def demo() -> None:
+    """Train a small quantized model with the agent attached and show where the error goes."""
+    typer.echo("quantwatch demo is not built yet (issue 7).", err=True)
+    raise typer.Exit(code=1)
+
+
+def main() -> None:
+    """Entry point of the ``quantwatch`` console script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

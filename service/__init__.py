@@ -1,0 +1,3 @@
+"""The collector service: ingest, full-resolution history, alerts and Prometheus exposition."""
+
+__all__: list[str] = []
