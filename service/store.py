@@ -360,11 +360,12 @@ class Store:
             if old_keys.size:
                 pos = np.searchsorted(keys, old_keys)
                 hit = (pos < keys.size) & (keys[np.minimum(pos, keys.size - 1)] == old_keys)
-                merged = part.take(pos[hit]).merge(old.take(np.flatnonzero(hit)))
-                part.vmin[pos[hit]] = merged.vmin
-                part.vmax[pos[hit]] = merged.vmax
-                part.vsum[pos[hit]] = merged.vsum
-                part.vcount[pos[hit]] = merged.vcount
+                stored = Partials.empty(keys.size, n_layers)
+                stored.vmin[pos[hit]] = old.vmin[hit]
+                stored.vmax[pos[hit]] = old.vmax[hit]
+                stored.vsum[pos[hit]] = old.vsum[hit]
+                stored.vcount[pos[hit]] = old.vcount[hit]
+                part = part.merge(stored)
         self._upsert_rollups(conn, run_id, rank, nid, base, keys, part)
         below = base
         for level in LEVELS[1:]:
