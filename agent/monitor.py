@@ -43,13 +43,14 @@ from quantwatch.agent.layers import (
     ModuleAdapter,
     OverheadClock,
     QatAdapter,
+    comparison_stats,
     is_monitorable,
 )
 from quantwatch.agent.sampling import LAYER_METRICS, Schedule
 from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel
 from quantwatch.agent.spool import DiskSpool
 from quantwatch.agent.wire import RUN_NAME_PATTERN, Encoding, StepRecord
-from quantwatch.kernels import ErrorStats, error_stats
+from quantwatch.kernels import ErrorStats
 
 __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "Monitor", "attach"]
 
@@ -433,7 +434,7 @@ class Monitor:
                 shadow_weight = self._shadow.weights.get(adapter.name)
                 weight = adapter.weight
                 if shadow_weight is not None and weight is not None:
-                    adapter.record(KIND_DRIFT, error_stats(shadow_weight.detach(), weight.detach()))
+                    adapter.record(KIND_DRIFT, comparison_stats(shadow_weight, weight))
         rows: list[Tensor] = []
         present: list[list[bool]] = []
         for adapter in adapters:
