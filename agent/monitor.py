@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import fnmatch
 import hashlib
+import logging
 import os
 import re
 import threading
@@ -85,6 +86,7 @@ _ROW = _NK * _NF + 1  # per layer: every kind's partial sums, then the scale
 _SCALAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
 
 F = TypeVar("F", bound=Callable[..., Any])
+logger = logging.getLogger("quantwatch.agent")
 
 _MONITORS: weakref.WeakSet[Monitor] = weakref.WeakSet()
 
@@ -628,6 +630,8 @@ def attach(
         raise ConfigError("tokens_per_step", f"must be a number > 0, got {tokens_per_step!r}")
     schedule = Schedule(_periods(metrics, every, shadow), start=start, end=end)
     modules = _find_layers(model, layers)
+    if not modules:
+        logger.warning("quantwatch agent: no quantized layer found in the model; only watched kernels will be measured")
     detected_rank = _detect_rank(rank)
     reporting = _reports(detected_rank, ranks)
     failures = FailureLog()
