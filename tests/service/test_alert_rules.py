@@ -7,12 +7,15 @@ import json
 import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
+from typer.testing import CliRunner
 
+from quantwatch.cli import app
 from quantwatch.service.alerts.rules import (
     DEFAULT_RULES,
     ReceiverSpec,
@@ -192,3 +195,17 @@ def test_signatures_verify_with_standardwebhooks_during_rotation() -> None:
         Webhook(new_secret()).verify(body, headers)
     with pytest.raises(WebhookVerificationError):
         Webhook(old).verify(body + b" ", headers)
+
+
+def test_rules_check_cli_prints_lines(tmp_path: Path) -> None:
+    bad = tmp_path / "rules.yml"
+    bad.write_text("rules:\n  - name: x\n    metric: output_rel_l2\n    op: '=>'\n    threshold: 0.05\n")
+    result = CliRunner().invoke(app, ["rules", "check", str(bad)])
+    assert result.exit_code == 1
+    assert f"{bad}:4: rules[0].op:" in result.output
+    good = tmp_path / "ok.yml"
+    good.write_text("default_rules: false\nrules:\n  - {name: x, metric: amax, op: '>', threshold: 1}\n")
+    result = CliRunner().invoke(app, ["rules", "check", str(good)])
+    assert result.exit_code == 0, result.output
+    assert "1 enabled in effect" in result.output
+    assert CliRunner().invoke(app, ["rules", "check", str(tmp_path / "missing.yml")]).exit_code == 2
