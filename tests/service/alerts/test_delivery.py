@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import base64
 import json
-import os
-import socket
-import threading
 import time
-import uuid
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from typing import Any
 
-import psycopg
-import pytest
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
@@ -25,104 +17,6 @@ from quantwatch.service.alerts.evaluator import StepInput
 from quantwatch.service.alerts.outbox import DeliveryWorker, RetryPolicy
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.tables import DeliveryRow, EpisodeRow, ReceiverRow, RuleRow
-from quantwatch.service.models import Base
-
-PG_URL = os.environ.get("QUANTWATCH_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Receiver:
-    """A webhook receiver on loopback that records each request; ``answer`` picks the status code."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.requests: list[tuple[dict[str, str], bytes]] = []
-        self.answers: list[tuple[int, dict[str, str]]] = []
-        self.arrived = threading.Condition()
-        self._server: ThreadingHTTPServer | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/hook"
-
-    def start(self) -> Receiver:
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", "0")))
-                code, headers = owner.answers.pop(0) if owner.answers else (204, {})
-                self.send_response(code)
-                for key, value in headers.items():
-                    self.send_header(key, value)
-                self.send_header("content-length", "0")
-                self.end_headers()
-                with owner.arrived:
-                    owner.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
-                    owner.arrived.notify_all()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def wait_for(self, count: int, timeout: float = 20.0) -> list[tuple[dict[str, str], bytes]]:
-        deadline = time.monotonic() + timeout
-        with self.arrived:
-            while len(self.requests) < count and time.monotonic() < deadline:
-                self.arrived.wait(deadline - time.monotonic())
-            return list(self.requests)
-
-
-def new_secret() -> str:
-    return "whsec_" + base64.b64encode(os.urandom(32)).decode()
-
-
-def _postgres_db() -> Iterator[str]:
-    name = f"qw_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    admin = PG_URL.replace("postgresql+psycopg://", "postgresql://").rsplit("/", 1)[0] + "/postgres"
-    try:
-        connection = psycopg.connect(admin, autocommit=True, connect_timeout=3)
-    except psycopg.OperationalError as exc:
-        if os.environ.get("QUANTWATCH_REQUIRE_POSTGRES") == "1":
-            raise
-        pytest.skip(f"PostgreSQL unreachable at {admin}: {exc}")
-    with connection:
-        connection.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield PG_URL.rsplit("/", 1)[0] + "/" + name
-    finally:
-        with psycopg.connect(admin, autocommit=True) as connection:
-            connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def engine(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Engine]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path}/alerts.db"
-        generator = None
-    else:
-        generator = _postgres_db()
-        url = next(generator)
-    db = create_engine(url)
-    Base.metadata.create_all(db)
-    yield db
-    db.dispose()
-    if generator is not None:
-        next(generator, None)
 
 
 def add_rule(sessions: sessionmaker[Session], rule: Rule) -> None:
@@ -157,10 +51,12 @@ def ingest(
 RULE = Rule(name="dev", metric="output_rel_l2", op=">", threshold=0.05, consecutive=3)
 
 
-def test_episode_fires_once_and_resolves_with_signed_webhooks(engine: Engine) -> None:
+def test_episode_fires_once_and_resolves_with_signed_webhooks(
+    engine: Engine, receivers: Callable[..., Any], whsec: Callable[[], str]
+) -> None:
     sessions = sessionmaker(engine)
-    secret = new_secret()
-    receiver = Receiver().start()
+    secret = whsec()
+    receiver = receivers()
     add_rule(sessions, RULE)
     add_receiver(sessions, "ops", receiver.url, [secret])
     alerts = AlertEngine(external_url="http://127.0.0.1:8000", delivery_horizon_seconds=3600)
@@ -196,11 +92,13 @@ def test_episode_fires_once_and_resolves_with_signed_webhooks(engine: Engine) ->
         assert session.scalar(select(func.count()).where(DeliveryRow.status == "delivered")) == 2
 
 
-def test_receiver_down_then_back_gets_each_webhook_once(engine: Engine) -> None:
+def test_receiver_down_then_back_gets_each_webhook_once(
+    engine: Engine, receivers: Callable[..., Any], whsec: Callable[[], str]
+) -> None:
     sessions = sessionmaker(engine)
-    receiver = Receiver()
+    receiver = receivers(start=False)
     add_rule(sessions, RULE.model_copy(update={"consecutive": 1}))
-    add_receiver(sessions, "ops", receiver.url, [new_secret()])
+    add_receiver(sessions, "ops", receiver.url, [whsec()])
     alerts = AlertEngine(external_url="http://127.0.0.1:8000", delivery_horizon_seconds=3600)
     worker = DeliveryWorker(sessions, poll_seconds=0.05, policy=RetryPolicy(base_seconds=0.05, max_seconds=0.4))
     layers = [f"l{i}" for i in range(10)]
@@ -232,9 +130,9 @@ def test_receiver_down_then_back_gets_each_webhook_once(engine: Engine) -> None:
         assert all(statuses == ["firing", "resolved"] for statuses in order.values())
 
 
-def test_gone_disables_receiver_and_retry_after_is_honoured(engine: Engine) -> None:
+def test_gone_disables_receiver_and_retry_after_is_honoured(engine: Engine, receivers: Callable[..., Any]) -> None:
     sessions = sessionmaker(engine)
-    gone, slow = Receiver().start(), Receiver().start()
+    gone, slow = receivers(), receivers()
     gone.answers = [(410, {})]
     slow.answers = [(429, {"Retry-After": "2"})]
     add_rule(sessions, RULE.model_copy(update={"consecutive": 1}))
