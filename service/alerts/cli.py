@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -12,7 +13,7 @@ app = typer.Typer(help="Alert rules files.", no_args_is_help=True)
 
 
 @app.command("check")
-def check(path: Path = typer.Argument(..., help="YAML rules file to validate.")) -> None:
+def check(path: Annotated[Path, typer.Argument(help="YAML rules file to validate.")]) -> None:
     """Validate a rules file; print each problem as FILE:LINE: field: message and exit 1, or summarise it."""
     try:
         rules_file = load_rules_file(str(path))

@@ -281,7 +281,7 @@ class AlertEngine:
                 episode.firing_step, episode.firing_at = sample.step, sample.time
             session.add(episode)
             session.flush()
-            return episode, self._notify(session, episode, rule, "firing") if event.state == "firing" else 0
+            return episode, self.notify(session, episode, rule, "firing") if event.state == "firing" else 0
         if episode is None:
             return None, 0
         if event.kind == "cancel":
@@ -292,11 +292,11 @@ class AlertEngine:
         if event.kind == "fire":
             episode.state = "firing"
             episode.firing_step, episode.firing_at = sample.step, sample.time
-            return episode, self._notify(session, episode, rule, "firing")
+            return episode, self.notify(session, episode, rule, "firing")
         episode.state = "resolved"
         episode.resolved_step, episode.resolved_at = sample.step, sample.time
         session.flush()
-        return episode, self._notify(session, episode, rule, "resolved")
+        return episode, self.notify(session, episode, rule, "resolved")
 
     def notification(self, episode: EpisodeRow, rule: Rule, status: str) -> Notification:
         """The notification for ``episode`` in ``status`` (``firing`` or ``resolved``)."""
@@ -315,7 +315,8 @@ class AlertEngine:
             external_url=self.external_url,
         )
 
-    def _notify(self, session: Session, episode: EpisodeRow, rule: Rule, status: str) -> int:
+    def notify(self, session: Session, episode: EpisodeRow, rule: Rule, status: str) -> int:
+        """Write the outbox rows of ``episode``'s ``status`` notification for the rule's receivers."""
         notification = self.notification(episode, rule, status)
         episode.labels = notification.labels()
         episode.annotations = notification.annotations()

@@ -81,6 +81,12 @@ class DeliveryOutcome:
     error: str | None
 
 
+def _take_write_lock(session: Session) -> None:
+    # On SQLite the collector's engine turns this option into BEGIN IMMEDIATE: a read-then-write transaction never
+    # fails upgrading its lock in WAL mode. PostgreSQL ignores it.
+    session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
+
+
 class DeliveryWorker:
     """Background sender of outbox rows; ``start()``/``stop()`` with the app, ``wake()`` after an ingest commit."""
 
@@ -153,6 +159,7 @@ class DeliveryWorker:
         now = self._clock()
         earlier = aliased(DeliveryRow)
         with self._sessions.begin() as session:
+            _take_write_lock(session)
             blocked = exists().where(
                 and_(
                     earlier.episode_id == DeliveryRow.episode_id,
@@ -265,6 +272,7 @@ class DeliveryWorker:
         else:
             values.update(status="failed")
         with self._sessions.begin() as session:
+            _take_write_lock(session)
             session.execute(update(DeliveryRow).where(DeliveryRow.id == delivery_id).values(**values))
             if outcome.gone:
                 session.execute(
