@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Double, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy import JSON, BigInteger, Boolean, Double, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from quantwatch.service.models import Base
@@ -79,9 +79,9 @@ class SeriesStateRow(Base):
     rule_id: Mapped[int] = mapped_column(ForeignKey("alert_rules.id", ondelete="CASCADE"), primary_key=True)
     run: Mapped[str] = mapped_column(String(200), primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    layer: Mapped[str] = mapped_column(String(512), primary_key=True)
+    layer: Mapped[str] = mapped_column(String(500), primary_key=True)
     status: Mapped[str] = mapped_column(String(16))  # inactive | pending | firing
-    last_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     streak: Mapped[int] = mapped_column(Integer, default=0)
     clear_streak: Mapped[int] = mapped_column(Integer, default=0)
     last_value: Mapped[float | None] = mapped_column(Double, nullable=True)
@@ -94,7 +94,7 @@ class AlertGroupRow(Base):
 
     rule_id: Mapped[int] = mapped_column(ForeignKey("alert_rules.id", ondelete="CASCADE"), primary_key=True)
     run: Mapped[str] = mapped_column(String(200), primary_key=True)
-    layer: Mapped[str] = mapped_column(String(512), primary_key=True)
+    layer: Mapped[str] = mapped_column(String(500), primary_key=True)
     episode_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
@@ -120,18 +120,18 @@ class EpisodeRow(Base):
     rule_id: Mapped[int | None] = mapped_column(ForeignKey("alert_rules.id", ondelete="SET NULL"), nullable=True)
     rule_name: Mapped[str] = mapped_column(String(128))
     run: Mapped[str] = mapped_column(String(200))
-    layer: Mapped[str] = mapped_column(String(512))
+    layer: Mapped[str] = mapped_column(String(500))
     state: Mapped[str] = mapped_column(String(16))  # pending | firing | resolved
     severity: Mapped[str] = mapped_column(String(16))
     ranks: Mapped[list[int]] = mapped_column(JSON, default=list)
-    step: Mapped[int] = mapped_column(Integer)  # step of the latest transition
+    step: Mapped[int] = mapped_column(BigInteger)  # step of the latest transition
     value: Mapped[float | None] = mapped_column(Double, nullable=True)  # value at that step (NULL: non-finite)
     value_text: Mapped[str | None] = mapped_column(String(8), nullable=True)  # "nan" / "inf" / "-inf"
-    pending_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    pending_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     pending_at: Mapped[float | None] = mapped_column(Double, nullable=True)
-    firing_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    firing_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     firing_at: Mapped[float | None] = mapped_column(Double, nullable=True)
-    resolved_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    resolved_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     resolved_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     annotations: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
