@@ -87,7 +87,7 @@ def _check_receivers_exist(session: Session, rule: Rule) -> None:
     known = set(session.scalars(select(ReceiverRow.name).where(ReceiverRow.name.in_(rule.receivers))))
     for position, name in enumerate(rule.receivers):
         if name not in known:
-            raise ConflictError(f"receivers[{position}]", f"unknown receiver {name!r}")
+            raise ConflictError(f"receivers.{position}", f"unknown receiver {name!r}")
 
 
 def put_rule(session: Session, engine: AlertEngine, rule: Rule, *, create: bool) -> RuleRow:

@@ -128,6 +128,8 @@ class AlertEngine:
         self._rules = _RuleCache()
         self._rules_lock = threading.Lock()
         self._enqueued = threading.local()
+        self._latest: dict[tuple[str, str, int, str], SeriesSnapshot] = {}
+        self._latest_lock = threading.Lock()
 
     # -- rules -------------------------------------------------------------------------------------------------
     def active_rules(self, session: Session) -> list[tuple[int, Rule]]:
@@ -153,12 +155,28 @@ class AlertEngine:
         self.evaluate(session, batch.run, batch.rank, batch.layers, step_inputs(batch, self._clock()))
 
     def after_commit(self, batch: IngestBatch) -> None:
-        """:class:`~quantwatch.service.batch.IngestObserver` hook: wake the delivery worker if rows were written."""
+        """:class:`~quantwatch.service.batch.IngestObserver` hook: publish the committed series states to
+        :meth:`latest_series` and wake the delivery worker if outbox rows were written."""
+        staged: list[SeriesSnapshot] = getattr(self._enqueued, "staged", [])
+        self._enqueued.staged = []
+        if staged:
+            with self._latest_lock:
+                for snapshot in staged:
+                    self._latest[(snapshot.rule, snapshot.run, snapshot.rank, snapshot.layer)] = snapshot
+        self.wake_if_enqueued()
+
+    def wake_if_enqueued(self) -> None:
+        """Wake the delivery worker if this thread wrote outbox rows since the last call."""
         if self.take_enqueued():
             self._wake()
 
+    def wake(self) -> None:
+        """Wake the delivery worker (after a redelivery, say)."""
+        self._wake()
+
     def evaluate(self, session: Session, run: str, rank: int, layers: Sequence[str], steps: Sequence[StepInput]) -> int:
         """Evaluate one batch inside the caller's transaction; returns how many outbox rows it wrote."""
+        self._enqueued.staged = []
         rules = [(rule_id, rule) for rule_id, rule in self.active_rules(session) if rule.matches_run(run)]
         if not rules or not steps:
             return 0
@@ -178,6 +196,13 @@ class AlertEngine:
                 SeriesStatus(row.status), row.last_step, row.streak, row.clear_streak, row.last_value
             )
         changed, transitions = evaluate_batch([rule for _, rule in rules], run, rank, layers, steps, states)
+        by_name = {rule.name: rule for _, rule in rules}
+        self._enqueued.staged = [
+            SeriesSnapshot(
+                name, run, rank, layer, by_name[name].series, state.status.value, state.streak, state.last_step
+            )
+            for (name, layer), state in changed.items()
+        ]
         _upsert_states(
             session,
             [
@@ -356,8 +381,17 @@ class AlertEngine:
         return count
 
     # -- reads for Prometheus and the API ----------------------------------------------------------------------
+    def latest_series(self) -> list[SeriesSnapshot]:
+        """Streak and status of every series this process evaluated since it started (in memory, no database).
+
+        For the Prometheus exposition's scrape path: cheap, and current for the series this replica ingests.
+        :meth:`series_snapshot` reads the authoritative state of all replicas from the database.
+        """
+        with self._latest_lock:
+            return list(self._latest.values())
+
     def series_snapshot(self, session: Session, runs: Iterable[str] | None = None) -> list[SeriesSnapshot]:
-        """Every series' streak and status (optionally for some runs), for the Prometheus exposition."""
+        """Every series' streak and status (optionally for some runs) from the database, whichever replica wrote it."""
         query = select(SeriesStateRow, RuleRow.name, RuleRow.definition).join(
             RuleRow, RuleRow.id == SeriesStateRow.rule_id
         )
