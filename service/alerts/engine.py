@@ -262,13 +262,14 @@ class AlertEngine:
         written = 0
         for move in moves:
             statuses[move.rank] = move.after
+            active = {rank for rank, status in statuses.items() if status is not SeriesStatus.INACTIVE}
             state = episode.state if episode is not None else None
             open_state = state if state in ("pending", "firing") else None
             for event in advance_episode(open_state, statuses.values()):  # type: ignore[arg-type]
-                episode, count = self._apply(session, event, episode, rule_id, rule, run, layer, move)
+                episode, count = self._apply(session, event, episode, rule_id, rule, run, layer, move, active)
                 written += count
-            if episode is not None and move.after is not SeriesStatus.INACTIVE and move.rank not in episode.ranks:
-                episode.ranks = sorted([*episode.ranks, move.rank])
+            if episode is not None and episode.state != "resolved" and not active.issubset(episode.ranks):
+                episode.ranks = sorted(set(episode.ranks) | active)
         group.episode_id = episode.id if episode is not None and episode.state != "resolved" else None
         return written
 
@@ -282,6 +283,7 @@ class AlertEngine:
         run: str,
         layer: str,
         move: SeriesTransition,
+        active: set[int],
     ) -> tuple[EpisodeRow | None, int]:
         sample = move.sample
         value, value_text = json_value(sample.value)
@@ -293,7 +295,7 @@ class AlertEngine:
                 layer=layer,
                 state=event.state,
                 severity=rule.severity,
-                ranks=[move.rank],
+                ranks=sorted(active),
                 step=sample.step,
                 value=value,
                 value_text=value_text,
@@ -316,6 +318,7 @@ class AlertEngine:
         episode.step, episode.value, episode.value_text = sample.step, value, value_text
         if event.kind == "fire":
             episode.state = "firing"
+            episode.ranks = sorted(set(episode.ranks) | active)
             episode.firing_step, episode.firing_at = sample.step, sample.time
             return episode, self.notify(session, episode, rule, "firing")
         episode.state = "resolved"
