@@ -195,12 +195,14 @@ class DeliveryWorker:
                 return
             receiver_row = session.get(ReceiverRow, row.receiver_id)
             if receiver_row is None or not receiver_row.enabled:
-                session.execute(
-                    update(DeliveryRow)
-                    .where(DeliveryRow.id == delivery_id)
-                    .values(status="cancelled", claimed_until=None, last_error="receiver disabled or deleted")
-                )
-                session.commit()
+                session.rollback()
+                with self._sessions.begin() as writer:
+                    _take_write_lock(writer)
+                    writer.execute(
+                        update(DeliveryRow)
+                        .where(DeliveryRow.id == delivery_id)
+                        .values(status="cancelled", claimed_until=None, last_error="receiver disabled or deleted")
+                    )
                 return
             receiver = receiver_spec(receiver_row)
             body = row.body.encode()

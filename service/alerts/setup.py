@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+
 from fastapi import FastAPI
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.alerts.catalog import sync_rules_file
 from quantwatch.service.alerts.engine import AlertEngine
 from quantwatch.service.alerts.outbox import DeliveryWorker, RetryPolicy
 from quantwatch.service.alerts.rules import load_rules_file
+from quantwatch.service.alerts.tables import EpisodeRow
 from quantwatch.service.api.routes import alerts, receivers, rules
 from quantwatch.service.core.config import Settings
 from quantwatch.service.core.db import write_session
 from quantwatch.service.store import Store
 
-__all__ = ["install_alerts"]
+__all__ = ["firing_counts", "install_alerts"]
 
 
 def install_alerts(app: FastAPI, settings: Settings, store: Store) -> tuple[AlertEngine, DeliveryWorker]:
@@ -41,3 +46,20 @@ def install_alerts(app: FastAPI, settings: Settings, store: Store) -> tuple[Aler
     for module in (rules, receivers, alerts):
         app.include_router(module.router)
     return engine, worker
+
+
+def firing_counts(sessions: sessionmaker[Session]) -> Callable[[Sequence[str]], Mapping[str, int]]:
+    """A function mapping run names to their number of firing episodes (for the run listings)."""
+
+    def count(runs: Sequence[str]) -> Mapping[str, int]:
+        if not runs:
+            return {}
+        with sessions() as session:
+            rows = session.execute(
+                select(EpisodeRow.run, func.count())
+                .where(EpisodeRow.state == "firing", EpisodeRow.run.in_(list(runs)))
+                .group_by(EpisodeRow.run)
+            )
+            return {run: int(total) for run, total in rows}
+
+    return count

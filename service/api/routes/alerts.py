@@ -12,7 +12,7 @@ from quantwatch.service.alerts.engine import AlertEngine
 from quantwatch.service.alerts.schemas import AlertOut, DeliveryOut
 from quantwatch.service.alerts.tables import DeliveryRow, EpisodeRow, ReceiverRow
 from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
-from quantwatch.service.api.problems import Problem
+from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.core.db import write_session
 
 router = APIRouter(prefix="/api/v1", tags=["alerts"])
@@ -82,10 +82,10 @@ def redeliver(delivery_id: int, store: StoreDep, request: Request) -> DeliveryOu
             .with_for_update(of=DeliveryRow)
         ).one_or_none()
         if found is None:
-            raise Problem(404, f"no delivery {delivery_id}")
+            raise ProblemError(404, f"no delivery {delivery_id}")
         row, receiver = found
         if not receiver.enabled:
-            raise Problem(
+            raise ProblemError(
                 409, f"receiver {receiver.name!r} is disabled ({receiver.disabled_reason or 'by its config'})"
             )
         row.status, row.next_attempt_at, row.claimed_until = "pending", now, None

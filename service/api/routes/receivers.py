@@ -12,7 +12,7 @@ from quantwatch.service.alerts.rules import ReceiverSpec
 from quantwatch.service.alerts.schemas import ReceiverOut
 from quantwatch.service.alerts.tables import ReceiverRow
 from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
-from quantwatch.service.api.problems import Problem
+from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.core.db import write_session
 
 router = APIRouter(prefix="/api/v1/receivers", tags=["alerts"])
@@ -33,7 +33,7 @@ def get_receiver(name: str, store: StoreDep) -> ReceiverOut:
     with store.factory() as session:
         row = session.scalars(select(ReceiverRow).where(ReceiverRow.name == name)).one_or_none()
         if row is None:
-            raise Problem(404, f"no receiver named {name!r}")
+            raise ProblemError(404, f"no receiver named {name!r}")
         return ReceiverOut.of(row)
 
 
@@ -44,14 +44,14 @@ def create_receiver(receiver: ReceiverBody, store: StoreDep) -> ReceiverOut:
         with write_session(store.factory) as session:
             return ReceiverOut.of(put_receiver(session, receiver, create=True))
     except ConflictError as exc:
-        raise Problem(409, str(exc)) from None
+        raise ProblemError(409, str(exc)) from None
 
 
 @router.put("/{name}", response_model=ReceiverOut, dependencies=[AdminAuth])
 def replace_receiver(name: str, receiver: ReceiverBody, store: StoreDep) -> ReceiverOut:
     """Replace a receiver (this also re-enables one disabled after a 410 when ``enabled`` is true)."""
     if receiver.name != name:
-        raise Problem(
+        raise ProblemError(
             422,
             "body.name: must equal the name in the path",
             errors=[{"field": "body.name", "message": "must equal the name in the path"}],
@@ -60,7 +60,7 @@ def replace_receiver(name: str, receiver: ReceiverBody, store: StoreDep) -> Rece
         with write_session(store.factory) as session:
             return ReceiverOut.of(put_receiver(session, receiver, create=False))
     except NotFoundError:
-        raise Problem(404, f"no receiver named {name!r}") from None
+        raise ProblemError(404, f"no receiver named {name!r}") from None
 
 
 @router.delete("/{name}", status_code=204, dependencies=[AdminAuth])
@@ -70,5 +70,5 @@ def remove_receiver(name: str, store: StoreDep) -> Response:
         with write_session(store.factory) as session:
             delete_receiver(session, name)
     except NotFoundError:
-        raise Problem(404, f"no receiver named {name!r}") from None
+        raise ProblemError(404, f"no receiver named {name!r}") from None
     return Response(status_code=204)

@@ -13,7 +13,7 @@ from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.schemas import RuleOut
 from quantwatch.service.alerts.tables import RuleRow
 from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
-from quantwatch.service.api.problems import Problem
+from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.core.db import write_session
 
 router = APIRouter(prefix="/api/v1/rules", tags=["alerts"])
@@ -26,10 +26,10 @@ def _alerts(request: Request) -> AlertEngine:
     return engine
 
 
-def _conflict(exc: ConflictError) -> Problem:
+def _conflict(exc: ConflictError) -> ProblemError:
     if exc.field == "name":
-        return Problem(409, str(exc))
-    return Problem(422, f"body.{exc.field}: {exc}", errors=[{"field": f"body.{exc.field}", "message": str(exc)}])
+        return ProblemError(409, str(exc))
+    return ProblemError(422, f"body.{exc.field}: {exc}", errors=[{"field": f"body.{exc.field}", "message": str(exc)}])
 
 
 @router.get("", response_model=list[RuleOut], dependencies=[ReadAuth])
@@ -45,7 +45,7 @@ def get_rule(name: str, store: StoreDep) -> RuleOut:
     with store.factory() as session:
         row = session.scalars(select(RuleRow).where(RuleRow.name == name)).one_or_none()
         if row is None:
-            raise Problem(404, f"no rule named {name!r}")
+            raise ProblemError(404, f"no rule named {name!r}")
         return RuleOut.of(row)
 
 
@@ -63,7 +63,7 @@ def create_rule(rule: RuleBody, store: StoreDep, request: Request) -> RuleOut:
 def replace_rule(name: str, rule: RuleBody, store: StoreDep, request: Request) -> RuleOut:
     """Replace a rule; its open episodes resolve and its series start over under the new definition."""
     if rule.name != name:
-        raise Problem(
+        raise ProblemError(
             422,
             "body.name: must equal the name in the path",
             errors=[{"field": "body.name", "message": "must equal the name in the path"}],
@@ -74,7 +74,7 @@ def replace_rule(name: str, rule: RuleBody, store: StoreDep, request: Request) -
     except ConflictError as exc:
         raise _conflict(exc) from None
     except NotFoundError:
-        raise Problem(404, f"no rule named {name!r}") from None
+        raise ProblemError(404, f"no rule named {name!r}") from None
     _alerts(request).wake_if_enqueued()
     return answer
 
@@ -86,6 +86,6 @@ def remove_rule(name: str, store: StoreDep, request: Request) -> Response:
         with write_session(store.factory) as session:
             delete_rule(session, _alerts(request), name)
     except NotFoundError:
-        raise Problem(404, f"no rule named {name!r}") from None
+        raise ProblemError(404, f"no rule named {name!r}") from None
     _alerts(request).wake_if_enqueued()
     return Response(status_code=204)

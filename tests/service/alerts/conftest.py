@@ -9,21 +9,17 @@ import socket
 import subprocess
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
-from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine
 
-from quantwatch.service.models import Base
-
-PG_URL = os.environ.get("QUANTWATCH_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+from quantwatch.service import Settings
+from quantwatch.service.core.db import make_engine
 
 
 def free_port() -> int:
@@ -87,38 +83,12 @@ def new_secret() -> str:
     return "whsec_" + base64.b64encode(os.urandom(32)).decode()
 
 
-def _postgres_db() -> Iterator[str]:
-    name = f"qw_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    admin = PG_URL.replace("postgresql+psycopg://", "postgresql://").rsplit("/", 1)[0] + "/postgres"
-    try:
-        connection = psycopg.connect(admin, autocommit=True, connect_timeout=3)
-    except psycopg.OperationalError as exc:
-        if os.environ.get("QUANTWATCH_REQUIRE_POSTGRES") == "1":
-            raise
-        pytest.skip(f"PostgreSQL unreachable at {admin}: {exc}")
-    with connection:
-        connection.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield PG_URL.rsplit("/", 1)[0] + "/" + name
-    finally:
-        with psycopg.connect(admin, autocommit=True) as connection:
-            connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def engine(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Engine]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path}/alerts.db"
-        generator = None
-    else:
-        generator = _postgres_db()
-        url = next(generator)
-    db = create_engine(url)
-    Base.metadata.create_all(db)
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    """An engine (configured like the collector's) on this test's empty, migrated database (SQLite, PostgreSQL)."""
+    db = make_engine(Settings(database_url=database_url))
     yield db
     db.dispose()
-    if generator is not None:
-        next(generator, None)
 
 
 @pytest.fixture

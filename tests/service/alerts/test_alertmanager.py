@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, select
+import pytest
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
 from quantwatch.service.alerts.engine import AlertEngine
@@ -14,13 +15,12 @@ from quantwatch.service.alerts.evaluator import StepInput
 from quantwatch.service.alerts.outbox import DeliveryWorker
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.tables import DeliveryRow, ReceiverRow, RuleRow
-from quantwatch.service.models import Base
+from quantwatch.service.core.db import write_session
 
 
-def test_alertmanager_routes_pushed_alerts(tmp_path: Path, alertmanager: tuple[str, Any]) -> None:
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_alertmanager_routes_pushed_alerts(engine: Engine, alertmanager: tuple[str, Any]) -> None:
     base, hook = alertmanager
-    engine = create_engine(f"sqlite:///{tmp_path}/am.db")
-    Base.metadata.create_all(engine)
     sessions = sessionmaker(engine)
     rule = Rule(
         name="fp4_nonfinite", metric="nonfinite_count", op=">", threshold=0, consecutive=1, labels={"team": "numerics"}
@@ -33,13 +33,13 @@ def test_alertmanager_routes_pushed_alerts(tmp_path: Path, alertmanager: tuple[s
     alerts = AlertEngine(external_url="http://127.0.0.1:8000", delivery_horizon_seconds=600)
     worker = DeliveryWorker(sessions)
     try:
-        with sessions.begin() as session:
+        with write_session(sessions) as session:
             alerts.evaluate(
                 session, "gpt-fp4", 2, ["blocks.0.mlp.fc1"], [StepInput(40, 1.7e9, {"nonfinite_count": [3.0]}, {})]
             )
         assert worker.run_once() == 1
         firing = json.loads(hook.wait_for(1)[0][1])
-        with sessions.begin() as session:
+        with write_session(sessions) as session:
             alerts.evaluate(
                 session, "gpt-fp4", 2, ["blocks.0.mlp.fc1"], [StepInput(41, 1.7e9 + 1, {"nonfinite_count": [0.0]}, {})]
             )
@@ -49,7 +49,6 @@ def test_alertmanager_routes_pushed_alerts(tmp_path: Path, alertmanager: tuple[s
             assert {row.status for row in session.scalars(select(DeliveryRow))} == {"delivered"}
     finally:
         worker.stop()
-        engine.dispose()
     assert firing["status"] == "firing"
     labels = firing["alerts"][0]["labels"]
     assert labels == {

@@ -17,6 +17,7 @@ from quantwatch.service.alerts.evaluator import StepInput
 from quantwatch.service.alerts.outbox import DeliveryWorker, RetryPolicy
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.tables import DeliveryRow, EpisodeRow, ReceiverRow, RuleRow
+from quantwatch.service.core.db import write_session
 
 
 def add_rule(sessions: sessionmaker[Session], rule: Rule) -> None:
@@ -44,7 +45,7 @@ def ingest(
     rows: list[tuple[int, list[float | None]]],
 ) -> int:
     steps = [StepInput(step, 1_700_000_000.0 + step, {"output_rel_l2": values}, {}) for step, values in rows]
-    with sessions.begin() as session:
+    with write_session(sessions) as session:
         return engine_.evaluate(session, run, rank, layers, steps)
 
 
