@@ -75,7 +75,7 @@ def replace_rule(name: str, rule: RuleBody, store: StoreDep, request: Request) -
         raise _conflict(exc) from None
     except NotFoundError:
         raise ProblemError(404, f"no rule named {name!r}") from None
-    _alerts(request).wake_if_enqueued()
+    _alerts(request).send_enqueued()
     return answer
 
 
@@ -87,5 +87,5 @@ def remove_rule(name: str, store: StoreDep, request: Request) -> Response:
             delete_rule(session, _alerts(request), name)
     except NotFoundError:
         raise ProblemError(404, f"no rule named {name!r}") from None
-    _alerts(request).wake_if_enqueued()
+    _alerts(request).send_enqueued()
     return Response(status_code=204)
