@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
+from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep, reject_nul
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.schemas import Heatmap, LayerInfo, RunSummary, Series
 
-router = APIRouter(prefix="/api/v1", tags=["runs"])
+router = APIRouter(prefix="/api/v1", tags=["runs"], dependencies=[Depends(reject_nul)])
 
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown run, layer, metric or scalar"}}
 MAX_STEP = 2**62
