@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi.testclient import TestClient
 
@@ -125,6 +127,11 @@ def test_ingest_fires_lists_and_redelivers(make_app: Callable[..., Any], receive
         assert replay.status_code == 202
         requests = hook.wait_for(2)
         assert len(requests) == 2
+        link = urlsplit(json.loads(requests[0][1])["quantwatch"]["history_url"])
+        history = client.get(f"{link.path}?{link.query}")
+        assert history.status_code == 200, history.text
+        assert history.json()["steps"] == [1, 2]
+        assert history.json()["max"] == [0.5, 0.5]
         assert requests[0][0]["webhook-id"] == requests[1][0]["webhook-id"] == log[0]["webhook_id"]
         assert client.post("/api/v1/deliveries/999999/redeliver").status_code == 404
         assert client.get("/api/v1/alerts", params={"state": "bogus"}).status_code == 422
