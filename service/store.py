@@ -147,6 +147,9 @@ class Store:
                     return IngestResult(batch.batch_id, True, 0)
                 if self.pg:
                     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": self._rank_key(run_id, batch.rank)})
+                    # Read the layer count again under the rank lock: a transaction of this rank that committed
+                    # while we waited may have widened the run, and its rollup blobs with it.
+                    layer_count = conn.execute(select(Run.layer_count).where(Run.id == run_id)).scalar_one()
                 cache = self._run_cache(conn, run_id, layer_count)
                 layers, index = self._ensure_layers(conn, run_id, cache, batch.layers)
                 names = {n for s in batch.steps for n in s.metrics} | {n for s in batch.steps for n in s.scalars}
