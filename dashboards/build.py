@@ -24,9 +24,9 @@ from grafana_foundation_sdk.cog import builder as cogbuilder
 from grafana_foundation_sdk.cog import variants as cogvariants
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as model
 from grafana_foundation_sdk.models import heatmap as heatmap_model
 from grafana_foundation_sdk.models import prometheus as prom_model
-from grafana_foundation_sdk.models import dashboard as model
 
 OUT = Path(__file__).resolve().parent / "grafana" / "dashboards"
 
