@@ -18,16 +18,16 @@ import itertools
 import re
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
-    GaugeMetricFamily,
     HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
@@ -48,6 +48,7 @@ __all__ = [
     "IngestMetrics",
     "LatestValueCache",
     "QuantWatchCollector",
+    "StepLike",
     "StepValues",
     "layer_family_name",
     "render_exposition",
@@ -119,37 +120,88 @@ def _escape_label_value(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
+class StepLike(Protocol):
+    """One step of a batch as the cache reads it; :class:`quantwatch.service.batch.IngestStep` is one."""
+
+    @property
+    def step(self) -> int:
+        """The optimizer step."""
+
+    @property
+    def metrics(self) -> Mapping[str, npt.NDArray[np.floating[Any]]]:
+        """Per metric, one float per layer of the batch (NaN where not measured)."""
+
+    @property
+    def scalars(self) -> Mapping[str, float]:
+        """Per-run scalars of the step."""
+
+    @property
+    def missing(self) -> Mapping[str, npt.NDArray[np.bool_]]:
+        """Per metric with at least one null: True where the layer was not measured."""
+
+
 @dataclass(frozen=True)
 class StepValues:
-    """The figures of one step of a batch, as the cache takes them.
-
-    ``metrics[name]`` holds one float per layer of the batch (NaN/±inf are values); ``measured[name]``, when present,
-    is a boolean mask of the layers that were measured at this step (absent = every layer was).
-    """
+    """A plain :class:`StepLike` (tests, benchmarks): the same fields as the ingest path's ``IngestStep``."""
 
     step: int
-    metrics: Mapping[str, npt.NDArray[np.floating]]
+    metrics: Mapping[str, npt.NDArray[np.floating[Any]]]
     scalars: Mapping[str, float] = field(default_factory=dict)
-    measured: Mapping[str, npt.NDArray[np.bool_]] = field(default_factory=dict)
+    missing: Mapping[str, npt.NDArray[np.bool_]] = field(default_factory=dict)
 
 
 @dataclass
 class _Slot:
-    """The exported layers of one (run, metric): at most K entries, sorted by (rank, layer)."""
+    """The exported layers of one (run, metric): at most K entries, sorted by (rank, layer id = model order)."""
 
     ranks: npt.NDArray[np.int64]
-    layers: npt.NDArray[np.str_]
+    layer_ids: npt.NDArray[np.int64]
     values: npt.NDArray[np.float64]  # float32 figures widened; exported by their shortest float32 spelling
     omitted: int = 0
-    text: str | None = None  # rendered sample lines; None until a scrape renders them after a change
+    text: bytes | None = None  # rendered sample lines; None until a scrape renders them after a change
 
 
 @dataclass
 class _Run:
+    """Everything the cache holds for one run.
+
+    Layers get a small integer id on first sight (so ids follow model order); the label text of each
+    (rank, layer) is escaped once and kept, so a re-render only spells values.
+    """
+
+    name: str
     last_seen: float
     last_step: dict[int, int] = field(default_factory=dict)
     scalars: dict[tuple[str, int], float] = field(default_factory=dict)
     slots: dict[str, _Slot] = field(default_factory=dict)
+    layer_ids: dict[str, int] = field(default_factory=dict)
+    layer_names: list[str] = field(default_factory=list)
+    labels: dict[int, list[str]] = field(default_factory=dict)  # rank -> label text by layer id
+    last_layers: tuple[str, ...] = ()
+    last_ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def ids_of(self, layers: Sequence[str]) -> npt.NDArray[np.int64]:
+        """Ids of ``layers``, registering new ones; a batch with the same layer list as the last costs a compare."""
+        key = tuple(layers)
+        if key != self.last_layers:
+            for name in key:
+                if name not in self.layer_ids:
+                    self.layer_ids[name] = len(self.layer_names)
+                    self.layer_names.append(name)
+            self.last_layers = key
+            self.last_ids = np.fromiter((self.layer_ids[n] for n in key), dtype=np.int64, count=len(key))
+        return self.last_ids
+
+    def label_texts(self, rank: int) -> list[str]:
+        """``layer="…",rank="…",run="…"`` of every known layer for ``rank``, indexed by layer id."""
+        texts = self.labels.setdefault(rank, [])
+        if len(texts) < len(self.layer_names):
+            run = _escape_label_value(self.name)
+            texts.extend(
+                f'layer="{_escape_label_value(layer)}",rank="{rank}",run="{run}"'
+                for layer in self.layer_names[len(texts) :]
+            )
+        return texts
 
 
 @dataclass(frozen=True)
@@ -158,7 +210,7 @@ class LayerFamily:
 
     name: str
     metric: str
-    chunks: tuple[tuple[str, _Slot], ...]
+    chunks: tuple[tuple[_Run, _Slot], ...]
 
 
 @dataclass(frozen=True)
@@ -201,7 +253,7 @@ class LatestValueCache:
         self._omitted_values_total = 0
         self._expired_runs_total = 0
 
-    def observe(self, run: str, rank: int, layers: Sequence[str], steps: Iterable[StepValues]) -> None:
+    def observe(self, run: str, rank: int, layers: Sequence[str], steps: Iterable[StepLike]) -> None:
         """Take one stored batch of (run, rank): the latest value of every layer and scalar in it.
 
         A batch whose newest step is older than the newest already seen for (run, rank) is history, not the
@@ -210,14 +262,13 @@ class LatestValueCache:
         ordered = sorted(steps, key=lambda s: s.step)
         if not ordered:
             return
-        layer_names = np.asarray(layers, dtype=np.str_)
-        latest = _latest_per_layer(ordered, len(layer_names))
+        latest = _latest_per_layer(ordered, len(layers))
         newest_step = ordered[-1].step
         now = self._clock()
         with self._lock:
             state = self._runs.get(run)
             if state is None:
-                state = self._runs[run] = _Run(last_seen=now)
+                state = self._runs[run] = _Run(name=run, last_seen=now)
             state.last_seen = now
             if newest_step < state.last_step.get(rank, -1):
                 return
@@ -225,27 +276,30 @@ class LatestValueCache:
             for s in ordered:
                 for scalar, value in s.scalars.items():
                     state.scalars[(scalar, rank)] = float(value)
+            ids = state.ids_of(layers)
             for metric, (values, measured) in latest.items():
-                self._merge(state, metric, rank, layer_names[measured], values[measured])
+                self._merge(state, metric, rank, ids[measured], values[measured])
 
     def _merge(
         self,
         state: _Run,
         metric: str,
         rank: int,
-        names: npt.NDArray[np.str_],
+        ids: npt.NDArray[np.int64],
         values: npt.NDArray[np.float64],
     ) -> None:
-        if names.size == 0:
+        if ids.size == 0:
             return
         old = state.slots.get(metric)
         if old is None:
-            ranks, layers, vals = np.full(names.size, rank, dtype=np.int64), names, values
+            ranks, layer_ids, vals = np.full(ids.size, rank, dtype=np.int64), ids, values
         else:
             # Entries of this rank that the batch measured again are replaced; everything else stays a candidate.
-            keep = (old.ranks != rank) | ~np.isin(old.layers, names)
-            ranks = np.concatenate([old.ranks[keep], np.full(names.size, rank, dtype=np.int64)])
-            layers = np.concatenate([old.layers[keep], names])
+            remeasured = np.zeros(len(state.layer_names), dtype=np.bool_)
+            remeasured[ids] = True
+            keep = (old.ranks != rank) | ~remeasured[old.layer_ids]
+            ranks = np.concatenate([old.ranks[keep], np.full(ids.size, rank, dtype=np.int64)])
+            layer_ids = np.concatenate([old.layer_ids[keep], ids])
             vals = np.concatenate([old.values[keep], values])
         omitted = 0
         if vals.size > self.top_k:
@@ -254,10 +308,10 @@ class LatestValueCache:
             omitted = vals.size - self.top_k
             kept = np.zeros(vals.size, dtype=np.bool_)
             kept[chosen] = True
-            self._omitted_values_total += names.size - int(np.count_nonzero(kept[-names.size :]))
-            ranks, layers, vals = ranks[chosen], layers[chosen], vals[chosen]
-        order = np.lexsort((layers, ranks))
-        state.slots[metric] = _Slot(ranks[order], layers[order], vals[order], omitted)
+            self._omitted_values_total += ids.size - int(np.count_nonzero(kept[-ids.size :]))
+            ranks, layer_ids, vals = ranks[chosen], layer_ids[chosen], vals[chosen]
+        order = np.lexsort((layer_ids, ranks))
+        state.slots[metric] = _Slot(ranks[order], layer_ids[order], vals[order], omitted)
 
     def expire(self) -> int:
         """Drop runs idle longer than the TTL; returns how many went."""
@@ -278,7 +332,7 @@ class LatestValueCache:
         with self._lock:
             self._expire_locked(deadline)
             runs = sorted(self._runs.items())
-            by_metric: dict[str, list[tuple[str, _Slot]]] = {}
+            by_metric: dict[str, list[tuple[_Run, _Slot]]] = {}
             scalars: list[tuple[str, int, str, float]] = []
             steps: list[tuple[str, int, int]] = []
             seen: list[tuple[str, float]] = []
@@ -286,8 +340,8 @@ class LatestValueCache:
             for run, state in runs:
                 for metric, slot in state.slots.items():
                     if slot.text is None:
-                        slot.text = _render_slot(layer_family_name(metric), run, slot)
-                    by_metric.setdefault(metric, []).append((run, slot))
+                        slot.text = _render_slot(layer_family_name(metric), state, slot)
+                    by_metric.setdefault(metric, []).append((state, slot))
                     omitted[metric] = omitted.get(metric, 0) + slot.omitted
                 scalars.extend((run, rank, name, value) for (name, rank), value in sorted(state.scalars.items()))
                 steps.extend((run, rank, step) for rank, step in sorted(state.last_step.items()))
@@ -308,7 +362,7 @@ class LatestValueCache:
 
 
 def _latest_per_layer(
-    steps: Sequence[StepValues], n_layers: int
+    steps: Sequence[StepLike], n_layers: int
 ) -> dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]]:
     """Per metric: the value of each layer at the newest step that measured it, and which layers any step measured."""
     latest: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]] = {}
@@ -317,8 +371,8 @@ def _latest_per_layer(
             values = np.asarray(raw, dtype=np.float64)
             if values.shape != (n_layers,):
                 raise ValueError(f"metrics.{metric} has {values.size} values for {n_layers} layers")
-            mask = s.measured.get(metric)
-            measured = np.ones(n_layers, dtype=np.bool_) if mask is None else np.asarray(mask, dtype=np.bool_)
+            missing = s.missing.get(metric)
+            measured = np.ones(n_layers, dtype=np.bool_) if missing is None else ~np.asarray(missing, dtype=np.bool_)
             current = latest.get(metric)
             if current is None:
                 latest[metric] = (np.where(measured, values, np.nan), measured.copy())
@@ -328,50 +382,123 @@ def _latest_per_layer(
     return latest
 
 
-def _render_slot(family: str, run: str, slot: _Slot) -> str:
+def _render_slot(family: str, state: _Run, slot: _Slot) -> bytes:
     """The sample lines of one (run, metric), byte for byte as prometheus_client's text format writes them."""
-    run_label = _escape_label_value(run)
+    labels = {int(rank): state.label_texts(int(rank)) for rank in np.unique(slot.ranks).tolist()}
     return "".join(
-        f'{family}{{layer="{_escape_label_value(layer)}",rank="{rank}",run="{run_label}"}} {_go_float(value)}\n'
-        for rank, layer, value in _slot_rows(slot)
-    )
+        f"{family}{{{labels[rank][layer]}}} {text}\n"
+        for rank, layer, text in zip(
+            slot.ranks.tolist(), slot.layer_ids.tolist(), _value_texts(slot.values), strict=True
+        )
+    ).encode()
 
 
-def _slot_rows(slot: _Slot) -> Iterator[tuple[int, str, float]]:
-    """(rank, layer, value) rows of a slot; each value spelled as the shortest decimal of its float32."""
-    shortest = slot.values.astype(np.float32).astype(np.str_).tolist()
-    for rank, layer, text in zip(slot.ranks.tolist(), slot.layers.tolist(), shortest, strict=True):
-        yield rank, layer, float(text)
+_FLOAT32_1E_4 = np.float32(1e-4)
 
 
-class _LayerGaugeFamily(Metric):
-    """A layer gauge family whose sample lines are already rendered.
+def _value_texts(values: npt.NDArray[np.float64]) -> list[str]:
+    """Text-format spelling of float32 figures: the shortest decimal that round-trips the float32 (0.1, not
+    0.10000000149), as prometheus_client's ``floatToGoString`` spells that decimal.
 
-    :func:`render_exposition` writes ``rendered`` directly; any other consumer of the registry reads ``samples``,
-    which are built on demand from the same cached arrays, so both see the same values.
+    numpy's vectorised float32 → str agrees with it except for non-finite values, magnitudes ≥ 1e6 (Go-style
+    exponents) and exactly ±1e-4; those few take the per-value path.
+    """
+    f32 = values.astype(np.float32)
+    texts: list[str] = f32.astype(np.str_).tolist()
+    magnitude = np.abs(f32)
+    with np.errstate(invalid="ignore"):
+        slow = ~np.isfinite(f32) | (magnitude >= 1e6) | (magnitude == _FLOAT32_1E_4)
+    for i in np.flatnonzero(slow).tolist():
+        texts[i] = _go_float(float(texts[i]))
+    return texts
+
+
+def _slot_rows(state: _Run, slot: _Slot) -> Iterator[tuple[int, str, float]]:
+    """(rank, layer, value) rows of a slot, each value the float of its exported spelling."""
+    for rank, layer, text in zip(slot.ranks.tolist(), slot.layer_ids.tolist(), _value_texts(slot.values), strict=True):
+        yield rank, state.layer_names[layer], float(text)
+
+
+class _FastFamily(Metric, ABC):
+    """A gauge family that writes its own sample lines.
+
+    :func:`render_exposition` writes ``rendered()`` directly; any other consumer of the registry reads ``samples``,
+    built on demand from the same data, so both see the same values (a test holds the bytes equal to
+    prometheus_client's own writer).
     """
 
-    def __init__(self, family: LayerFamily, documentation: str) -> None:
-        super().__init__(family.name, documentation, "gauge")
-        self._family = family
+    def __init__(self, name: str, documentation: str) -> None:
+        super().__init__(name, documentation, "gauge")
 
-    def rendered(self) -> str:
-        """The sample lines of every run, as rendered by the cache."""
-        return "".join(slot.text or "" for _, slot in self._family.chunks)
+    @abstractmethod
+    def rendered(self) -> bytes:
+        """The sample lines of the family."""
+
+    @abstractmethod
+    def build_samples(self) -> list[Sample]:
+        """The samples of the family, for the generic path."""
 
     @property
     def samples(self) -> list[Sample]:
-        """Samples built from the cached arrays (the slow, generic path)."""
-        return [
-            Sample(self._family.name, {"run": run, "rank": str(rank), "layer": layer}, value, None, None, None)
-            for run, slot in self._family.chunks
-            for rank, layer, value in _slot_rows(slot)
-        ]
+        """Samples built on demand (the slow, generic path)."""
+        return self.build_samples()
 
     @samples.setter
     def samples(self, _value: list[Sample]) -> None:
-        # Metric.__init__ assigns an empty list; the samples of this family always come from the cache.
+        # Metric.__init__ assigns an empty list; the samples of these families always come from their data.
         return
+
+
+class _LayerGaugeFamily(_FastFamily):
+    """A layer gauge family: the cached sample lines of every run's (run, metric) slot."""
+
+    def __init__(self, family: LayerFamily, documentation: str) -> None:
+        super().__init__(family.name, documentation)
+        self._family = family
+
+    def rendered(self) -> bytes:
+        """The sample lines of every run, as rendered by the cache."""
+        return b"".join(slot.text or b"" for _, slot in self._family.chunks)
+
+    def build_samples(self) -> list[Sample]:
+        """Samples built from the cached arrays."""
+        return [
+            Sample(self._family.name, {"run": state.name, "rank": str(rank), "layer": layer}, value, None, None, None)
+            for state, slot in self._family.chunks
+            for rank, layer, value in _slot_rows(state, slot)
+        ]
+
+
+class _RowsGaugeFamily(_FastFamily):
+    """A small gauge family (per run, per rule…) formatted straight from its rows, without Sample objects."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+        super().__init__(name, documentation)
+        self._labels = tuple(labels)
+        self._order = sorted(range(len(labels)), key=lambda i: labels[i])  # the text format sorts label names
+        self._rows: list[tuple[tuple[str, ...], float]] = []
+
+    def add(self, values: Sequence[str], value: float) -> None:
+        """Add one sample with label ``values`` in the order of the family's label names."""
+        self._rows.append((tuple(values), float(value)))
+
+    def rendered(self) -> bytes:
+        """The sample lines, in the order the rows were added."""
+        names = [self._labels[i] for i in self._order]
+        lines = []
+        for values, value in self._rows:
+            labels = ",".join(
+                f'{name}="{_escape_label_value(values[i])}"' for name, i in zip(names, self._order, strict=True)
+            )
+            lines.append(f"{self.name}{{{labels}}} {_go_float(value)}\n")
+        return "".join(lines).encode()
+
+    def build_samples(self) -> list[Sample]:
+        """Samples of the rows."""
+        return [
+            Sample(self.name, dict(zip(self._labels, values, strict=True)), value, None, None, None)
+            for values, value in self._rows
+        ]
 
 
 @dataclass(frozen=True)
@@ -419,34 +546,34 @@ class QuantWatchCollector(Collector):
             yield _LayerGaugeFamily(
                 family, f"Latest {family.metric} of the worst layers of each run (top-K per run and metric)."
             )
-        scalars: dict[str, GaugeMetricFamily] = {}
+        scalars: dict[str, _RowsGaugeFamily] = {}
         for run, rank, scalar, value in snap.run_scalars:
             name = run_family_name(scalar)
             if name not in scalars:
-                scalars[name] = GaugeMetricFamily(name, f"Latest {scalar} of each run.", labels=["run", "rank"])
-            scalars[name].add_metric([run, str(rank)], value)
+                scalars[name] = _RowsGaugeFamily(name, f"Latest {scalar} of each run.", ["run", "rank"])
+            scalars[name].add([run, str(rank)], value)
         yield from (scalars[name] for name in sorted(scalars))
-        last_step = GaugeMetricFamily(
-            "quantwatch_run_last_step", "Newest step ingested for each run and rank.", labels=["run", "rank"]
+        last_step = _RowsGaugeFamily(
+            "quantwatch_run_last_step", "Newest step ingested for each run and rank.", ["run", "rank"]
         )
         for run, rank, step in snap.last_steps:
-            last_step.add_metric([run, str(rank)], step)
+            last_step.add([run, str(rank)], step)
         yield last_step
-        last_seen = GaugeMetricFamily(
+        last_seen = _RowsGaugeFamily(
             "quantwatch_run_last_ingest_timestamp_seconds",
             "Unix time of the newest batch ingested for each run.",
-            labels=["run"],
+            ["run"],
         )
         for run, seen in snap.last_seen:
-            last_seen.add_metric([run], seen)
+            last_seen.add([run], seen)
         yield last_seen
-        omitted_series = GaugeMetricFamily(
+        omitted_series = _RowsGaugeFamily(
             "quantwatch_exposition_layer_series_omitted",
             "Layer series known to the cache but not exported because of the top-K cap, per metric.",
-            labels=["metric"],
+            ["metric"],
         )
         for metric, count in snap.omitted_series:
-            omitted_series.add_metric([metric], count)
+            omitted_series.add([metric], count)
         yield omitted_series
         yield CounterMetricFamily(
             "quantwatch_exposition_layer_values_omitted",
@@ -467,22 +594,22 @@ class QuantWatchCollector(Collector):
         )
 
     def _alert_families(self) -> Iterator[Metric]:
-        streaks = GaugeMetricFamily(
+        streaks = _RowsGaugeFamily(
             "quantwatch_alert_streak_steps",
             "Consecutive breaching steps of each (rule, run, layer) series with a non-zero streak.",
-            labels=["rule", "run", "layer"],
+            ["rule", "run", "layer"],
         )
-        states = GaugeMetricFamily(
+        states = _RowsGaugeFamily(
             "quantwatch_alert_state",
             "1 for each (rule, run, layer) alert that is pending or firing.",
-            labels=["rule", "run", "layer", "state"],
+            ["rule", "run", "layer", "state"],
         )
         series = sorted(self.alerts() if self.alerts is not None else (), key=lambda a: (a.rule, a.run, a.layer))
         for alert in series:
             if alert.streak_steps > 0:
-                streaks.add_metric([alert.rule, alert.run, alert.layer], alert.streak_steps)
+                streaks.add([alert.rule, alert.run, alert.layer], alert.streak_steps)
             if alert.state in _EXPORTED_ALERT_STATES:
-                states.add_metric([alert.rule, alert.run, alert.layer, alert.state], 1)
+                states.add([alert.rule, alert.run, alert.layer, alert.state], 1)
         yield streaks
         yield states
 
@@ -565,14 +692,16 @@ class _Single:
 def render_exposition(registry: CollectorRegistry) -> bytes:
     """The text exposition (version 0.0.4) of ``registry``: identical bytes to ``generate_latest``, much faster.
 
-    Layer gauge families come pre-rendered from the cache; every other family goes through prometheus_client.
+    Gauge families write their own lines (the layer gauges come pre-rendered from the cache); counters, the
+    histogram and the build info go through prometheus_client.
     """
     parts: list[bytes] = []
     for metric in registry.collect():
-        if isinstance(metric, _LayerGaugeFamily):
+        if isinstance(metric, _FastFamily):
             doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
             header = f"# HELP {metric.name} {doc}\n# TYPE {metric.name} gauge\n"
-            parts.append((header + metric.rendered()).encode())
+            parts.append(header.encode())
+            parts.append(metric.rendered())
         else:
             parts.append(generate_latest(_Single(metric)))
     return b"".join(parts)

@@ -77,7 +77,7 @@ def golden_scenario() -> CollectorRegistry:
                     "nonfinite_count": np.array([0, 3, 5], np.float32),
                 },
                 {"loss": 2.71},
-                measured={"output_rel_l2": np.array([True, True, False])},
+                missing={"output_rel_l2": np.array([False, False, True])},
             ),
         ],
     )
@@ -158,7 +158,7 @@ def test_unmeasured_layers_keep_their_previous_value() -> None:
         "r",
         0,
         ["a", "b"],
-        [StepValues(2, {"amax": np.array([5.0, 0.0], np.float32)}, measured={"amax": np.array([True, False])})],
+        [StepValues(2, {"amax": np.array([5.0, 0.0], np.float32)}, missing={"amax": np.array([False, True])})],
     )
     got = samples(registry_for(cache), "quantwatch_layer_amax")
     assert {dict(k)["layer"]: v for k, v in got.items()} == {"a": 5.0, "b": 2.0}
@@ -238,3 +238,21 @@ def test_promtool_check_metrics_reports_nothing() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout == b""
     assert result.stderr == b""
+
+
+def test_fast_writer_spells_values_of_every_magnitude_as_prometheus_client_does() -> None:
+    rng = np.random.default_rng(3)
+    magnitudes = 10.0 ** rng.integers(-40, 38, 4000)
+    values = (rng.standard_normal(4000) * magnitudes).astype(np.float32)
+    special = np.array([0.0, -0.0, 1e-4, -1e-4, 1e6, 999999.9, 1e16, np.nan, np.inf, -np.inf, 3.4e38], np.float32)
+    values = np.concatenate([values, special])
+    cache = LatestValueCache(top_k=len(values), clock=FrozenClock(0.0))
+    layers = [f"l{i}" for i in range(len(values))]
+    cache.observe("r", 0, layers, [StepValues(1, {"amax": values})])
+    registry = registry_for(cache)
+    fast = render_exposition(registry)
+    assert fast == generate_latest(registry)
+    exported = {dict(k)["layer"]: v for k, v in samples(registry, "quantwatch_layer_amax").items()}
+    for layer, value in zip(layers, values.tolist(), strict=True):
+        # Prometheus reads back exactly the float32 that was ingested.
+        assert np.float32(exported[layer]) == np.float32(value) or (math.isnan(value) and math.isnan(exported[layer]))
