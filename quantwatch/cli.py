@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from quantwatch import __version__
+from quantwatch.service.cli import register as register_service
 
 app = typer.Typer(help="QuantWatch: watch quantization error while low-precision training runs.", no_args_is_help=True)
 
@@ -20,6 +21,9 @@ def demo() -> None:
     """Train a small quantized model with the agent attached and show where the error goes."""
     typer.echo("quantwatch demo is not built yet (issue 7).", err=True)
     raise typer.Exit(code=1)
+
+
+register_service(app)
 
 
 def main() -> None:
