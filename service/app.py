@@ -12,6 +12,7 @@ from quantwatch.service.api.routes import health, ingest, runs
 from quantwatch.service.batch import IngestObserver
 from quantwatch.service.core.config import Settings
 from quantwatch.service.core.db import make_engine, make_sessionmaker, upgrade
+from quantwatch.service.exposition import install_exposition
 from quantwatch.service.store import Store
 
 FiringAlertCounts = Callable[[Sequence[str]], Mapping[str, int]]
@@ -48,4 +49,5 @@ def create_app(
     app.include_router(health.router)
     app.include_router(ingest.router)
     app.include_router(runs.router)
+    install_exposition(app, top_k=settings.metrics_top_k, run_ttl_seconds=settings.metrics_run_ttl_seconds)
     return app

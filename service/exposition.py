@@ -21,10 +21,11 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
+from fastapi import FastAPI, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -38,18 +39,30 @@ from prometheus_client.utils import floatToGoString
 
 from quantwatch import __version__
 
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+    from quantwatch.service.batch import IngestBatch
+    from quantwatch.service.models import Run
+
 __all__ = [
+    "CONTENT_TYPE",
     "DEFAULT_RUN_TTL_SECONDS",
     "DEFAULT_TOP_K",
     "LAYER_METRIC_FAMILIES",
     "RUN_SCALAR_FAMILIES",
     "AlertSeries",
     "AlertSeriesSource",
+    "Exposition",
     "IngestMetrics",
+    "IngestTimingMiddleware",
     "LatestValueCache",
+    "PrometheusObserver",
     "QuantWatchCollector",
     "StepLike",
     "StepValues",
+    "install_exposition",
     "layer_family_name",
     "render_exposition",
     "run_family_name",
@@ -57,6 +70,9 @@ __all__ = [
 
 # The text format's spelling of a float (+Inf, NaN, Go-style exponents); prometheus_client leaves it untyped.
 _go_float = cast("Callable[[float], str]", floatToGoString)
+
+# What render_exposition writes: the classic text format, which every Prometheus version reads.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 DEFAULT_TOP_K = 64
 DEFAULT_RUN_TTL_SECONDS = 3600.0
@@ -705,3 +721,101 @@ def render_exposition(registry: CollectorRegistry) -> bytes:
         else:
             parts.append(generate_latest(_Single(metric)))
     return b"".join(parts)
+
+
+class PrometheusObserver:
+    """The ingest observer that feeds the exposition: latest values and the points counter, after commit.
+
+    Nothing happens inside the ingest transaction, so the exposition only ever shows committed data.
+    """
+
+    def __init__(self, cache: LatestValueCache, ingest: IngestMetrics) -> None:
+        self.cache = cache
+        self.ingest = ingest
+
+    def on_batch(self, session: Session, run_row: Run, batch: IngestBatch) -> None:
+        """Nothing to do inside the transaction."""
+
+    def after_commit(self, batch: IngestBatch) -> None:
+        """Take the committed batch's latest values and count its points."""
+        self.cache.observe(batch.run, batch.rank, batch.layers, batch.steps)
+        self.ingest.observe_points(batch.points)
+
+
+class IngestTimingMiddleware:
+    """ASGI middleware timing ``POST /api/v1/ingest`` and counting its outcome; every other request passes through.
+
+    The ingest route marks a duplicate batch in the request state (``ingest_duplicate``).
+    """
+
+    def __init__(self, app: ASGIApp, metrics: IngestMetrics, path: str = "/api/v1/ingest") -> None:
+        self.app = app
+        self.metrics = metrics
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one ASGI request."""
+        if scope["type"] != "http" or scope["path"] != self.path or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            duplicate = bool(scope.get("state", {}).get("ingest_duplicate", False))
+            self.metrics.observe_request(status, time.perf_counter() - started, duplicate=duplicate)
+
+
+@dataclass(frozen=True)
+class Exposition:
+    """The exposition parts of one app: its own registry, the cache, the ingest figures and the collector."""
+
+    registry: CollectorRegistry
+    cache: LatestValueCache
+    ingest: IngestMetrics
+    collector: QuantWatchCollector
+
+    def render(self) -> bytes:
+        """The text exposition of the app's registry."""
+        return render_exposition(self.registry)
+
+
+def install_exposition(
+    app: FastAPI,
+    *,
+    top_k: int = DEFAULT_TOP_K,
+    run_ttl_seconds: float = DEFAULT_RUN_TTL_SECONDS,
+    alerts: AlertSeriesSource | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Exposition:
+    """Give ``app`` its ``GET /metrics``: a registry of its own, the cache as an ingest observer, ingest timing."""
+    cache = LatestValueCache(top_k=top_k, run_ttl_seconds=run_ttl_seconds, clock=clock)
+    ingest = IngestMetrics()
+    collector = QuantWatchCollector(cache, ingest, alerts)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    exposition = Exposition(registry, cache, ingest, collector)
+    app.state.exposition = exposition
+    app.state.ingest_observers.append(PrometheusObserver(cache, ingest))
+    app.add_middleware(IngestTimingMiddleware, metrics=ingest)
+
+    @app.get(
+        "/metrics",
+        tags=["health"],
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE: {}}, "description": "Prometheus text format 0.0.4"}},
+    )
+    def metrics() -> Response:
+        """Prometheus exposition: latest values of the worst layers per run and metric, run scalars, alert
+        streaks and states, ingest counters and latency. Unauthenticated, like ``/healthz``."""
+        return Response(exposition.render(), media_type=CONTENT_TYPE)
+
+    return exposition

@@ -85,6 +85,12 @@ class Settings(BaseSettings):
         default="FULL", description="SQLite synchronous mode in WAL: FULL makes every acknowledged batch durable."
     )
     db_pool_size: int = Field(default=8, ge=1, le=256, description="Connections kept open per collector process.")
+    metrics_top_k: int = Field(
+        default=64, ge=1, le=100_000, description="Layers exported to /metrics per (run, metric): the worst K."
+    )
+    metrics_run_ttl_seconds: float = Field(
+        default=3600.0, gt=0, le=366 * 86400, description="Runs idle longer than this drop out of /metrics."
+    )
 
     @field_validator("tokens")
     @classmethod
