@@ -5,9 +5,11 @@ from __future__ import annotations
 import typer
 
 from quantwatch import __version__
+from quantwatch.service.alerts.cli import app as rules_app
 from quantwatch.service.cli import register as register_service
 
 app = typer.Typer(help="QuantWatch: watch quantization error while low-precision training runs.", no_args_is_help=True)
+app.add_typer(rules_app, name="rules")
 
 
 @app.command()

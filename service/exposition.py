@@ -40,7 +40,7 @@ from prometheus_client.utils import floatToGoString
 from quantwatch import __version__
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
+    from sqlalchemy.orm import Session, sessionmaker
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from quantwatch.service.batch import IngestBatch
@@ -54,6 +54,7 @@ __all__ = [
     "RUN_SCALAR_FAMILIES",
     "AlertSeries",
     "AlertSeriesSource",
+    "DeliveryCounts",
     "Exposition",
     "IngestMetrics",
     "IngestTimingMiddleware",
@@ -62,6 +63,8 @@ __all__ = [
     "QuantWatchCollector",
     "StepLike",
     "StepValues",
+    "alert_series_source",
+    "delivery_counts",
     "install_exposition",
     "layer_family_name",
     "render_exposition",
@@ -540,6 +543,79 @@ class AlertSeriesSource(Protocol):
 
 
 _EXPORTED_ALERT_STATES = ("pending", "firing")
+_STATE_RANK = {"inactive": 0, "resolved": 0, "pending": 1, "firing": 2}
+DELIVERY_STATUSES = ("pending", "delivered", "failed", "cancelled")
+
+DeliveryCounts = Callable[[], Mapping[str, int]]
+"""Number of outbox deliveries per status (pending, delivered, failed, cancelled)."""
+
+
+class SeriesSnapshotLike(Protocol):
+    """One evaluator series as :meth:`AlertEngine.latest_series` returns it (per rank)."""
+
+    @property
+    def rule(self) -> str:
+        """Rule name."""
+
+    @property
+    def run(self) -> str:
+        """Run name."""
+
+    @property
+    def layer(self) -> str:
+        """Layer ('' for scalar rules)."""
+
+    @property
+    def status(self) -> str:
+        """inactive, pending or firing."""
+
+    @property
+    def streak(self) -> int:
+        """Consecutive breaching reported steps."""
+
+
+class AlertEngineLike(Protocol):
+    """The alert evaluator, as far as the exposition reads it."""
+
+    def latest_series(self) -> Sequence[SeriesSnapshotLike]:
+        """Streak and status of every series this process evaluated."""
+        ...
+
+
+def alert_series_source(engine: AlertEngineLike) -> AlertSeriesSource:
+    """Alert series of the evaluator's in-memory state, one per (rule, run, layer) across ranks.
+
+    The streak exported is the longest of the ranks and the state the most severe, matching the evaluator's
+    episodes, which are per (rule, run, layer) however many ranks breach.
+    """
+
+    def source() -> list[AlertSeries]:
+        merged: dict[tuple[str, str, str], tuple[int, str]] = {}
+        for snap in engine.latest_series():
+            if snap.streak <= 0 and snap.status not in _EXPORTED_ALERT_STATES:
+                continue
+            key = (snap.rule, snap.run, snap.layer)
+            streak, state = merged.get(key, (0, "inactive"))
+            if _STATE_RANK.get(snap.status, 0) > _STATE_RANK.get(state, 0):
+                state = snap.status
+            merged[key] = (max(streak, snap.streak), state)
+        return [AlertSeries(rule, run, layer, streak, state) for (rule, run, layer), (streak, state) in merged.items()]
+
+    return source
+
+
+def delivery_counts(sessions: sessionmaker[Session]) -> DeliveryCounts:
+    """Outbox deliveries per status, read from the database (an index-only count) at scrape time."""
+    from sqlalchemy import func, select
+
+    from quantwatch.service.alerts.tables import DeliveryRow
+
+    def count() -> Mapping[str, int]:
+        with sessions() as session:
+            rows = session.execute(select(DeliveryRow.status, func.count()).group_by(DeliveryRow.status))
+            return {str(status): int(total) for status, total in rows}
+
+    return count
 
 
 class QuantWatchCollector(Collector):
@@ -550,10 +626,12 @@ class QuantWatchCollector(Collector):
         cache: LatestValueCache,
         ingest: IngestMetrics | None = None,
         alerts: AlertSeriesSource | None = None,
+        deliveries: DeliveryCounts | None = None,
     ) -> None:
         self.cache = cache
         self.ingest = ingest if ingest is not None else IngestMetrics()
         self.alerts = alerts
+        self.deliveries = deliveries
 
     def collect(self) -> Iterator[Metric]:
         """Yield every family of a scrape, in a stable order."""
@@ -628,6 +706,16 @@ class QuantWatchCollector(Collector):
                 states.add([alert.rule, alert.run, alert.layer, alert.state], 1)
         yield streaks
         yield states
+        if self.deliveries is not None:
+            counts = self.deliveries()
+            deliveries = _RowsGaugeFamily(
+                "quantwatch_alert_deliveries",
+                "Alert notifications in the outbox by status (pending, delivered, failed, cancelled).",
+                ["status"],
+            )
+            for status in DELIVERY_STATUSES:
+                deliveries.add([status], counts.get(status, 0))
+            yield deliveries
 
 
 class IngestMetrics:
@@ -794,12 +882,13 @@ def install_exposition(
     top_k: int = DEFAULT_TOP_K,
     run_ttl_seconds: float = DEFAULT_RUN_TTL_SECONDS,
     alerts: AlertSeriesSource | None = None,
+    deliveries: DeliveryCounts | None = None,
     clock: Callable[[], float] = time.time,
 ) -> Exposition:
     """Give ``app`` its ``GET /metrics``: a registry of its own, the cache as an ingest observer, ingest timing."""
     cache = LatestValueCache(top_k=top_k, run_ttl_seconds=run_ttl_seconds, clock=clock)
     ingest = IngestMetrics()
-    collector = QuantWatchCollector(cache, ingest, alerts)
+    collector = QuantWatchCollector(cache, ingest, alerts, deliveries)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     exposition = Exposition(registry, cache, ingest, collector)
