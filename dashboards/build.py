@@ -48,17 +48,18 @@ METRICS = {
 
 # JSONata for the Infinity backend parser. The heatmap endpoint answers {"layers", "steps", "values"[layer][step]};
 # Grafana's pre-bucketed ("heatmap-rows") heatmap wants one row per step and one numeric field per layer, in model
-# order, so the selector transposes it.
+# order, so the selector transposes it (a null cell leaves its field out of that row: Grafana draws no cell).
+# The outer [...] keeps a one-row answer an array.
 HEATMAP_ROWS = (
-    "$map(steps, function($s, $i) { $merge([{'step': $s}, "
-    "$merge($map($$.layers, function($l, $j) { {$l: $$.values[$j][$i]} }))]) })"
+    "[$map(steps, function($s, $i) { $merge([{'step': $s}, "
+    "$map($$.layers, function($l, $j) { {$l: ($row := $$.values[$j]; $row[$i])} })]) })]"
 )
 # The series endpoint answers {"steps", "min", "mean", "max"}: one row per (bucket of) step(s).
 SERIES_ROWS = (
-    "$map(steps, function($s, $i) { {'step': $s, 'min': $$.min[$i], 'mean': $$.mean[$i], 'max': $$.max[$i]} })"
+    "[$map(steps, function($s, $i) { {'step': $s, 'min': $$.min[$i], 'mean': $$.mean[$i], 'max': $$.max[$i]} })]"
 )
 # The layers endpoint answers a list of layers in model order; the variable takes their names.
-LAYER_NAMES = "$map($, function($l) { {'layer': $l.name} })"
+LAYER_NAMES = "[$map($, function($l) { {'layer': $l.name} })]"
 
 
 class InfinityQuery(cogvariants.Dataquery):
@@ -438,16 +439,12 @@ def collector_health() -> dash.Dashboard:
         )
         .with_panel(
             timeseries.Panel()
-            .title("Alert deliveries by outcome")
-            .description("Webhook and Alertmanager deliveries of the collector's outbox; failures are retried.")
-            .datasource(PROMETHEUS)
-            .with_target(
-                promql(
-                    "deliveries",
-                    "sum by (outcome) (increase(quantwatch_alert_deliveries_total[$__rate_interval]))",
-                    "{{outcome}}",
-                )
+            .title("Alert deliveries by status")
+            .description(
+                "The collector's outbox: pending and failed notifications need attention; failed ones gave up."
             )
+            .datasource(PROMETHEUS)
+            .with_target(promql("deliveries", "sum by (status) (quantwatch_alert_deliveries)", "{{status}}"))
             .height(8)
             .span(12)
         )
