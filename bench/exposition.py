@@ -8,6 +8,9 @@ Prints, measured side by side in one run:
 * scrape time when 10% / 100% of the runs sent a batch since the last scrape (their lines are re-rendered);
 * prometheus_client's generate_latest on the same registry, as the reference and the ratio;
 * the cache's cost per ingested batch (512 layers x 8 metrics, 4 steps).
+
+Each scrape is timed in wall-clock and in CPU time of the scraping thread: on a machine whose cores are shared the
+second leaves out the time spent waiting for a core.
 """
 
 from __future__ import annotations
@@ -79,17 +82,19 @@ def main() -> None:
     registry.register(QuantWatchCollector(cache, ingest, lambda: alerts))
     render_exposition(registry)  # first render of every slot
 
-    def timed(changed_runs: int, writer: object, scrapes: int) -> list[float]:
-        out = []
+    def timed(changed_runs: int, writer: object, scrapes: int) -> tuple[list[float], list[float]]:
+        """Wall-clock and CPU seconds of each scrape (CPU time leaves out waiting for a shared core)."""
+        wall, cpu = [], []
         step = 100
         for k in range(scrapes):
             for run in runs[(k * changed_runs) % len(runs) :][:changed_runs]:
                 step += 4
                 cache.observe(run, 0, layers, batches[step % len(batches)])
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             writer(registry)  # type: ignore[operator]
-            out.append(time.perf_counter() - t0)
-        return out
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+        return wall, cpu
 
     size = len(render_exposition(registry))
     lines = render_exposition(registry).count(b"\n")
@@ -103,14 +108,21 @@ def main() -> None:
         ("10% of runs changed", args.runs // 10),
         ("all runs changed", args.runs),
     ):
-        fast = percentiles(timed(changed, render_exposition, args.scrapes))
-        rows.append((label, fast))
-        print(f"  scrape, {label:<20}: fast writer p50 {fast[0]:7.2f} ms  p99 {fast[1]:7.2f} ms")
-    reference = percentiles(timed(0, generate_latest, max(5, args.scrapes // 20)))
-    print(f"  scrape, nothing changed, prometheus_client generate_latest: p50 {reference[0]:7.2f} ms", end="")
-    print(f"  p99 {reference[1]:7.2f} ms")
-    print(f"  ratio generate_latest / fast writer (p50, nothing changed): {reference[0] / rows[0][1][0]:.1f}x")
-    print(f"  goal p99 <= 50 ms (10% of runs changed between scrapes): {'met' if rows[1][1][1] <= 50 else 'NOT met'}")
+        wall, cpu = timed(changed, render_exposition, args.scrapes)
+        (w50, w99), (c50, c99) = percentiles(wall), percentiles(cpu)
+        rows.append((label, w99, c99))
+        print(
+            f"  scrape, {label:<20}: wall p50 {w50:7.2f} ms  p99 {w99:7.2f} ms | CPU p50 {c50:7.2f} ms  p99 {c99:7.2f} ms"
+        )
+    wall, cpu = timed(0, generate_latest, max(5, args.scrapes // 20))
+    reference = percentiles(wall)
+    print(f"  scrape, nothing changed, prometheus_client generate_latest: wall p50 {reference[0]:7.2f} ms", end="")
+    print(f"  CPU p50 {percentiles(cpu)[0]:7.2f} ms")
+    fast_p50 = percentiles(timed(0, render_exposition, args.scrapes)[0])[0]
+    print(f"  ratio generate_latest / fast writer (wall p50, nothing changed): {reference[0] / fast_p50:.1f}x")
+    for label, w99, c99 in rows:
+        verdict = "met" if w99 <= 50 else ("met in CPU time only" if c99 <= 50 else "NOT met")
+        print(f"  goal p99 <= 50 ms, {label}: {verdict}")
 
 
 if __name__ == "__main__":
