@@ -1,8 +1,10 @@
 """Every query of every dashboard panel and every Prometheus rule, executed for real.
 
-A collector on loopback (the default SQLite setup) is fed realistic agent batches (msgpack, float32 arrays) in which
-one layer deviates for several steps, one layer produces non-finite values and the loss drifts from its FP32
-shadow. A real ``prometheus`` scrapes it every second with the shipped rules loaded. Then:
+A collector on loopback (the default SQLite setup) is fed two runs: a short training run of a small FP4 model with the
+real agent attached (``quantwatch.agent.attach``), and agent-encoded batches (msgpack, float32 arrays) in which one
+layer deviates for several steps, one layer produces non-finite values and the loss drifts from its FP32 shadow
+(situations a few seconds of training cannot be counted on to produce). A real ``prometheus`` scrapes it every second
+with the shipped rules loaded. Then, for both runs:
 
 * every PromQL target, annotation and variable query of the generated dashboards, with Grafana's variables
   interpolated (every value of ``$metric`` for repeated panels), runs against that Prometheus and must return data
@@ -11,6 +13,8 @@ shadow. A real ``prometheus`` scrapes it every second with the shipped rules loa
   collector and its JSONata selector evaluated (jsonata-python): it must yield rows;
 * every recording and alerting rule expression returns data, and the three alerts equivalent to the collector's
   default rules fire in Prometheus.
+
+The training run has no FP32 shadow model, so the queries of the shadow's loss are expected empty for it alone.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = REPO / "dashboards"
 RULES = DASHBOARDS / "prometheus" / "rules" / "quantwatch.rules.yml"
 RUN = "gpt-fp4/e2e"
+AGENT_RUN = "mlp-fp4/agent"
 LAYERS = [f"blocks.{i // 2}.{('attn.qkv', 'mlp.fc1')[i % 2]}" for i in range(16)]
 DEVIATING = 5  # output_rel_l2 above 5% from step 4 on
 NONFINITE = 9  # non-finite values from step 6 on
@@ -89,6 +94,35 @@ def agent_batch(steps: range, rng: np.random.Generator) -> bytes:
         )
     doc = {"run": RUN, "rank": 0, "batch_id": uuid.uuid4().hex, "layers": LAYERS, "steps": out}
     return msgpack.packb(doc, use_bin_type=True)
+
+
+def train_with_agent(url: str, spool: Path) -> None:
+    """A few optimizer steps of a small MLP whose linear layers quantize weights and inputs to FP4, agent attached."""
+    import torch
+    from torch import nn
+
+    import quantwatch.agent as qw
+    from quantwatch.kernels import QuantConfig, QuantSpec, Recipe, quantize_model
+
+    torch.manual_seed(0)
+    fp4 = QuantSpec("fp4_e2m1", scaling="tensor")
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    model = quantize_model(model, Recipe(rules=[("*", QuantConfig(weight=fp4, input=fp4))]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = qw.attach(
+        model, run=AGENT_RUN, url=url, every=1, tokens_per_step=64, spool_dir=spool, flush_interval_seconds=0.2
+    )
+    x, y = torch.randn(64, 32), torch.randn(64, 8)
+    for step in range(8):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step(step, loss=loss)
+    assert monitor.close(30)
+    stats = monitor.stats()
+    assert stats["sent_batches"] > 0
+    assert stats["failures"] == {}
 
 
 class Feeder:
@@ -143,6 +177,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, prometheus_binary: str) -> I
     )
     prometheus = f"http://127.0.0.1:{port}"
     try:
+        train_with_agent(collector.url, tmp / "spool")
         deadline = time.monotonic() + 60
         while True:
             assert process.poll() is None, (tmp / "prometheus.log").read_text()
@@ -200,12 +235,12 @@ def metric_options() -> list[tuple[str, str]]:
     return [tuple(part.strip() for part in item.split(" : ")) for item in variable["query"].split(",")]  # type: ignore[misc]
 
 
-def interpolate(text: str, metric: tuple[str, str], layer: str) -> str:
+def interpolate(text: str, run: str, metric: tuple[str, str], layer: str) -> str:
     """Grafana's variable syntax, for the variables these dashboards use."""
     values = {
         "metric:text": metric[0],
         "metric": metric[1],
-        "run": RUN,
+        "run": run,
         "layer": layer,
         "__rate_interval": RATE_INTERVAL,
     }
@@ -247,48 +282,58 @@ def run_prometheus_query(prometheus: str, target: dict[str, Any], expr: str) -> 
     return instant(prometheus, expr) if target.get("instant") else ranged(prometheus, expr)
 
 
-def run_collector_query(collector: str, target: dict[str, Any], metric: tuple[str, str], layer: str) -> Any:
-    params = {p["key"]: interpolate(p["value"], metric, layer) for p in target["url_options"]["params"]}
-    response = httpx.get(collector + interpolate(target["url"], metric, layer), params=params, timeout=30)
+def run_collector_query(collector: str, target: dict[str, Any], run: str, metric: tuple[str, str], layer: str) -> Any:
+    params = {p["key"]: interpolate(p["value"], run, metric, layer) for p in target["url_options"]["params"]}
+    url = collector + interpolate(target["url"], run, metric, layer)
+    response = httpx.get(url, params=params, timeout=30)
     assert response.status_code == 200, response.text
     return jsonata.Jsonata(target["root_selector"]).evaluate(response.json())
 
 
-def test_every_dashboard_query_returns_data(stack: dict[str, Any]) -> None:
-    layer = LAYERS[DEVIATING]
+def run_layers(collector: str, run: str) -> list[str]:
+    return [layer["name"] for layer in httpx.get(f"{collector}/api/v1/runs/{run}/layers", timeout=10).json()]
+
+
+@pytest.mark.parametrize("run", [RUN, AGENT_RUN])
+def test_every_dashboard_query_returns_data(stack: dict[str, Any], run: str) -> None:
+    layers = run_layers(stack["collector"], run)
+    assert layers == LAYERS if run == RUN else len(layers) == 3
+    layer = layers[DEVIATING] if run == RUN else layers[0]
     checked = 0
     for dashboard, where, target in dashboard_queries():
         text = json.dumps(target)
+        if run == AGENT_RUN and ("loss_shadow" in text or "shadow_gap" in text):
+            continue  # no FP32 shadow model in the training run
         metrics = metric_options() if "metric" in text else [("output_rel_l2", "quantwatch_layer_output_rel_l2_ratio")]
         for metric in metrics:
-            label = f"{dashboard}: {where} (metric {metric[0]})"
+            label = f"{dashboard}: {where} (run {run}, metric {metric[0]})"
             if target["datasource"]["uid"] == "quantwatch-prometheus":
-                expr = interpolate(target["expr"], metric, layer)
+                expr = interpolate(target["expr"], run, metric, layer)
                 result = run_prometheus_query(stack["prometheus"], target, expr)
                 assert result, f"{label}: {expr} returned nothing"
                 assert has_finite_value(result), f"{label}: {expr} returned no finite value: {result}"
             else:
                 assert target["datasource"]["uid"] == "quantwatch-collector", label
-                rows = run_collector_query(stack["collector"], target, metric, layer)
+                rows = run_collector_query(stack["collector"], target, run, metric, layer)
                 assert isinstance(rows, list), f"{label}: {rows!r}"
                 assert rows, f"{label}: no rows"
-                check_rows(target, rows, label)
+                check_rows(target, rows, layers, label)
             checked += 1
     assert checked >= 40
 
 
-def check_rows(target: dict[str, Any], rows: list[dict[str, Any]], label: str) -> None:
+def check_rows(target: dict[str, Any], rows: list[dict[str, Any]], layers: list[str], label: str) -> None:
     if "/heatmap" in target["url"]:
         for row in rows:
             assert isinstance(row["step"], int)
-            assert list(row)[1:] == [name for name in LAYERS if name in row], f"{label}: layers out of model order"
-        assert list(rows[-1])[1:] == LAYERS, f"{label}: the newest bucket lacks layers"
+            assert list(row)[1:] == [name for name in layers if name in row], f"{label}: layers out of model order"
+        assert list(rows[-1])[1:] == layers, f"{label}: the newest bucket lacks layers"
         assert all(isinstance(v, (int, float)) for row in rows for v in row.values()), label
     elif "/series" in target["url"]:
         assert set(rows[0]) == {"step", "min", "mean", "max"}, label
         assert all(r["min"] <= r["mean"] <= r["max"] for r in rows), label
     elif "/layers" in target["url"]:
-        assert [r["layer"] for r in rows] == LAYERS, label
+        assert [r["layer"] for r in rows] == layers, label
 
 
 def test_every_rule_expression_returns_data(stack: dict[str, Any]) -> None:
