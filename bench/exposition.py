@@ -111,9 +111,8 @@ def main() -> None:
         wall, cpu = timed(changed, render_exposition, args.scrapes)
         (w50, w99), (c50, c99) = percentiles(wall), percentiles(cpu)
         rows.append((label, w99, c99))
-        print(
-            f"  scrape, {label:<20}: wall p50 {w50:7.2f} ms  p99 {w99:7.2f} ms | CPU p50 {c50:7.2f} ms  p99 {c99:7.2f} ms"
-        )
+        print(f"  scrape, {label:<20}: wall p50 {w50:7.2f} ms  p99 {w99:7.2f} ms", end="")
+        print(f" | CPU p50 {c50:7.2f} ms  p99 {c99:7.2f} ms")
     wall, cpu = timed(0, generate_latest, max(5, args.scrapes // 20))
     reference = percentiles(wall)
     print(f"  scrape, nothing changed, prometheus_client generate_latest: wall p50 {reference[0]:7.2f} ms", end="")

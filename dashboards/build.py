@@ -138,7 +138,13 @@ def layer_variable() -> dash.QueryVariable:
         dash.QueryVariable("layer")
         .label("Layer")
         .datasource(COLLECTOR)
-        .query(Infinity("layers", "/api/v1/runs/${run}/layers", {}, LAYER_NAMES).build().to_json())
+        .query(
+            {
+                "queryType": "infinity",
+                "query": "",
+                "infinityQuery": Infinity("variable", "/api/v1/runs/${run}/layers", {}, LAYER_NAMES).build().to_json(),
+            }
+        )
         .refresh(model.VariableRefresh.ON_DASHBOARD_LOAD)
     )
 

@@ -266,7 +266,11 @@ def dashboard_queries() -> Iterator[tuple[str, str, dict[str, Any]]]:
         for variable in board.get("templating", {}).get("list", []):
             if variable["type"] == "query":
                 query = variable["query"]
-                target = query if isinstance(query, dict) else {"expr": query, "datasource": variable["datasource"]}
+                if isinstance(query, dict):  # an Infinity variable query wraps a panel-like target
+                    assert query["queryType"] == "infinity"
+                    target = query["infinityQuery"]
+                else:
+                    target = {"expr": query, "datasource": variable["datasource"]}
                 yield path.name, f"variable ${variable['name']}", target
 
 
