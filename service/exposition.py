@@ -195,7 +195,7 @@ class _Run:
     slots: dict[str, _Slot] = field(default_factory=dict)
     layer_ids: dict[str, int] = field(default_factory=dict)
     layer_names: list[str] = field(default_factory=list)
-    labels: dict[int, list[str]] = field(default_factory=dict)  # rank -> label text by layer id
+    labels: dict[int, npt.NDArray[np.str_]] = field(default_factory=dict)  # rank -> label text by layer id
     last_layers: tuple[str, ...] = ()
     last_ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
@@ -211,15 +211,16 @@ class _Run:
             self.last_ids = np.fromiter((self.layer_ids[n] for n in key), dtype=np.int64, count=len(key))
         return self.last_ids
 
-    def label_texts(self, rank: int) -> list[str]:
+    def label_texts(self, rank: int) -> npt.NDArray[np.str_]:
         """``layer="…",rank="…",run="…"`` of every known layer for ``rank``, indexed by layer id."""
-        texts = self.labels.setdefault(rank, [])
-        if len(texts) < len(self.layer_names):
+        texts = self.labels.get(rank)
+        if texts is None or len(texts) < len(self.layer_names):
             run = _escape_label_value(self.name)
-            texts.extend(
-                f'layer="{_escape_label_value(layer)}",rank="{rank}",run="{run}"'
-                for layer in self.layer_names[len(texts) :]
+            texts = np.array(
+                [f'layer="{_escape_label_value(layer)}",rank="{rank}",run="{run}"' for layer in self.layer_names],
+                dtype=np.str_,
             )
+            self.labels[rank] = texts
         return texts
 
 
@@ -402,20 +403,27 @@ def _latest_per_layer(
 
 
 def _render_slot(family: str, state: _Run, slot: _Slot) -> bytes:
-    """The sample lines of one (run, metric), byte for byte as prometheus_client's text format writes them."""
-    labels = {int(rank): state.label_texts(int(rank)) for rank in np.unique(slot.ranks).tolist()}
-    return "".join(
-        f"{family}{{{labels[rank][layer]}}} {text}\n"
-        for rank, layer, text in zip(
-            slot.ranks.tolist(), slot.layer_ids.tolist(), _value_texts(slot.values), strict=True
-        )
-    ).encode()
+    """The sample lines of one (run, metric), byte for byte as prometheus_client's text format writes them.
+
+    Built with numpy string operations over the whole slot; the slot is sorted by rank, so the label text of each
+    rank's run of entries is one gather.
+    """
+    ranks, starts = np.unique(slot.ranks, return_index=True)
+    ends = [*starts[1:].tolist(), slot.ranks.size]
+    labels = np.concatenate(
+        [
+            state.label_texts(rank)[slot.layer_ids[start:end]]
+            for rank, start, end in zip(ranks.tolist(), starts.tolist(), ends, strict=True)
+        ]
+    )
+    lines = np.char.add(np.char.add(np.char.add(family + "{", labels), "} "), _value_texts(slot.values))
+    return ("\n".join(lines.tolist()) + "\n").encode()
 
 
 _FLOAT32_1E_4 = np.float32(1e-4)
 
 
-def _value_texts(values: npt.NDArray[np.float64]) -> list[str]:
+def _value_texts(values: npt.NDArray[np.float64]) -> npt.NDArray[np.str_]:
     """Text-format spelling of float32 figures: the shortest decimal that round-trips the float32 (0.1, not
     0.10000000149), as prometheus_client's ``floatToGoString`` spells that decimal.
 
@@ -423,12 +431,14 @@ def _value_texts(values: npt.NDArray[np.float64]) -> list[str]:
     exponents) and exactly ±1e-4; those few take the per-value path.
     """
     f32 = values.astype(np.float32)
-    texts: list[str] = f32.astype(np.str_).tolist()
+    texts = f32.astype(np.str_)
     magnitude = np.abs(f32)
     with np.errstate(invalid="ignore"):
-        slow = ~np.isfinite(f32) | (magnitude >= 1e6) | (magnitude == _FLOAT32_1E_4)
-    for i in np.flatnonzero(slow).tolist():
-        texts[i] = _go_float(float(texts[i]))
+        slow = np.flatnonzero(~np.isfinite(f32) | (magnitude >= 1e6) | (magnitude == _FLOAT32_1E_4))
+    if slow.size:
+        texts = texts.astype("<U32")  # room for '+Inf' and Go-style exponents
+        for i in slow.tolist():
+            texts[i] = _go_float(float(texts[i]))
     return texts
 
 
