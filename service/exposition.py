@@ -689,7 +689,7 @@ class QuantWatchCollector(Collector):
             "Runs dropped from the exposition after sending nothing for the TTL.",
             value=snap.expired_runs_total,
         )
-        yield from self._alert_families()
+        yield from self._alert_families({run for run, _ in snap.last_seen})
         yield from self.ingest.families()
         yield InfoMetricFamily(
             "quantwatch_build",
@@ -697,7 +697,9 @@ class QuantWatchCollector(Collector):
             value={"version": __version__},
         )
 
-    def _alert_families(self) -> Iterator[Metric]:
+    def _alert_families(self, active_runs: set[str]) -> Iterator[Metric]:
+        """Streaks and states of the runs the cache still exports, at most ``top_k`` series per (rule, run): the
+        longest streaks, and every pending or firing alert among them first."""
         streaks = _RowsGaugeFamily(
             "quantwatch_alert_streak_steps",
             "Consecutive breaching steps of each (rule, run, layer) series with a non-zero streak.",
@@ -708,8 +710,17 @@ class QuantWatchCollector(Collector):
             "1 for each (rule, run, layer) alert that is pending or firing.",
             ["rule", "run", "layer", "state"],
         )
-        series = sorted(self.alerts() if self.alerts is not None else (), key=lambda a: (a.rule, a.run, a.layer))
-        for alert in series:
+        by_rule_run: dict[tuple[str, str], list[AlertSeries]] = {}
+        for alert in self.alerts() if self.alerts is not None else ():
+            if alert.run in active_runs:
+                by_rule_run.setdefault((alert.rule, alert.run), []).append(alert)
+        top_k = self.cache.top_k
+        kept = [
+            alert
+            for group in by_rule_run.values()
+            for alert in sorted(group, key=lambda a: (-_STATE_RANK.get(a.state, 0), -a.streak_steps, a.layer))[:top_k]
+        ]
+        for alert in sorted(kept, key=lambda a: (a.rule, a.run, a.layer)):
             if alert.streak_steps > 0:
                 streaks.add([alert.rule, alert.run, alert.layer], alert.streak_steps)
             if alert.state in _EXPORTED_ALERT_STATES:

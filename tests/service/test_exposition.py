@@ -256,3 +256,20 @@ def test_fast_writer_spells_values_of_every_magnitude_as_prometheus_client_does(
     for layer, value in zip(layers, values.tolist(), strict=True):
         # Prometheus reads back exactly the float32 that was ingested.
         assert np.float32(exported[layer]) == np.float32(value) or (math.isnan(value) and math.isnan(exported[layer]))
+
+
+def test_alert_series_are_capped_per_rule_and_run_and_follow_the_run_ttl() -> None:
+    clock = FrozenClock(0.0)
+    cache = LatestValueCache(top_k=3, run_ttl_seconds=10, clock=clock)
+    cache.observe("live", 0, ["a"], [StepValues(1, {"amax": np.array([1.0], np.float32)})])
+    alerts = [AlertSeries("r", "live", f"l{i}", i, "pending" if i < 3 else "inactive") for i in range(1, 9)]
+    alerts.append(AlertSeries("r", "live", "l0", 1, "firing"))
+    alerts.append(AlertSeries("r", "gone", "l1", 7, "firing"))  # a run the cache does not know (expired)
+    registry = registry_for(cache, alerts=lambda: alerts)
+    streaks = {dict(k)["layer"]: v for k, v in samples(registry, "quantwatch_alert_streak_steps").items()}
+    # firing first, then pending, then the longest streaks
+    assert streaks == {"l0": 1.0, "l2": 2.0, "l1": 1.0}
+    states = {(dict(k)["layer"], dict(k)["state"]) for k in samples(registry, "quantwatch_alert_state")}
+    assert states == {("l0", "firing"), ("l1", "pending"), ("l2", "pending")}
+    clock.now += 11
+    assert samples(registry, "quantwatch_alert_streak_steps") == {}
