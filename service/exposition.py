@@ -357,15 +357,18 @@ class LatestValueCache:
             steps: list[tuple[str, int, int]] = []
             seen: list[tuple[str, float]] = []
             omitted: dict[str, int] = {}
+            changed: list[tuple[str, _Run, _Slot]] = []
             for run, state in runs:
                 for metric, slot in state.slots.items():
                     if slot.text is None:
-                        slot.text = _render_slot(layer_family_name(metric), state, slot)
+                        changed.append((layer_family_name(metric), state, slot))
                     by_metric.setdefault(metric, []).append((state, slot))
                     omitted[metric] = omitted.get(metric, 0) + slot.omitted
                 scalars.extend((run, rank, name, value) for (name, rank), value in sorted(state.scalars.items()))
                 steps.extend((run, rank, step) for rank, step in sorted(state.last_step.items()))
                 seen.append((run, state.last_seen))
+            for (_, _, slot), text in zip(changed, _render_slots(changed), strict=True):
+                slot.text = text
             families = tuple(
                 LayerFamily(layer_family_name(metric), metric, tuple(chunks))
                 for metric, chunks in sorted(by_metric.items(), key=lambda item: layer_family_name(item[0]))
@@ -402,22 +405,40 @@ def _latest_per_layer(
     return latest
 
 
-def _render_slot(family: str, state: _Run, slot: _Slot) -> bytes:
-    """The sample lines of one (run, metric), byte for byte as prometheus_client's text format writes them.
+def _render_slots(slots: Sequence[tuple[str, _Run, _Slot]]) -> list[bytes]:
+    """The sample lines of each (family, run, slot), byte for byte as prometheus_client's text format writes them.
 
-    Built with numpy string operations over the whole slot; the slot is sorted by rank, so the label text of each
-    rank's run of entries is one gather.
+    One vectorised pass over every slot that changed since the last scrape: numpy spells the values and joins
+    family, labels and values; per slot only a gather of its label text (a slot is sorted by rank) and a join.
     """
+    if not slots:
+        return []
+    counts = [slot.values.size for _, _, slot in slots]
+    prefixes = np.repeat(np.array([family + "{" for family, _, _ in slots], dtype=np.str_), counts)
+    labels = np.concatenate([_slot_labels(state, slot) for _, state, slot in slots])
+    values = _value_texts(np.concatenate([slot.values for _, _, slot in slots]))
+    lines = np.char.add(np.char.add(np.char.add(prefixes, labels), "} "), values).tolist()
+    out = []
+    start = 0
+    for count in counts:
+        out.append(("\n".join(lines[start : start + count]) + "\n").encode())
+        start += count
+    return out
+
+
+def _slot_labels(state: _Run, slot: _Slot) -> npt.NDArray[np.str_]:
+    """Label text of each entry of a slot."""
+    first, last = int(slot.ranks[0]), int(slot.ranks[-1])
+    if first == last:
+        return state.label_texts(first)[slot.layer_ids]
     ranks, starts = np.unique(slot.ranks, return_index=True)
     ends = [*starts[1:].tolist(), slot.ranks.size]
-    labels = np.concatenate(
+    return np.concatenate(
         [
             state.label_texts(rank)[slot.layer_ids[start:end]]
             for rank, start, end in zip(ranks.tolist(), starts.tolist(), ends, strict=True)
         ]
     )
-    lines = np.char.add(np.char.add(np.char.add(family + "{", labels), "} "), _value_texts(slot.values))
-    return ("\n".join(lines.tolist()) + "\n").encode()
 
 
 _FLOAT32_1E_4 = np.float32(1e-4)
