@@ -199,6 +199,7 @@ def test_non_finite_input_is_counted_not_raised() -> None:
     monitor.step(loss=loss)
     assert monitor.close(10)
     assert sink.value("nonfinite_count", "0", 0) >= 2
+    assert math.isnan(sink.value("output_rel_l2", "0", 0))  # a poisoned output is reported as NaN, not as a figure
     assert math.isnan(sink.scalar("loss", 0))
 
 
