@@ -232,7 +232,7 @@ def alerts(
 
 @app.command()
 def series(
-    run: Annotated[str, typer.Argument(help="Run name.")],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="Run name.")],
     metric: Annotated[str | None, typer.Option("--metric", help="Per-layer metric, e.g. output_rel_l2.")] = None,
     layer: Annotated[str | None, typer.Option("--layer", help="Layer name (with --metric).")] = None,
     scalar: Annotated[str | None, typer.Option("--scalar", help="Per-run scalar instead, e.g. loss.")] = None,
@@ -292,7 +292,7 @@ def series(
 
 @app.command()
 def export(
-    run: Annotated[str, typer.Argument(help="Run name.")],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="Run name.")],
     fmt: Annotated[ExportFormat, typer.Option("--format", help="Output format.")] = ExportFormat.csv,
     output: Annotated[
         Path | None,
@@ -348,6 +348,7 @@ def import_(
     file: Annotated[
         Path,
         typer.Argument(
+            metavar="FILE",
             help="JSON-lines file of the agent's file exporter (one ingest batch per line; .gz ok; - for stdin).",
             allow_dash=True,
         ),
