@@ -1,3 +1,39 @@
-"""The training-side agent: hooks quantized layers and streams their error to a collector."""
+"""The training-side agent: hooks quantized layers, measures them against their FP32 shadow and streams the figures.
 
-__all__: list[str] = []
+```python
+import quantwatch.agent as qw
+monitor = qw.attach(model, run="gpt-fp4-a", url="http://127.0.0.1:8000", every=10)
+for step, batch in enumerate(loader):
+    loss = loss_fn(model(batch.x), batch.y); loss.backward(); opt.step(); opt.zero_grad()
+    monitor.step(step, loss=loss)
+monitor.close()
+```
+"""
+
+from quantwatch.agent.errors import AgentError, ConfigError, ExportError, PermanentExportError, TransientExportError
+from quantwatch.agent.exporters import Exporter, HttpExporter, InMemoryExporter, JsonLinesExporter, RetryPolicy
+from quantwatch.agent.monitor import DEFAULT_EVERY, DEFAULT_METRICS, Monitor, attach
+from quantwatch.agent.sampling import LAYER_METRICS, Schedule
+from quantwatch.agent.wire import Batch, StepRecord, encode_batch
+
+__all__ = [
+    "DEFAULT_EVERY",
+    "DEFAULT_METRICS",
+    "LAYER_METRICS",
+    "AgentError",
+    "Batch",
+    "ConfigError",
+    "ExportError",
+    "Exporter",
+    "HttpExporter",
+    "InMemoryExporter",
+    "JsonLinesExporter",
+    "Monitor",
+    "PermanentExportError",
+    "RetryPolicy",
+    "Schedule",
+    "StepRecord",
+    "TransientExportError",
+    "attach",
+    "encode_batch",
+]

@@ -1,3 +1,39 @@
-"""Number formats, quantizers, fused error statistics and quantized layers."""
+"""Number formats, quantizers, fused error statistics and quantized layers.
 
-__all__: list[str] = []
+The plain-torch reference (`quantwatch.kernels.reference`) is the source of truth; `quantize` picks a fused fast
+path (``torch.compile`` on CPU, Triton on CUDA) by `Backend` and falls back to the reference.
+"""
+
+from .api import AUTO_COMPILE_MIN_NUMEL, quantize
+from .convert import QuantConfig, Recipe, quantize_model
+from .formats import FORMATS, PRESETS, FormatSpec, Preset
+from .layers import Observer, QuantLinear
+from .options import Backend, BackendUnavailableError, Rounding, Scaling, ScalingSpec, parse_scaling
+from .quantizer import Quantizer, QuantSpec
+from .reference import QuantDetails
+from .stats import ErrorStats, error_stats
+
+__all__ = [
+    "AUTO_COMPILE_MIN_NUMEL",
+    "FORMATS",
+    "PRESETS",
+    "Backend",
+    "BackendUnavailableError",
+    "ErrorStats",
+    "FormatSpec",
+    "Observer",
+    "Preset",
+    "QuantConfig",
+    "QuantDetails",
+    "QuantLinear",
+    "QuantSpec",
+    "Quantizer",
+    "Recipe",
+    "Rounding",
+    "Scaling",
+    "ScalingSpec",
+    "error_stats",
+    "parse_scaling",
+    "quantize",
+    "quantize_model",
+]

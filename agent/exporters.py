@@ -1,0 +1,361 @@
+"""Exporters: where finished batches go.
+
+* :class:`HttpExporter` posts to a collector's ``/api/v1/ingest`` over one keep-alive ``httpx.Client``.  Connection
+  errors, 429 and 5xx are retried with jittered exponential backoff, honouring ``Retry-After``; other 4xx are permanent
+  (logged once, counted, not retried).  When retries run out, or while the collector is known to be down, batches go to
+  a bounded :class:`~quantwatch.agent.spool.DiskSpool` and are replayed oldest first as soon as it answers again.
+* :class:`InMemoryExporter` keeps batches in a list (tests, notebooks).
+* :class:`JsonLinesExporter` appends each batch as one line of the JSON wire format, so a file can be posted to a
+  collector later, line by line.
+
+Exporters are called from the agent's exporter thread only; ``export`` never raises for transport failures.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import httpx
+
+from quantwatch.agent.errors import PermanentExportError, TransientExportError
+from quantwatch.agent.failures import FailureLog
+from quantwatch.agent.spool import DiskSpool
+from quantwatch.agent.wire import Batch, EncodedBatch, Encoding, StepRecord, encode_batch, to_wire_dict
+
+__all__ = ["Exporter", "HttpExporter", "InMemoryExporter", "JsonLinesExporter", "RetryPolicy"]
+
+INGEST_PATH = "/api/v1/ingest"
+
+
+@runtime_checkable
+class Exporter(Protocol):
+    """What the batch engine hands finished batches to."""
+
+    def export(self, batch: Batch) -> None:
+        """Deliver (or durably keep) ``batch``; must not raise for transport failures."""
+
+    def idle(self) -> None:
+        """Called by the exporter thread when it has nothing to send (HTTP: replay the spool if it is due)."""
+
+    def shutdown(self) -> None:
+        """Stop retrying right away (transient failures now spool at once)."""
+
+    def close(self) -> None:
+        """Release resources once the engine stopped calling ``export``."""
+
+    def counters(self) -> dict[str, int]:
+        """Counters of what was sent, retried, spooled and dropped."""
+
+
+class RetryPolicy:
+    """Jittered exponential backoff: attempt ``n`` (0-based) waits ``initial * 2**n`` capped at ``max_seconds``,
+    scaled by a random factor in [0.5, 1); a server's ``Retry-After`` replaces the computed wait."""
+
+    def __init__(
+        self,
+        max_attempts: int = 4,
+        initial_seconds: float = 0.25,
+        max_seconds: float = 10.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if initial_seconds < 0 or max_seconds < initial_seconds:
+            raise ValueError("backoff needs 0 <= initial_seconds <= max_seconds")
+        self.max_attempts = max_attempts
+        self.initial_seconds = initial_seconds
+        self.max_seconds = max_seconds
+        self._rng = rng or random.Random()
+
+    def backoff_seconds(self, attempt: int) -> float:
+        """The wait after failed attempt number ``attempt`` (0-based)."""
+        base = min(self.max_seconds, self.initial_seconds * (2.0 ** min(attempt, 62)))
+        return base * (0.5 + 0.5 * self._rng.random())
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date); None when absent or invalid."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+class HttpExporter:
+    """Posts batches to ``{url}/api/v1/ingest``; retries transient failures and spools what it cannot deliver."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        encoding: Encoding = "msgpack",
+        compress: bool = True,
+        timeout_seconds: float = 10.0,
+        retry: RetryPolicy | None = None,
+        spool: DiskSpool | None = None,
+        transport: httpx.BaseTransport | None = None,
+        failures: FailureLog | None = None,
+    ) -> None:
+        self.endpoint = url.rstrip("/") + INGEST_PATH
+        self.encoding: Encoding = encoding
+        self.compress = compress
+        self.retry = retry or RetryPolicy()
+        self.spool = spool
+        self.failures = failures or FailureLog()
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = httpx.Timeout(timeout_seconds)
+        self._transport = transport
+        self._pid = os.getpid()
+        self._client = self._new_client()
+        self._stopping = threading.Event()
+        self._not_before = 0.0
+        self._probe_failures = 0
+        self._counts = dict.fromkeys(
+            (
+                "sent_batches",
+                "sent_points",
+                "retried_requests",
+                "spooled_batches",
+                "replayed_batches",
+                "rejected_batches",
+                "dropped_batches",
+                "dropped_points",
+            ),
+            0,
+        )
+
+    def _new_client(self) -> httpx.Client:
+        return httpx.Client(timeout=self._timeout, transport=self._transport, headers=self._headers)
+
+    def counters(self) -> dict[str, int]:
+        """Counters: sent/replayed/spooled/rejected batches, retried requests, batches and points dropped (spool cap
+        or no spool), and how many batches wait in the spool."""
+        counts = dict(self._counts)
+        if self.spool is not None:
+            counts["dropped_batches"] += self.spool.dropped_batches
+            counts["dropped_points"] += self.spool.dropped_points
+            counts["spool_batches"] = len(self.spool)
+            counts["spool_bytes"] = self.spool.size_bytes
+        return counts
+
+    def export(self, batch: Batch) -> None:
+        """Encode and deliver ``batch`` after any spooled backlog, or spool it while the collector is unavailable."""
+        self.deliver(encode_batch(batch, self.encoding, self.compress))
+
+    def deliver(self, encoded: EncodedBatch) -> None:
+        """Deliver an already encoded batch, keeping order behind the spool."""
+        if os.getpid() != self._pid:
+            # Forked child: the parent's pooled sockets are not ours to use.
+            self._pid = os.getpid()
+            self._client = self._new_client()
+        self.drain_spool()
+        if self.spool is not None and (len(self.spool) > 0 or time.monotonic() < self._not_before):
+            self._to_spool(encoded)
+            return
+        try:
+            self._send_with_retries(encoded)
+        except TransientExportError as exc:
+            self.failures.record("export_unavailable", f"collector unavailable, spooling: {exc}")
+            self._open_circuit(exc.retry_after_seconds)
+            self._to_spool(encoded)
+        except PermanentExportError as exc:
+            self._counts["rejected_batches"] += 1
+            self.failures.record(f"export_rejected_{exc.status_code}", str(exc))
+
+    def drain_spool(self) -> None:
+        """Replay spooled batches oldest first until the spool is empty or the collector fails again."""
+        if self.spool is None:
+            return
+        while len(self.spool) > 0 and time.monotonic() >= self._not_before and not self._stopping.is_set():
+            entry = self.spool.oldest()
+            if entry is None:
+                return
+            try:
+                self._post(entry.batch)
+            except TransientExportError as exc:
+                self._open_circuit(exc.retry_after_seconds)
+                return
+            except PermanentExportError as exc:
+                self._counts["rejected_batches"] += 1
+                self.failures.record(f"export_rejected_{exc.status_code}", f"spooled batch rejected: {exc}")
+                self.spool.remove(entry)
+                continue
+            self.spool.remove(entry)
+            self._probe_failures = 0
+            self._counts["replayed_batches"] += 1
+            self._counts["sent_batches"] += 1
+            self._counts["sent_points"] += entry.batch.points
+
+    def idle(self) -> None:
+        """Replay the spool when it is due."""
+        self.drain_spool()
+
+    def shutdown(self) -> None:
+        """Stop waiting between retries; from now on a transient failure spools at once."""
+        self._stopping.set()
+
+    def close(self) -> None:
+        """Close the HTTP client (after the engine has stopped calling ``export``)."""
+        self._client.close()
+
+    def _open_circuit(self, retry_after_seconds: float | None) -> None:
+        wait = (
+            retry_after_seconds if retry_after_seconds is not None else self.retry.backoff_seconds(self._probe_failures)
+        )
+        self._probe_failures += 1
+        self._not_before = time.monotonic() + wait
+
+    def _to_spool(self, encoded: EncodedBatch) -> None:
+        if self.spool is None:
+            self._counts["dropped_batches"] += 1
+            self._counts["dropped_points"] += encoded.points
+            return
+        try:
+            self.spool.append(encoded)
+        except OSError as exc:
+            self.failures.record("spool_write", f"cannot write the spool at {self.spool.directory}: {exc}", exc)
+            self._counts["dropped_batches"] += 1
+            self._counts["dropped_points"] += encoded.points
+            return
+        self._counts["spooled_batches"] += 1
+
+    def _send_with_retries(self, encoded: EncodedBatch) -> None:
+        for attempt in range(self.retry.max_attempts):
+            try:
+                self._post(encoded)
+            except TransientExportError as exc:
+                last = attempt == self.retry.max_attempts - 1
+                if last or self._stopping.is_set():
+                    raise
+                wait = exc.retry_after_seconds
+                if wait is None:
+                    wait = self.retry.backoff_seconds(attempt)
+                elif wait > self.retry.max_seconds:
+                    # The server asks for a longer pause than we block for: spool and come back after it.
+                    raise
+                self._counts["retried_requests"] += 1
+                if self._stopping.wait(wait):
+                    raise
+            else:
+                self._counts["sent_batches"] += 1
+                self._counts["sent_points"] += encoded.points
+                self._probe_failures = 0
+                return
+
+    def _post(self, encoded: EncodedBatch) -> None:
+        try:
+            response = self._client.post(self.endpoint, content=encoded.body, headers=encoded.headers())
+        except httpx.TransportError as exc:
+            raise TransientExportError(f"{type(exc).__name__}: {exc}") from exc
+        status = response.status_code
+        if 200 <= status < 300:
+            return
+        detail = response.text[:500]
+        if status == 429 or status >= 500:
+            raise TransientExportError(
+                f"HTTP {status}: {detail}", parse_retry_after(response.headers.get("Retry-After"))
+            )
+        raise PermanentExportError(f"HTTP {status} from {self.endpoint}: {detail}", status)
+
+
+class InMemoryExporter:
+    """Keeps every exported batch in :attr:`batches` (for tests and notebooks)."""
+
+    def __init__(self) -> None:
+        self.batches: list[Batch] = []
+        self._lock = threading.Lock()
+
+    def export(self, batch: Batch) -> None:
+        """Store ``batch``."""
+        with self._lock:
+            self.batches.append(batch)
+
+    def idle(self) -> None:
+        """Nothing pending."""
+
+    def shutdown(self) -> None:
+        """Nothing to interrupt."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def counters(self) -> dict[str, int]:
+        """Batches and points held."""
+        with self._lock:
+            return {
+                "sent_batches": len(self.batches),
+                "sent_points": sum(b.point_count() for b in self.batches),
+            }
+
+    def records(self) -> Iterator[tuple[Batch, StepRecord]]:
+        """Every step record with its batch, in export order."""
+        with self._lock:
+            batches = list(self.batches)
+        for batch in batches:
+            for record in batch.steps:
+                yield batch, record
+
+    def value(self, metric: str, layer: str, step: int) -> float | None:
+        """The value of ``metric`` for ``layer`` at ``step`` (None when not measured); KeyError when never sent."""
+        for batch, record in self.records():
+            if record.step == step and metric in record.metrics and layer in batch.layers:
+                return record.metrics[metric][batch.layers.index(layer)]
+        raise KeyError((metric, layer, step))
+
+    def scalar(self, name: str, step: int) -> float:
+        """The scalar ``name`` at ``step``; KeyError when never sent."""
+        for _batch, record in self.records():
+            if record.step == step and name in record.scalars:
+                return record.scalars[name]
+        raise KeyError((name, step))
+
+
+class JsonLinesExporter:
+    """Appends each batch to ``path`` as one line of the JSON wire format (an ingest request body per line)."""
+
+    def __init__(self, path: str | os.PathLike[str], failures: FailureLog | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.failures = failures or FailureLog()
+        self._counts = {"sent_batches": 0, "sent_points": 0, "dropped_batches": 0}
+
+    def export(self, batch: Batch) -> None:
+        """Append ``batch`` as one JSON line and flush it to the file."""
+        line = json.dumps(to_wire_dict(batch, "json"), separators=(",", ":"), allow_nan=False)
+        try:
+            with self.path.open("a", encoding="utf-8") as fh:
+                fh.write(line + "\n")
+        except OSError as exc:
+            self._counts["dropped_batches"] += 1
+            self.failures.record("file_write", f"cannot append to {self.path}: {exc}", exc)
+            return
+        self._counts["sent_batches"] += 1
+        self._counts["sent_points"] += batch.point_count()
+
+    def idle(self) -> None:
+        """Nothing pending: each batch is written when exported."""
+
+    def shutdown(self) -> None:
+        """Nothing to interrupt."""
+
+    def close(self) -> None:
+        """Nothing to release: the file is opened per batch."""
+
+    def counters(self) -> dict[str, int]:
+        """Batches and points written, batches that could not be written."""
+        return dict(self._counts)

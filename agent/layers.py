@@ -1,0 +1,341 @@
+"""Adapters between monitored things (layers and kernels) and the per-step statistics the monitor collects.
+
+Each adapter is idle until :meth:`arm` is called for a sampled step with the set of measurement *kinds* that step
+needs; :meth:`disarm` removes every hook and observer again, so an unsampled step runs the model exactly as without
+the agent.  What an adapter records are :class:`~quantwatch.kernels.ErrorStats` (mergeable partial sums, tensors on
+the layer's device), combined over every call within the step.
+
+Three kinds of modules are recognised:
+
+* the **reference-forward protocol** (``QuantLinear`` and everything ``quantize_model`` produced implement it): a
+  module with a method ``reference_forward(input) -> Tensor`` that computes the FP32 shadow output (same weights, no
+  quantization).  Optionally an ``observer`` attribute: when set, the module calls ``observer(kind, stats)`` with
+  ``kind`` in ``"weight" | "input" | "grad"`` after each quantization it does.  Optionally a ``weight`` parameter
+  (needed for ``update_cosine`` and ``weight_drift_rel_l2``) and an ``input_quantizer.last_scale`` tensor (``scale``).
+* **PyTorch QAT modules** (``torch.ao``) that carry ``weight_fake_quant`` and/or ``activation_post_process`` fake
+  quantizers: their FP32 reference is the same ``forward`` with every fake quantizer and observer inside the module
+  switched off (and restored, observers untouched).
+* **kernels** wrapped with :meth:`Monitor.watch_kernel`: ``q = fn(x, ...)``, error of ``q`` against ``x``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from quantwatch.agent.failures import FailureLog
+from quantwatch.kernels import ErrorStats, error_stats
+
+__all__ = [
+    "KIND_DRIFT",
+    "KIND_GRAD",
+    "KIND_INPUT",
+    "KIND_NAMES",
+    "KIND_OUTPUT",
+    "KIND_UPDATE",
+    "KIND_WEIGHT",
+    "KernelAdapter",
+    "LayerAdapter",
+    "ModuleAdapter",
+    "QatAdapter",
+    "is_monitorable",
+]
+
+KIND_WEIGHT, KIND_INPUT, KIND_GRAD, KIND_OUTPUT, KIND_UPDATE, KIND_DRIFT = range(6)
+KIND_NAMES = ("weight", "input", "grad", "output", "update", "drift")
+_OBSERVER_KINDS = {"weight": KIND_WEIGHT, "input": KIND_INPUT, "grad": KIND_GRAD}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class OverheadClock:
+    """Adds up the seconds the agent spends on the training thread."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        """Time the enclosed block."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+def is_monitorable(module: nn.Module) -> bool:
+    """True for modules the agent knows how to measure (reference-forward protocol or QAT fake quantizers)."""
+    return callable(getattr(module, "reference_forward", None)) or _fake_quantizers(module) != []
+
+
+def _fake_quantizers(module: nn.Module) -> list[nn.Module]:
+    from torch.ao.quantization import FakeQuantizeBase
+
+    found: list[nn.Module] = []
+    for attr in ("weight_fake_quant", "activation_post_process"):
+        fq = getattr(module, attr, None)
+        if isinstance(fq, FakeQuantizeBase):
+            found.append(fq)
+    return found
+
+
+def _first_tensor(args: tuple[Any, ...]) -> Tensor | None:
+    return args[0] if args and isinstance(args[0], Tensor) else None
+
+
+class LayerAdapter:
+    """Per-step statistics of one monitored thing, and the hooks that fill them on sampled steps."""
+
+    def __init__(self, name: str, failures: FailureLog, clock: OverheadClock) -> None:
+        self.name = name
+        self.failures = failures
+        self.clock = clock
+        self.stats: list[ErrorStats | None] = [None] * len(KIND_NAMES)
+        self.kinds: frozenset[int] = frozenset()
+
+    @property
+    def weight(self) -> Tensor | None:
+        """The layer's weight parameter, when it has one."""
+        return None
+
+    def scale(self) -> Tensor | None:
+        """The most recent scale of the activation quantizer, as a 0-dim tensor (largest value when per block)."""
+        return None
+
+    def record(self, kind: int, stats: ErrorStats) -> None:
+        """Add ``stats`` to this step's statistics of ``kind``."""
+        previous = self.stats[kind]
+        self.stats[kind] = stats if previous is None else previous.combine(stats)
+
+    def take(self) -> list[ErrorStats | None]:
+        """This step's statistics (by kind), clearing them for the next sampled step."""
+        taken, self.stats = self.stats, [None] * len(KIND_NAMES)
+        return taken
+
+    def arm(self, kinds: frozenset[int]) -> None:
+        """Install what measuring ``kinds`` needs for the coming step."""
+        self.kinds = kinds
+
+    def disarm(self) -> None:
+        """Remove every hook and observer."""
+        self.kinds = frozenset()
+
+    def _guard(self, what: str, fn: Callable[[], None]) -> None:
+        with self.clock.measure():
+            try:
+                fn()
+            except Exception as exc:
+                self.failures.record(f"{what}_failed", f"{self.name}: {exc}", exc)
+
+
+class _ShadowedModuleAdapter(LayerAdapter):
+    """Common part of module adapters: output deviation and update direction against the FP32 reference."""
+
+    def __init__(self, name: str, module: nn.Module, failures: FailureLog, clock: OverheadClock) -> None:
+        super().__init__(name, failures, clock)
+        self.module = module
+        self._handles: list[RemovableHandle] = []
+        self._pending_reference_grads: deque[Tensor | None] = deque()
+        self._in_reference = False
+
+    @property
+    def weight(self) -> Tensor | None:
+        """The module's ``weight`` parameter, if it has one."""
+        w = getattr(self.module, "weight", None)
+        return w if isinstance(w, Tensor) else None
+
+    def reference(self, x: Tensor) -> Tensor:
+        """The FP32 reference output for input ``x``."""
+        raise TypeError(f"{type(self).__name__} has no reference")
+
+    def arm(self, kinds: frozenset[int]) -> None:
+        """Hook the module's forward when the output or update kinds are needed."""
+        super().arm(kinds)
+        if KIND_OUTPUT in kinds or KIND_UPDATE in kinds:
+            self._handles.append(self.module.register_forward_hook(self._on_forward))
+
+    def disarm(self) -> None:
+        """Remove the hooks and forget half-finished gradient pairs."""
+        super().disarm()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._pending_reference_grads.clear()
+
+    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._in_reference:
+            return
+        x = _first_tensor(args)
+        if x is None or not isinstance(output, Tensor):
+            return
+        self._guard("reference_forward", lambda: self._compare(x, output))
+
+    def _compare(self, x: Tensor, output: Tensor) -> None:
+        weight = self.weight
+        want_update = KIND_UPDATE in self.kinds and output.requires_grad and weight is not None and weight.requires_grad
+        self._in_reference = True
+        try:
+            with torch.set_grad_enabled(want_update):
+                reference = self.reference(x.detach())
+        finally:
+            self._in_reference = False
+        if KIND_OUTPUT in self.kinds:
+            self.record(KIND_OUTPUT, error_stats(reference.detach(), output.detach()))
+        if want_update and weight is not None:
+            # update_cosine: the quantized path's weight gradient (seen by a hook on the weight) against the FP32
+            # reference gradient of the same layer and batch, from the reference graph built above and the output
+            # gradient of the quantized path (a local backward through this layer only).
+            output.register_hook(functools.partial(self._on_output_grad, reference, weight))  # type: ignore[no-untyped-call]
+            self._handles.append(weight.register_hook(self._on_weight_grad))  # type: ignore[no-untyped-call]
+
+    def _on_output_grad(self, reference: Tensor, weight: Tensor, grad_output: Tensor) -> None:
+        def compute() -> None:
+            (reference_grad,) = torch.autograd.grad(reference, weight, grad_output.detach(), allow_unused=True)
+            self._pending_reference_grads.append(reference_grad)
+
+        self._guard("reference_grad", compute)
+
+    def _on_weight_grad(self, grad: Tensor) -> None:
+        def compare() -> None:
+            if not self._pending_reference_grads:
+                return
+            reference_grad = self._pending_reference_grads.popleft()
+            if reference_grad is not None:
+                self.record(KIND_UPDATE, error_stats(reference_grad.detach(), grad.detach()))
+
+        self._guard("update_compare", compare)
+
+
+class ModuleAdapter(_ShadowedModuleAdapter):
+    """A module that implements the reference-forward protocol (``QuantLinear`` and friends)."""
+
+    def reference(self, x: Tensor) -> Tensor:
+        """``module.reference_forward(x)``."""
+        out = self.module.reference_forward(x)  # type: ignore[operator]
+        if not isinstance(out, Tensor):
+            raise TypeError(f"reference_forward must return a Tensor, got {type(out).__name__}")
+        return out
+
+    def scale(self) -> Tensor | None:
+        """``module.input_quantizer.last_scale`` reduced to its largest value."""
+        quantizer = getattr(self.module, "input_quantizer", None)
+        last = getattr(quantizer, "last_scale", None)
+        if not isinstance(last, Tensor) or last.numel() == 0:
+            return None
+        return last.detach().amax().to(torch.float64)
+
+    def arm(self, kinds: frozenset[int]) -> None:
+        """Also set the module's observer when quantization statistics are wanted."""
+        super().arm(kinds)
+        if kinds & {KIND_WEIGHT, KIND_INPUT, KIND_GRAD} and hasattr(self.module, "observer"):
+            setattr(self.module, "observer", self._observe)  # noqa: B010 (an attribute of the protocol, not nn.Module)
+
+    def disarm(self) -> None:
+        """Also clear the observer: the module does no statistics work again."""
+        super().disarm()
+        if hasattr(self.module, "observer"):
+            setattr(self.module, "observer", None)  # noqa: B010
+
+    def _observe(self, kind: str, stats: ErrorStats) -> None:
+        if self._in_reference:
+            return
+        index = _OBSERVER_KINDS.get(kind)
+        if index is not None and index in self.kinds:
+            with self.clock.measure():
+                self.record(index, stats)
+
+
+class QatAdapter(_ShadowedModuleAdapter):
+    """A ``torch.ao`` QAT module: statistics from its fake quantizers, reference with them switched off.
+
+    ``act_rel_l2`` (and the ratios, ``amax``, ``scale``) describe the module's ``activation_post_process``: in eager
+    QAT that is the fake quantization of the module's output activation."""
+
+    def __init__(self, name: str, module: nn.Module, failures: FailureLog, clock: OverheadClock) -> None:
+        super().__init__(name, module, failures, clock)
+        self.weight_fake_quant = getattr(module, "weight_fake_quant", None)
+        self.activation_fake_quant = getattr(module, "activation_post_process", None)
+
+    def reference(self, x: Tensor) -> Tensor:
+        """The module's own ``forward`` with every fake quantizer and observer inside it disabled."""
+        switched = [
+            (fq, fq.fake_quant_enabled.clone(), fq.observer_enabled.clone()) for fq in _fake_quantizers_all(self.module)
+        ]
+        for fq, _, _ in switched:
+            fq.fake_quant_enabled.fill_(0)
+            fq.observer_enabled.fill_(0)
+        try:
+            out = self.module.forward(x)
+        finally:
+            for fq, fake_quant, observer in switched:
+                fq.fake_quant_enabled.copy_(fake_quant)
+                fq.observer_enabled.copy_(observer)
+        if not isinstance(out, Tensor):
+            raise TypeError(f"forward must return a Tensor, got {type(out).__name__}")
+        return out
+
+    def scale(self) -> Tensor | None:
+        """The activation fake quantizer's scale (largest value)."""
+        fq = self.activation_fake_quant if self.activation_fake_quant is not None else self.weight_fake_quant
+        scale = getattr(fq, "scale", None)
+        if not isinstance(scale, Tensor) or scale.numel() == 0:
+            return None
+        return scale.detach().amax().to(torch.float64)
+
+    def arm(self, kinds: frozenset[int]) -> None:
+        """Also hook the fake quantizers when their statistics are wanted."""
+        super().arm(kinds)
+        for kind, fq in ((KIND_WEIGHT, self.weight_fake_quant), (KIND_INPUT, self.activation_fake_quant)):
+            if kind in kinds and isinstance(fq, nn.Module):
+                self._handles.append(fq.register_forward_hook(functools.partial(self._on_fake_quant, kind)))
+
+    def _on_fake_quant(self, kind: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._in_reference:
+            return
+        x = _first_tensor(args)
+        if x is None or not isinstance(output, Tensor):
+            return
+        self._guard("fake_quant_stats", lambda: self.record(kind, error_stats(x.detach(), output.detach())))
+
+
+def _fake_quantizers_all(module: nn.Module) -> list[Any]:
+    from torch.ao.quantization import FakeQuantizeBase
+
+    return [m for m in module.modules() if isinstance(m, FakeQuantizeBase)]
+
+
+class KernelAdapter(LayerAdapter):
+    """A quantization kernel ``q = fn(x, ...)``: on sampled steps, the error of ``q`` against ``x``.
+
+    The statistics count as the kernel's input (``act_rel_l2``, ratios, ``amax``) and as its output deviation from the
+    ideal, unquantized result ``x`` (``output_rel_l2``, ``output_cosine``, ``output_sqnr_db``)."""
+
+    def wrap(self, fn: F) -> F:
+        """``fn`` with measurement on sampled steps; one attribute check otherwise."""
+
+        @functools.wraps(fn)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            if self.kinds:
+                x = _first_tensor(args)
+                if x is not None and isinstance(result, Tensor) and result.shape == x.shape:
+                    self._guard("kernel_stats", lambda: self._measure(x, result))
+            return result
+
+        return watched  # type: ignore[return-value]
+
+    def _measure(self, x: Tensor, q: Tensor) -> None:
+        stats = error_stats(x.detach(), q.detach())
+        if KIND_INPUT in self.kinds:
+            self.record(KIND_INPUT, stats)
+        if KIND_OUTPUT in self.kinds:
+            self.record(KIND_OUTPUT, stats)

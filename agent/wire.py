@@ -1,0 +1,140 @@
+"""The agent → collector wire format (``POST /api/v1/ingest``), see ARCHITECTURE.md.
+
+One :class:`Batch` holds consecutive steps of one (run, rank) that share a layer list.  Two encodings of the same map:
+
+* JSON (``application/json``): metric values are numbers, ``null`` (not measured) or the strings ``"nan"``,
+  ``"inf"``, ``"-inf"``;
+* msgpack (``application/msgpack``): a metric whose every layer has a value is a ``bin`` of little-endian float32,
+  exactly ``4 * len(layers)`` bytes (non-finite values are plain IEEE NaN/±inf in it); otherwise an array of floats and
+  nils.  Scalars are msgpack floats.
+
+Either may be gzip-compressed (``Content-Encoding: gzip``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+
+__all__ = [
+    "RUN_NAME_PATTERN",
+    "Batch",
+    "EncodedBatch",
+    "Encoding",
+    "StepRecord",
+    "encode_batch",
+    "to_wire_dict",
+]
+
+RUN_NAME_PATTERN = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
+
+Encoding = Literal["msgpack", "json"]
+
+_CONTENT_TYPES: dict[str, str] = {"msgpack": "application/msgpack", "json": "application/json"}
+_GZIP_LEVEL = 5
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """The figures of one step: per-layer ``metrics`` (aligned with the batch's layers, ``None`` = not measured)
+    and run-level ``scalars``."""
+
+    step: int
+    time: float
+    metrics: Mapping[str, Sequence[float | None]] = field(default_factory=dict)
+    scalars: Mapping[str, float] = field(default_factory=dict)
+
+    def point_count(self) -> int:
+        """Number of stored points this step yields: measured metric values plus scalars."""
+        measured = sum(1 for values in self.metrics.values() for v in values if v is not None)
+        return measured + len(self.scalars)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What one ingest request carries; ``batch_id`` makes a retried request idempotent."""
+
+    run: str
+    rank: int
+    batch_id: str
+    layers: tuple[str, ...]
+    steps: tuple[StepRecord, ...]
+
+    def point_count(self) -> int:
+        """Number of stored points the batch yields."""
+        return sum(s.point_count() for s in self.steps)
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    """A batch ready to send: the request body and the headers that describe it."""
+
+    batch_id: str
+    body: bytes
+    content_type: str
+    gzip: bool
+    points: int
+
+    def headers(self) -> dict[str, str]:
+        """The ``Content-Type`` (and ``Content-Encoding``) headers of the body."""
+        headers = {"Content-Type": self.content_type}
+        if self.gzip:
+            headers["Content-Encoding"] = "gzip"
+        return headers
+
+
+def _json_number(value: float | None) -> float | str | None:
+    if value is None:
+        return None
+    v = float(value)
+    if math.isfinite(v):
+        return v
+    if math.isnan(v):
+        return "nan"
+    return "inf" if v > 0 else "-inf"
+
+
+def _msgpack_metric(values: Sequence[float | None]) -> bytes | list[float | None]:
+    if any(v is None for v in values):
+        return [None if v is None else float(v) for v in values]
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def to_wire_dict(batch: Batch, encoding: Encoding) -> dict[str, Any]:
+    """The batch as the plain map of the wire format, with metric values shaped for ``encoding``."""
+    steps: list[dict[str, Any]] = []
+    for record in batch.steps:
+        if encoding == "json":
+            metrics: dict[str, Any] = {k: [_json_number(v) for v in vs] for k, vs in record.metrics.items()}
+            scalars: dict[str, Any] = {k: _json_number(v) for k, v in record.scalars.items()}
+        else:
+            metrics = {k: _msgpack_metric(vs) for k, vs in record.metrics.items()}
+            scalars = {k: float(v) for k, v in record.scalars.items()}
+        steps.append({"step": record.step, "time": record.time, "metrics": metrics, "scalars": scalars})
+    return {
+        "run": batch.run,
+        "rank": batch.rank,
+        "batch_id": batch.batch_id,
+        "layers": list(batch.layers),
+        "steps": steps,
+    }
+
+
+def encode_batch(batch: Batch, encoding: Encoding = "msgpack", compress: bool = True) -> EncodedBatch:
+    """Encode ``batch`` as a request body (``encoding``: ``"msgpack"`` or ``"json"``; gzip when ``compress``)."""
+    wire = to_wire_dict(batch, encoding)
+    if encoding == "json":
+        body = json.dumps(wire, separators=(",", ":"), allow_nan=False).encode()
+    else:
+        body = msgpack.packb(wire, use_bin_type=True)
+    if compress:
+        body = gzip.compress(body, compresslevel=_GZIP_LEVEL, mtime=0)
+    return EncodedBatch(batch.batch_id, body, _CONTENT_TYPES[encoding], compress, batch.point_count())

@@ -1,0 +1,205 @@
+"""The public `quantize` entry point: validates its arguments, picks a backend, falls back to the reference."""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal, overload
+
+import torch
+from torch import Tensor
+
+from . import compiled, triton_path
+from .formats import FormatSpec, resolve_format
+from .options import (
+    Backend,
+    BackendUnavailableError,
+    Rounding,
+    Scaling,
+    ScalingSpec,
+    parse_backend,
+    parse_rounding,
+    parse_scaling,
+)
+from .reference import QuantDetails, check_input, draw_noise, quantize_reference
+from .stats import ErrorStats, stats_from_masks
+
+log = logging.getLogger(__name__)
+
+# Below this many elements torch.compile's first-call cost (seconds) outweighs any gain, so `auto` stays eager.
+AUTO_COMPILE_MIN_NUMEL = 1 << 20
+
+ScalingArg = str | Scaling | ScalingSpec | None
+
+
+def resolve_quantization(
+    fmt: str | FormatSpec, scaling: ScalingArg, rounding: str | Rounding
+) -> tuple[FormatSpec, ScalingSpec, Rounding]:
+    """Validate a (format, scaling, rounding) triple; a preset fixes its own scaling.
+
+    ``scaling=None`` means the preset's scaling for presets and ``"none"`` otherwise. Raises ``ValueError`` for unknown
+    names (listing the accepted ones) or a scaling that contradicts a preset.
+    """
+    element, preset_scaling = resolve_format(fmt)
+    if preset_scaling is not None:
+        preset_spec = parse_scaling(preset_scaling)
+        if scaling is not None and parse_scaling(scaling) != preset_spec:
+            raise ValueError(f"scaling: preset {fmt!r} fixes scaling {preset_spec}; got {scaling!r}")
+        spec = preset_spec
+    else:
+        spec = parse_scaling("none" if scaling is None else scaling)
+    return element, spec, parse_rounding(rounding)
+
+
+def _choose_backend(requested: Backend, x: Tensor, element: FormatSpec, spec: ScalingSpec) -> Backend:
+    if requested is Backend.TRITON:
+        triton_path.check_supported(x, element, spec)
+        return requested
+    if requested is Backend.COMPILED:
+        compiled.check_supported(x, element, spec)
+        return requested
+    if requested is Backend.REFERENCE:
+        return requested
+    if x.is_cuda and triton_path.supports(x, element, spec):
+        return Backend.TRITON
+    if x.numel() >= AUTO_COMPILE_MIN_NUMEL and compiled.supports(x, element, spec):
+        return Backend.COMPILED
+    return Backend.REFERENCE
+
+
+@overload
+def quantize(
+    x: Tensor,
+    fmt: str | FormatSpec,
+    scaling: ScalingArg = ...,
+    rounding: str | Rounding = ...,
+    saturate: bool = ...,
+    generator: torch.Generator | None = ...,
+    backend: str | Backend = ...,
+    return_details: Literal[False] = ...,
+    with_stats: Literal[False] = ...,
+    *,
+    scale: Tensor | None = ...,
+) -> Tensor: ...
+@overload
+def quantize(
+    x: Tensor,
+    fmt: str | FormatSpec,
+    scaling: ScalingArg = ...,
+    rounding: str | Rounding = ...,
+    saturate: bool = ...,
+    generator: torch.Generator | None = ...,
+    backend: str | Backend = ...,
+    return_details: Literal[False] = ...,
+    *,
+    with_stats: Literal[True],
+    scale: Tensor | None = ...,
+) -> tuple[Tensor, ErrorStats]: ...
+@overload
+def quantize(
+    x: Tensor,
+    fmt: str | FormatSpec,
+    scaling: ScalingArg = ...,
+    rounding: str | Rounding = ...,
+    saturate: bool = ...,
+    generator: torch.Generator | None = ...,
+    backend: str | Backend = ...,
+    *,
+    return_details: Literal[True],
+    with_stats: Literal[False] = ...,
+    scale: Tensor | None = ...,
+) -> QuantDetails: ...
+@overload
+def quantize(
+    x: Tensor,
+    fmt: str | FormatSpec,
+    scaling: ScalingArg = ...,
+    rounding: str | Rounding = ...,
+    saturate: bool = ...,
+    generator: torch.Generator | None = ...,
+    backend: str | Backend = ...,
+    *,
+    return_details: Literal[True],
+    with_stats: Literal[True],
+    scale: Tensor | None = ...,
+) -> tuple[QuantDetails, ErrorStats]: ...
+def quantize(
+    x: Tensor,
+    fmt: str | FormatSpec,
+    scaling: ScalingArg = None,
+    rounding: str | Rounding = "nearest",
+    saturate: bool = True,
+    generator: torch.Generator | None = None,
+    backend: str | Backend = "auto",
+    return_details: bool = False,
+    with_stats: bool = False,
+    *,
+    scale: Tensor | None = None,
+) -> Tensor | QuantDetails | tuple[Tensor, ErrorStats] | tuple[QuantDetails, ErrorStats]:
+    """Fake-quantize ``x`` to a format: the result has ``x``'s shape and dtype and holds only format values × scales.
+
+    ``fmt``: ``fp8_e4m3, fp8_e5m2, fp6_e3m2, fp6_e2m3, fp4_e2m1, fp4_e1m2, int8, int4, e8m0`` or a preset
+    ``mxfp8, mxfp6, mxfp4, nvfp4`` (which fixes its scaling). ``scaling``: ``"none"`` (default for formats),
+    ``"tensor"``, ``"tensor:pow2"``, ``"channel"``/``"channel:AXIS"``, ``"block:N"`` (E8M0 shared scales, OCP MX),
+    ``"nvblock:N"`` (NVFP4 two-level), ``"delayed:N[:MARGIN]"`` (stateless here: the current amax stands in for the
+    history; `Quantizer` keeps the real history). ``rounding``: ``"nearest"`` (ties to even) or ``"stochastic"``
+    (draws from ``generator``). ``saturate``: clamp overflow to ±max (else overflow becomes inf/NaN where the format
+    has them). ``backend``: ``auto``/``reference``/``compiled``/``triton`` (`Backend`); an explicit fast backend that
+    cannot run raises `BackendUnavailableError`. ``scale``: a precomputed per-tensor dequantization scale for
+    ``tensor``/``delayed`` scaling.
+
+    Returns the tensor; with ``with_stats=True`` also its `ErrorStats` (one fused pass on the fast backends); with
+    ``return_details=True`` a `QuantDetails` (values, scales, masks) computed by the reference in place of the tensor.
+    Raises ``TypeError`` for a non-float ``x`` and ``ValueError`` for unknown names.
+    """
+    check_input(x)
+    element, spec, rounding_mode = resolve_quantization(fmt, scaling, rounding)
+    requested = parse_backend(backend)
+    if scale is not None and spec.kind not in (Scaling.TENSOR, Scaling.DELAYED):
+        raise ValueError(f"scale: a precomputed scale needs tensor or delayed scaling, not {spec}")
+    if return_details:
+        if requested not in (Backend.AUTO, Backend.REFERENCE):
+            raise BackendUnavailableError("return_details is computed by the reference backend only")
+        details = quantize_reference(x, element, spec, rounding_mode, saturate, generator, scale)
+        if with_stats:
+            return details, stats_from_masks(x, details.values, details.overflow_mask)
+        return details
+    values, stats = quantize_with_backend(
+        x, element, spec, rounding_mode, saturate, generator, requested, with_stats, scale
+    )[:2]
+    if with_stats:
+        if stats is None:
+            raise RuntimeError("a backend returned no statistics although they were requested")
+        return values, stats
+    return values
+
+
+def quantize_with_backend(
+    x: Tensor,
+    element: FormatSpec,
+    spec: ScalingSpec,
+    rounding: Rounding,
+    saturate: bool,
+    generator: torch.Generator | None,
+    backend: Backend,
+    with_stats: bool,
+    scale: Tensor | None = None,
+) -> tuple[Tensor, ErrorStats | None, Tensor, Tensor]:
+    """Run one quantization on the chosen backend: ``(values, stats or None, scale, amax)``.
+
+    ``auto`` falls back to the reference (logging once) when a fast path fails to build.
+    """
+    chosen = _choose_backend(backend, x, element, spec)
+    noise = None
+    if rounding is Rounding.STOCHASTIC and x.numel() > 0:
+        noise = draw_noise(x.shape, generator, x.device)
+    if chosen is not Backend.REFERENCE and x.numel() > 0:
+        runner = triton_path.quantize_fused if chosen is Backend.TRITON else compiled.quantize_fused
+        try:
+            return runner(x, element, spec, rounding, saturate, noise, scale, with_stats)
+        except BackendUnavailableError:
+            if backend is not Backend.AUTO:
+                raise
+            log.warning("quantwatch.kernels: %s backend unavailable; using the reference", chosen.value, exc_info=True)
+    details = quantize_reference(x, element, spec, rounding, saturate, generator, scale, noise)
+    stats = stats_from_masks(x, details.values, details.overflow_mask) if with_stats else None
+    return details.values, stats, details.scale, details.amax

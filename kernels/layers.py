@@ -1,0 +1,132 @@
+"""`QuantLinear`: an ``nn.Linear`` drop-in that trains with FP32 master weights and fake-quantized tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.functional import linear
+
+from .quantizer import Quantizer, QuantSpec, straight_through
+from .stats import ErrorStats
+
+Observer = Callable[[str, ErrorStats], None]
+
+DEFAULT_WEIGHT = QuantSpec("fp8_e4m3")
+DEFAULT_INPUT = QuantSpec("fp8_e4m3")
+DEFAULT_GRAD = QuantSpec("fp8_e5m2")
+
+
+class QuantLinear(nn.Linear):
+    """``nn.Linear`` with fake-quantized weight, input activation and output gradient (each its own `QuantSpec`).
+
+    The parameters stay FP32 master weights; the forward uses ``Q_w(weight)`` and ``Q_in(input)`` with a
+    straight-through estimator, and the backward quantizes the output gradient with ``Q_grad`` before it flows into
+    the matmul's backward. A spec of ``None`` leaves that tensor unquantized.
+
+    ``observer``: None (default, no extra work) or a callable the agent sets on sampled steps; the layer then calls
+    ``observer("weight", stats)`` and ``observer("input", stats)`` during forward and ``observer("grad", stats)``
+    during backward, with the fused `ErrorStats` of the quantization it just did (tensors on the device, no sync).
+    The observer seen at forward time is the one used for that step's backward. Exceptions from the observer
+    propagate; the agent's observer must not raise.
+
+    `reference_forward` computes the FP32 shadow output of the same weights and bias without any quantization.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        weight: QuantSpec | None = DEFAULT_WEIGHT,
+        input: QuantSpec | None = DEFAULT_INPUT,
+        grad: QuantSpec | None = DEFAULT_GRAD,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.weight_quantizer = Quantizer(weight, generator)
+        self.input_quantizer = Quantizer(input, generator)
+        self.grad_quantizer = Quantizer(grad, generator)
+        self.observer: Observer | None = None
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        weight: QuantSpec | None = DEFAULT_WEIGHT,
+        input: QuantSpec | None = DEFAULT_INPUT,
+        grad: QuantSpec | None = DEFAULT_GRAD,
+    ) -> QuantLinear:
+        """A QuantLinear that takes over ``linear``'s own Parameter objects (an existing optimizer keeps working)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            weight=weight,
+            input=input,
+            grad=grad,
+            device="meta",
+        )
+        layer.weight = linear.weight
+        layer.bias = linear.bias
+        layer.train(linear.training)
+        return layer
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Quantized linear: ``Q_in(input) @ Q_w(weight).T + bias``, gradient of the output quantized by ``Q_grad``."""
+        observer = self.observer
+        if observer is None:
+            weight = self.weight_quantizer(self.weight)
+            x = self.input_quantizer(input)
+        else:
+            weight = self._observed(self.weight_quantizer, self.weight, "weight", observer)
+            x = self._observed(self.input_quantizer, input, "input", observer)
+        if weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        out = linear(x, weight, self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype))
+        if self.grad_quantizer.enabled and out.requires_grad:
+            out = _QuantizeGradient.apply(out, self.grad_quantizer, observer)  # type: ignore[no-untyped-call]
+        return out
+
+    @staticmethod
+    def _observed(quantizer: Quantizer, t: Tensor, role: str, observer: Observer) -> Tensor:
+        if not quantizer.enabled:
+            return t
+        sink: list[ErrorStats] = []
+        q = straight_through(t, quantizer, sink)
+        observer(role, sink[0])
+        return q
+
+    def reference_forward(self, input: Tensor) -> Tensor:
+        """The FP32 shadow: ``input @ weight.T + bias``, same Parameters, no quantization (differentiable)."""
+        return linear(input, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, observed={self.observer is not None}"
+
+
+class _QuantizeGradient(torch.autograd.Function):
+    """Identity forward; backward fake-quantizes the output gradient and reports its statistics."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, quantizer: Quantizer, observer: Observer | None) -> Tensor:
+        ctx.quantizer = quantizer
+        ctx.observer = observer
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        quantizer: Quantizer = ctx.quantizer
+        observer: Observer | None = ctx.observer
+        q, stats = quantizer.quantize(grad, with_stats=observer is not None)
+        if observer is not None and stats is not None:
+            observer("grad", stats)
+        return q, None, None

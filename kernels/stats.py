@@ -1,0 +1,215 @@
+"""Quantization error statistics as mergeable partial sums kept on the tensor's device.
+
+Every field is a 0-dim float64 tensor, so computing, combining and shipping statistics never waits for the device.
+Ratios and norms are derived from the sums on demand (ARCHITECTURE.md, "Formulas"):
+
+* ``rel_l2 = sqrt(Σ(q−x)² / Σx²)``: 0 when both sums are zero, +inf when only ``Σx²`` is;
+* ``cosine = Σqx / sqrt(Σq² · Σx²)``: 1 when both norms are zero, 0 when exactly one is;
+* ``sqnr_db = 10·log10(Σx² / Σ(q−x)²)`` (= 20·log10 of the norm ratio): +inf when ``q == x``, −inf when ``x`` is zero
+  and ``q`` is not;
+* ``underflow_ratio = underflow_count / nonzero_count`` and ``overflow_ratio = overflow_count / finite inputs``: 0 when
+  the denominator is 0.
+
+Which elements count: inputs that are NaN or ±inf are counted in ``nonfinite_count`` and left out of every sum and
+maximum; a finite input whose quantized value is not finite (non-saturating overflow) counts as an overflow and is
+left out of the sums. So an empty tensor gives ``numel == 0``, sums 0, ``rel_l2 == 0``, ``cosine == 1``,
+``sqnr_db == +inf`` and ratios 0 — no NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from .formats import FormatSpec, resolve_format
+
+_SUM_FIELDS = (
+    "numel",
+    "sum_x2",
+    "sum_q2",
+    "sum_qx",
+    "sum_err2",
+    "nonzero_count",
+    "underflow_count",
+    "overflow_count",
+    "nonfinite_count",
+)
+_MAX_FIELDS = ("max_abs_err", "amax")
+
+
+@dataclass(frozen=True)
+class ErrorStats:
+    """Partial sums of one or more quantizations; see the module docstring for the derived figures.
+
+    ``max_abs_err`` is the largest ``|q − x|`` and ``amax`` the largest finite ``|x|``. Combine statistics of parts
+    (micro-batches, shards, ranks) with `combine`; never average derived ratios.
+    """
+
+    numel: Tensor
+    sum_x2: Tensor
+    sum_q2: Tensor
+    sum_qx: Tensor
+    sum_err2: Tensor
+    max_abs_err: Tensor
+    amax: Tensor
+    nonzero_count: Tensor
+    underflow_count: Tensor
+    overflow_count: Tensor
+    nonfinite_count: Tensor
+
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "numel",
+        "sum_x2",
+        "sum_q2",
+        "sum_qx",
+        "sum_err2",
+        "max_abs_err",
+        "amax",
+        "nonzero_count",
+        "underflow_count",
+        "overflow_count",
+        "nonfinite_count",
+    )
+
+    @classmethod
+    def zeros(cls, device: torch.device | str | None = None) -> ErrorStats:
+        """Statistics of an empty tensor: the identity of `combine`."""
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return cls(**dict.fromkeys(cls.FIELDS, zero))
+
+    def combine(self, other: ErrorStats) -> ErrorStats:
+        """Statistics of the union of both measured tensors: sums add, maxima take the larger."""
+        if not isinstance(other, ErrorStats):
+            raise TypeError(f"other must be ErrorStats, got {type(other).__name__}")
+        merged = {name: getattr(self, name) + getattr(other, name) for name in _SUM_FIELDS}
+        merged.update({name: torch.maximum(getattr(self, name), getattr(other, name)) for name in _MAX_FIELDS})
+        return ErrorStats(**merged)
+
+    def as_tensor(self) -> Tensor:
+        """The partial sums as one 1-D float64 tensor in the order of `FIELDS` (for all-reduce or stacking)."""
+        return torch.stack([getattr(self, name) for name in self.FIELDS])
+
+    @classmethod
+    def from_tensor(cls, t: Tensor) -> ErrorStats:
+        """Inverse of `as_tensor`; ``t`` must be 1-D with ``len(FIELDS)`` entries."""
+        if not isinstance(t, Tensor):
+            raise TypeError(f"t must be a Tensor, got {type(t).__name__}")
+        if t.shape != (len(cls.FIELDS),):
+            raise ValueError(
+                f"t must have shape ({len(cls.FIELDS)},) in the order of ErrorStats.FIELDS, got {tuple(t.shape)}"
+            )
+        t = t.to(torch.float64)
+        return cls(**{name: t[i] for i, name in enumerate(cls.FIELDS)})
+
+    @property
+    def rel_l2(self) -> Tensor:
+        """‖q − x‖₂ / ‖x‖₂ (0 when both are zero, +inf when only x is)."""
+        ratio = torch.sqrt(self.sum_err2 / torch.where(self.sum_x2 > 0, self.sum_x2, 1.0))
+        degenerate = torch.where(self.sum_err2 > 0, torch.inf, 0.0).to(torch.float64)
+        return torch.where(self.sum_x2 > 0, ratio, degenerate)
+
+    @property
+    def cosine(self) -> Tensor:
+        """⟨q, x⟩ / (‖q‖₂‖x‖₂), clamped to [−1, 1] (1 when both norms are zero, 0 when exactly one is)."""
+        denominator = torch.sqrt(self.sum_q2 * self.sum_x2)
+        value = (self.sum_qx / torch.where(denominator > 0, denominator, 1.0)).clamp(-1.0, 1.0)
+        both_zero = (self.sum_q2 == 0) & (self.sum_x2 == 0)
+        degenerate = torch.where(both_zero, 1.0, 0.0).to(torch.float64)
+        return torch.where(denominator > 0, value, degenerate)
+
+    @property
+    def sqnr_db(self) -> Tensor:
+        """20·log10(‖x‖₂ / ‖x − q‖₂) in dB (+inf when q equals x, −inf when x is zero and q is not)."""
+        value = 10.0 * torch.log10(
+            torch.where(self.sum_x2 > 0, self.sum_x2, 1.0) / torch.where(self.sum_err2 > 0, self.sum_err2, 1.0)
+        )
+        value = torch.where(self.sum_x2 > 0, value, -torch.inf)
+        return torch.where(self.sum_err2 > 0, value, torch.inf)
+
+    @property
+    def max_abs(self) -> Tensor:
+        """The largest absolute error max|q − x| (alias of ``max_abs_err``)."""
+        return self.max_abs_err
+
+    @property
+    def underflow_ratio(self) -> Tensor:
+        """Share of non-zero finite inputs that quantized to zero."""
+        return self.underflow_count / torch.where(self.nonzero_count > 0, self.nonzero_count, 1.0)
+
+    @property
+    def overflow_ratio(self) -> Tensor:
+        """Share of finite inputs clipped at (or overflowing past) the format's maximum."""
+        finite = self.numel - self.nonfinite_count
+        return self.overflow_count / torch.where(finite > 0, finite, 1.0)
+
+    def to_dict(self) -> dict[str, float]:
+        """Every partial sum and derived figure as Python floats (this waits for the device)."""
+        values = torch.cat(
+            [
+                self.as_tensor(),
+                torch.stack(
+                    [self.rel_l2, self.cosine, self.sqnr_db, self.max_abs, self.underflow_ratio, self.overflow_ratio]
+                ),
+            ]
+        ).tolist()
+        names = [*self.FIELDS, "rel_l2", "cosine", "sqnr_db", "max_abs", "underflow_ratio", "overflow_ratio"]
+        return dict(zip(names, values, strict=True))
+
+
+def _check_pair(x: Tensor, q: Tensor) -> None:
+    for name, t in (("x", x), ("q", q)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if x.shape != q.shape:
+        raise ValueError(f"q must have the shape of x: {tuple(q.shape)} != {tuple(x.shape)}")
+
+
+def stats_from_masks(x: Tensor, q: Tensor, overflow_mask: Tensor | None) -> ErrorStats:
+    """Statistics of ``q`` against ``x`` given which finite inputs were clipped (``None``: only non-finite ``q``)."""
+    if x.numel() == 0:
+        return ErrorStats.zeros(x.device)
+    finite_x = torch.isfinite(x)
+    finite_q = torch.isfinite(q)
+    valid = finite_x & finite_q
+    xv = torch.where(valid, x, 0).to(torch.float64)
+    qv = torch.where(valid, q, 0).to(torch.float64)
+    err = qv - xv
+    nonzero = finite_x & (x != 0)
+    overflow = finite_x & ~finite_q
+    if overflow_mask is not None:
+        overflow = overflow | (finite_x & overflow_mask)
+    f64 = torch.float64
+    return ErrorStats(
+        numel=torch.tensor(float(x.numel()), dtype=f64, device=x.device),
+        sum_x2=(xv * xv).sum(),
+        sum_q2=(qv * qv).sum(),
+        sum_qx=(qv * xv).sum(),
+        sum_err2=(err * err).sum(),
+        max_abs_err=err.abs().amax(),
+        amax=torch.where(finite_x, x, 0).abs().amax().to(f64),
+        nonzero_count=nonzero.sum(dtype=f64),
+        underflow_count=(nonzero & (q == 0)).sum(dtype=f64),
+        overflow_count=overflow.sum(dtype=f64),
+        nonfinite_count=(~finite_x).sum(dtype=f64),
+    )
+
+
+def error_stats(x: Tensor, q: Tensor, fmt: str | FormatSpec | None = None) -> ErrorStats:
+    """Error statistics of a quantized tensor ``q`` against its original ``x`` (same shape, floating point).
+
+    ``fmt`` names the format of a plain (unscaled) cast: inputs with ``|x|`` above its maximum count as overflows.
+    Without it only finite inputs whose ``q`` is not finite count. For scaled quantizations use
+    ``quantize(..., with_stats=True)``, which knows the scales. Raises ``TypeError`` for non-tensors or non-float
+    dtypes and ``ValueError`` for mismatched shapes or an unknown format.
+    """
+    _check_pair(x, q)
+    overflow_mask = None
+    if fmt is not None:
+        spec, _ = resolve_format(fmt)
+        overflow_mask = x.abs() > spec.max_value
+    return stats_from_masks(x, q, overflow_mask)

@@ -1,0 +1,240 @@
+"""Every metric recomputed independently for a small model.
+
+The layer under test implements the reference-forward protocol with torch's own float8 dtype as the quantizer
+(``torch.float8_e4m3fn``, saturating at ±448), so the expected values come from plain torch arithmetic here, not
+from the agent or the kernels package."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import Tensor, nn
+
+import quantwatch.agent as qw
+from quantwatch.kernels import error_stats
+
+FP8_MAX = 448.0
+
+
+def fp8(t: Tensor) -> Tensor:
+    return t.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(t.dtype)
+
+
+class _GradQuant(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, layer: ProtocolLinear) -> Tensor:
+        ctx.layer = layer
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        gq = fp8(g)
+        if ctx.layer.observer is not None:
+            ctx.layer.observer("grad", error_stats(g, gq, fmt="fp8_e4m3"))
+        return gq, None
+
+
+class _Quantizer:
+    last_scale: Tensor | None = None
+
+
+class ProtocolLinear(nn.Linear):
+    """A linear layer quantizing weight, input and output gradient to FP8 E4M3 (straight-through)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.observer: Any = None
+        self.input_quantizer = _Quantizer()
+
+    def forward(self, x: Tensor) -> Tensor:
+        wq = fp8(self.weight.detach())
+        xq = fp8(x.detach())
+        self.input_quantizer.last_scale = torch.tensor([1.0, 0.5])
+        if self.observer is not None:
+            self.observer("weight", error_stats(self.weight.detach(), wq, fmt="fp8_e4m3"))
+            self.observer("input", error_stats(x.detach(), xq, fmt="fp8_e4m3"))
+        w_ste = self.weight + (wq - self.weight).detach()
+        x_ste = x + (xq - x).detach()
+        return _GradQuant.apply(F.linear(x_ste, w_ste, self.bias), self)  # type: ignore[no-any-return]
+
+    def reference_forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(ProtocolLinear(8, 16), nn.Tanh(), ProtocolLinear(16, 4))
+
+
+def _batch() -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 8, generator=g) * 3
+    x[0, 0] = 500.0  # overflows FP8 E4M3 (saturates at 448)
+    x[1, :4] = 1e-4  # underflows to zero (smallest subnormal is 2**-9)
+    y = torch.randn(32, 4, generator=g) * 100  # large targets: large gradients, some FP8 error on them
+    return x, y
+
+
+def _rel_l2(q: Tensor, x: Tensor) -> float:
+    return float(torch.linalg.vector_norm((q - x).double()) / torch.linalg.vector_norm(x.double()))
+
+
+def _cosine(a: Tensor, b: Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def _train_one_step(model: nn.Module, monitor: qw.Monitor, capture: dict[str, Any]) -> None:
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, ProtocolLinear):
+
+            def save(m: nn.Module, args: tuple[Tensor, ...], out: Tensor, name: str = name) -> None:
+                capture[name] = {
+                    "x": args[0].detach().clone(),
+                    "y": out.detach().clone(),
+                    "w": m.weight.detach().clone(),
+                    "b": m.bias.detach().clone(),
+                }
+                out.register_hook(lambda g: capture[name].__setitem__("dy", g.detach().clone()))
+
+            handles.append(module.register_forward_hook(save))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = _batch()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    monitor.step(0, loss=loss)
+    for h in handles:
+        h.remove()
+
+
+def test_every_layer_metric_matches_an_independent_computation() -> None:
+    model = _model()
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="metrics", exporter=sink, every=1)
+    assert monitor.layers == ("0", "2")
+    capture: dict[str, Any] = {}
+    _train_one_step(model, monitor, capture)
+    assert monitor.close(10)
+    assert monitor.stats()["failures"] == {}
+
+    for name in ("0", "2"):
+        c = capture[name]
+        x, y, w, dy = c["x"], c["y"], c["w"], c["dy"]
+        y_ref = F.linear(x, w, c["b"])
+        finite_x = x[torch.isfinite(x)]
+        expected = {
+            "weight_rel_l2": _rel_l2(fp8(w), w),
+            "act_rel_l2": _rel_l2(fp8(x), x),
+            "grad_rel_l2": _rel_l2(fp8(dy), dy),
+            "output_rel_l2": _rel_l2(y, y_ref),
+            "output_cosine": _cosine(y, y_ref),
+            "output_sqnr_db": 20 * math.log10(float(y_ref.double().norm() / (y - y_ref).double().norm())),
+            # the quantized path's weight gradient is fp8(dy)^T fp8(x); the FP32 one is dy^T x
+            "update_cosine": _cosine(fp8(dy).T @ fp8(x), dy.T @ x),
+            "underflow_ratio": float(((x != 0) & (fp8(x) == 0)).sum() / (x != 0).sum()),
+            "overflow_ratio": float((x.abs() > FP8_MAX).sum() / x.numel()),
+            "nonfinite_count": 0.0,
+            "amax": float(finite_x.abs().max()),
+            "scale": 1.0,
+        }
+        for metric, value in expected.items():
+            got = sink.value(metric, name, 0)
+            assert got == pytest.approx(value, rel=2e-5, abs=1e-6), (name, metric)
+    assert sink.value("overflow_ratio", "0", 0) > 0
+    assert sink.value("underflow_ratio", "0", 0) > 0
+    assert sink.value("update_cosine", "2", 0) < 1.0
+    with torch.no_grad():
+        expected_loss = float(F.mse_loss(_model()(_batch()[0]), _batch()[1]))
+    assert sink.scalar("loss", 0) == pytest.approx(expected_loss, rel=1e-5)
+    assert sink.scalar("step_seconds", 0) > 0
+    assert sink.scalar("device_memory_bytes", 0) > 0
+    assert sink.scalar("agent_overhead_ratio", 0) >= 0
+
+
+def test_update_cosine_matches_hand_computed_gradients_with_micro_batches() -> None:
+    # Two micro-batches in one step: the statistics combine as partial sums (the cosine over both gradient pairs).
+    model = _model()
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="micro", exporter=sink, metrics=["update_cosine"], every=1)
+    layer = model[2]
+    grads: list[tuple[Tensor, Tensor]] = []
+    inputs: list[Tensor] = []
+    layer.register_forward_hook(lambda m, a, o: inputs.append(a[0].detach()))
+
+    def on_output(m: nn.Module, a: tuple[Tensor, ...], o: Tensor) -> None:
+        o.register_hook(lambda g: grads.append((g.detach(), inputs[-1])))
+
+    layer.register_forward_hook(on_output)
+    x, y = _batch()
+    for part in (slice(0, 16), slice(16, 32)):
+        F.mse_loss(model(x[part]), y[part]).backward()
+    monitor.step()
+    assert monitor.close(10)
+    dots = qn = rn = 0.0
+    for dy, xin in grads:
+        q = (fp8(dy).T @ fp8(xin)).double()
+        r = (dy.T @ xin).double()
+        dots += float((q * r).sum())
+        qn += float((q * q).sum())
+        rn += float((r * r).sum())
+    assert sink.value("update_cosine", "2", 0) == pytest.approx(dots / math.sqrt(qn * rn), rel=1e-5)
+
+
+def test_non_finite_input_is_counted_not_raised() -> None:
+    model = _model()
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="nan", exporter=sink, every=1)
+    x, y = _batch()
+    x[2, 3] = float("nan")
+    x[3, 1] = float("inf")
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    monitor.step(loss=loss)
+    assert monitor.close(10)
+    assert sink.value("nonfinite_count", "0", 0) >= 2
+    assert math.isnan(sink.scalar("loss", 0))
+
+
+def test_qat_module_measured_against_itself_with_fake_quant_off() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16))
+    model.qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+    torch.ao.quantization.prepare_qat(model, inplace=True)
+    qat = model[0]
+    seen: dict[str, Tensor] = {}
+
+    def first_call(key: str) -> Any:
+        # The first call is the quantized forward (the agent's reference forward calls it again, switched off).
+        def hook(m: nn.Module, a: tuple[Tensor, ...], o: Tensor) -> None:
+            seen.setdefault(key, a[0].detach())
+            seen.setdefault(key + "q", o.detach())
+
+        return hook
+
+    qat.weight_fake_quant.register_forward_hook(first_call("w"))
+    qat.activation_post_process.register_forward_hook(first_call("a"))
+    qat.register_forward_hook(lambda m, a, o: seen.update(x=a[0].detach(), y=o.detach()))
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="qat", exporter=sink, every=1)
+    assert monitor.layers == ("0",)
+    x = _batch()[0].clamp(-10, 10)
+    loss = model(x).square().mean()
+    loss.backward()
+    monitor.step()
+    assert monitor.close(10)
+    y_ref = F.linear(seen["x"], seen["w"], qat.bias.detach())
+    assert sink.value("weight_rel_l2", "0", 0) == pytest.approx(_rel_l2(seen["wq"], seen["w"]), rel=1e-5)
+    assert sink.value("act_rel_l2", "0", 0) == pytest.approx(_rel_l2(seen["aq"], seen["a"]), rel=1e-5)
+    assert sink.value("output_rel_l2", "0", 0) == pytest.approx(_rel_l2(seen["y"], y_ref), rel=1e-5)
+    assert sink.value("scale", "0", 0) == pytest.approx(float(qat.activation_post_process.scale.max()), rel=1e-6)
+    ((_, record),) = sink.records()
+    assert "grad_rel_l2" not in record.metrics  # QAT does not quantize gradients: nothing measured, nothing sent
+    assert sink.value("output_rel_l2", "0", 0) > 0
+    assert bool(qat.weight_fake_quant.fake_quant_enabled[0] == 1)  # restored after the reference forward
