@@ -6,6 +6,7 @@ needs when it runs, so ``quantwatch --help`` answers at once.
 
 from __future__ import annotations
 
+import datetime
 import enum
 import gzip
 import json
@@ -126,6 +127,18 @@ def _table(title: str, columns: list[str], rows: list[list[object]]) -> None:
     Console(soft_wrap=False).print(table)
 
 
+def _step_range(first: object, last: object) -> str | None:
+    if first is None or last is None:
+        return None
+    return f"{first}–{last}"
+
+
+def _utc(epoch_seconds: object) -> str | None:
+    if not isinstance(epoch_seconds, int | float):
+        return None
+    return datetime.datetime.fromtimestamp(epoch_seconds, tz=datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
 def _items(body: Any, key: str) -> list[dict[str, Any]]:
     if isinstance(body, list):
         return [b for b in body if isinstance(b, dict)]
@@ -171,16 +184,17 @@ def runs(
         return
     _table(
         f"Runs on {client.url}",
-        ["run", "first step", "last step", "layers", "metrics", "firing alerts", "last seen"],
+        ["run", "steps", "layers", "ranks", "points", "metrics", "firing alerts", "last seen (UTC)"],
         [
             [
                 run.get("name"),
-                run.get("first_step"),
-                run.get("last_step"),
+                _step_range(run.get("first_step"), run.get("last_step")),
                 run.get("layer_count"),
+                run.get("ranks"),
+                run.get("points"),
                 len(run.get("metrics") or []),
                 run.get("firing_alerts"),
-                run.get("last_seen"),
+                _utc(run.get("last_seen_at")),
             ]
             for run in items
         ],
@@ -279,12 +293,11 @@ def series(
         typer.echo(f"No points for {what} in run {run}" + (" in that step range." if start or end else "."))
         return
     lows, means, highs = body.get("min") or [], body.get("mean") or [], body.get("max") or []
-    exact = lows == means == highs
-    if exact:
+    if body.get("bucket_steps", 1) == 1:
         _table(f"{run}: {what}", ["step", "value"], [[s, v] for s, v in zip(steps, means, strict=False)])
     else:
         _table(
-            f"{run}: {what} (bucketed: min/mean/max per bucket starting at step)",
+            f"{run}: {what} (buckets of {body.get('bucket_steps')} steps: min/mean/max)",
             ["step", "min", "mean", "max"],
             [list(row) for row in zip(steps, lows, means, highs, strict=False)],
         )

@@ -22,6 +22,7 @@ const state = {
   end: null,
   layer: null,
   step: null,
+  rank: null, // null: the collector's default (rank 0)
   alertState: "",
   heatmap: null, // last heatmap answer plus derived colours
   series: null,
@@ -487,11 +488,12 @@ function heatmapCellAt(event) {
   return { r, c, x: x + hm.plot.x, y: y + hm.plot.y };
 }
 
+// Columns are aligned buckets of `bucket_steps` steps; `steps[c]` is the first step of bucket c (clipped to start).
 function stepRangeOfColumn(hm, c) {
   const first = hm.steps[c];
-  let last;
-  if (c + 1 < hm.cols) last = hm.steps[c + 1] - 1;
-  else last = hm.lastStep !== null && hm.lastStep !== undefined ? Math.max(first, hm.lastStep) : first;
+  const bucketStart = first - (first % hm.bucketSteps);
+  let last = bucketStart + hm.bucketSteps - 1;
+  if (hm.lastStep !== null && hm.lastStep !== undefined) last = Math.max(first, Math.min(last, hm.lastStep));
   return [first, last];
 }
 
@@ -841,7 +843,7 @@ async function loadRuns() {
   // Most recently active first.
   state.runs = listOf(body, "runs")
     .slice()
-    .sort((a, b) => String(pick(b, "last_seen") ?? "").localeCompare(String(pick(a, "last_seen") ?? "")));
+    .sort((a, b) => (pick(b, "last_seen_at") ?? 0) - (pick(a, "last_seen_at") ?? 0));
   renderRuns();
   return true;
 }
@@ -929,8 +931,22 @@ function renderRunHead() {
   add("metrics", String(metricsOf(d).length));
   const ranks = pick(d, "ranks");
   if (Array.isArray(ranks)) add("ranks", ranks.join(", "));
+  // A rank picker only when there is more than one rank to pick from.
+  const rankSelect = $("rank");
+  rankSelect.innerHTML = "";
+  const rankList = Array.isArray(ranks) ? ranks : [];
+  for (const r of rankList) {
+    const opt = document.createElement("option");
+    opt.value = String(r);
+    opt.textContent = String(r);
+    rankSelect.append(opt);
+  }
+  $("rank-label").hidden = rankList.length < 2;
+  if (state.rank !== null && !rankList.includes(state.rank)) state.rank = null;
+  rankSelect.value = String(state.rank ?? (rankList.includes(0) ? 0 : rankList[0] ?? ""));
   add("firing alerts", pick(d, "firing_alerts", "firing_alert_count"));
-  add("last seen", formatTime(pick(d, "last_seen", "last_seen_at", "updated_at")));
+  add("points", pick(d, "points") !== null ? Number(pick(d, "points")).toLocaleString() : null);
+  add("last seen", formatTime(pick(d, "last_seen_at")));
 
   const metrics = metricsOf(d);
   const select = $("metric");
@@ -963,6 +979,7 @@ async function loadHeatmap() {
     body = await api(`/runs/${encodeURIComponent(state.run)}/heatmap`, {
       metric: state.metric,
       agg: state.agg,
+      rank: state.rank,
       layers: state.glob,
       start: state.start,
       end: state.end,
@@ -979,7 +996,8 @@ async function loadHeatmap() {
   if (seq !== heatmapSeq) return;
   const hm = prepareHeatmap(body, state.metric);
   hm.lastStep = state.end !== null ? state.end : pick(state.detail, "last_step");
-  hm.exact = body.exact === true || hm.steps.every((s, i) => i === 0 || s - hm.steps[i - 1] === 1);
+  hm.bucketSteps = Math.max(1, Number(body.bucket_steps) || 1);
+  hm.exact = hm.bucketSteps === 1;
   state.heatmap = hm;
   if (hm.rows === 0 || hm.cols === 0) {
     showOverlay("heatmap-empty", state.glob ? `No layer matches “${state.glob}”.` : "No points in this step range.");
@@ -1023,6 +1041,7 @@ async function loadSeries() {
     body = await api(`/runs/${encodeURIComponent(state.run)}/series`, {
       metric: state.metric,
       layer: state.layer,
+      rank: state.rank,
       start: state.start,
       end: state.end,
       max_points: Math.max(50, Math.floor(canvas.parentElement.clientWidth)),
@@ -1057,6 +1076,7 @@ async function loadLoss() {
   const seq = ++lossSeq;
   const canvas = $("loss");
   const params = {
+    rank: state.rank,
     start: state.start,
     end: state.end,
     max_points: Math.max(50, Math.floor(canvas.parentElement.clientWidth)),
@@ -1178,6 +1198,7 @@ function readHash() {
     end: num("end"),
     layer: p.get("layer"),
     step: num("step"),
+    rank: num("rank"),
   };
 }
 
@@ -1191,10 +1212,11 @@ function hashFor(changes) {
     end: state.end,
     layer: state.layer,
     step: state.step,
+    rank: state.rank,
   };
   const next = { ...cur, ...changes };
   const p = new URLSearchParams();
-  for (const k of ["run", "metric", "agg", "layers", "start", "end", "layer", "step"]) {
+  for (const k of ["run", "metric", "agg", "rank", "layers", "start", "end", "layer", "step"]) {
     if (next[k] !== null && next[k] !== undefined && next[k] !== "" && !(k === "agg" && next[k] === "max")) {
       p.set(k, String(next[k]));
     }
@@ -1210,7 +1232,13 @@ async function applyHash() {
   const h = readHash();
   const runChanged = h.run !== state.run;
   const heatmapChanged =
-    runChanged || h.metric !== state.metric || h.agg !== state.agg || h.glob !== state.glob || h.start !== state.start || h.end !== state.end;
+    runChanged ||
+    h.metric !== state.metric ||
+    h.agg !== state.agg ||
+    h.rank !== state.rank ||
+    h.glob !== state.glob ||
+    h.start !== state.start ||
+    h.end !== state.end;
   const seriesChanged = heatmapChanged || h.layer !== state.layer;
   const stepChanged = h.step !== state.step;
   Object.assign(state, h);
@@ -1246,11 +1274,11 @@ async function applyHash() {
 
 async function refresh(force) {
   const before = state.runs.find((r) => runName(r) === state.run);
-  const beforeKey = before ? JSON.stringify([pick(before, "last_step"), pick(before, "last_seen"), pick(before, "firing_alerts")]) : null;
+  const beforeKey = before ? JSON.stringify([pick(before, "last_seen_at"), pick(before, "points"), pick(before, "firing_alerts")]) : null;
   if (!(await loadRuns())) return;
   if (!state.run) return;
   const after = state.runs.find((r) => runName(r) === state.run);
-  const afterKey = after ? JSON.stringify([pick(after, "last_step"), pick(after, "last_seen"), pick(after, "firing_alerts")]) : null;
+  const afterKey = after ? JSON.stringify([pick(after, "last_seen_at"), pick(after, "points"), pick(after, "firing_alerts")]) : null;
   if (force || beforeKey !== afterKey) {
     if (!(await loadRunDetail())) return;
     loadHeatmap();
@@ -1263,6 +1291,7 @@ async function refresh(force) {
 function installControls() {
   $("metric").addEventListener("change", (e) => setHash({ metric: e.target.value }));
   $("agg").addEventListener("change", (e) => setHash({ agg: e.target.value }));
+  $("rank").addEventListener("change", (e) => setHash({ rank: Number(e.target.value) }));
   $("layer-glob").addEventListener("change", (e) => setHash({ layers: e.target.value.trim() }));
   $("zoom-reset").addEventListener("click", () => setHash({ start: null, end: null }));
   $("alert-state").addEventListener("change", (e) => {
