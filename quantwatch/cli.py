@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from quantwatch import __version__
+from quantwatch.service.cli import register as register_service
 
 if TYPE_CHECKING:
     from quantwatch.client import CollectorClient, CollectorError
@@ -426,6 +427,9 @@ def _import_stopped(file: Path, number: int, reason: str, stored: int) -> NoRetu
     typer.echo(f"error: {file}:{number}: {reason}", err=True)
     typer.echo(_resume_hint(stored), err=True)
     raise typer.Exit(code=int(ExitCode.USAGE))
+
+
+register_service(app)
 
 
 def main() -> None:

@@ -1,3 +1,7 @@
 """The collector service: ingest, full-resolution history, alerts and Prometheus exposition."""
 
-__all__: list[str] = []
+from quantwatch.service.app import create_app
+from quantwatch.service.batch import IngestBatch, IngestObserver, IngestStep, WireError
+from quantwatch.service.core.config import Settings
+
+__all__ = ["IngestBatch", "IngestObserver", "IngestStep", "Settings", "WireError", "create_app"]

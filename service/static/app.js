@@ -634,7 +634,7 @@ function drawChart(canvas, spec) {
   ctx.lineWidth = 1;
   ctx.textAlign = "right";
   ctx.textBaseline = "middle";
-  for (const v of niceTicks(ymin, ymax, 4)) {
+  for (const v of niceTicks(ymin, ymax, 5)) {
     const y = Math.round(yOf(v)) + 0.5;
     ctx.beginPath();
     ctx.moveTo(plot.x, y);

@@ -1,0 +1,1 @@
+"""HTTP layer of the collector: dependencies, problem+json errors and routes."""

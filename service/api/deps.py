@@ -1,0 +1,54 @@
+"""Typed dependencies of the routes: the store, and bearer-token auth by scope."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.params import Depends as DependsParam
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from quantwatch.service.api.problems import ProblemError
+from quantwatch.service.core.config import Scope, hash_token
+from quantwatch.service.store import Store
+
+bearer = HTTPBearer(auto_error=False, description="A token configured with the scope the route names.")
+
+
+def get_store(request: Request) -> Store:
+    """The app's data-access object."""
+    store: Store = request.app.state.store
+    return store
+
+
+StoreDep = Annotated[Store, Depends(get_store)]
+
+
+def require(scope: Scope) -> DependsParam:
+    """A dependency that lets a request through only with a token holding ``scope`` (when tokens are configured)."""
+
+    def check(
+        request: Request,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    ) -> None:
+        tokens: dict[str, frozenset[str]] = request.app.state.token_scopes
+        if not tokens:
+            return
+        challenge = {"WWW-Authenticate": "Bearer"}
+        if credentials is None or credentials.scheme.lower() != "bearer":
+            raise ProblemError(401, "a bearer token is required", headers=challenge)
+        digest = hash_token(credentials.credentials)
+        scopes = next((s for h, s in tokens.items() if hmac.compare_digest(h, digest)), None)
+        if scopes is None:
+            raise ProblemError(401, "unknown token", headers=challenge)
+        if scope not in scopes:
+            raise ProblemError(403, f"this token lacks the {scope!r} scope")
+
+    dependency: DependsParam = Depends(check)
+    return dependency
+
+
+IngestAuth = require("ingest")
+ReadAuth = require("read")
+AdminAuth = require("admin")

@@ -1,0 +1,124 @@
+"""``POST /api/v1/ingest``: batches from the agent, as JSON or msgpack, optionally gzip-encoded."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from quantwatch.service.api.deps import IngestAuth
+from quantwatch.service.api.problems import ProblemError
+from quantwatch.service.batch import IngestBatch, decode_json, decode_msgpack
+from quantwatch.service.schemas import IngestAnswer
+from quantwatch.service.store import IngestResult, Store
+
+router = APIRouter(prefix="/api/v1", tags=["ingest"])
+
+_VALUE = {"anyOf": [{"type": "number"}, {"type": "null"}, {"enum": ["nan", "inf", "-inf"]}]}
+BATCH_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["run", "batch_id", "steps"],
+    "properties": {
+        "run": {"type": "string", "pattern": "^[A-Za-z0-9._:/-]{1,200}$"},
+        "rank": {"type": "integer", "minimum": 0, "default": 0},
+        "batch_id": {"type": "string", "minLength": 1, "maxLength": 128},
+        "layers": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 500}},
+        "steps": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["step"],
+                "properties": {
+                    "step": {"type": "integer", "minimum": 0},
+                    "time": {"type": ["number", "null"]},
+                    "metrics": {"type": "object", "additionalProperties": {"type": "array", "items": _VALUE}},
+                    "scalars": {"type": "object", "additionalProperties": _VALUE},
+                },
+            },
+        },
+    },
+}
+DECODERS = {
+    "application/json": decode_json,
+    "application/msgpack": decode_msgpack,
+    "application/x-msgpack": decode_msgpack,
+}
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ProblemError(413, f"body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ProblemError(413, f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _gunzip(body: bytes, limit: int) -> bytes:
+    inflater = zlib.decompressobj(wbits=31)
+    try:
+        out = inflater.decompress(body, limit)
+        if inflater.unconsumed_tail:
+            raise ProblemError(413, f"gzip-decoded body exceeds the limit of {limit} bytes")
+        out += inflater.flush()
+    except zlib.error as exc:
+        raise ProblemError(400, f"malformed gzip body: {exc}") from None
+    if not inflater.eof:
+        raise ProblemError(400, "malformed gzip body: truncated")
+    return out
+
+
+@router.post(
+    "/ingest",
+    response_model=IngestAnswer,
+    dependencies=[IngestAuth],
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": BATCH_SCHEMA},
+                "application/msgpack": {"schema": BATCH_SCHEMA},
+            },
+        }
+    },
+    responses={
+        400: {"description": "Malformed body"},
+        413: {"description": "Body too large"},
+        415: {"description": "Unsupported content type or encoding"},
+        422: {"description": "Schema violation (the problem's errors name the field)"},
+        503: {"description": "Database busy; retry"},
+    },
+)
+async def ingest(request: Request) -> IngestAnswer:
+    """Store a batch atomically; a repeated ``batch_id`` stores nothing and answers ``duplicate: true``.
+
+    Re-sent values for the same (run, rank, layer, metric, step) under a new batch id replace the old ones
+    (last write wins).
+    """
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    decoder = DECODERS.get(media)
+    if decoder is None:
+        raise ProblemError(415, "content type must be application/json or application/msgpack")
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("identity", "gzip"):
+        raise ProblemError(415, "content encoding must be gzip or identity")
+    settings = request.app.state.settings
+    body = await _read_body(request, settings.max_body_bytes)
+    store: Store = request.app.state.store
+    observers = tuple(request.app.state.ingest_observers)
+
+    def work() -> IngestResult:
+        raw = _gunzip(body, settings.max_decoded_bytes) if encoding == "gzip" else body
+        batch: IngestBatch = decoder(raw)
+        return store.ingest(batch, observers)
+
+    result = await run_in_threadpool(work)
+    return IngestAnswer(batch_id=result.batch_id, duplicate=result.duplicate, points=result.points)

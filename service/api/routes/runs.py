@@ -1,0 +1,129 @@
+"""Run history: list, detail, layers, series, heatmap, export, delete."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
+from quantwatch.service.api.problems import ProblemError
+from quantwatch.service.schemas import Heatmap, LayerInfo, RunSummary, Series
+
+router = APIRouter(prefix="/api/v1", tags=["runs"])
+
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown run, layer, metric or scalar"}}
+MAX_STEP = 2**62
+Rank = Annotated[int, Query(ge=0, le=2**31 - 1, description="Process rank.")]
+Step = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="First/last step of the range (inclusive).")]
+
+
+def _with_alerts(request: Request, runs: list[dict[str, object]]) -> list[RunSummary]:
+    counter = request.app.state.firing_alert_counts
+    counts = counter([str(r["name"]) for r in runs]) if counter is not None else {}
+    return [RunSummary.model_validate({**r, "firing_alerts": counts.get(str(r["name"]), 0)}) for r in runs]
+
+
+@router.get("/runs", response_model=list[RunSummary], dependencies=[ReadAuth])
+def list_runs(request: Request, store: StoreDep) -> list[RunSummary]:
+    """Every run with its step range, layer count, metrics and scalars seen, firing alerts and last-seen time."""
+    return _with_alerts(request, store.list_runs())
+
+
+@router.get("/runs/{run:path}/layers", response_model=list[LayerInfo], dependencies=[ReadAuth], responses=NOT_FOUND)
+def list_layers(run: str, store: StoreDep) -> list[LayerInfo]:
+    """Layers of a run in model order (the order the agent first sent them)."""
+    return [LayerInfo.model_validate(x) for x in store.list_layers(run)]
+
+
+@router.get("/runs/{run:path}/series", response_model=Series, dependencies=[ReadAuth], responses=NOT_FOUND)
+def series(
+    run: str,
+    store: StoreDep,
+    metric: Annotated[str | None, Query(max_length=200, description="Per-layer metric (needs layer).")] = None,
+    layer: Annotated[str | None, Query(max_length=500)] = None,
+    scalar: Annotated[str | None, Query(max_length=200, description="Per-run scalar, instead of metric.")] = None,
+    rank: Rank = 0,
+    start: Step = None,
+    end: Step = None,
+    max_points: Annotated[int, Query(ge=1, le=100_000)] = 1000,
+) -> Series:
+    """min/mean/max over aligned power-of-two step buckets: exact (min = mean = max) when the range holds at most
+    ``max_points`` samples; otherwise the smallest bucket width giving at most ``max_points`` buckets."""
+    if (metric is None) == (scalar is None):
+        raise ProblemError(
+            422,
+            "give exactly one of metric (with layer) or scalar",
+            [{"field": "query.metric", "message": "metric or scalar"}],
+        )
+    if start is not None and end is not None and start > end:
+        raise ProblemError(422, "start must not exceed end", [{"field": "query.start", "message": "start > end"}])
+    if scalar is not None:
+        return Series.model_validate(store.scalar_series(run, scalar, rank, start, end, max_points))
+    if layer is None:
+        raise ProblemError(
+            422, "layer is required with metric", [{"field": "query.layer", "message": "required with metric"}]
+        )
+    assert metric is not None
+    return Series.model_validate(store.series(run, metric, layer, rank, start, end, max_points))
+
+
+@router.get("/runs/{run:path}/heatmap", response_model=Heatmap, dependencies=[ReadAuth], responses=NOT_FOUND)
+def heatmap(
+    run: str,
+    store: StoreDep,
+    metric: Annotated[str, Query(max_length=200)],
+    rank: Rank = 0,
+    start: Step = None,
+    end: Step = None,
+    max_steps: Annotated[int, Query(ge=1, le=10_000)] = 500,
+    layers: Annotated[
+        str | None, Query(max_length=500, description="Glob over layer names, e.g. blocks.*.mlp.*")
+    ] = None,
+    agg: Literal["max", "mean", "min"] = "max",
+) -> Heatmap:
+    """Layers (model order) × aligned step buckets of one metric, each cell the bucket's ``agg``."""
+    if start is not None and end is not None and start > end:
+        raise ProblemError(422, "start must not exceed end", [{"field": "query.start", "message": "start > end"}])
+    return Heatmap.model_validate(store.heatmap(run, metric, rank, start, end, max_steps, layers, agg))
+
+
+@router.get(
+    "/runs/{run:path}/export",
+    dependencies=[ReadAuth],
+    responses={
+        **NOT_FOUND,
+        200: {"content": {"text/csv": {}, "application/vnd.apache.parquet": {}}, "description": "Every point"},
+    },
+)
+async def export(run: str, store: StoreDep, format: Literal["csv", "parquet"] = "csv") -> StreamingResponse:
+    """Stream every stored point of the run with exact values (columns rank, step, time, kind, name, layer, value)."""
+    if format == "parquet":
+        try:
+            import pyarrow  # noqa: F401  (optional dependency)
+        except ImportError:
+            raise ProblemError(406, "parquet export needs pyarrow: pip install 'quantwatch[parquet]'") from None
+        body = await run_in_threadpool(store.export_parquet, run)
+        media, suffix = "application/vnd.apache.parquet", "parquet"
+    else:
+        body = await run_in_threadpool(store.export_csv, run)
+        media, suffix = "text/csv", "csv"
+    filename = run.replace("/", "_") + "." + suffix
+    return StreamingResponse(
+        body, media_type=media, headers={"Content-Disposition": f'attachment; filename="{filename}"'}
+    )
+
+
+@router.delete("/runs/{run:path}", status_code=204, dependencies=[AdminAuth], responses=NOT_FOUND)
+def delete_run(run: str, store: StoreDep) -> Response:
+    """Delete a run and everything stored for it."""
+    store.delete_run(run)
+    return Response(status_code=204)
+
+
+@router.get("/runs/{run:path}", response_model=RunSummary, dependencies=[ReadAuth], responses=NOT_FOUND)
+def get_run(run: str, request: Request, store: StoreDep) -> RunSummary:
+    """One run's summary."""
+    return _with_alerts(request, [store.get_run(run)])[0]

@@ -1,0 +1,53 @@
+"""The collector's app factory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from fastapi import FastAPI
+
+from quantwatch import __version__
+from quantwatch.service import web
+from quantwatch.service.api import problems
+from quantwatch.service.api.routes import health, ingest, runs
+from quantwatch.service.batch import IngestObserver
+from quantwatch.service.core.config import Settings
+from quantwatch.service.core.db import make_engine, make_sessionmaker, upgrade
+from quantwatch.service.store import Store
+
+FiringAlertCounts = Callable[[Sequence[str]], Mapping[str, int]]
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    observers: Sequence[IngestObserver] = (),
+    firing_alert_counts: FiringAlertCounts | None = None,
+) -> FastAPI:
+    """Build the collector: engine, migrations (``settings.auto_upgrade``), store, routes and error handlers.
+
+    ``observers`` see every stored batch (see :class:`IngestObserver`); more can be appended to
+    ``app.state.ingest_observers`` before the app serves. ``firing_alert_counts`` maps run names to their firing
+    alert count for the run listings (the alerts part provides it).
+    """
+    settings = settings or Settings()
+    engine = make_engine(settings)
+    if settings.auto_upgrade:
+        upgrade(engine)
+    app = FastAPI(
+        title="QuantWatch collector",
+        version=__version__,
+        description="Ingest and full-resolution history of quantization error during low-precision training.",
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.store = Store(engine, make_sessionmaker(engine))
+    app.state.ingest_observers = list(observers)
+    app.state.firing_alert_counts = firing_alert_counts
+    app.state.token_scopes = settings.token_scopes()
+    problems.install(app)
+    app.include_router(health.router)
+    app.include_router(ingest.router)
+    app.include_router(runs.router)
+    web.install(app)
+    return app

@@ -1,0 +1,206 @@
+"""The decoded ingest batch, the observer hook points, and the wire decoders (JSON and msgpack).
+
+Decoding validates everything a client can get wrong and raises :class:`WireError` naming the field
+(``steps[3].metrics.output_rel_l2``); the routes turn it into problem+json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import msgpack
+import numpy as np
+
+from quantwatch.service.rollups import F32, canonicalise
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from quantwatch.service.models import Run
+
+RUN_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
+SERIES_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
+MAX_LAYER_NAME = 500
+MAX_STEP = 2**62
+NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+class WireError(ValueError):
+    """A batch a client sent that cannot be stored: ``status`` 400 (undecodable) or 422 (schema), ``field`` names it."""
+
+    def __init__(self, status: int, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.status = status
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class IngestStep:
+    """One step of a batch.
+
+    ``metrics[name]`` is a float32 array aligned with :attr:`IngestBatch.layers`; a value the agent did not measure
+    (``null``) is NaN there and ``True`` in ``missing[name]``, which exists only for metrics with at least one null.
+    Non-finite measured values (NaN, ±inf) are kept as they are: they are signals.
+    """
+
+    step: int
+    time: float | None
+    metrics: Mapping[str, F32]
+    scalars: Mapping[str, float]
+    missing: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class IngestBatch:
+    """A validated batch: run, rank, batch id, layer names (in the agent's model order) and steps."""
+
+    run: str
+    rank: int
+    batch_id: str
+    layers: tuple[str, ...]
+    steps: tuple[IngestStep, ...]
+
+    @property
+    def points(self) -> int:
+        """Measured values in the batch (per-layer metric values plus scalars)."""
+        total = 0
+        for step in self.steps:
+            total += len(step.scalars)
+            for name, values in step.metrics.items():
+                miss = step.missing.get(name)
+                total += values.size - (int(miss.sum()) if miss is not None else 0)
+        return total
+
+
+@runtime_checkable
+class IngestObserver(Protocol):
+    """Something that reacts to ingested batches (alert evaluation, the Prometheus latest-value cache).
+
+    ``on_batch`` runs inside the database transaction that stores the batch, after the points are written: rows it
+    adds through ``session`` commit atomically with the points, and an exception aborts the whole batch (the client
+    gets a 5xx and retries). ``after_commit`` runs once the batch is durable; its exceptions are logged, never raised.
+    Duplicate batches (a repeated ``batch_id``) reach neither.
+    """
+
+    def on_batch(self, session: Session, run_row: Run, batch: IngestBatch) -> None:
+        """Called inside the ingest transaction."""
+
+    def after_commit(self, batch: IngestBatch) -> None:
+        """Called after the transaction committed."""
+
+
+def _require(cond: bool, field: str, message: str) -> None:
+    if not cond:
+        raise WireError(422, field, message)
+
+
+def _number(value: Any, field: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise WireError(422, field, "must be a number, null, or one of 'nan', 'inf', '-inf'")
+    if isinstance(value, str):
+        if value not in NONFINITE:
+            raise WireError(422, field, f"string {value[:20]!r} is not one of 'nan', 'inf', '-inf'")
+        return NONFINITE[value]
+    return float(value)
+
+
+def _metric_values(raw: Any, n_layers: int, field: str) -> tuple[F32, np.ndarray | None]:
+    if isinstance(raw, bytes | bytearray):
+        _require(len(raw) == 4 * n_layers, field, f"binary length {len(raw)} ≠ 4 × {n_layers} layers")
+        return canonicalise(np.frombuffer(raw, dtype="<f4").astype(np.float32)), None
+    _require(isinstance(raw, list), field, "must be an array of numbers (or a float32 bin in msgpack)")
+    _require(len(raw) == n_layers, field, f"length {len(raw)} ≠ {n_layers} layers")
+    values = np.empty(n_layers, dtype=np.float32)
+    missing = np.zeros(n_layers, dtype=bool)
+    with np.errstate(over="ignore"):
+        for i, item in enumerate(raw):
+            number = _number(item, f"{field}[{i}]")
+            if number is None:
+                missing[i] = True
+                values[i] = np.nan
+            else:
+                values[i] = number
+    return canonicalise(values), (missing if missing.any() else None)
+
+
+def _int(value: Any, field: str, low: int, high: int) -> int:
+    _require(isinstance(value, int) and not isinstance(value, bool), field, "must be an integer")
+    _require(low <= value <= high, field, f"must be between {low} and {high}")
+    return int(value)
+
+
+def _step(raw: Any, n_layers: int, field: str, seen: set[int]) -> IngestStep:
+    _require(isinstance(raw, dict), field, "must be an object")
+    _require("step" in raw, f"{field}.step", "is required")
+    step = _int(raw["step"], f"{field}.step", 0, MAX_STEP)
+    _require(step not in seen, f"{field}.step", f"step {step} appears twice in the batch")
+    seen.add(step)
+    time = _number(raw.get("time"), f"{field}.time")
+    _require(time is None or math.isfinite(time), f"{field}.time", "must be finite seconds since the epoch")
+    raw_metrics = raw.get("metrics") or {}
+    _require(isinstance(raw_metrics, dict), f"{field}.metrics", "must be an object")
+    metrics: dict[str, F32] = {}
+    missing: dict[str, np.ndarray] = {}
+    for name, values in raw_metrics.items():
+        where = f"{field}.metrics.{name}"
+        _require(isinstance(name, str) and SERIES_NAME.fullmatch(name) is not None, where, "bad metric name")
+        arr, miss = _metric_values(values, n_layers, where)
+        metrics[name] = arr
+        if miss is not None:
+            missing[name] = miss
+    raw_scalars = raw.get("scalars") or {}
+    _require(isinstance(raw_scalars, dict), f"{field}.scalars", "must be an object")
+    scalars: dict[str, float] = {}
+    for name, value in raw_scalars.items():
+        where = f"{field}.scalars.{name}"
+        _require(isinstance(name, str) and SERIES_NAME.fullmatch(name) is not None, where, "bad scalar name")
+        number = _number(value, where)
+        if number is not None:
+            scalars[name] = number
+    return IngestStep(step=step, time=time, metrics=metrics, scalars=scalars, missing=missing)
+
+
+def batch_from_obj(obj: Any) -> IngestBatch:
+    """Validate a decoded JSON/msgpack document into an :class:`IngestBatch` (raises :class:`WireError`)."""
+    _require(isinstance(obj, dict), "", "the batch must be an object")
+    run = obj.get("run")
+    _require(isinstance(run, str) and RUN_NAME.fullmatch(run) is not None, "run", "must match [A-Za-z0-9._:/-]{1,200}")
+    rank = _int(obj.get("rank", 0), "rank", 0, 2**31 - 1)
+    batch_id = obj.get("batch_id")
+    _require(isinstance(batch_id, str) and 1 <= len(batch_id) <= 128, "batch_id", "must be a string of 1..128 chars")
+    layers = obj.get("layers", [])
+    _require(isinstance(layers, list), "layers", "must be an array of layer names")
+    for i, name in enumerate(layers):
+        _require(isinstance(name, str) and 0 < len(name) <= MAX_LAYER_NAME, f"layers[{i}]", "must be 1..500 chars")
+    _require(len(set(layers)) == len(layers), "layers", "layer names must be unique")
+    raw_steps = obj.get("steps")
+    _require(isinstance(raw_steps, list) and len(raw_steps) > 0, "steps", "must be a non-empty array")
+    seen: set[int] = set()
+    steps = tuple(_step(raw, len(layers), f"steps[{i}]", seen) for i, raw in enumerate(raw_steps))
+    return IngestBatch(run=run, rank=rank, batch_id=batch_id, layers=tuple(layers), steps=steps)
+
+
+def decode_json(body: bytes) -> IngestBatch:
+    """Decode and validate a JSON batch."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise WireError(400, "", f"malformed JSON: {exc}") from None
+    return batch_from_obj(obj)
+
+
+def decode_msgpack(body: bytes) -> IngestBatch:
+    """Decode and validate a msgpack batch (metric arrays may be float32 ``bin``)."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for corrupt input
+        raise WireError(400, "", f"malformed msgpack: {type(exc).__name__}") from None
+    return batch_from_obj(obj)

@@ -1,0 +1,1 @@
+"""Configuration and database plumbing of the collector."""

@@ -1,0 +1,162 @@
+"""ORM models of the collector's schema (Alembic owns the DDL; a test checks that both agree).
+
+Per-layer metrics are stored step-major as one row per (run, rank, step, metric) whose ``vals`` blob holds a
+little-endian float32 per layer of the run, in the run's layer index order (see README "Storage"). Rollups hold
+min/max/sum/count per layer over aligned power-of-four step blocks so long-range reads never touch raw points.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only aliases the rowid (append-only, full pages) for a column declared exactly INTEGER PRIMARY KEY.
+RowId = BigInteger().with_variant(Integer(), "sqlite")
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    """Declarative base carrying the constraint naming convention used by the migrations."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Run(Base):
+    """One training job, created on first sight by ingest."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[float] = mapped_column(Double)
+    layer_count: Mapped[int] = mapped_column(Integer, default=0)
+
+    # AUTOINCREMENT: a deleted run's id is never handed to a new run (in-process caches key on it).
+    __table_args__ = {"sqlite_autoincrement": True}  # noqa: RUF012
+
+
+class RunRank(Base):
+    """Progress of one rank of a run; per rank so concurrent ranks never contend for one row."""
+
+    __tablename__ = "run_ranks"
+
+    run_id: Mapped[int] = mapped_column(RowId, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    last_seen_at: Mapped[float] = mapped_column(Double)
+    points: Mapped[int] = mapped_column(BigInteger)
+
+
+class Layer(Base):
+    """A monitored layer of a run; ``idx`` is its position in model order (first-seen order)."""
+
+    __tablename__ = "layers"
+
+    run_id: Mapped[int] = mapped_column(RowId, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(500))
+
+    __table_args__ = (UniqueConstraint("run_id", "name"),)
+
+
+class MetricName(Base):
+    """Dictionary of metric and scalar names, so point rows carry a small integer."""
+
+    __tablename__ = "metric_names"
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+
+
+class RunMetric(Base):
+    """Which metrics (``kind='layer'``) and scalars (``kind='scalar'``) a run has sent."""
+
+    __tablename__ = "run_metrics"
+
+    run_id: Mapped[int] = mapped_column(RowId, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    name_id: Mapped[int] = mapped_column(RowId, ForeignKey("metric_names.id"), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8), primary_key=True)
+
+
+class Batch(Base):
+    """An accepted ingest batch; the primary key makes a retried ``batch_id`` a no-op."""
+
+    __tablename__ = "batches"
+
+    run_id: Mapped[int] = mapped_column(RowId, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    received_at: Mapped[float] = mapped_column(Double)
+    points: Mapped[int] = mapped_column(BigInteger)
+
+
+class Point(Base):
+    """Per-layer values of one metric at one step of one rank: ``vals`` is float32 little-endian per layer index.
+
+    A value never measured (``null`` on the wire) is the NaN bit pattern ``MISSING_BITS`` of :mod:`.rollups`; layers
+    added to the run after the row was written are missing too (the blob is shorter than the run's layer count).
+    """
+
+    __tablename__ = "points"
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(RowId, ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
+    name_id: Mapped[int] = mapped_column(RowId, ForeignKey("metric_names.id"))
+    time: Mapped[float | None] = mapped_column(Double)
+    vals: Mapped[bytes] = mapped_column(LargeBinary)
+
+    __table_args__ = (Index("ix_points_key", "run_id", "rank", "step", "name_id", unique=True),)
+
+
+class Rollup(Base):
+    """min/max (float32), sum (float64) and count (uint16) per layer over steps [bucket·level, (bucket+1)·level)."""
+
+    __tablename__ = "rollups"
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(RowId, ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    name_id: Mapped[int] = mapped_column(RowId, ForeignKey("metric_names.id"))
+    level: Mapped[int] = mapped_column(Integer)
+    bucket: Mapped[int] = mapped_column(BigInteger)
+    vmin: Mapped[bytes] = mapped_column(LargeBinary)
+    vmax: Mapped[bytes] = mapped_column(LargeBinary)
+    vsum: Mapped[bytes] = mapped_column(LargeBinary)
+    vcount: Mapped[bytes] = mapped_column(LargeBinary)
+
+    __table_args__ = (Index("ix_rollups_key", "run_id", "rank", "name_id", "level", "bucket", unique=True),)
+
+
+class ScalarPoint(Base):
+    """One per-run figure (loss, tokens_per_second, …) at one step of one rank.
+
+    ``value`` is a little-endian float64 blob: SQLite turns a REAL NaN into NULL, and NaN is a signal to keep.
+    """
+
+    __tablename__ = "scalar_points"
+
+    run_id: Mapped[int] = mapped_column(RowId, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name_id: Mapped[int] = mapped_column(RowId, ForeignKey("metric_names.id"), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    time: Mapped[float | None] = mapped_column(Double)
+    value: Mapped[bytes] = mapped_column(LargeBinary)

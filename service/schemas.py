@@ -1,0 +1,64 @@
+"""Pydantic models of the REST API's answers (they define the OpenAPI schema)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+# JSON cannot carry NaN or infinities: like the wire format, answers use the strings "nan", "inf" and "-inf".
+Value = float | str | None
+
+
+class IngestAnswer(BaseModel):
+    """Answer to an accepted (or duplicate) batch."""
+
+    batch_id: str
+    duplicate: bool = Field(description="True when this batch_id was stored before; nothing was stored again.")
+    points: int = Field(description="Values stored by this request (0 for a duplicate).")
+
+
+class RunSummary(BaseModel):
+    """One run: progress over all ranks, what it sends, and its firing alerts."""
+
+    name: str
+    created_at: float = Field(description="Seconds since the epoch when the collector first saw the run.")
+    first_step: int | None
+    last_step: int | None
+    last_seen_at: float | None = Field(description="Seconds since the epoch of the latest accepted batch.")
+    layer_count: int
+    ranks: list[int]
+    points: int = Field(description="Values accepted so far (re-sent values count again).")
+    metrics: list[str] = Field(description="Per-layer metric names seen.")
+    scalars: list[str] = Field(description="Scalar names seen.")
+    firing_alerts: int = Field(description="Alerts of this run currently firing.")
+
+
+class LayerInfo(BaseModel):
+    """A layer of a run; ``index`` is its position in model order (first-seen order)."""
+
+    index: int
+    name: str
+
+
+class Series(BaseModel):
+    """A series over aligned step buckets of ``bucket_steps`` steps (1 = exact values, min = mean = max)."""
+
+    steps: list[int] = Field(description="First step of each non-empty bucket (clipped to the requested start).")
+    min: list[Value]
+    mean: list[Value]
+    max: list[Value]
+    bucket_steps: int
+
+
+class Heatmap(BaseModel):
+    """Layers (model order) × step buckets; ``values[i][j]`` is layer i in bucket j (null: nothing measured)."""
+
+    layers: list[str]
+    steps: list[int]
+    values: list[list[Value]]
+    bucket_steps: int
+
+
+class Health(BaseModel):
+    """Liveness or readiness."""
+
+    status: str

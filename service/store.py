@@ -1,0 +1,916 @@
+"""All database access of the collector: ingest (points, rollups, bookkeeping) and history queries.
+
+See README "Storage" for the layout. Writers of one (run, rank) are serialised (SQLite: one writer at a time;
+PostgreSQL: a transaction-scoped advisory lock), which makes read-merge-write of rollups and last-write-wins merges of
+re-sent points safe with several collector replicas on one database.
+"""
+
+from __future__ import annotations
+
+import csv
+import fnmatch
+import io
+import logging
+import math
+import struct
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Connection, Engine, and_, delete, func, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, sessionmaker
+
+from quantwatch.service.batch import IngestBatch, IngestObserver
+from quantwatch.service.models import (
+    Batch,
+    Layer,
+    MetricName,
+    Point,
+    Rollup,
+    Run,
+    RunMetric,
+    RunRank,
+    ScalarPoint,
+)
+from quantwatch.service.rollups import (
+    F32,
+    I64,
+    LEVELS,
+    MISSING_BITS,
+    Partials,
+    group_starts,
+    is_missing,
+    missing_row,
+    rows_from_blobs,
+    to_json_floats,
+)
+
+log = logging.getLogger("quantwatch.service")
+
+RUN_LOCK_TAG = 1 << 40
+RANK_LOCK_SPAN = 1 << 20
+
+
+class NotFoundError(LookupError):
+    """A run, layer, metric or scalar that does not exist (HTTP 404)."""
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """What ingest answers: the batch id, whether it was a duplicate, and the points stored."""
+
+    batch_id: str
+    duplicate: bool
+    points: int
+
+
+@dataclass
+class _RunCache:
+    layers: list[str] = field(default_factory=list)
+    index: dict[str, int] = field(default_factory=dict)
+    kinds: set[tuple[int, str]] = field(default_factory=set)
+
+
+def choose_width(start: int, end: int, max_points: int) -> int:
+    """Smallest power-of-two bucket width whose aligned buckets over [start, end] number at most ``max_points``."""
+    width = 1
+    while end // width - start // width + 1 > max_points:
+        width *= 2
+    return width
+
+
+def _json_value(value: float) -> float | str:
+    if math.isfinite(value):
+        return value
+    return "nan" if value != value else ("inf" if value > 0 else "-inf")
+
+
+class Store:
+    """Data access for one engine; holds small caches of immutable facts (name ids, layer order) per process."""
+
+    def __init__(self, engine: Engine, factory: sessionmaker[Session]) -> None:
+        self.engine = engine
+        self.factory = factory
+        self.pg = engine.dialect.name == "postgresql"
+        self._insert = postgresql.insert if self.pg else sqlite.insert
+        self._names: dict[str, int] = {}
+        self._runs: dict[int, _RunCache] = {}
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- ingest
+    def ingest(self, batch: IngestBatch, observers: Sequence[IngestObserver] = ()) -> IngestResult:
+        """Store ``batch`` atomically, or recognise it as a duplicate; run the observers (see IngestObserver)."""
+        now = time.time()
+        points = batch.points
+        pending_names: dict[str, int] = {}
+        with self.factory() as session:
+            conn = session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
+            try:
+                run_id, layer_count = self._ensure_run(conn, batch.run, now)
+                inserted = conn.execute(
+                    self._insert(Batch)
+                    .values(run_id=run_id, batch_id=batch.batch_id, rank=batch.rank, received_at=now, points=points)
+                    .on_conflict_do_nothing()
+                    .returning(Batch.batch_id)
+                ).first()
+                if inserted is None:
+                    session.rollback()
+                    return IngestResult(batch.batch_id, True, 0)
+                if self.pg:
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": self._rank_key(run_id, batch.rank)})
+                cache = self._run_cache(conn, run_id, layer_count)
+                layers, index = self._ensure_layers(conn, run_id, cache, batch.layers)
+                names = {n for s in batch.steps for n in s.metrics} | {n for s in batch.steps for n in s.scalars}
+                name_ids = self._name_ids(conn, sorted(names), pending_names)
+                self._write_run_metrics(conn, run_id, batch, name_ids, cache)
+                self._write_points(conn, run_id, batch, layers, index, name_ids)
+                self._write_scalars(conn, run_id, batch, name_ids)
+                self._write_rank(conn, run_id, batch, now, points)
+                if observers:
+                    run_row = session.get(Run, run_id)
+                    if run_row is None:  # the row was inserted or read above in this very transaction
+                        raise LookupError(f"run {batch.run!r} vanished during ingest")
+                    for observer in observers:
+                        observer.on_batch(session, run_row, batch)
+                session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+        with self._lock:
+            self._names.update(pending_names)
+            self._runs[run_id] = _RunCache(list(layers), dict(index), cache.kinds | self._new_kinds(batch, name_ids))
+        for observer in observers:
+            try:
+                observer.after_commit(batch)
+            except Exception:
+                log.exception("ingest observer %r failed after commit", observer)
+        return IngestResult(batch.batch_id, False, points)
+
+    @staticmethod
+    def _rank_key(run_id: int, rank: int) -> int:
+        return run_id * RANK_LOCK_SPAN + rank % (RANK_LOCK_SPAN - 1) + 1
+
+    @staticmethod
+    def _new_kinds(batch: IngestBatch, name_ids: dict[str, int]) -> set[tuple[int, str]]:
+        kinds = {(name_ids[n], "layer") for s in batch.steps for n in s.metrics}
+        return kinds | {(name_ids[n], "scalar") for s in batch.steps for n in s.scalars}
+
+    def _ensure_run(self, conn: Connection, name: str, now: float) -> tuple[int, int]:
+        row = conn.execute(select(Run.id, Run.layer_count).where(Run.name == name)).first()
+        if row is None:
+            conn.execute(self._insert(Run).values(name=name, created_at=now, layer_count=0).on_conflict_do_nothing())
+            row = conn.execute(select(Run.id, Run.layer_count).where(Run.name == name)).one()
+        return int(row[0]), int(row[1])
+
+    def _run_cache(self, conn: Connection, run_id: int, layer_count: int) -> _RunCache:
+        cached = self._runs.get(run_id)
+        if cached is not None and len(cached.layers) == layer_count:
+            return _RunCache(list(cached.layers), dict(cached.index), set(cached.kinds))
+        layers = [r[0] for r in conn.execute(select(Layer.name).where(Layer.run_id == run_id).order_by(Layer.idx))]
+        kinds = {
+            (int(r[0]), str(r[1]))
+            for r in conn.execute(select(RunMetric.name_id, RunMetric.kind).where(RunMetric.run_id == run_id))
+        }
+        return _RunCache(layers, {n: i for i, n in enumerate(layers)}, kinds)
+
+    def _ensure_layers(
+        self, conn: Connection, run_id: int, cache: _RunCache, names: Sequence[str]
+    ) -> tuple[list[str], dict[str, int]]:
+        if all(n in cache.index for n in names):
+            return cache.layers, cache.index
+        if self.pg:
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": RUN_LOCK_TAG + run_id})
+        layers = [r[0] for r in conn.execute(select(Layer.name).where(Layer.run_id == run_id).order_by(Layer.idx))]
+        index = {n: i for i, n in enumerate(layers)}
+        new = [n for n in names if n not in index]
+        if new:
+            conn.execute(
+                self._insert(Layer),
+                [{"run_id": run_id, "idx": len(layers) + i, "name": n} for i, n in enumerate(new)],
+            )
+            for n in new:
+                index[n] = len(layers)
+                layers.append(n)
+            conn.execute(update(Run).where(Run.id == run_id).values(layer_count=len(layers)))
+        return layers, index
+
+    def _name_ids(self, conn: Connection, names: Sequence[str], pending: dict[str, int]) -> dict[str, int]:
+        ids = {n: self._names[n] for n in names if n in self._names}
+        unknown = [n for n in names if n not in ids]
+        if unknown:
+            conn.execute(self._insert(MetricName).on_conflict_do_nothing(), [{"name": n} for n in unknown])
+            for row in conn.execute(select(MetricName.name, MetricName.id).where(MetricName.name.in_(unknown))):
+                ids[row[0]] = int(row[1])
+                pending[row[0]] = int(row[1])
+        return ids
+
+    def _write_run_metrics(
+        self, conn: Connection, run_id: int, batch: IngestBatch, name_ids: dict[str, int], cache: _RunCache
+    ) -> None:
+        rows = [
+            {"run_id": run_id, "name_id": nid, "kind": kind}
+            for nid, kind in self._new_kinds(batch, name_ids) - cache.kinds
+        ]
+        if rows:
+            conn.execute(self._insert(RunMetric).on_conflict_do_nothing(), rows)
+
+    def _write_points(
+        self,
+        conn: Connection,
+        run_id: int,
+        batch: IngestBatch,
+        layers: list[str],
+        index: dict[str, int],
+        name_ids: dict[str, int],
+    ) -> None:
+        n_layers = len(layers)
+        columns = np.array([index[n] for n in batch.layers], dtype=np.int64)
+        identity = len(columns) == n_layers and bool(np.all(columns == np.arange(n_layers)))
+        steps_by_metric: dict[str, list[tuple[int, float | None, F32]]] = {}
+        for st in sorted(batch.steps, key=lambda s: s.step):
+            for name, values in st.metrics.items():
+                if identity:
+                    full = values.copy()
+                else:
+                    full = missing_row(n_layers)
+                    full[columns] = values
+                miss = st.missing.get(name)
+                if miss is not None:
+                    full.view(np.uint32)[columns[miss]] = MISSING_BITS
+                steps_by_metric.setdefault(name, []).append((st.step, st.time, full))
+        if not steps_by_metric:
+            return
+        lo = min(s.step for s in batch.steps)
+        hi = max(s.step for s in batch.steps)
+        existing = {
+            (int(r[0]), int(r[1]))
+            for r in conn.execute(
+                select(Point.step, Point.name_id).where(
+                    Point.run_id == run_id, Point.rank == batch.rank, Point.step >= lo, Point.step <= hi
+                )
+            )
+        }
+        rows: list[dict[str, Any]] = []
+        replaced: dict[int, list[int]] = {}
+        matrices: dict[int, tuple[I64, F32]] = {}
+        for name, entries in steps_by_metric.items():
+            nid = name_ids[name]
+            steps = np.array([e[0] for e in entries], dtype=np.int64)
+            values = np.stack([e[2] for e in entries])
+            hits = [i for i, s in enumerate(steps.tolist()) if (s, nid) in existing]
+            if hits:
+                old_rows = {
+                    int(r[0]): r[1]
+                    for r in conn.execute(
+                        select(Point.step, Point.vals).where(
+                            Point.run_id == run_id,
+                            Point.rank == batch.rank,
+                            Point.name_id == nid,
+                            Point.step.in_([int(steps[i]) for i in hits]),
+                        )
+                    )
+                }
+                old = rows_from_blobs([old_rows[int(steps[i])] for i in hits], n_layers)
+                new = values[hits]
+                # Last write wins per (layer, step): a re-sent step replaces what it measures, keeps the rest.
+                values[hits] = np.where(is_missing(new), old, new)
+                replaced[nid] = [int(steps[i]) for i in hits]
+            matrices[nid] = (steps, values)
+            times = [e[1] for e in entries]
+            blob = values.astype("<f4", copy=False)
+            rows.extend(
+                {
+                    "run_id": run_id,
+                    "rank": batch.rank,
+                    "step": int(steps[i]),
+                    "name_id": nid,
+                    "time": times[i],
+                    "vals": blob[i].tobytes(),
+                }
+                for i in range(len(entries))
+            )
+        stmt = self._insert(Point)
+        conn.execute(
+            stmt.on_conflict_do_update(
+                index_elements=["run_id", "rank", "step", "name_id"],
+                set_={"vals": stmt.excluded.vals, "time": stmt.excluded.time},
+            ),
+            rows,
+        )
+        for nid, (steps, values) in matrices.items():
+            self._write_rollups(conn, run_id, batch.rank, nid, steps, values, n_layers, bool(replaced.get(nid)))
+
+    def _read_rollups(
+        self, conn: Connection, run_id: int, rank: int, nid: int, level: int, lo: int, hi: int, n_layers: int
+    ) -> tuple[I64, Partials]:
+        rows = conn.execute(
+            select(Rollup.bucket, Rollup.vmin, Rollup.vmax, Rollup.vsum, Rollup.vcount)
+            .where(
+                Rollup.run_id == run_id,
+                Rollup.rank == rank,
+                Rollup.name_id == nid,
+                Rollup.level == level,
+                Rollup.bucket >= lo,
+                Rollup.bucket <= hi,
+            )
+            .order_by(Rollup.bucket)
+        ).all()
+        buckets = np.array([r[0] for r in rows], dtype=np.int64)
+        return buckets, Partials.from_blobs([(r[1], r[2], r[3], r[4]) for r in rows], n_layers)
+
+    def _write_rollups(
+        self,
+        conn: Connection,
+        run_id: int,
+        rank: int,
+        nid: int,
+        steps: I64,
+        values: F32,
+        n_layers: int,
+        replaced: bool,
+    ) -> None:
+        base = LEVELS[0]
+        touched = np.unique(steps // base)
+        if replaced:
+            # Replaced values cannot be subtracted from a min or max: recompute the touched blocks from raw points.
+            lo, hi = int(touched[0]) * base, (int(touched[-1]) + 1) * base - 1
+            raw = conn.execute(
+                select(Point.step, Point.vals)
+                .where(
+                    Point.run_id == run_id,
+                    Point.rank == rank,
+                    Point.name_id == nid,
+                    Point.step >= lo,
+                    Point.step <= hi,
+                )
+                .order_by(Point.step)
+            ).all()
+            raw_steps = np.array([r[0] for r in raw], dtype=np.int64)
+            keys, starts = group_starts(raw_steps // base)
+            part = Partials.from_values(rows_from_blobs([r[1] for r in raw], n_layers)).reduce(starts)
+        else:
+            keys, starts = group_starts(steps // base)
+            part = Partials.from_values(values).reduce(starts)
+            old_keys, old = self._read_rollups(conn, run_id, rank, nid, base, int(keys[0]), int(keys[-1]), n_layers)
+            if old_keys.size:
+                pos = np.searchsorted(keys, old_keys)
+                hit = (pos < keys.size) & (keys[np.minimum(pos, keys.size - 1)] == old_keys)
+                merged = part.take(pos[hit]).merge(old.take(np.flatnonzero(hit)))
+                part.vmin[pos[hit]] = merged.vmin
+                part.vmax[pos[hit]] = merged.vmax
+                part.vsum[pos[hit]] = merged.vsum
+                part.vcount[pos[hit]] = merged.vcount
+        self._upsert_rollups(conn, run_id, rank, nid, base, keys, part)
+        below = base
+        for level in LEVELS[1:]:
+            factor = level // below
+            lo_b, hi_b = int(keys[0]) // factor, int(keys[-1]) // factor
+            child_keys, child = self._read_rollups(
+                conn, run_id, rank, nid, below, lo_b * factor, (hi_b + 1) * factor - 1, n_layers
+            )
+            keys, starts = group_starts(child_keys // factor)
+            part = child.reduce(starts)
+            self._upsert_rollups(conn, run_id, rank, nid, level, keys, part)
+            below = level
+
+    def _upsert_rollups(
+        self, conn: Connection, run_id: int, rank: int, nid: int, level: int, keys: I64, part: Partials
+    ) -> None:
+        rows = []
+        for i, bucket in enumerate(keys.tolist()):
+            vmin, vmax, vsum, vcount = part.blobs(i)
+            rows.append(
+                {
+                    "run_id": run_id,
+                    "rank": rank,
+                    "name_id": nid,
+                    "level": level,
+                    "bucket": bucket,
+                    "vmin": vmin,
+                    "vmax": vmax,
+                    "vsum": vsum,
+                    "vcount": vcount,
+                }
+            )
+        stmt = self._insert(Rollup)
+        conn.execute(
+            stmt.on_conflict_do_update(
+                index_elements=["run_id", "rank", "name_id", "level", "bucket"],
+                set_={c: stmt.excluded[c] for c in ("vmin", "vmax", "vsum", "vcount")},
+            ),
+            rows,
+        )
+
+    def _write_scalars(self, conn: Connection, run_id: int, batch: IngestBatch, name_ids: dict[str, int]) -> None:
+        rows = [
+            {
+                "run_id": run_id,
+                "rank": batch.rank,
+                "name_id": name_ids[name],
+                "step": st.step,
+                "time": st.time,
+                "value": struct.pack("<d", value),
+            }
+            for st in batch.steps
+            for name, value in st.scalars.items()
+        ]
+        if rows:
+            stmt = self._insert(ScalarPoint)
+            conn.execute(
+                stmt.on_conflict_do_update(
+                    index_elements=["run_id", "rank", "name_id", "step"],
+                    set_={"value": stmt.excluded.value, "time": stmt.excluded.time},
+                ),
+                rows,
+            )
+
+    def _write_rank(self, conn: Connection, run_id: int, batch: IngestBatch, now: float, points: int) -> None:
+        lo = min(s.step for s in batch.steps)
+        hi = max(s.step for s in batch.steps)
+        stmt = self._insert(RunRank).values(
+            run_id=run_id, rank=batch.rank, first_step=lo, last_step=hi, last_seen_at=now, points=points
+        )
+        least, greatest = (func.least, func.greatest) if self.pg else (func.min, func.max)
+        table = RunRank.__table__
+        conn.execute(
+            stmt.on_conflict_do_update(
+                index_elements=["run_id", "rank"],
+                set_={
+                    "first_step": least(table.c.first_step, stmt.excluded.first_step),
+                    "last_step": greatest(table.c.last_step, stmt.excluded.last_step),
+                    "last_seen_at": stmt.excluded.last_seen_at,
+                    "points": table.c.points + stmt.excluded.points,
+                },
+            )
+        )
+
+    # ---------------------------------------------------------------- runs
+    def _run(self, session: Session, name: str) -> Run:
+        run = session.execute(select(Run).where(Run.name == name)).scalar_one_or_none()
+        if run is None:
+            raise NotFoundError(f"run {name!r} not found")
+        return run
+
+    def _summaries(self, session: Session, runs: Sequence[Run]) -> list[dict[str, Any]]:
+        ids = [r.id for r in runs]
+        if not ids:
+            return []
+        ranks: dict[int, list[Any]] = {}
+        for row in session.execute(select(RunRank).where(RunRank.run_id.in_(ids)).order_by(RunRank.rank)).scalars():
+            ranks.setdefault(row.run_id, []).append(row)
+        kinds: dict[int, dict[str, list[str]]] = {}
+        for run_id, name, kind in session.execute(
+            select(RunMetric.run_id, MetricName.name, RunMetric.kind)
+            .join(MetricName, MetricName.id == RunMetric.name_id)
+            .where(RunMetric.run_id.in_(ids))
+            .order_by(MetricName.name)
+        ):
+            kinds.setdefault(run_id, {"layer": [], "scalar": []})[kind].append(name)
+        out = []
+        for run in runs:
+            rr = ranks.get(run.id, [])
+            k = kinds.get(run.id, {"layer": [], "scalar": []})
+            out.append(
+                {
+                    "name": run.name,
+                    "created_at": run.created_at,
+                    "first_step": min((r.first_step for r in rr), default=None),
+                    "last_step": max((r.last_step for r in rr), default=None),
+                    "last_seen_at": max((r.last_seen_at for r in rr), default=None),
+                    "layer_count": run.layer_count,
+                    "ranks": [r.rank for r in rr],
+                    "points": sum(r.points for r in rr),
+                    "metrics": k["layer"],
+                    "scalars": k["scalar"],
+                }
+            )
+        return out
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        """Summaries of every run, by name."""
+        with self.factory() as session:
+            runs = session.execute(select(Run).order_by(Run.name)).scalars().all()
+            return self._summaries(session, runs)
+
+    def get_run(self, name: str) -> dict[str, Any]:
+        """Summary of one run (raises NotFoundError)."""
+        with self.factory() as session:
+            return self._summaries(session, [self._run(session, name)])[0]
+
+    def run_id(self, name: str) -> int:
+        """The database id of run ``name`` (raises NotFoundError)."""
+        with self.factory() as session:
+            return self._run(session, name).id
+
+    def list_layers(self, name: str) -> list[dict[str, Any]]:
+        """Layers of a run in model order."""
+        with self.factory() as session:
+            run = self._run(session, name)
+            rows = session.execute(select(Layer.idx, Layer.name).where(Layer.run_id == run.id).order_by(Layer.idx))
+            return [{"index": int(i), "name": n} for i, n in rows]
+
+    def delete_run(self, name: str) -> None:
+        """Delete a run and everything stored for it (foreign keys cascade)."""
+        with self.factory() as session:
+            session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
+            run = self._run(session, name)
+            session.execute(delete(Run).where(Run.id == run.id))
+            session.commit()
+        with self._lock:
+            self._runs.pop(run.id, None)
+
+    # ---------------------------------------------------------------- series and heatmaps
+    def _name_id(self, session: Session, run_id: int, name: str, kind: str) -> int:
+        row = session.execute(
+            select(MetricName.id)
+            .join(RunMetric, and_(RunMetric.name_id == MetricName.id, RunMetric.run_id == run_id))
+            .where(MetricName.name == name, RunMetric.kind == kind)
+        ).first()
+        if row is None:
+            what = "metric" if kind == "layer" else "scalar"
+            raise NotFoundError(f"{what} {name!r} not found in this run")
+        return int(row[0])
+
+    def _range(
+        self, session: Session, run_id: int, rank: int, start: int | None, end: int | None
+    ) -> tuple[int, int] | None:
+        rr = session.get(RunRank, (run_id, rank))
+        if rr is None:
+            return None
+        lo = rr.first_step if start is None else start
+        hi = rr.last_step if end is None else end
+        return (lo, hi) if lo <= hi else None
+
+    def _raw_partials(
+        self, session: Session, run_id: int, rank: int, nid: int, lo: int, hi: int, layer: int | None, n_layers: int
+    ) -> tuple[I64, Partials]:
+        if lo > hi:
+            return np.zeros(0, dtype=np.int64), Partials.empty(0, 1 if layer is not None else n_layers)
+        vals = Point.vals if layer is None else func.substr(Point.vals, 4 * layer + 1, 4)
+        rows = session.execute(
+            select(Point.step, vals)
+            .where(Point.run_id == run_id, Point.rank == rank, Point.name_id == nid, Point.step >= lo, Point.step <= hi)
+            .order_by(Point.step)
+        ).all()
+        steps = np.array([r[0] for r in rows], dtype=np.int64)
+        width = 1 if layer is not None else n_layers
+        return steps, Partials.from_values(rows_from_blobs([bytes(r[1]) for r in rows], width))
+
+    def _rollup_partials(
+        self,
+        session: Session,
+        run_id: int,
+        rank: int,
+        nid: int,
+        level: int,
+        lo_b: int,
+        hi_b: int,
+        layer: int | None,
+        n_layers: int,
+    ) -> tuple[I64, Partials]:
+        cols: tuple[Any, ...]
+        if layer is None:
+            cols = (Rollup.vmin, Rollup.vmax, Rollup.vsum, Rollup.vcount)
+        else:
+            cols = (
+                func.substr(Rollup.vmin, 4 * layer + 1, 4),
+                func.substr(Rollup.vmax, 4 * layer + 1, 4),
+                func.substr(Rollup.vsum, 8 * layer + 1, 8),
+                func.substr(Rollup.vcount, 2 * layer + 1, 2),
+            )
+        rows = session.execute(
+            select(Rollup.bucket, *cols)
+            .where(
+                Rollup.run_id == run_id,
+                Rollup.rank == rank,
+                Rollup.name_id == nid,
+                Rollup.level == level,
+                Rollup.bucket >= lo_b,
+                Rollup.bucket <= hi_b,
+            )
+            .order_by(Rollup.bucket)
+        ).all()
+        starts = np.array([r[0] for r in rows], dtype=np.int64) * level
+        width = 1 if layer is not None else n_layers
+        return starts, Partials.from_blobs([(bytes(r[1]), bytes(r[2]), bytes(r[3]), bytes(r[4])) for r in rows], width)
+
+    def _bucketed(
+        self,
+        session: Session,
+        run_id: int,
+        rank: int,
+        nid: int,
+        lo: int,
+        hi: int,
+        width: int,
+        layer: int | None,
+        n_layers: int,
+    ) -> tuple[I64, Partials]:
+        """Partials per aligned bucket of ``width`` steps over [lo, hi]; keys are bucket indexes (step // width)."""
+        levels = [lv for lv in LEVELS if lv <= width]
+        if not levels:
+            steps, part = self._raw_partials(session, run_id, rank, nid, lo, hi, layer, n_layers)
+            keys, starts = group_starts(steps // width)
+            return keys, part.reduce(starts) if keys.size else part
+        level = levels[-1]
+        first_full = -(-lo // level)
+        last_full = (hi + 1) // level - 1
+        if first_full > last_full:
+            steps, part = self._raw_partials(session, run_id, rank, nid, lo, hi, layer, n_layers)
+        else:
+            h_steps, head = self._raw_partials(session, run_id, rank, nid, lo, first_full * level - 1, layer, n_layers)
+            m_steps, mid = self._rollup_partials(
+                session, run_id, rank, nid, level, first_full, last_full, layer, n_layers
+            )
+            t_steps, tail = self._raw_partials(session, run_id, rank, nid, (last_full + 1) * level, hi, layer, n_layers)
+            steps = np.concatenate([h_steps, m_steps, t_steps])
+            part = Partials(
+                np.concatenate([head.vmin, mid.vmin, tail.vmin]),
+                np.concatenate([head.vmax, mid.vmax, tail.vmax]),
+                np.concatenate([head.vsum, mid.vsum, tail.vsum]),
+                np.concatenate([head.vcount, mid.vcount, tail.vcount]),
+            )
+        keys, starts = group_starts(steps // width)
+        return keys, part.reduce(starts) if keys.size else part
+
+    def series(
+        self, run: str, metric: str, layer: str, rank: int, start: int | None, end: int | None, max_points: int
+    ) -> dict[str, Any]:
+        """min/mean/max of one layer's metric over [start, end]: exact when the range holds ≤ max_points samples."""
+        with self.factory() as session:
+            r = self._run(session, run)
+            idx = session.execute(select(Layer.idx).where(Layer.run_id == r.id, Layer.name == layer)).scalar()
+            if idx is None:
+                raise NotFoundError(f"layer {layer!r} not found in run {run!r}")
+            nid = self._name_id(session, r.id, metric, "layer")
+            rng = self._range(session, r.id, rank, start, end)
+            if rng is None:
+                return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": 1}
+            lo, hi = rng
+            count = session.execute(
+                select(func.count())
+                .select_from(Point)
+                .where(
+                    Point.run_id == r.id, Point.rank == rank, Point.name_id == nid, Point.step >= lo, Point.step <= hi
+                )
+            ).scalar_one()
+            width = 1 if count <= max_points else choose_width(lo, hi, max_points)
+            keys, part = self._bucketed(session, r.id, rank, nid, lo, hi, width, int(idx), r.layer_count)
+            return self._series_answer(
+                keys, width, lo, part.vmin[:, 0], part.vmax[:, 0], part.mean()[:, 0], part.vcount[:, 0]
+            )
+
+    @staticmethod
+    def _series_answer(
+        keys: I64, width: int, lo: int, vmin: np.ndarray, vmax: np.ndarray, mean: np.ndarray, count: np.ndarray
+    ) -> dict[str, Any]:
+        keep = count > 0
+        steps = np.maximum(keys * width, lo)[keep]
+        return {
+            "steps": steps.tolist(),
+            "min": to_json_floats(vmin[keep]),
+            "mean": to_json_floats(mean[keep]),
+            "max": to_json_floats(vmax[keep]),
+            "bucket_steps": width,
+        }
+
+    def scalar_series(
+        self, run: str, scalar: str, rank: int, start: int | None, end: int | None, max_points: int
+    ) -> dict[str, Any]:
+        """The same as :meth:`series` for a per-run scalar (float64, from raw rows)."""
+        with self.factory() as session:
+            r = self._run(session, run)
+            nid = self._name_id(session, r.id, scalar, "scalar")
+            rng = self._range(session, r.id, rank, start, end)
+            if rng is None:
+                return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": 1}
+            lo, hi = rng
+            rows = session.execute(
+                select(ScalarPoint.step, ScalarPoint.value)
+                .where(
+                    ScalarPoint.run_id == r.id,
+                    ScalarPoint.rank == rank,
+                    ScalarPoint.name_id == nid,
+                    ScalarPoint.step >= lo,
+                    ScalarPoint.step <= hi,
+                )
+                .order_by(ScalarPoint.step)
+            ).all()
+        steps = np.array([row[0] for row in rows], dtype=np.int64)
+        values = np.frombuffer(b"".join(bytes(row[1]) for row in rows), dtype="<f8").astype(np.float64)
+        width = 1 if steps.size <= max_points else choose_width(lo, hi, max_points)
+        keys, starts = group_starts(steps // width)
+        if not keys.size:
+            return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": width}
+        counts = np.diff(np.append(starts, steps.size))
+        return self._series_answer(
+            keys,
+            width,
+            lo,
+            np.minimum.reduceat(values, starts),
+            np.maximum.reduceat(values, starts),
+            np.add.reduceat(values, starts) / counts,
+            counts,
+        )
+
+    def heatmap(
+        self,
+        run: str,
+        metric: str,
+        rank: int,
+        start: int | None,
+        end: int | None,
+        max_steps: int,
+        layers: str | None,
+        agg: str,
+    ) -> dict[str, Any]:
+        """Layers (model order) × aligned step buckets of ``metric``, aggregated by ``agg`` (max, mean or min)."""
+        with self.factory() as session:
+            r = self._run(session, run)
+            nid = self._name_id(session, r.id, metric, "layer")
+            names = [n for (n,) in session.execute(select(Layer.name).where(Layer.run_id == r.id).order_by(Layer.idx))]
+            chosen = [i for i, n in enumerate(names) if layers is None or fnmatch.fnmatchcase(n, layers)]
+            rng = self._range(session, r.id, rank, start, end)
+            if rng is None or not chosen:
+                return {
+                    "layers": [names[i] for i in chosen],
+                    "steps": [],
+                    "values": [[] for _ in chosen],
+                    "bucket_steps": 1,
+                }
+            lo, hi = rng
+            width = choose_width(lo, hi, max_steps)
+            keys, part = self._bucketed(session, r.id, rank, nid, lo, hi, width, None, r.layer_count)
+        grid = np.arange(lo // width, hi // width + 1, dtype=np.int64)
+        pos = np.searchsorted(grid, keys)
+        n_cols = grid.size
+        sel = np.array(chosen, dtype=np.int64)
+        if agg == "mean":
+            data = part.mean()[:, sel]
+        elif agg == "min":
+            data = part.vmin[:, sel].astype(np.float64)
+        else:
+            data = part.vmax[:, sel].astype(np.float64)
+        full = np.full((n_cols, sel.size), np.nan)
+        valid = np.zeros((n_cols, sel.size), dtype=bool)
+        full[pos] = data
+        valid[pos] = part.vcount[:, sel] > 0
+        return {
+            "layers": [names[i] for i in chosen],
+            "steps": np.maximum(grid * width, lo).tolist(),
+            "values": [to_json_floats(full[:, j], valid[:, j]) for j in range(sel.size)],
+            "bucket_steps": width,
+        }
+
+    # ---------------------------------------------------------------- export
+    def _export_rows(self, run: str, chunk_rows: int = 256) -> Iterator[tuple[list[Any], ...]]:
+        """Yield column chunks (rank, step, time, kind, name, layer, value) of every stored point, exact values."""
+        with self.factory() as session:
+            r = self._run(session, run)
+            layers = [n for (n,) in session.execute(select(Layer.name).where(Layer.run_id == r.id).order_by(Layer.idx))]
+            names = dict(session.execute(select(MetricName.id, MetricName.name)).all())
+            layer_arr = np.array(layers, dtype=object)
+            result = session.execute(
+                select(Point.rank, Point.step, Point.time, Point.name_id, Point.vals)
+                .where(Point.run_id == r.id)
+                .order_by(Point.rank, Point.step, Point.name_id)
+                .execution_options(yield_per=chunk_rows)
+            )
+            for part in result.partitions():
+                cols: tuple[list[Any], ...] = ([], [], [], [], [], [], [])
+                for rank, step, tm, nid, vals in part:
+                    values = rows_from_blobs([bytes(vals)], len(layers))[0]
+                    keep = ~is_missing(values)
+                    k = int(keep.sum())
+                    cols[0].extend([rank] * k)
+                    cols[1].extend([step] * k)
+                    cols[2].extend([tm] * k)
+                    cols[3].extend(["metric"] * k)
+                    cols[4].extend([names[nid]] * k)
+                    cols[5].extend(layer_arr[keep].tolist())
+                    cols[6].extend(values[keep].tolist())
+                yield cols
+            scal = session.execute(
+                select(ScalarPoint.rank, ScalarPoint.step, ScalarPoint.time, ScalarPoint.name_id, ScalarPoint.value)
+                .where(ScalarPoint.run_id == r.id)
+                .order_by(ScalarPoint.rank, ScalarPoint.step, ScalarPoint.name_id)
+                .execution_options(yield_per=chunk_rows * 64)
+            )
+            for part in scal.partitions():
+                cols = ([], [], [], [], [], [], [])
+                for rank, step, tm, nid, value in part:
+                    cols[0].append(rank)
+                    cols[1].append(step)
+                    cols[2].append(tm)
+                    cols[3].append("scalar")
+                    cols[4].append(names[nid])
+                    cols[5].append(None)
+                    cols[6].append(struct.unpack("<d", value)[0])
+                yield cols
+
+    EXPORT_COLUMNS = ("rank", "step", "time", "kind", "name", "layer", "value")
+
+    def export_csv(self, run: str) -> Iterator[bytes]:
+        """CSV of every stored point (header first); float32 values printed exactly (round-trip)."""
+        self.run_id(run)
+        return self._csv(run)
+
+    def _csv(self, run: str) -> Iterator[bytes]:
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(self.EXPORT_COLUMNS)
+        for cols in self._export_rows(run):
+            writer.writerows(
+                (
+                    rank,
+                    step,
+                    "" if tm is None else repr(tm),
+                    kind,
+                    name,
+                    layer or "",
+                    _json_value(v) if not math.isfinite(v) else repr(v),
+                )
+                for rank, step, tm, kind, name, layer, v in zip(*cols, strict=True)
+            )
+            yield buf.getvalue().encode()
+            buf.seek(0)
+            buf.truncate()
+        if buf.tell():
+            yield buf.getvalue().encode()
+
+    def export_parquet(self, run: str) -> Iterator[bytes]:
+        """Parquet of every stored point, written and streamed one row group per chunk (needs pyarrow)."""
+        import pyarrow as pa  # optional dependency: the `parquet` extra
+        import pyarrow.parquet as pq
+
+        self.run_id(run)
+        schema = pa.schema(
+            [
+                ("rank", pa.int32()),
+                ("step", pa.int64()),
+                ("time", pa.float64()),
+                ("kind", pa.string()),
+                ("name", pa.string()),
+                ("layer", pa.string()),
+                ("value", pa.float64()),
+            ]
+        )
+
+        def generate() -> Iterator[bytes]:
+            sink = _Sink()
+            writer = pq.ParquetWriter(sink, schema)
+            for cols in _merge_chunks(self._export_rows(run), 1 << 16):
+                writer.write_table(pa.table(dict(zip(self.EXPORT_COLUMNS, cols, strict=True)), schema=schema))
+                yield sink.take()
+            writer.close()
+            yield sink.take()
+
+        return generate()
+
+    # ---------------------------------------------------------------- health
+    def ping(self) -> None:
+        """Raise if the database cannot answer a trivial query."""
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+
+
+class _Sink(io.RawIOBase):
+    """A write-only file collecting bytes until taken (for streaming a Parquet writer's output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._parts: list[bytes] = []
+        self._pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        chunk = bytes(data)
+        self._parts.append(chunk)
+        self._pos += len(chunk)
+        return len(chunk)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def take(self) -> bytes:
+        out = b"".join(self._parts)
+        self._parts.clear()
+        return out
+
+
+def _merge_chunks(chunks: Iterable[tuple[list[Any], ...]], rows: int) -> Iterator[tuple[list[Any], ...]]:
+    acc: tuple[list[Any], ...] = ([], [], [], [], [], [], [])
+    for cols in chunks:
+        for a, c in zip(acc, cols, strict=True):
+            a.extend(c)
+        if len(acc[0]) >= rows:
+            yield acc
+            acc = ([], [], [], [], [], [], [])
+    if acc[0]:
+        yield acc
