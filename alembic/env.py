@@ -7,6 +7,7 @@ import os
 from sqlalchemy import Connection, create_engine
 
 from alembic import context
+from quantwatch.service.alerts import tables  # noqa: F401  (puts the alert tables on Base.metadata)
 from quantwatch.service.models import Base
 
 target_metadata = Base.metadata

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from quantwatch import __version__
+from quantwatch.service.alerts.cli import app as rules_app
 from quantwatch.service.cli import register as register_service
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
 )
+app.add_typer(rules_app, name="rules")
 
 UrlOption = Annotated[
     str,
@@ -228,17 +230,18 @@ def alerts(
         return
     _table(
         "Alerts",
-        ["state", "rule", "run", "layer", "metric", "step", "value", "threshold"],
+        ["state", "rule", "run", "layer", "metric", "fired at step", "latest step", "value", "severity"],
         [
             [
                 a.get("state"),
                 a.get("rule"),
                 a.get("run"),
                 a.get("layer"),
-                a.get("metric") or a.get("scalar"),
+                (a.get("labels") or {}).get("metric"),
+                (a.get("firing") or {}).get("step"),
                 a.get("step"),
                 a.get("value"),
-                a.get("threshold"),
+                a.get("severity"),
             ]
             for a in items
         ],

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 from quantwatch import __version__
 from quantwatch.service import web
+from quantwatch.service.alerts.setup import firing_counts, install_alerts
 from quantwatch.service.api import problems
 from quantwatch.service.api.routes import health, ingest, runs
 from quantwatch.service.batch import IngestObserver
@@ -34,7 +36,17 @@ def create_app(
     engine = make_engine(settings)
     if settings.auto_upgrade:
         upgrade(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.delivery_worker.start()
+        try:
+            yield
+        finally:
+            app.state.delivery_worker.stop()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="QuantWatch collector",
         version=__version__,
         description="Ingest and full-resolution history of quantization error during low-precision training.",
@@ -49,5 +61,9 @@ def create_app(
     app.include_router(health.router)
     app.include_router(ingest.router)
     app.include_router(runs.router)
+    alerts, _worker = install_alerts(app, settings, app.state.store)
+    app.state.ingest_observers.insert(0, alerts)
+    if firing_alert_counts is None:
+        app.state.firing_alert_counts = firing_counts(app.state.store.factory)
     web.install(app)
     return app

@@ -24,6 +24,7 @@ TITLES = {
     404: "not-found",
     405: "method-not-allowed",
     406: "not-acceptable",
+    409: "conflict",
     413: "payload-too-large",
     415: "unsupported-media-type",
     422: "validation-error",

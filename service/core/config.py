@@ -85,6 +85,18 @@ class Settings(BaseSettings):
         default="FULL", description="SQLite synchronous mode in WAL: FULL makes every acknowledged batch durable."
     )
     db_pool_size: int = Field(default=8, ge=1, le=256, description="Connections kept open per collector process.")
+    external_url: str | None = Field(
+        default=None, description="Base URL of this collector in alert links (default http://host:port)."
+    )
+    alert_delivery_horizon_seconds: float = Field(
+        default=86400.0, gt=0, le=30 * 86400, description="How long a notification is retried before it fails."
+    )
+    alert_retry_base_seconds: float = Field(
+        default=1.0, gt=0, le=3600, description="First retry delay of a failed notification (doubles, jittered)."
+    )
+    alert_retry_max_seconds: float = Field(
+        default=900.0, gt=0, le=86400, description="Longest delay between two attempts of a notification."
+    )
 
     @field_validator("tokens")
     @classmethod

@@ -1115,8 +1115,17 @@ function drawLoss() {
   showOverlay("loss-empty", drawn ? null : "This run reports no loss.");
 }
 
+// The step an alert is about: where it fired (or went pending), else its latest transition.
 function alertStep(alert) {
-  return pick(alert, "step", "fired_step", "firing_step", "started_step", "start_step", "last_step");
+  const firing = pick(alert, "firing");
+  const pending = pick(alert, "pending");
+  return pick(firing, "step") ?? pick(pending, "step") ?? pick(alert, "step");
+}
+
+function alertTime(alert) {
+  const firing = pick(alert, "firing");
+  const pending = pick(alert, "pending");
+  return pick(firing, "time") ?? pick(pending, "time");
 }
 
 async function loadAlerts() {
@@ -1146,9 +1155,9 @@ async function loadAlerts() {
     : "No alerts for this run. Rules are evaluated as points arrive.";
   for (const alert of alerts) {
     const tr = document.createElement("tr");
-    const s = String(pick(alert, "state", "status") || "");
+    const s = String(pick(alert, "state") || "");
     const layer = pick(alert, "layer");
-    const metric = pick(alert, "metric", "scalar");
+    const metric = pick(pick(alert, "labels") || {}, "metric");
     const step = alertStep(alert);
     const cell = (content, cls) => {
       const td = document.createElement("td");
@@ -1161,7 +1170,7 @@ async function loadAlerts() {
     badge.className = `state ${s}`;
     badge.textContent = s || "?";
     cell(badge);
-    cell(pick(alert, "rule", "rule_name", "alertname"));
+    cell(pick(alert, "rule"));
     cell(layer);
     cell(metric);
     if (step !== null) {
@@ -1175,10 +1184,9 @@ async function loadAlerts() {
     } else {
       cell(null);
     }
-    cell(formatValue(toNumber(pick(alert, "value", "last_value")), metric), "num");
-    const threshold = pick(alert, "threshold");
-    cell(threshold === null ? null : `${pick(alert, "op") || ">"} ${threshold}`, "num");
-    cell(formatTime(pick(alert, "active_at", "fired_at", "started_at", "starts_at", "updated_at")));
+    cell(formatValue(toNumber(pick(alert, "value")), metric), "num");
+    cell(pick(pick(alert, "annotations") || {}, "summary"));
+    cell(formatTime(alertTime(alert)));
     tbody.append(tr);
   }
 }

@@ -128,9 +128,30 @@ def test_heatmap_renders_and_hover_matches_the_api(page: Page, collector: Any) -
     assert page.locator("#series-title").inner_text().startswith(hole_layer)
 
     ARTIFACTS.mkdir(exist_ok=True)
+    page.locator("#alerts-body tr").first.wait_for()
     _hover_cell(page, row, column)
     page.screenshot(path=str(ARTIFACTS / "web-view.png"), full_page=True)
     assert (ARTIFACTS / "web-view.png").stat().st_size > 10_000
+
+
+def test_alerts_are_listed_with_links_to_their_step(page: Page, collector: Any) -> None:
+    _open_run(page, collector)
+    row = page.locator("#alerts-body tr", has_text=collector.bad_layer)
+    row.wait_for()
+    assert "firing" in row.inner_text()
+    assert "output_rel_l2" in row.inner_text()
+    # The default rule fires on the third consecutive breaching step.
+    fired_at = collector.drift_step + 2
+    api_alerts = httpx.get(f"{collector.url}/api/v1/alerts", params={"run": collector.run}).json()
+    layer_alerts = [a for a in api_alerts if a["layer"] == collector.bad_layer]
+    assert [a["firing"]["step"] for a in layer_alerts] == [fired_at]
+    link = row.locator("a")
+    assert link.inner_text() == str(fired_at)
+    link.click()
+    page.wait_for_function(f"() => location.hash.includes('step={fired_at}')")
+    page.wait_for_function(
+        f"() => document.getElementById('series-title').textContent.startsWith({collector.bad_layer!r})"
+    )
 
 
 def test_unknown_run_shows_the_api_error(page: Page, collector: Any) -> None:

@@ -1,0 +1,209 @@
+"""Rules and receivers in the database: the rules file synced at start-up, and the REST API's changes.
+
+Precedence: a rule or receiver changed through the API (``source='api'``) wins over the rules file and the shipped
+defaults, across restarts. Deleting a default or file rule through the API disables it (otherwise the next start
+would bring it back). Changing or removing a rule ends its open episodes (resolved, with a notification) and clears
+its series state, so a new definition starts from scratch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from quantwatch.service.alerts.engine import AlertEngine, insert_ignore
+from quantwatch.service.alerts.rules import DEFAULT_RULES, ReceiverSpec, Rule, RulesFile
+from quantwatch.service.alerts.tables import AlertGroupRow, EpisodeRow, ReceiverRow, RuleRow, SeriesStateRow
+
+__all__ = [
+    "ConflictError",
+    "NotFoundError",
+    "delete_receiver",
+    "delete_rule",
+    "put_receiver",
+    "put_rule",
+    "retire_rule_state",
+    "sync_rules_file",
+]
+
+
+class NotFoundError(LookupError):
+    """No rule or receiver of that name."""
+
+
+class ConflictError(ValueError):
+    """A rule or receiver of that name exists already, or a rule names a receiver that does not."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _definition(rule: Rule) -> dict[str, Any]:
+    return rule.model_dump(mode="json")
+
+
+def _receiver_values(spec: ReceiverSpec) -> dict[str, Any]:
+    return {
+        "type": spec.type,
+        "url": spec.url,
+        "secrets": [secret.get_secret_value() for secret in spec.secrets],
+        "headers": dict(spec.headers),
+        "timeout_seconds": spec.timeout_seconds,
+        "send_resolved": spec.send_resolved,
+        "enabled": spec.enabled,
+    }
+
+
+def retire_rule_state(session: Session, engine: AlertEngine, row: RuleRow, reason: str) -> int:
+    """End ``row``'s open episodes (firing ones resolve with a notification) and clear its series state."""
+    now = time.time()
+    rule = Rule.model_validate(row.definition)
+    notified = 0
+    for episode in session.scalars(
+        select(EpisodeRow).where(EpisodeRow.rule_id == row.id, EpisodeRow.state.in_(("pending", "firing")))
+    ):
+        if episode.state == "pending":
+            session.delete(episode)
+            continue
+        episode.state = "resolved"
+        episode.resolved_at = now
+        episode.resolved_step = episode.step
+        episode.annotations = {**episode.annotations, "resolved_reason": reason}
+        session.flush()
+        notified += engine.notify(session, episode, rule, "resolved")
+    session.execute(delete(SeriesStateRow).where(SeriesStateRow.rule_id == row.id))
+    session.execute(delete(AlertGroupRow).where(AlertGroupRow.rule_id == row.id))
+    session.flush()
+    return notified
+
+
+def _check_receivers_exist(session: Session, rule: Rule) -> None:
+    if not rule.receivers:
+        return
+    known = set(session.scalars(select(ReceiverRow.name).where(ReceiverRow.name.in_(rule.receivers))))
+    for position, name in enumerate(rule.receivers):
+        if name not in known:
+            raise ConflictError(f"receivers.{position}", f"unknown receiver {name!r}")
+
+
+def put_rule(session: Session, engine: AlertEngine, rule: Rule, *, create: bool) -> RuleRow:
+    """Create (``create=True``; conflict if the name exists) or replace a rule through the API."""
+    _check_receivers_exist(session, rule)
+    row = session.scalars(select(RuleRow).where(RuleRow.name == rule.name).with_for_update()).one_or_none()
+    if create and row is not None:
+        raise ConflictError("name", f"a rule named {rule.name!r} exists already")
+    if not create and row is None:
+        raise NotFoundError(rule.name)
+    if row is None:
+        row = RuleRow(name=rule.name, source="api", definition=_definition(rule), enabled=rule.enabled, revision=1)
+        row.updated_at = time.time()
+        session.add(row)
+    else:
+        retire_rule_state(session, engine, row, "rule replaced")
+        row.source, row.definition, row.enabled = "api", _definition(rule), rule.enabled
+        row.revision += 1
+        row.updated_at = time.time()
+    session.flush()
+    return row
+
+
+def delete_rule(session: Session, engine: AlertEngine, name: str) -> None:
+    """Delete an API rule; disable a default or file rule (so a restart does not bring it back)."""
+    row = session.scalars(select(RuleRow).where(RuleRow.name == name).with_for_update()).one_or_none()
+    if row is None:
+        raise NotFoundError(name)
+    retire_rule_state(session, engine, row, "rule deleted")
+    if row.source == "api":
+        session.delete(row)
+    else:
+        row.enabled = False
+        row.source = "api"
+        row.definition = {**row.definition, "enabled": False}
+        row.revision += 1
+        row.updated_at = time.time()
+    session.flush()
+
+
+def put_receiver(session: Session, spec: ReceiverSpec, *, create: bool, source: str = "api") -> ReceiverRow:
+    """Create or replace a receiver; a replaced receiver that was disabled by a 410 is enabled again if asked."""
+    row = session.scalars(select(ReceiverRow).where(ReceiverRow.name == spec.name).with_for_update()).one_or_none()
+    if create and row is not None:
+        raise ConflictError("name", f"a receiver named {spec.name!r} exists already")
+    if not create and row is None:
+        raise NotFoundError(spec.name)
+    values = _receiver_values(spec)
+    if row is None:
+        row = ReceiverRow(name=spec.name, source=source, **values)
+        session.add(row)
+    else:
+        for key, value in values.items():
+            setattr(row, key, value)
+        row.source = source
+        row.disabled_reason = None
+    row.updated_at = time.time()
+    session.flush()
+    return row
+
+
+def delete_receiver(session: Session, name: str) -> None:
+    """Delete a receiver; its pending deliveries go with it."""
+    row = session.scalars(select(ReceiverRow).where(ReceiverRow.name == name)).one_or_none()
+    if row is None:
+        raise NotFoundError(name)
+    session.delete(row)
+    session.flush()
+
+
+def sync_rules_file(session: Session, engine: AlertEngine, rules_file: RulesFile | None) -> None:
+    """Make the database match the rules file (or the defaults alone), leaving API-managed entries alone.
+
+    Run at start-up by every replica; row locks make concurrent runs agree.
+    """
+    desired: dict[str, tuple[str, Rule]] = {}
+    if rules_file is None or rules_file.default_rules:
+        desired.update({rule.name: ("default", rule) for rule in DEFAULT_RULES})
+    if rules_file is not None:
+        desired.update({rule.name: ("file", rule) for rule in rules_file.rules})
+        for spec in rules_file.receivers:
+            existing = session.scalars(select(ReceiverRow).where(ReceiverRow.name == spec.name)).one_or_none()
+            if existing is None or existing.source == "file":
+                put_receiver(session, spec, create=existing is None, source="file")
+    wanted_receivers = {spec.name for spec in rules_file.receivers} if rules_file is not None else set()
+    for receiver in session.scalars(select(ReceiverRow).where(ReceiverRow.source == "file")):
+        if receiver.name not in wanted_receivers:
+            session.delete(receiver)
+    rows = {row.name: row for row in session.scalars(select(RuleRow).order_by(RuleRow.name).with_for_update())}
+    now = time.time()
+    for name, (source, rule) in sorted(desired.items()):
+        row = rows.get(name)
+        if row is None:
+            # Another replica starting at the same time may insert it first: keep whichever lands.
+            insert_ignore(
+                session,
+                RuleRow,
+                [
+                    {
+                        "name": name,
+                        "source": source,
+                        "definition": _definition(rule),
+                        "enabled": rule.enabled,
+                        "revision": 1,
+                        "updated_at": now,
+                    }
+                ],
+                ("name",),
+            )
+        elif row.source != "api" and (row.definition != _definition(rule) or row.source != source):
+            retire_rule_state(session, engine, row, "rules file changed")
+            row.source, row.definition, row.enabled = source, _definition(rule), rule.enabled
+            row.revision += 1
+            row.updated_at = now
+    for name, row in rows.items():
+        if row.source != "api" and name not in desired:
+            retire_rule_state(session, engine, row, "rule removed from the rules file")
+            session.delete(row)
+    session.flush()

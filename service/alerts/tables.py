@@ -1,0 +1,167 @@
+"""ORM tables of the alerting part (migration ``alerts_0001`` on top of the service's first revision).
+
+Times are UNIX epoch seconds (``Double``): the evaluator compares and schedules with them, the API formats them.
+Runs are referenced by name, like on the wire, so alert state does not depend on how runs are keyed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, Double, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy.orm import Mapped, mapped_column
+
+from quantwatch.service.models import Base
+
+__all__ = [
+    "AlertCursorRow",
+    "AlertGroupRow",
+    "DeliveryRow",
+    "EpisodeRow",
+    "ReceiverRow",
+    "RuleRow",
+    "SeriesStateRow",
+]
+
+OPEN_EPISODE_STATES = ("pending", "firing")
+
+
+class RuleRow(Base):
+    """A rule: the validated :class:`~quantwatch.service.alerts.rules.Rule` as JSON, and where it came from."""
+
+    __tablename__ = "alert_rules"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    source: Mapped[str] = mapped_column(String(16))  # default | file | api
+    definition: Mapped[dict[str, Any]] = mapped_column(JSON)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    revision: Mapped[int] = mapped_column(Integer, default=1)
+    updated_at: Mapped[float] = mapped_column(Double)
+
+
+class ReceiverRow(Base):
+    """A notification receiver; ``secrets`` never leave the service."""
+
+    __tablename__ = "alert_receivers"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    source: Mapped[str] = mapped_column(String(16))  # file | api
+    type: Mapped[str] = mapped_column(String(16))  # webhook | alertmanager
+    url: Mapped[str] = mapped_column(Text)
+    secrets: Mapped[list[str]] = mapped_column(JSON, default=list)
+    headers: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    timeout_seconds: Mapped[float] = mapped_column(Double, default=5.0)
+    send_resolved: Mapped[bool] = mapped_column(Boolean, default=True)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    disabled_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    updated_at: Mapped[float] = mapped_column(Double)
+
+
+class AlertCursorRow(Base):
+    """One row per (run, rank): locked for the duration of an ingest transaction that evaluates that rank.
+
+    Two replicas ingesting the same rank serialise here, so a series' state is read and written by one at a time.
+    """
+
+    __tablename__ = "alert_cursors"
+
+    run: Mapped[str] = mapped_column(String(200), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+
+
+class SeriesStateRow(Base):
+    """Evaluator state of one series (rule, run, rank, layer); ``layer`` is ``""`` for scalar rules."""
+
+    __tablename__ = "alert_series"
+
+    rule_id: Mapped[int] = mapped_column(ForeignKey("alert_rules.id", ondelete="CASCADE"), primary_key=True)
+    run: Mapped[str] = mapped_column(String(200), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    layer: Mapped[str] = mapped_column(String(500), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16))  # inactive | pending | firing
+    last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    streak: Mapped[int] = mapped_column(Integer, default=0)
+    clear_streak: Mapped[int] = mapped_column(Integer, default=0)
+    last_value: Mapped[float | None] = mapped_column(Double, nullable=True)
+
+
+class AlertGroupRow(Base):
+    """One row per (rule, run, layer): the lock taken before an episode changes, and the open episode if any."""
+
+    __tablename__ = "alert_groups"
+
+    rule_id: Mapped[int] = mapped_column(ForeignKey("alert_rules.id", ondelete="CASCADE"), primary_key=True)
+    run: Mapped[str] = mapped_column(String(200), primary_key=True)
+    layer: Mapped[str] = mapped_column(String(500), primary_key=True)
+    episode_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class EpisodeRow(Base):
+    """An alert episode of (rule, run, layer), with the step and time of each transition."""
+
+    __tablename__ = "alert_episodes"
+    __table_args__ = (
+        # At most one open episode per (rule, run, layer), enforced by the database on both backends.
+        Index(
+            "uq_alert_episodes_open",
+            "rule_id",
+            "run",
+            "layer",
+            unique=True,
+            sqlite_where=text("state IN ('pending', 'firing')"),
+            postgresql_where=text("state IN ('pending', 'firing')"),
+        ),
+        Index("ix_alert_episodes_run_state", "run", "state"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    rule_id: Mapped[int | None] = mapped_column(ForeignKey("alert_rules.id", ondelete="SET NULL"), nullable=True)
+    rule_name: Mapped[str] = mapped_column(String(128))
+    run: Mapped[str] = mapped_column(String(200))
+    layer: Mapped[str] = mapped_column(String(500))
+    state: Mapped[str] = mapped_column(String(16))  # pending | firing | resolved
+    severity: Mapped[str] = mapped_column(String(16))
+    ranks: Mapped[list[int]] = mapped_column(JSON, default=list)
+    step: Mapped[int] = mapped_column(BigInteger)  # step of the latest transition
+    value: Mapped[float | None] = mapped_column(Double, nullable=True)  # value at that step (NULL: non-finite)
+    value_text: Mapped[str | None] = mapped_column(String(8), nullable=True)  # "nan" / "inf" / "-inf"
+    pending_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    pending_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    firing_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    firing_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    resolved_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    resolved_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    annotations: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+
+
+class DeliveryRow(Base):
+    """The outbox: one notification for one receiver, written in the ingest transaction, delivered by the worker.
+
+    ``webhook_id`` is fixed when the row is written, so it is the same on every retry and on redelivery.
+    ``claimed_until`` is a lease: a worker that dies mid-send leaves the row to be retried by another after it.
+    """
+
+    __tablename__ = "alert_deliveries"
+    __table_args__ = (
+        Index("ix_alert_deliveries_due", "status", "next_attempt_at"),
+        Index("ix_alert_deliveries_episode_receiver", "episode_id", "receiver_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    episode_id: Mapped[int] = mapped_column(ForeignKey("alert_episodes.id", ondelete="CASCADE"))
+    receiver_id: Mapped[int] = mapped_column(ForeignKey("alert_receivers.id", ondelete="CASCADE"))
+    event: Mapped[str] = mapped_column(String(16))  # firing | resolved
+    webhook_id: Mapped[str] = mapped_column(String(64), unique=True)
+    body: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))  # pending | delivered | failed | cancelled
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Double)
+    next_attempt_at: Mapped[float] = mapped_column(Double)
+    expires_at: Mapped[float] = mapped_column(Double)
+    claimed_until: Mapped[float | None] = mapped_column(Double, nullable=True)
+    delivered_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    last_status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -1,0 +1,74 @@
+"""``/api/v1/receivers``: where notifications go (reads need ``read``, writes ``admin``; secrets are write-only)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Response
+from sqlalchemy import select
+
+from quantwatch.service.alerts.catalog import ConflictError, NotFoundError, delete_receiver, put_receiver
+from quantwatch.service.alerts.rules import ReceiverSpec
+from quantwatch.service.alerts.schemas import ReceiverOut
+from quantwatch.service.alerts.tables import ReceiverRow
+from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
+from quantwatch.service.api.problems import ProblemError
+from quantwatch.service.core.db import write_session
+
+router = APIRouter(prefix="/api/v1/receivers", tags=["alerts"])
+
+ReceiverBody = Annotated[ReceiverSpec, Body(description="The receiver; `secret`/`secrets` and headers are write-only.")]
+
+
+@router.get("", response_model=list[ReceiverOut], dependencies=[ReadAuth])
+def list_receivers(store: StoreDep) -> list[ReceiverOut]:
+    """Every receiver, without secrets or header values."""
+    with store.factory() as session:
+        return [ReceiverOut.of(row) for row in session.scalars(select(ReceiverRow).order_by(ReceiverRow.name))]
+
+
+@router.get("/{name}", response_model=ReceiverOut, dependencies=[ReadAuth])
+def get_receiver(name: str, store: StoreDep) -> ReceiverOut:
+    """One receiver by name, without secrets or header values."""
+    with store.factory() as session:
+        row = session.scalars(select(ReceiverRow).where(ReceiverRow.name == name)).one_or_none()
+        if row is None:
+            raise ProblemError(404, f"no receiver named {name!r}")
+        return ReceiverOut.of(row)
+
+
+@router.post("", response_model=ReceiverOut, status_code=201, dependencies=[AdminAuth])
+def create_receiver(receiver: ReceiverBody, store: StoreDep) -> ReceiverOut:
+    """Add a receiver (409 if the name is taken)."""
+    try:
+        with write_session(store.factory) as session:
+            return ReceiverOut.of(put_receiver(session, receiver, create=True))
+    except ConflictError as exc:
+        raise ProblemError(409, str(exc)) from None
+
+
+@router.put("/{name}", response_model=ReceiverOut, dependencies=[AdminAuth])
+def replace_receiver(name: str, receiver: ReceiverBody, store: StoreDep) -> ReceiverOut:
+    """Replace a receiver (this also re-enables one disabled after a 410 when ``enabled`` is true)."""
+    if receiver.name != name:
+        raise ProblemError(
+            422,
+            "body.name: must equal the name in the path",
+            errors=[{"field": "body.name", "message": "must equal the name in the path"}],
+        )
+    try:
+        with write_session(store.factory) as session:
+            return ReceiverOut.of(put_receiver(session, receiver, create=False))
+    except NotFoundError:
+        raise ProblemError(404, f"no receiver named {name!r}") from None
+
+
+@router.delete("/{name}", status_code=204, dependencies=[AdminAuth])
+def remove_receiver(name: str, store: StoreDep) -> Response:
+    """Delete a receiver and its undelivered notifications."""
+    try:
+        with write_session(store.factory) as session:
+            delete_receiver(session, name)
+    except NotFoundError:
+        raise ProblemError(404, f"no receiver named {name!r}") from None
+    return Response(status_code=204)

@@ -1,0 +1,178 @@
+"""Evaluation into the database and delivery through the outbox to a real HTTP receiver on loopback."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+from standardwebhooks import Webhook
+
+from quantwatch.service.alerts.engine import AlertEngine
+from quantwatch.service.alerts.evaluator import StepInput
+from quantwatch.service.alerts.outbox import DeliveryWorker, RetryPolicy
+from quantwatch.service.alerts.rules import Rule
+from quantwatch.service.alerts.tables import DeliveryRow, EpisodeRow, ReceiverRow, RuleRow
+from quantwatch.service.core.db import write_session
+
+
+def add_rule(sessions: sessionmaker[Session], rule: Rule) -> None:
+    with sessions.begin() as session:
+        session.add(RuleRow(name=rule.name, source="api", definition=rule.model_dump(mode="json"), updated_at=0.0))
+
+
+def add_receiver(
+    sessions: sessionmaker[Session], name: str, url: str, secrets: list[str], kind: str = "webhook"
+) -> None:
+    with sessions.begin() as session:
+        session.add(
+            ReceiverRow(
+                name=name, source="api", type=kind, url=url, secrets=secrets, headers={"x-team": "ml"}, updated_at=0.0
+            )
+        )
+
+
+def ingest(
+    engine_: AlertEngine,
+    sessions: sessionmaker[Session],
+    run: str,
+    rank: int,
+    layers: list[str],
+    rows: list[tuple[int, list[float | None]]],
+) -> int:
+    steps = [StepInput(step, 1_700_000_000.0 + step, {"output_rel_l2": values}, {}) for step, values in rows]
+    with write_session(sessions) as session:
+        return engine_.evaluate(session, run, rank, layers, steps)
+
+
+RULE = Rule(name="dev", metric="output_rel_l2", op=">", threshold=0.05, consecutive=3)
+
+
+def test_episode_fires_once_and_resolves_with_signed_webhooks(
+    engine: Engine, receivers: Callable[..., Any], whsec: Callable[[], str]
+) -> None:
+    sessions = sessionmaker(engine)
+    secret = whsec()
+    receiver = receivers()
+    add_rule(sessions, RULE)
+    add_receiver(sessions, "ops", receiver.url, [secret])
+    alerts = AlertEngine(external_url="http://127.0.0.1:8000", delivery_horizon_seconds=3600)
+    worker = DeliveryWorker(sessions, poll_seconds=0.05)
+    worker.start()
+    try:
+        assert ingest(alerts, sessions, "gpt", 0, ["a", "b"], [(1, [0.1, 0.0]), (2, [0.1, 0.0])]) == 0
+        assert ingest(alerts, sessions, "gpt", 1, ["a", "b"], [(1, [0.2, 0.0]), (2, [0.2, 0.0]), (3, [0.2, None])]) == 1
+        assert ingest(alerts, sessions, "gpt", 0, ["a", "b"], [(3, [0.1, 0.0]), (2, [0.9, 0.9])]) == 0
+        assert ingest(alerts, sessions, "gpt", 1, ["a", "b"], [(4, [0.0, 0.0])]) == 0
+        assert ingest(alerts, sessions, "gpt", 0, ["a", "b"], [(4, [0.01, 0.0])]) == 1
+        requests = receiver.wait_for(2)
+    finally:
+        worker.stop()
+        receiver.stop()
+    assert len(requests) == 2
+    bodies = [Webhook(secret).verify(body, headers) for headers, body in requests]
+    assert [b["status"] for b in bodies] == ["firing", "resolved"]
+    assert bodies[0]["quantwatch"]["ranks"] == [0, 1]
+    assert bodies[0]["quantwatch"]["step"] == 3
+    assert bodies[1]["quantwatch"]["step"] == 4
+    assert all(headers["x-team"] == "ml" for headers, _ in requests)
+    assert len({headers["webhook-id"] for headers, _ in requests}) == 2
+    with sessions() as session:
+        episode = session.scalars(select(EpisodeRow)).one()
+        assert (episode.state, episode.layer, episode.pending_step, episode.firing_step, episode.resolved_step) == (
+            "resolved",
+            "a",
+            1,
+            3,
+            4,
+        )
+        assert session.scalar(select(func.count()).where(DeliveryRow.status == "delivered")) == 2
+
+
+def test_receiver_down_then_back_gets_each_webhook_once(
+    engine: Engine, receivers: Callable[..., Any], whsec: Callable[[], str]
+) -> None:
+    sessions = sessionmaker(engine)
+    receiver = receivers(start=False)
+    add_rule(sessions, RULE.model_copy(update={"consecutive": 1}))
+    add_receiver(sessions, "ops", receiver.url, [whsec()])
+    alerts = AlertEngine(external_url="http://127.0.0.1:8000", delivery_horizon_seconds=3600)
+    worker = DeliveryWorker(sessions, poll_seconds=0.05, policy=RetryPolicy(base_seconds=0.05, max_seconds=0.4))
+    layers = [f"l{i}" for i in range(10)]
+    worker.start()
+    try:
+        written = ingest(alerts, sessions, "r", 0, layers, [(1, [1.0] * 10), (2, [0.0] * 10)])
+        assert written == 20
+        time.sleep(1.0)  # the receiver is down: connection refused, retried with backoff
+        receiver.answers = [(503, {})] * 3
+        receiver.start()
+        requests = receiver.wait_for(23)
+        time.sleep(0.5)
+    finally:
+        worker.stop()
+        receiver.stop()
+    delivered = [headers["webhook-id"] for headers, _ in receiver.requests[3:]]
+    assert len(delivered) == 20
+    assert len(set(delivered)) == 20
+    with sessions() as session:
+        rows = session.scalars(select(DeliveryRow)).all()
+        assert {row.status for row in rows} == {"delivered"}
+        assert {row.webhook_id for row in rows} == set(delivered)
+        assert max(row.attempts for row in rows) >= 2
+        # firing strictly before resolved for every episode
+        order = {json.loads(body)["quantwatch"]["episode_id"]: [] for _, body in requests}
+        for _, body in receiver.requests[3:]:
+            payload = json.loads(body)
+            order[payload["quantwatch"]["episode_id"]].append(payload["status"])
+        assert all(statuses == ["firing", "resolved"] for statuses in order.values())
+
+
+def test_gone_disables_receiver_and_retry_after_is_honoured(engine: Engine, receivers: Callable[..., Any]) -> None:
+    sessions = sessionmaker(engine)
+    gone, slow = receivers(), receivers()
+    gone.answers = [(410, {})]
+    slow.answers = [(429, {"Retry-After": "2"})]
+    add_rule(sessions, RULE.model_copy(update={"consecutive": 1}))
+    add_receiver(sessions, "gone", gone.url, [])
+    add_receiver(sessions, "slow", slow.url, [])
+    alerts = AlertEngine(external_url="http://x", delivery_horizon_seconds=3600)
+    worker = DeliveryWorker(sessions, policy=RetryPolicy(base_seconds=0.01, max_seconds=0.01))
+    try:
+        ingest(alerts, sessions, "r", 0, ["a"], [(1, [1.0])])
+        started = time.time()
+        assert worker.run_once() == 2
+        with sessions() as session:
+            receivers = {r.name: r for r in session.scalars(select(ReceiverRow))}
+            assert not receivers["gone"].enabled
+            assert "410" in (receivers["gone"].disabled_reason or "")
+            retry = session.scalars(select(DeliveryRow).where(DeliveryRow.receiver_id == receivers["slow"].id)).one()
+            assert retry.status == "pending"
+            assert retry.next_attempt_at >= started + 2.0
+        assert worker.run_once() == 0
+        ingest(alerts, sessions, "r", 0, ["a"], [(2, [0.0])])
+        with sessions() as session:
+            events = session.execute(select(DeliveryRow.event, ReceiverRow.name).join(ReceiverRow)).all()
+            assert sorted(events) == [("firing", "gone"), ("firing", "slow"), ("resolved", "slow")]
+    finally:
+        worker.stop()
+        gone.stop()
+        slow.stop()
+
+
+def test_restarted_engine_does_not_fire_twice(engine: Engine) -> None:
+    sessions = sessionmaker(engine)
+    add_rule(sessions, RULE)
+    add_receiver(sessions, "ops", "http://127.0.0.1:9/never", [])
+    first = AlertEngine(external_url="http://x", delivery_horizon_seconds=60)
+    assert ingest(first, sessions, "r", 0, ["a"], [(1, [1.0]), (2, [1.0])]) == 0
+    second = AlertEngine(external_url="http://x", delivery_horizon_seconds=60)
+    assert ingest(second, sessions, "r", 0, ["a"], [(3, [1.0]), (4, [1.0])]) == 1
+    third = AlertEngine(external_url="http://x", delivery_horizon_seconds=60)
+    assert ingest(third, sessions, "r", 0, ["a"], [(4, [1.0]), (5, [1.0]), (3, [0.0])]) == 0
+    with sessions() as session:
+        assert session.scalar(select(func.count()).select_from(EpisodeRow)) == 1
+        assert session.scalar(select(func.count()).select_from(DeliveryRow)) == 1
