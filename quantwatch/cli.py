@@ -122,12 +122,15 @@ def _table(title: str, columns: list[str], rows: list[list[object]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left", show_lines=False)
+    typer.echo(title)
+    table = Table(show_lines=False)
     for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(*(_cell(v) for v in row))
-    Console(soft_wrap=False).print(table)
+    # On a terminal fit its width; into a pipe or file never fold cells, so scripts can grep whole names.
+    width = None if sys.stdout.isatty() else 1000
+    Console(soft_wrap=False, width=width).print(table)
 
 
 def _step_range(first: object, last: object) -> str | None:

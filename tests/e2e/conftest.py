@@ -70,6 +70,8 @@ class Collector:
     bad_layer: str = BAD_LAYER
     drift_step: int = DRIFT_STEP
     hole: tuple[str, int] = HOLE
+    read_token: str | None = None
+    ingest_token: str | None = None
 
 
 def _serve(app: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
@@ -85,6 +87,28 @@ def _serve(app: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
             raise RuntimeError("the collector did not start")
         time.sleep(0.02)
     return server, thread, f"http://127.0.0.1:{port}"
+
+
+READ_TOKEN = "e2e-read-token"
+INGEST_TOKEN = "e2e-ingest-token"
+
+
+@pytest.fixture(scope="session")
+def secured_collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
+    """A collector that needs bearer tokens: ``READ_TOKEN`` (scope read), ``INGEST_TOKEN`` (scope ingest)."""
+    database_path = tmp_path_factory.mktemp("secured") / "quantwatch.db"
+    settings = Settings(
+        database_url=f"sqlite:///{database_path}", tokens={READ_TOKEN: ["read"], INGEST_TOKEN: ["ingest"]}
+    )
+    server, thread, url = _serve(create_app(settings))
+    try:
+        with httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {INGEST_TOKEN}"}) as http:
+            for batch in batches():
+                http.post("/api/v1/ingest", json=batch).raise_for_status()
+        yield Collector(url=url, database_path=database_path, read_token=READ_TOKEN, ingest_token=INGEST_TOKEN)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="session")
