@@ -160,10 +160,42 @@ def version() -> None:
 
 
 @app.command()
-def demo() -> None:
-    """Train a small quantized model with the agent attached and show where the error goes."""
-    typer.echo("quantwatch demo is not built yet (issue 7).", err=True)
-    raise typer.Exit(code=1)
+def demo(
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps.")] = 40,
+    recipe: Annotated[
+        str, typer.Option("--recipe", help="Quantization recipe: mixed (FP8 + FP4), fp8 or fp4.")
+    ] = "mixed",
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the model, the data and so the alerts.")] = 0,
+    keep_serving: Annotated[
+        bool, typer.Option("--keep-serving", help="Leave the collector and web view up afterwards (Ctrl-C stops).")
+    ] = False,
+    url: Annotated[
+        str | None, typer.Option("--url", help="Send to this existing collector instead of starting one.")
+    ] = None,
+    token: TokenOption = None,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port of the demo collector.")] = 8000,
+    database: Annotated[
+        Path, typer.Option("--database", dir_okay=False, help="SQLite file of the demo collector (recreated).")
+    ] = Path("quantwatch-demo.db"),
+) -> None:
+    """Train a small quantized model with the agent attached, watch an alert fire, and show where to look."""
+    from quantwatch.client import validate_url
+    from quantwatch.demo import DemoOptions, run_demo
+
+    try:
+        options = DemoOptions(
+            steps=steps,
+            recipe=recipe,
+            seed=seed,
+            keep_serving=keep_serving,
+            url=validate_url(url) if url is not None else None,
+            token=token,
+            database=database,
+            port=port,
+        )
+    except ValueError as exc:
+        _usage(str(exc))
+    run_demo(options)
 
 
 @app.command()
