@@ -377,6 +377,7 @@ class DemoResult:
     seconds: float
     points_sent: int
     notifications: list[Notification] = field(default_factory=list)
+    webhook_secret: str | None = None
     alerts: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
 
@@ -467,6 +468,7 @@ def _train_and_report(
             seconds=seconds,
             points_sent=points,
             notifications=list(receiver.notifications) if receiver is not None else [],
+            webhook_secret=receiver.secret if receiver is not None else None,
             alerts=http.get("/api/v1/alerts", params={"run": run}).raise_for_status().json(),
             summary=_summary(http, run),
         )
