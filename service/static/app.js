@@ -804,12 +804,15 @@ let seriesSeq = 0;
 let lossSeq = 0;
 let alertsSeq = 0;
 
-function showBanner(text) {
+// `source` says which loader raised the banner, so a later success of that loader (and only that one) clears it.
+function showBanner(text, source) {
   $("banner-text").textContent = text;
+  $("banner").dataset.source = source;
   $("banner").hidden = false;
 }
 
-function clearBanner() {
+function clearBanner(source) {
+  if (source && $("banner").dataset.source !== source) return;
   $("banner").hidden = true;
   $("token-form").hidden = true;
 }
@@ -819,6 +822,7 @@ function showAuthProblem(err) {
     err.status === 401
       ? "This collector needs a token with the read scope (401 Unauthorized)."
       : "The token in use lacks the read scope (403 Forbidden).",
+    "auth",
   );
   $("token-form").hidden = false;
 }
@@ -836,10 +840,13 @@ async function loadRuns() {
   try {
     body = await api("/runs");
   } catch (err) {
-    showBanner(`Could not list runs: ${describeError(err)}`);
+    if (!(err instanceof ApiError && (err.status === 401 || err.status === 403))) {
+      showBanner(`Could not list runs: ${describeError(err)}`, "runs");
+    }
     return false;
   }
-  if ($("token-form").hidden) clearBanner();
+  clearBanner("runs");
+  clearBanner("auth");
   // Most recently active first.
   state.runs = listOf(body, "runs")
     .slice()
@@ -901,9 +908,12 @@ async function loadRunDetail() {
     state.detail = null;
     $("run-title").textContent = state.run;
     $("run-facts").innerHTML = "";
-    showBanner(`Could not load run ${state.run}: ${describeError(err)}`);
+    if (!(err instanceof ApiError && (err.status === 401 || err.status === 403))) {
+      showBanner(`Could not load run ${state.run}: ${describeError(err)}`, "run");
+    }
     return false;
   }
+  clearBanner("run");
   renderRunHead();
   return true;
 }
@@ -1175,8 +1185,10 @@ async function loadAlerts() {
     cell(metric);
     if (step !== null) {
       const a = document.createElement("a");
-      const target = { layer: layer || "", step };
-      if (metric && layer) target.metric = metric;
+      // Scalar rules (no layer) only move the step marker; layer rules also select their layer and metric.
+      const target = { step };
+      if (layer) target.layer = layer;
+      if (layer && metricsOf(state.detail).includes(metric)) target.metric = metric;
       a.href = "#" + hashFor(target);
       a.textContent = String(step);
       a.title = layer ? `Select ${layer} at step ${step}` : `Mark step ${step}`;
@@ -1312,7 +1324,7 @@ function installControls() {
     const token = $("token-input").value.trim();
     if (token) localStorage.setItem(TOKEN_KEY, token);
     else localStorage.removeItem(TOKEN_KEY);
-    clearBanner();
+    clearBanner("auth");
     refresh(true);
   });
   let resizeTimer = null;

@@ -170,3 +170,14 @@ def test_runs_list_links_to_the_run(page: Page, collector: Any) -> None:
     # With no run in the URL the most recent run opens by itself.
     page.wait_for_function("() => location.hash.includes('run=')")
     page.wait_for_selector("#heatmap[data-rows]")
+
+
+def test_token_prompt_on_a_secured_collector(page: Page, secured_collector: Any) -> None:
+    page.goto(f"{secured_collector.url}/")
+    page.locator("#token-form").wait_for(state="visible")
+    assert "401" in page.locator("#banner").inner_text()
+    page.fill("#token-input", secured_collector.read_token)
+    page.click("#token-form button")
+    page.locator(f'#runs-list a[data-run="{secured_collector.run}"]').wait_for()
+    page.wait_for_selector("#heatmap[data-rows]")
+    assert page.locator("#banner").is_hidden()
