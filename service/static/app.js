@@ -1296,7 +1296,10 @@ async function refresh(force) {
   const before = state.runs.find((r) => runName(r) === state.run);
   const beforeKey = before ? JSON.stringify([pick(before, "last_seen_at"), pick(before, "points"), pick(before, "firing_alerts")]) : null;
   if (!(await loadRuns())) return;
-  if (!state.run) return;
+  if (!state.run) {
+    openLatestRun();
+    return;
+  }
   const after = state.runs.find((r) => runName(r) === state.run);
   const afterKey = after ? JSON.stringify([pick(after, "last_seen_at"), pick(after, "points"), pick(after, "firing_alerts")]) : null;
   if (force || beforeKey !== afterKey) {
@@ -1342,18 +1345,20 @@ function installControls() {
   }, LIVE_INTERVAL_MS);
 }
 
+// Without a run in the URL, open the most recently active one; true when it did (the hash change loads it).
+function openLatestRun() {
+  if (readHash().run || state.runs.length === 0) return false;
+  setHash({ run: runName(state.runs[0]) });
+  return true;
+}
+
 async function start() {
   installControls();
   installHeatmapEvents();
   installChartHover("series", "series-tooltip");
   installChartHover("loss", "loss-tooltip");
   await loadRuns();
-  if (!readHash().run && state.runs.length > 0) {
-    // Open the most recently active run by default.
-    setHash({ run: runName(state.runs[0]) });
-    return;
-  }
-  applyHash();
+  if (!openLatestRun()) applyHash();
 }
 
 start();
