@@ -180,6 +180,7 @@ def batch_from_obj(obj: Any) -> IngestBatch:
     _require(isinstance(layers, list), "layers", "must be an array of layer names")
     for i, name in enumerate(layers):
         _require(isinstance(name, str) and 0 < len(name) <= MAX_LAYER_NAME, f"layers[{i}]", "must be 1..500 chars")
+        _require("\x00" not in name, f"layers[{i}]", "must not contain NUL")
     _require(len(set(layers)) == len(layers), "layers", "layer names must be unique")
     raw_steps = obj.get("steps")
     _require(isinstance(raw_steps, list) and len(raw_steps) > 0, "steps", "must be a non-empty array")

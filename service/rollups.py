@@ -99,11 +99,13 @@ class Partials:
         if not rows:
             return out
         if all(len(r[3]) == 2 * n_layers for r in rows):
-            out.vmin = np.frombuffer(b"".join(r[0] for r in rows), "<f4").reshape(-1, n_layers).astype(np.float32)
-            out.vmax = np.frombuffer(b"".join(r[1] for r in rows), "<f4").reshape(-1, n_layers).astype(np.float32)
-            out.vsum = np.frombuffer(b"".join(r[2] for r in rows), "<f8").reshape(-1, n_layers).astype(np.float64)
-            out.vcount = np.frombuffer(b"".join(r[3] for r in rows), "<u2").reshape(-1, n_layers).astype(np.int64)
-            return out
+            # Read-only views on the joined bytes (no copies): every operation on Partials makes new arrays.
+            return cls(
+                np.frombuffer(b"".join(r[0] for r in rows), "<f4").reshape(-1, n_layers),
+                np.frombuffer(b"".join(r[1] for r in rows), "<f4").reshape(-1, n_layers),
+                np.frombuffer(b"".join(r[2] for r in rows), "<f8").reshape(-1, n_layers),
+                np.frombuffer(b"".join(r[3] for r in rows), "<u2").reshape(-1, n_layers).astype(np.int64),
+            )
         for i, (bmin, bmax, bsum, bcount) in enumerate(rows):
             width = len(bcount) // 2
             out.vmin[i, :width] = np.frombuffer(bmin, "<f4")
@@ -132,6 +134,22 @@ class Partials:
 
     def reduce(self, starts: I64) -> Partials:
         """Combine consecutive rows: group ``g`` spans rows ``starts[g] … starts[g+1]-1``."""
+        rows = self.vcount.shape[0]
+        if starts.size == rows:
+            return self  # every group is one row (a read at exactly a rollup level)
+        sizes = np.diff(np.append(starts, rows))
+        if starts.size > 8 and np.count_nonzero(sizes > 1) * 4 < starts.size:
+            # Mostly single-row groups (rollup blocks plus a raw head and tail): reduce only the others.
+            out = self.take(starts)
+            multi = np.flatnonzero(sizes > 1)
+            members = np.concatenate([np.arange(starts[g], starts[g] + sizes[g]) for g in multi.tolist()])
+            sub_starts = np.concatenate(([0], np.cumsum(sizes[multi])[:-1])).astype(np.int64)
+            reduced = self.take(members).reduce(sub_starts)
+            out.vmin[multi] = reduced.vmin
+            out.vmax[multi] = reduced.vmax
+            out.vsum[multi] = reduced.vsum
+            out.vcount[multi] = reduced.vcount
+            return out
         return Partials(
             np.minimum.reduceat(self.vmin, starts, axis=0),
             np.maximum.reduceat(self.vmax, starts, axis=0),
@@ -174,4 +192,16 @@ def to_json_floats(values: npt.NDArray[np.floating], valid: npt.NDArray[np.bool_
         else:
             v = float(values[i])
             out[i] = "nan" if v != v else ("inf" if v > 0 else "-inf")
+    return out
+
+
+def to_json_matrix(values: npt.NDArray[np.floating], valid: npt.NDArray[np.bool_]) -> list[list[object]]:
+    """:func:`to_json_floats` for a 2-D array, row by row, fixing up only the non-finite or invalid cells."""
+    out: list[list[object]] = values.astype(np.float64).tolist()
+    for i, j in np.argwhere(~valid | ~np.isfinite(values)).tolist():
+        if not valid[i, j]:
+            out[i][j] = None
+        else:
+            v = float(values[i, j])
+            out[i][j] = "nan" if v != v else ("inf" if v > 0 else "-inf")
     return out

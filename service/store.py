@@ -47,6 +47,7 @@ from quantwatch.service.rollups import (
     missing_row,
     rows_from_blobs,
     to_json_floats,
+    to_json_matrix,
 )
 
 log = logging.getLogger("quantwatch.service")
@@ -651,13 +652,16 @@ class Store:
             if rng is None:
                 return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": 1}
             lo, hi = rng
-            count = session.execute(
-                select(func.count())
-                .select_from(Point)
+            # Only whether the range holds more than max_points samples matters: count at most max_points + 1.
+            sample = (
+                select(Point.step)
                 .where(
                     Point.run_id == r.id, Point.rank == rank, Point.name_id == nid, Point.step >= lo, Point.step <= hi
                 )
-            ).scalar_one()
+                .limit(max_points + 1)
+                .subquery()
+            )
+            count = session.execute(select(func.count()).select_from(sample)).scalar_one()
             width = 1 if count <= max_points else choose_width(lo, hi, max_points)
             keys, part = self._bucketed(session, r.id, rank, nid, lo, hi, width, int(idx), r.layer_count)
             return self._series_answer(
@@ -748,21 +752,26 @@ class Store:
         grid = np.arange(lo // width, hi // width + 1, dtype=np.int64)
         pos = np.searchsorted(grid, keys)
         n_cols = grid.size
-        sel = np.array(chosen, dtype=np.int64)
+        sel: slice | I64 = slice(None) if len(chosen) == len(names) else np.array(chosen, dtype=np.int64)
+        data: np.ndarray
         if agg == "mean":
             data = part.mean()[:, sel]
         elif agg == "min":
-            data = part.vmin[:, sel].astype(np.float64)
+            data = part.vmin[:, sel]
         else:
-            data = part.vmax[:, sel].astype(np.float64)
-        full = np.full((n_cols, sel.size), np.nan)
-        valid = np.zeros((n_cols, sel.size), dtype=bool)
-        full[pos] = data
-        valid[pos] = part.vcount[:, sel] > 0
+            data = part.vmax[:, sel]
+        full: np.ndarray
+        if keys.size == n_cols:
+            full, valid = data, part.vcount[:, sel] > 0
+        else:
+            full = np.full((n_cols, len(chosen)), np.nan)
+            valid = np.zeros((n_cols, len(chosen)), dtype=bool)
+            full[pos] = data
+            valid[pos] = part.vcount[:, sel] > 0
         return {
             "layers": [names[i] for i in chosen],
             "steps": np.maximum(grid * width, lo).tolist(),
-            "values": [to_json_floats(full[:, j], valid[:, j]) for j in range(sel.size)],
+            "values": to_json_matrix(full.T, valid.T),
             "bucket_steps": width,
         }
 

@@ -171,3 +171,15 @@ def start_collector(make_app: Callable[..., Any]) -> Iterator[Callable[..., Back
 def live_collector(start_collector: Callable[..., BackgroundServer]) -> BackgroundServer:
     """A real uvicorn collector (no tokens) on a free loopback port; ``live_collector.url`` is its base URL."""
     return start_collector()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """URL of a database with no tables at all (a new SQLite file, or a new PostgreSQL database dropped after)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'empty.db'}"
+        return
+    request.getfixturevalue("postgres_session_url")  # skips or fails the same way when unreachable
+    url = create_postgres_database("qw_empty")
+    yield url
+    drop_postgres_database(url)

@@ -99,7 +99,6 @@ def upgrade() -> None:
     op.create_index("ix_points_key", "points", ["run_id", "rank", "step", "name_id"], unique=True)
     op.create_table(
         "rollups",
-        sa.Column("id", RowId, primary_key=True, autoincrement=True),
         sa.Column("run_id", RowId, nullable=False),
         sa.Column("rank", sa.Integer(), nullable=False),
         sa.Column("name_id", RowId, nullable=False),
@@ -111,9 +110,9 @@ def upgrade() -> None:
         sa.Column("vcount", sa.LargeBinary(), nullable=False),
         sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_rollups_run_id_runs", ondelete="CASCADE"),
         sa.ForeignKeyConstraint(["name_id"], ["metric_names.id"], name="fk_rollups_name_id_metric_names"),
-        sa.PrimaryKeyConstraint("id", name="pk_rollups"),
+        sa.PrimaryKeyConstraint("run_id", "rank", "name_id", "level", "bucket", name="pk_rollups"),
+        sqlite_with_rowid=False,
     )
-    op.create_index("ix_rollups_key", "rollups", ["run_id", "rank", "name_id", "level", "bucket"], unique=True)
     op.create_table(
         "scalar_points",
         sa.Column("run_id", RowId, nullable=False),

@@ -25,6 +25,17 @@ def get_store(request: Request) -> Store:
 StoreDep = Annotated[Store, Depends(get_store)]
 
 
+def reject_nul(request: Request) -> None:
+    """422 for a NUL character in the path or query (no database stores it in text)."""
+    if "\x00" in request.url.path:
+        raise ProblemError(422, "the path contains a NUL character", [{"field": "path", "message": "NUL"}])
+    for key, value in request.query_params.multi_items():
+        if "\x00" in value or "\x00" in key:
+            raise ProblemError(
+                422, f"query.{key} contains a NUL character", [{"field": f"query.{key}", "message": "NUL"}]
+            )
+
+
 def require(scope: Scope) -> DependsParam:
     """A dependency that lets a request through only with a token holding ``scope`` (when tokens are configured)."""
 

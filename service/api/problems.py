@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantwatch.service.batch import WireError
@@ -71,8 +72,55 @@ def _loc(loc: tuple[Any, ...] | list[Any]) -> str:
     return ".".join(str(p) for p in loc)
 
 
+PROBLEM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "RFC 9457 problem details.",
+    "required": ["type", "title", "status", "detail"],
+    "properties": {
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+        "errors": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"field": {"type": "string"}, "message": {"type": "string"}},
+            },
+        },
+    },
+}
+
+
+def _document(app: FastAPI) -> None:
+    """Make the OpenAPI schema say what the handlers do: every error is problem+json; API routes may 401/403/422."""
+    base = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = base()
+        schema.setdefault("components", {}).setdefault("schemas", {})["Problem"] = PROBLEM_SCHEMA
+        content = {MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}}
+        for path, operations in schema.get("paths", {}).items():
+            for operation in operations.values():
+                responses = operation.setdefault("responses", {})
+                if path.startswith("/api/"):
+                    responses.setdefault("401", {"description": "Missing or unknown bearer token"})
+                    responses.setdefault("403", {"description": "Token lacks the scope this route needs"})
+                    responses.setdefault("422", {"description": "Invalid parameters (errors name the field)"})
+                for code, response in responses.items():
+                    if code.isdigit() and int(code) >= 400:
+                        response["content"] = content
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def install(app: FastAPI) -> None:
-    """Register the handlers that make every error problem+json."""
+    """Register the handlers that make every error problem+json, and document them in the OpenAPI schema."""
+    _document(app)
 
     async def on_problem(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ProblemError)
@@ -97,6 +145,10 @@ def install(app: FastAPI) -> None:
         headers = dict(exc.headers) if exc.headers else None
         return problem_response(exc.status_code, str(exc.detail), headers=headers)
 
+    async def on_database(_request: Request, exc: Exception) -> JSONResponse:
+        log.warning("database unavailable: %s", exc)
+        return problem_response(503, "database busy or unreachable; retry", headers={"Retry-After": "1"})
+
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
         return problem_response(500, "internal error; the request may be retried")
@@ -106,4 +158,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(NotFoundError, on_not_found)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(OperationalError, on_database)
     app.add_exception_handler(Exception, on_unexpected)

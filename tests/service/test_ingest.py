@@ -304,3 +304,15 @@ def test_live_ingest_over_http(
         s = http.get("/api/v1/runs/live/1/series", params={"metric": "m", "layer": "x"}).json()
     assert s == {"steps": [0, 1], "min": [0.25, 0.5], "mean": [0.25, 0.5], "max": [0.25, 0.5], "bucket_steps": 1}
     assert json.loads(json.dumps(s)) == s
+
+
+def test_nul_characters_are_refused_not_crashed(
+    client: Any, post_batch: Callable[..., Any], make_batch: Callable[..., Any]
+) -> None:
+    doc = make_batch("nul", ["a\x00b"], [0], {"m": np.ones((1, 1))})
+    r = post_batch(doc)
+    assert r.status_code == 422
+    assert r.json()["errors"][0]["field"] == "layers[0]"
+    q = client.get("/api/v1/runs/nul/series", params={"metric": "m\x00", "layer": "a"})
+    assert q.status_code == 422
+    assert q.json()["errors"][0]["field"] == "query.metric"

@@ -1,0 +1,367 @@
+"""Collector ingest and query benchmark (issue 3), side by side with an MLflow tracking server.
+
+Starts a real ``quantwatch serve`` (uvicorn on loopback) on SQLite, then on PostgreSQL, and drives it from
+concurrent client processes sending the agent's binary encoding (msgpack, float32 ``bin`` per metric) of 512 layers ×
+8 metrics per step. Prints acknowledged points/s (each 200 means committed), p50/p99 request latency, bytes per point
+on disk, then fills one run with 100,000 steps × 512 layers and times a 512 × 500 heatmap and a 1,000-point series.
+Finally sends the same workload through MLflow's ``log-batch`` REST endpoint (if MLflow is installed) and prints the
+ratio.
+
+    .venv/bin/python bench/ingest.py                 # everything (several minutes)
+    .venv/bin/python bench/ingest.py --seconds 10 --skip-postgres --query-steps 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+import numpy as np
+
+LAYERS = [
+    f"blocks.{i // 8}.{['attn.qkv', 'attn.out', 'mlp.fc1', 'mlp.fc2', 'norm1', 'norm2', 'gate', 'up'][i % 8]}"
+    for i in range(512)
+]
+METRICS = [
+    "output_rel_l2",
+    "output_cosine",
+    "output_sqnr_db",
+    "weight_rel_l2",
+    "act_rel_l2",
+    "grad_rel_l2",
+    "underflow_ratio",
+    "overflow_ratio",
+]
+POSTGRES_URL = os.environ.get("QUANTWATCH_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready")
+
+
+@contextmanager
+def collector(database_url: str) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "quantwatch.cli", "serve", "--database-url", database_url, "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--log-level", "warning"])
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
+        yield f"http://127.0.0.1:{port}", proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def encode_batch(run: str, rank: int, steps: range, metrics: list[str], values: np.ndarray) -> bytes:
+    """The agent's binary encoding: one float32 ``bin`` per metric and step."""
+    blobs = [values[i % values.shape[0]].astype("<f4").tobytes() for i in range(len(metrics))]
+    doc = {
+        "run": run,
+        "rank": rank,
+        "batch_id": uuid.uuid4().hex,
+        "layers": LAYERS,
+        "steps": [
+            {"step": s, "time": 1.7e9 + s, "metrics": {m: blobs[(j + s) % len(blobs)] for j, m in enumerate(metrics)}}
+            for s in steps
+        ],
+    }
+    return bytes(msgpack.packb(doc, use_bin_type=True))
+
+
+def ingest_client(args: tuple[str, str, int, int, float, Any]) -> tuple[int, list[float], float, float]:
+    """One client process: send batches back to back for ``seconds`` (encoding each takes ~1 ms, like the agent)."""
+    url, run, rank, steps_per_batch, seconds, barrier = args
+    rng = np.random.default_rng(rank)
+    values = rng.random((16, len(LAYERS)), dtype=np.float32)
+    latencies: list[float] = []
+    points = 0
+    headers = {"Content-Type": "application/msgpack"}
+    with httpx.Client(base_url=url, timeout=120) as http:
+        barrier.wait()
+        start = time.perf_counter()
+        for i in range(10**9):
+            body = encode_batch(run, rank, range(i * steps_per_batch, (i + 1) * steps_per_batch), METRICS, values)
+            t0 = time.perf_counter()
+            r = http.post("/api/v1/ingest", content=body, headers=headers)
+            latencies.append(time.perf_counter() - t0)
+            r.raise_for_status()
+            points += r.json()["points"]
+            if time.perf_counter() - start >= seconds:
+                break
+        end = time.perf_counter()
+    return points, latencies, start, end
+
+
+def run_clients(url: str, run: str, clients: int, steps_per_batch: int, seconds: float) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(clients)
+        with ctx.Pool(clients) as pool:
+            results = pool.map(
+                ingest_client, [(url, run, rank, steps_per_batch, seconds, barrier) for rank in range(clients)]
+            )
+    points = sum(r[0] for r in results)
+    latencies = sorted(x for r in results for x in r[1])
+    wall = max(r[3] for r in results) - min(r[2] for r in results)
+    return {
+        "points": points,
+        "points_per_second": points / wall,
+        "p50_ms": 1000 * latencies[len(latencies) // 2],
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+        "requests": len(latencies),
+        "wall_seconds": wall,
+    }
+
+
+def fill_client(args: tuple[str, str, int, int, int]) -> float:
+    url, run, first, last, per_batch = args
+    values = np.random.default_rng(first).random((16, len(LAYERS)), dtype=np.float32)
+    t0 = time.perf_counter()
+    with httpx.Client(base_url=url, timeout=600) as http:
+        for s in range(first, last, per_batch):
+            body = encode_batch(run, 0, range(s, min(s + per_batch, last)), ["output_rel_l2"], values)
+            http.post(
+                "/api/v1/ingest", content=body, headers={"Content-Type": "application/msgpack"}
+            ).raise_for_status()
+    return time.perf_counter() - t0
+
+
+def fill_and_query(url: str, steps: int, reps: int) -> dict[str, float]:
+    """One run of ``steps`` steps × 512 layers of one metric, then timed heatmap and series queries."""
+    t0 = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    half = steps // 2 // 1000 * 1000
+    # Two senders on one rank: one fills the first half of the steps, the other the second.
+    with ctx.Pool(2) as pool:
+        pool.map(fill_client, [(url, "bench-query", 0, half, 1000), (url, "bench-query", half, steps, 1000)])
+    fill = time.perf_counter() - t0
+    out: dict[str, float] = {"fill_points_per_second": steps * len(LAYERS) / fill}
+    with httpx.Client(base_url=url, timeout=120) as http:
+        queries = {
+            "heatmap": ("/api/v1/runs/bench-query/heatmap", {"metric": "output_rel_l2", "max_steps": 500}),
+            "series": (
+                "/api/v1/runs/bench-query/series",
+                {"metric": "output_rel_l2", "layer": LAYERS[300], "max_points": 1000},
+            ),
+        }
+        for name, (path, params) in queries.items():
+            r = http.get(path, params=params)
+            r.raise_for_status()
+            body = r.json()
+            shape = (len(body["layers"]), len(body["steps"])) if name == "heatmap" else (len(body["steps"]),)
+            times = []
+            for _ in range(reps):
+                q0 = time.perf_counter()
+                http.get(path, params=params).raise_for_status()
+                times.append(time.perf_counter() - q0)
+            out[f"{name}_ms_p50"] = 1000 * statistics.median(times)
+            out[f"{name}_ms_max"] = 1000 * max(times)
+            out[f"{name}_shape"] = "×".join(map(str, shape))  # type: ignore[assignment]
+    return out
+
+
+def sqlite_bytes(path: Path) -> int:
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))
+
+
+def postgres_bytes(url: str) -> int:
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        size = conn.execute(
+            text(
+                "SELECT sum(pg_total_relation_size(c.oid)) FROM pg_class c "
+                "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND c.relkind = 'r'"
+            )
+        ).scalar_one()
+    engine.dispose()
+    return int(size)
+
+
+def bench_backend(name: str, url: str, size_of: Any, args: argparse.Namespace) -> dict[str, Any]:
+    print(f"\n== {name}: {url}", flush=True)
+    with collector(url) as (base, _pid):
+        ingest = run_clients(base, "bench-ingest", args.clients, args.steps_per_batch, args.seconds)
+        print(
+            f"ingest: {ingest['points_per_second']:,.0f} points/s acknowledged "
+            f"({ingest['points']:,} points in {ingest['requests']} requests, {ingest['wall_seconds']:.1f} s), "
+            f"p50 {ingest['p50_ms']:.1f} ms, p99 {ingest['p99_ms']:.1f} ms",
+            flush=True,
+        )
+        per_point = size_of() / ingest["points"]
+        print(f"disk: {per_point:.2f} bytes per point (whole database incl. rollups and indexes)", flush=True)
+        queries = fill_and_query(base, args.query_steps, args.reps)
+        print(
+            f"fill: {queries['fill_points_per_second']:,.0f} points/s with 1000-step batches; "
+            f"heatmap {queries['heatmap_shape']} over {args.query_steps:,} steps: "
+            f"p50 {queries['heatmap_ms_p50']:.1f} ms "
+            f"(max {queries['heatmap_ms_max']:.1f}); series {queries['series_shape']} points: "
+            f"p50 {queries['series_ms_p50']:.1f} ms (max {queries['series_ms_max']:.1f})",
+            flush=True,
+        )
+    return {**ingest, "bytes_per_point": per_point, **queries}
+
+
+def mlflow_client(args: tuple[str, int, float, Any]) -> tuple[int, float, float]:
+    url, rank, seconds, barrier = args
+    with httpx.Client(base_url=url, timeout=120) as http:
+        run = http.post("/api/2.0/mlflow/runs/create", json={"experiment_id": "0", "run_name": f"bench-{rank}"})
+        run.raise_for_status()
+        run_id = run.json()["run"]["info"]["run_id"]
+        values = np.random.default_rng(rank).random((len(METRICS), len(LAYERS)), dtype=np.float32)
+        barrier.wait()
+        start = time.perf_counter()
+        points = 0
+        step = 0
+        while time.perf_counter() - start < seconds:
+            rows = [
+                {"key": f"{layer}/{metric}", "value": float(values[j, i]), "timestamp": 1_700_000_000_000, "step": step}
+                for j, metric in enumerate(METRICS)
+                for i, layer in enumerate(LAYERS)
+            ]
+            for k in range(0, len(rows), 1000):  # log-batch accepts at most 1000 metrics per request
+                http.post(
+                    "/api/2.0/mlflow/runs/log-batch", json={"run_id": run_id, "metrics": rows[k : k + 1000]}
+                ).raise_for_status()
+                points += len(rows[k : k + 1000])
+            step += 1
+        return points, start, time.perf_counter()
+
+
+def bench_mlflow(args: argparse.Namespace, workdir: Path) -> float | None:
+    mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent))
+    if mlflow is None:
+        print("\nMLflow is not installed (pip install 'quantwatch[bench]'): skipping the comparison", flush=True)
+        return None
+    port = free_port()
+    store = workdir / "mlflow.db"
+    proc = subprocess.Popen(
+        [
+            mlflow,
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{store}",
+            "--default-artifact-root",
+            str(workdir / "art"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", proc, timeout=300)
+        ctx = mp.get_context("spawn")
+        with ctx.Manager() as manager:
+            barrier = manager.Barrier(args.clients)
+            with ctx.Pool(args.clients) as pool:
+                results = pool.map(
+                    mlflow_client,
+                    [(f"http://127.0.0.1:{port}", r, args.mlflow_seconds, barrier) for r in range(args.clients)],
+                )
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    points = sum(r[0] for r in results)
+    rate = points / (max(r[2] for r in results) - min(r[1] for r in results))
+    print(
+        f"\n== MLflow tracking server (SQLite, log-batch): {rate:,.0f} points/s acknowledged ({points:,} points)",
+        flush=True,
+    )
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=20, help="ingest phase length per backend")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--steps-per-batch", type=int, default=16)
+    parser.add_argument("--query-steps", type=int, default=100_000)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--mlflow-seconds", type=float, default=20)
+    parser.add_argument("--skip-postgres", action="store_true")
+    parser.add_argument("--skip-mlflow", action="store_true")
+    args = parser.parse_args()
+    print(
+        f"workload: {args.clients} client processes × batches of {args.steps_per_batch} steps × {len(LAYERS)} layers × "
+        f"{len(METRICS)} metrics (msgpack float32 bin, "
+        f"{args.steps_per_batch * len(LAYERS) * len(METRICS):,} points/batch)"
+    )
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="qw-bench-") as tmp:
+        workdir = Path(tmp)
+        db = workdir / "quantwatch.db"
+        results["sqlite"] = bench_backend("SQLite", f"sqlite:///{db}", lambda: sqlite_bytes(db), args)
+        if not args.skip_postgres:
+            from sqlalchemy import create_engine, text
+            from sqlalchemy.engine import make_url
+
+            name = f"qw_bench_{os.getpid()}"
+            admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+            with admin.connect() as conn:
+                conn.execute(text(f'CREATE DATABASE "{name}"'))
+            url = make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+            try:
+                results["postgres"] = bench_backend("PostgreSQL", url, lambda: postgres_bytes(url), args)
+            finally:
+                with admin.connect() as conn:
+                    conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+                admin.dispose()
+        mlflow_rate = None if args.skip_mlflow else bench_mlflow(args, workdir)
+    print("\n== summary")
+    for backend, r in results.items():
+        line = (
+            f"{backend:10s} {r['points_per_second']:>12,.0f} points/s  p50 {r['p50_ms']:6.1f} ms  "
+            f"p99 {r['p99_ms']:6.1f} ms  {r['bytes_per_point']:.2f} B/point  "
+            f"heatmap {r['heatmap_ms_p50']:.1f} ms  series {r['series_ms_p50']:.1f} ms"
+        )
+        if mlflow_rate:
+            line += f"  = {r['points_per_second'] / mlflow_rate:,.0f}× MLflow"
+        print(line)
+    if mlflow_rate:
+        print(f"{'mlflow':10s} {mlflow_rate:>12,.0f} points/s")
+
+
+if __name__ == "__main__":
+    main()
