@@ -52,7 +52,18 @@ if TYPE_CHECKING:
     from quantwatch.service.batch import IngestBatch
     from quantwatch.service.models import Run
 
-__all__ = ["AlertEngine", "SeriesSnapshot", "insert_ignore", "json_value", "receiver_spec", "step_inputs"]
+LEASE_SECONDS = 120.0
+"""How long a delivery worker owns an outbox row it is sending; after that any worker may retry it."""
+
+__all__ = [
+    "LEASE_SECONDS",
+    "AlertEngine",
+    "SeriesSnapshot",
+    "insert_ignore",
+    "json_value",
+    "receiver_spec",
+    "step_inputs",
+]
 
 
 def json_value(value: float) -> tuple[float | None, str | None]:
@@ -110,7 +121,12 @@ class _RuleCache:
 class AlertEngine:
     """The alerting ingest observer: ``on_batch`` inside the ingest transaction, ``after_commit`` after it.
 
-    ``wake`` is called after a commit that wrote outbox rows, so the delivery worker sends without polling delay.
+    Outbox rows are written already leased (``claimed_until``) to this process: after the commit, ``dispatch``
+    hands their ids straight to the local delivery worker, so a notification leaves without a claim transaction
+    (on SQLite that would queue behind ingest for the write lock). If the process dies first, the lease runs out and
+    any replica's worker sends them. A row behind an undelivered earlier one of the same (episode, receiver) is
+    left unleased for the worker's ordered claim instead, and ``wake`` nudges the worker. Without ``dispatch`` every
+    row goes through the worker's claim.
     """
 
     def __init__(
@@ -119,11 +135,13 @@ class AlertEngine:
         external_url: str,
         delivery_horizon_seconds: float,
         wake: Callable[[], None] = lambda: None,
+        dispatch: Callable[[list[int]], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.external_url = external_url
         self.delivery_horizon_seconds = delivery_horizon_seconds
         self._wake = wake
+        self._dispatch = dispatch
         self._clock = clock
         self._rules = _RuleCache()
         self._rules_lock = threading.Lock()
@@ -156,18 +174,21 @@ class AlertEngine:
 
     def after_commit(self, batch: IngestBatch) -> None:
         """:class:`~quantwatch.service.batch.IngestObserver` hook: publish the committed series states to
-        :meth:`latest_series` and wake the delivery worker if outbox rows were written."""
+        :meth:`latest_series` and hand new outbox rows to the delivery worker."""
         staged: list[SeriesSnapshot] = getattr(self._enqueued, "staged", [])
         self._enqueued.staged = []
         if staged:
             with self._latest_lock:
                 for snapshot in staged:
                     self._latest[(snapshot.rule, snapshot.run, snapshot.rank, snapshot.layer)] = snapshot
-        self.wake_if_enqueued()
+        self.send_enqueued()
 
-    def wake_if_enqueued(self) -> None:
-        """Wake the delivery worker if this thread wrote outbox rows since the last call."""
-        if self.take_enqueued():
+    def send_enqueued(self) -> None:
+        """After a commit: dispatch the leased outbox rows this thread wrote and wake the worker for the others."""
+        leased, unleased = self.take_enqueued()
+        if leased and self._dispatch is not None:
+            self._dispatch(leased)
+        if unleased:
             self._wake()
 
     def wake(self) -> None:
@@ -177,6 +198,7 @@ class AlertEngine:
     def evaluate(self, session: Session, run: str, rank: int, layers: Sequence[str], steps: Sequence[StepInput]) -> int:
         """Evaluate one batch inside the caller's transaction; returns how many outbox rows it wrote."""
         self._enqueued.staged = []
+        self.take_enqueued()
         rules = [(rule_id, rule) for rule_id, rule in self.active_rules(session) if rule.matches_run(run)]
         if not rules or not steps:
             return 0
@@ -350,6 +372,13 @@ class AlertEngine:
         episode.annotations = notification.annotations()
         receivers = _receivers_for(session, rule)
         now = self._clock()
+        waiting = set(
+            session.scalars(
+                select(DeliveryRow.receiver_id).where(
+                    DeliveryRow.episode_id == episode.id, DeliveryRow.status == "pending"
+                )
+            )
+        )
         rows = []
         for receiver in receivers:
             if status == "resolved" and not receiver.send_resolved:
@@ -370,18 +399,24 @@ class AlertEngine:
                     created_at=now,
                     next_attempt_at=now,
                     expires_at=now + self.delivery_horizon_seconds,
+                    claimed_until=None if self._dispatch is None or receiver.id in waiting else now + LEASE_SECONDS,
                 )
             )
         session.add_all(rows)
-        if rows:
-            self._enqueued.count = getattr(self._enqueued, "count", 0) + len(rows)
+        session.flush()
+        leased: list[int] = getattr(self._enqueued, "leased", [])
+        unleased: list[int] = getattr(self._enqueued, "unleased", [])
+        for row in rows:
+            (leased if row.claimed_until is not None else unleased).append(row.id)
+        self._enqueued.leased, self._enqueued.unleased = leased, unleased
         return len(rows)
 
-    def take_enqueued(self) -> int:
-        """How many outbox rows this thread wrote since the last call (reset to 0)."""
-        count: int = getattr(self._enqueued, "count", 0)
-        self._enqueued.count = 0
-        return count
+    def take_enqueued(self) -> tuple[list[int], list[int]]:
+        """Ids of the (leased, unleased) outbox rows this thread wrote since the last call (then forgotten)."""
+        leased: list[int] = getattr(self._enqueued, "leased", [])
+        unleased: list[int] = getattr(self._enqueued, "unleased", [])
+        self._enqueued.leased, self._enqueued.unleased = [], []
+        return leased, unleased
 
     # -- reads for Prometheus and the API ----------------------------------------------------------------------
     def latest_series(self) -> list[SeriesSnapshot]:

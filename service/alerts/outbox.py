@@ -27,7 +27,7 @@ import httpx
 from sqlalchemy import and_, exists, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
-from quantwatch.service.alerts.engine import receiver_spec
+from quantwatch.service.alerts.engine import LEASE_SECONDS, receiver_spec
 from quantwatch.service.alerts.tables import DeliveryRow, ReceiverRow
 from quantwatch.service.alerts.webhooks import signature_headers
 
@@ -98,7 +98,7 @@ class DeliveryWorker:
         batch_size: int = 32,
         concurrency: int = 8,
         poll_seconds: float = 1.0,
-        lease_seconds: float = 120.0,
+        lease_seconds: float = LEASE_SECONDS,
         transport: httpx.BaseTransport | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -134,6 +134,19 @@ class DeliveryWorker:
     def wake(self) -> None:
         """Look for due rows now rather than at the next poll."""
         self._event.set()
+
+    def dispatch(self, delivery_ids: list[int]) -> None:
+        """Send rows this process wrote already leased to itself, now, without claiming them (see AlertEngine)."""
+        if self._stopping.is_set():
+            return
+        for delivery_id in delivery_ids:
+            self._pool.submit(self._deliver_logged, delivery_id)
+
+    def _deliver_logged(self, delivery_id: int) -> None:
+        try:
+            self._deliver(delivery_id)
+        except Exception:  # the row stays leased and pending; a worker retries it when the lease runs out
+            log.exception("delivery %s failed before its outcome was recorded", delivery_id)
 
     def _loop(self) -> None:
         while not self._stopping.is_set():

@@ -38,6 +38,7 @@ def install_alerts(app: FastAPI, settings: Settings, store: Store) -> tuple[Aler
         external_url=settings.external_url or f"http://{settings.host}:{settings.port}",
         delivery_horizon_seconds=settings.alert_delivery_horizon_seconds,
         wake=worker.wake,
+        dispatch=worker.dispatch,
     )
     with write_session(store.factory) as session:
         sync_rules_file(session, engine, rules_file)

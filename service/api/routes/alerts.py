@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from sqlalchemy import select
 
 from quantwatch.service.alerts.engine import AlertEngine
@@ -15,8 +15,15 @@ from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.core.db import write_session
 
+REDELIVER: dict[int | str, dict[str, Any]] = {
+    404: {"description": "Unknown delivery"},
+    409: {"description": "The receiver is disabled"},
+}
+
 router = APIRouter(prefix="/api/v1", tags=["alerts"])
 
+DeliveryId = Annotated[int, Path(ge=1, le=2**31 - 1, description="Delivery id (from GET /api/v1/deliveries).")]
+EpisodeId = Annotated[int | None, Query(ge=1, le=2**31 - 1, description="Only this alert episode.")]
 Limit = Annotated[int, Query(ge=1, le=10_000, description="Most recent first, at most this many.")]
 
 
@@ -47,7 +54,7 @@ def list_deliveries(
         Literal["pending", "delivered", "failed", "cancelled"] | None, Query(description="Only this status.")
     ] = None,
     receiver: Annotated[str | None, Query(description="Only this receiver.")] = None,
-    episode: Annotated[int | None, Query(description="Only this alert episode.")] = None,
+    episode: EpisodeId = None,
     limit: Limit = 500,
 ) -> list[DeliveryOut]:
     """The delivery log, newest first."""
@@ -68,9 +75,13 @@ def list_deliveries(
 
 
 @router.post(
-    "/deliveries/{delivery_id}/redeliver", response_model=DeliveryOut, status_code=202, dependencies=[AdminAuth]
+    "/deliveries/{delivery_id}/redeliver",
+    response_model=DeliveryOut,
+    status_code=202,
+    dependencies=[AdminAuth],
+    responses=REDELIVER,
 )
-def redeliver(delivery_id: int, store: StoreDep, request: Request) -> DeliveryOut:
+def redeliver(delivery_id: DeliveryId, store: StoreDep, request: Request) -> DeliveryOut:
     """Send a delivery again (same body and ``webhook-id``), with a fresh retry horizon."""
     alerts: AlertEngine = request.app.state.alerts
     now = time.time()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Response
 from sqlalchemy import select
@@ -14,6 +14,9 @@ from quantwatch.service.alerts.tables import ReceiverRow
 from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.core.db import write_session
+
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown receiver"}}
+CONFLICT: dict[int | str, dict[str, Any]] = {409: {"description": "The name is taken"}}
 
 router = APIRouter(prefix="/api/v1/receivers", tags=["alerts"])
 
@@ -27,7 +30,7 @@ def list_receivers(store: StoreDep) -> list[ReceiverOut]:
         return [ReceiverOut.of(row) for row in session.scalars(select(ReceiverRow).order_by(ReceiverRow.name))]
 
 
-@router.get("/{name}", response_model=ReceiverOut, dependencies=[ReadAuth])
+@router.get("/{name}", response_model=ReceiverOut, dependencies=[ReadAuth], responses=NOT_FOUND)
 def get_receiver(name: str, store: StoreDep) -> ReceiverOut:
     """One receiver by name, without secrets or header values."""
     with store.factory() as session:
@@ -37,7 +40,7 @@ def get_receiver(name: str, store: StoreDep) -> ReceiverOut:
         return ReceiverOut.of(row)
 
 
-@router.post("", response_model=ReceiverOut, status_code=201, dependencies=[AdminAuth])
+@router.post("", response_model=ReceiverOut, status_code=201, dependencies=[AdminAuth], responses=CONFLICT)
 def create_receiver(receiver: ReceiverBody, store: StoreDep) -> ReceiverOut:
     """Add a receiver (409 if the name is taken)."""
     try:
@@ -47,7 +50,7 @@ def create_receiver(receiver: ReceiverBody, store: StoreDep) -> ReceiverOut:
         raise ProblemError(409, str(exc)) from None
 
 
-@router.put("/{name}", response_model=ReceiverOut, dependencies=[AdminAuth])
+@router.put("/{name}", response_model=ReceiverOut, dependencies=[AdminAuth], responses=NOT_FOUND)
 def replace_receiver(name: str, receiver: ReceiverBody, store: StoreDep) -> ReceiverOut:
     """Replace a receiver (this also re-enables one disabled after a 410 when ``enabled`` is true)."""
     if receiver.name != name:
@@ -63,7 +66,7 @@ def replace_receiver(name: str, receiver: ReceiverBody, store: StoreDep) -> Rece
         raise ProblemError(404, f"no receiver named {name!r}") from None
 
 
-@router.delete("/{name}", status_code=204, dependencies=[AdminAuth])
+@router.delete("/{name}", status_code=204, dependencies=[AdminAuth], responses=NOT_FOUND)
 def remove_receiver(name: str, store: StoreDep) -> Response:
     """Delete a receiver and its undelivered notifications."""
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Request, Response
 from sqlalchemy import select
@@ -15,6 +15,9 @@ from quantwatch.service.alerts.tables import RuleRow
 from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.core.db import write_session
+
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown rule"}}
+CONFLICT: dict[int | str, dict[str, Any]] = {409: {"description": "The name is taken"}}
 
 router = APIRouter(prefix="/api/v1/rules", tags=["alerts"])
 
@@ -39,7 +42,7 @@ def list_rules(store: StoreDep) -> list[RuleOut]:
         return [RuleOut.of(row) for row in session.scalars(select(RuleRow).order_by(RuleRow.name))]
 
 
-@router.get("/{name}", response_model=RuleOut, dependencies=[ReadAuth])
+@router.get("/{name}", response_model=RuleOut, dependencies=[ReadAuth], responses=NOT_FOUND)
 def get_rule(name: str, store: StoreDep) -> RuleOut:
     """One rule by name."""
     with store.factory() as session:
@@ -49,7 +52,7 @@ def get_rule(name: str, store: StoreDep) -> RuleOut:
         return RuleOut.of(row)
 
 
-@router.post("", response_model=RuleOut, status_code=201, dependencies=[AdminAuth])
+@router.post("", response_model=RuleOut, status_code=201, dependencies=[AdminAuth], responses=CONFLICT)
 def create_rule(rule: RuleBody, store: StoreDep, request: Request) -> RuleOut:
     """Add a rule (409 if the name is taken)."""
     try:
@@ -59,7 +62,7 @@ def create_rule(rule: RuleBody, store: StoreDep, request: Request) -> RuleOut:
         raise _conflict(exc) from None
 
 
-@router.put("/{name}", response_model=RuleOut, dependencies=[AdminAuth])
+@router.put("/{name}", response_model=RuleOut, dependencies=[AdminAuth], responses=NOT_FOUND)
 def replace_rule(name: str, rule: RuleBody, store: StoreDep, request: Request) -> RuleOut:
     """Replace a rule; its open episodes resolve and its series start over under the new definition."""
     if rule.name != name:
@@ -75,11 +78,11 @@ def replace_rule(name: str, rule: RuleBody, store: StoreDep, request: Request) -
         raise _conflict(exc) from None
     except NotFoundError:
         raise ProblemError(404, f"no rule named {name!r}") from None
-    _alerts(request).wake_if_enqueued()
+    _alerts(request).send_enqueued()
     return answer
 
 
-@router.delete("/{name}", status_code=204, dependencies=[AdminAuth])
+@router.delete("/{name}", status_code=204, dependencies=[AdminAuth], responses=NOT_FOUND)
 def remove_rule(name: str, store: StoreDep, request: Request) -> Response:
     """Delete an API rule, or disable a default or rules-file rule; firing episodes resolve."""
     try:
@@ -87,5 +90,5 @@ def remove_rule(name: str, store: StoreDep, request: Request) -> Response:
             delete_rule(session, _alerts(request), name)
     except NotFoundError:
         raise ProblemError(404, f"no rule named {name!r}") from None
-    _alerts(request).wake_if_enqueued()
+    _alerts(request).send_enqueued()
     return Response(status_code=204)

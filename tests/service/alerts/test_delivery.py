@@ -46,7 +46,9 @@ def ingest(
 ) -> int:
     steps = [StepInput(step, 1_700_000_000.0 + step, {"output_rel_l2": values}, {}) for step, values in rows]
     with write_session(sessions) as session:
-        return engine_.evaluate(session, run, rank, layers, steps)
+        written = engine_.evaluate(session, run, rank, layers, steps)
+    engine_.send_enqueued()
+    return written
 
 
 RULE = Rule(name="dev", metric="output_rel_l2", op=">", threshold=0.05, consecutive=3)
@@ -60,8 +62,13 @@ def test_episode_fires_once_and_resolves_with_signed_webhooks(
     receiver = receivers()
     add_rule(sessions, RULE)
     add_receiver(sessions, "ops", receiver.url, [secret])
-    alerts = AlertEngine(external_url="http://127.0.0.1:8000", delivery_horizon_seconds=3600)
     worker = DeliveryWorker(sessions, poll_seconds=0.05)
+    alerts = AlertEngine(
+        external_url="http://127.0.0.1:8000",
+        delivery_horizon_seconds=3600,
+        wake=worker.wake,
+        dispatch=worker.dispatch,
+    )
     worker.start()
     try:
         assert ingest(alerts, sessions, "gpt", 0, ["a", "b"], [(1, [0.1, 0.0]), (2, [0.1, 0.0])]) == 0
