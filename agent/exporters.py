@@ -178,10 +178,11 @@ class HttpExporter:
             self.failures.record(f"export_rejected_{exc.status_code}", str(exc))
 
     def drain_spool(self) -> None:
-        """Replay spooled batches oldest first until the spool is empty or the collector fails again."""
+        """Replay spooled batches oldest first until the spool is empty or the collector fails again (also while
+        closing: a healthy collector gets the backlog before the process ends; one failure stops the replay)."""
         if self.spool is None:
             return
-        while len(self.spool) > 0 and time.monotonic() >= self._not_before and not self._stopping.is_set():
+        while len(self.spool) > 0 and time.monotonic() >= self._not_before:
             entry = self.spool.oldest()
             if entry is None:
                 return

@@ -46,6 +46,7 @@ __all__ = [
     "LayerAdapter",
     "ModuleAdapter",
     "QatAdapter",
+    "comparison_stats",
     "is_monitorable",
 ]
 
@@ -86,6 +87,36 @@ def _fake_quantizers(module: nn.Module) -> list[nn.Module]:
         if isinstance(fq, FakeQuantizeBase):
             found.append(fq)
     return found
+
+
+def comparison_stats(reference: Tensor, value: Tensor) -> ErrorStats:
+    """Partial sums comparing ``value`` with ``reference`` (output deviation, update direction, weight drift).
+
+    Only the four sums the comparison metrics need (Σx², Σq², Σqx, Σ(q−x)²), as float32 BLAS dot products
+    accumulated to float64: several times cheaper than :func:`~quantwatch.kernels.error_stats`, whose counts
+    (underflow, overflow, non-finite) mean nothing for a comparison.  ``max_abs_err`` and ``amax`` are NaN (not
+    computed); the counts are 0.  Non-finite values make the sums NaN, which the metrics then report as ``"nan"``."""
+    x = reference.detach().reshape(-1).float()
+    q = value.detach().reshape(-1).float()
+    if x.numel() == 0:
+        return ErrorStats.zeros(x.device)
+    err = q - x
+    sums = torch.stack([torch.dot(x, x), torch.dot(q, q), torch.dot(q, x), torch.dot(err, err)]).double()
+    zero = sums.new_zeros(())
+    nan = torch.full((), float("nan"), dtype=torch.float64, device=sums.device)
+    return ErrorStats(
+        numel=torch.full((), float(x.numel()), dtype=torch.float64, device=sums.device),
+        sum_x2=sums[0],
+        sum_q2=sums[1],
+        sum_qx=sums[2],
+        sum_err2=sums[3],
+        max_abs_err=nan,
+        amax=nan,
+        nonzero_count=zero,
+        underflow_count=zero,
+        overflow_count=zero,
+        nonfinite_count=zero,
+    )
 
 
 def _first_tensor(args: tuple[Any, ...]) -> Tensor | None:
@@ -146,6 +177,7 @@ class _ShadowedModuleAdapter(LayerAdapter):
         self._handles: list[RemovableHandle] = []
         self._pending_reference_grads: deque[Tensor | None] = deque()
         self._in_reference = False
+        self._computing_reference_grad = False
 
     @property
     def weight(self) -> Tensor | None:
@@ -189,7 +221,7 @@ class _ShadowedModuleAdapter(LayerAdapter):
         finally:
             self._in_reference = False
         if KIND_OUTPUT in self.kinds:
-            self.record(KIND_OUTPUT, error_stats(reference.detach(), output.detach()))
+            self.record(KIND_OUTPUT, comparison_stats(reference, output))
         if want_update and weight is not None:
             # update_cosine: the quantized path's weight gradient (seen by a hook on the weight) against the FP32
             # reference gradient of the same layer and batch, from the reference graph built above and the output
@@ -199,18 +231,25 @@ class _ShadowedModuleAdapter(LayerAdapter):
 
     def _on_output_grad(self, reference: Tensor, weight: Tensor, grad_output: Tensor) -> None:
         def compute() -> None:
-            (reference_grad,) = torch.autograd.grad(reference, weight, grad_output.detach(), allow_unused=True)
+            self._computing_reference_grad = True
+            try:
+                (reference_grad,) = torch.autograd.grad(reference, weight, grad_output.detach(), allow_unused=True)
+            finally:
+                self._computing_reference_grad = False
             self._pending_reference_grads.append(reference_grad)
 
         self._guard("reference_grad", compute)
 
     def _on_weight_grad(self, grad: Tensor) -> None:
+        if self._computing_reference_grad:
+            return  # the hook also sees the reference gradient being computed: only the quantized path's counts
+
         def compare() -> None:
             if not self._pending_reference_grads:
                 return
             reference_grad = self._pending_reference_grads.popleft()
             if reference_grad is not None:
-                self.record(KIND_UPDATE, error_stats(reference_grad.detach(), grad.detach()))
+                self.record(KIND_UPDATE, comparison_stats(reference_grad, grad))
 
         self._guard("update_compare", compare)
 

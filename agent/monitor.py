@@ -43,13 +43,14 @@ from quantwatch.agent.layers import (
     ModuleAdapter,
     OverheadClock,
     QatAdapter,
+    comparison_stats,
     is_monitorable,
 )
 from quantwatch.agent.sampling import LAYER_METRICS, Schedule
 from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel
 from quantwatch.agent.spool import DiskSpool
 from quantwatch.agent.wire import RUN_NAME_PATTERN, Encoding, StepRecord
-from quantwatch.kernels import ErrorStats, error_stats
+from quantwatch.kernels import ErrorStats
 
 __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "Monitor", "attach"]
 
@@ -433,7 +434,7 @@ class Monitor:
                 shadow_weight = self._shadow.weights.get(adapter.name)
                 weight = adapter.weight
                 if shadow_weight is not None and weight is not None:
-                    adapter.record(KIND_DRIFT, error_stats(shadow_weight.detach(), weight.detach()))
+                    adapter.record(KIND_DRIFT, comparison_stats(shadow_weight, weight))
         rows: list[Tensor] = []
         present: list[list[bool]] = []
         for adapter in adapters:
@@ -528,10 +529,14 @@ def _derive(block: np.ndarray, present: list[list[bool]], metric_names: list[str
     sums = torch.from_numpy(np.ascontiguousarray(block[:, : _NK * _NF]).reshape(n, _NK, _NF))
     stats = ErrorStats(**{name: sums[..., i] for i, name in enumerate(_FIELDS)})
     mask = np.array(present, dtype=bool).reshape(n, _NK + 1)
+    # Comparisons of non-finite tensors have NaN sums; the ratio formulas would turn those into 0 or 1, so they are
+    # reported as NaN (a signal), never as a clean figure.
+    sum_columns = [_FIELDS.index(f) for f in ("sum_x2", "sum_q2", "sum_qx", "sum_err2")]
+    poisoned = np.isnan(sums.numpy()[..., sum_columns]).any(axis=-1)
     derived: dict[str, np.ndarray] = {
-        "rel_l2": stats.rel_l2.numpy(),
-        "cosine": stats.cosine.numpy(),
-        "sqnr_db": stats.sqnr_db.numpy(),
+        "rel_l2": np.where(poisoned, np.nan, stats.rel_l2.numpy()),
+        "cosine": np.where(poisoned, np.nan, stats.cosine.numpy()),
+        "sqnr_db": np.where(poisoned, np.nan, stats.sqnr_db.numpy()),
         "underflow_ratio": stats.underflow_ratio.numpy(),
         "overflow_ratio": stats.overflow_ratio.numpy(),
         "amax": stats.amax.numpy(),

@@ -199,6 +199,7 @@ def test_non_finite_input_is_counted_not_raised() -> None:
     monitor.step(loss=loss)
     assert monitor.close(10)
     assert sink.value("nonfinite_count", "0", 0) >= 2
+    assert math.isnan(sink.value("output_rel_l2", "0", 0))  # a poisoned output is reported as NaN, not as a figure
     assert math.isnan(sink.scalar("loss", 0))
 
 
@@ -238,3 +239,55 @@ def test_qat_module_measured_against_itself_with_fake_quant_off() -> None:
     assert "grad_rel_l2" not in record.metrics  # QAT does not quantize gradients: nothing measured, nothing sent
     assert sink.value("output_rel_l2", "0", 0) > 0
     assert bool(qat.weight_fake_quant.fake_quant_enabled[0] == 1)  # restored after the reference forward
+
+
+def test_quant_linear_from_quantize_model_matches_an_independent_computation() -> None:
+    from quantwatch.kernels import QuantConfig, QuantLinear, QuantSpec, Recipe, quantize, quantize_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    fp8_cfg = QuantConfig(weight=QuantSpec("fp8_e4m3"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2"))
+    fp4_cfg = QuantConfig(weight=QuantSpec("nvfp4"), input=QuantSpec("nvfp4"), grad=QuantSpec("fp8_e5m2"))
+    quantize_model(model, Recipe(rules=[("0", fp8_cfg), ("2", fp4_cfg)]))
+    assert isinstance(model[0], QuantLinear)
+    specs = {"0": fp8_cfg, "2": fp4_cfg}
+
+    def q(t: Tensor, spec: QuantSpec | None) -> Tensor:
+        assert spec is not None
+        return quantize(t, spec.fmt, scaling=spec.scaling)
+
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="quant-linear", exporter=sink, every=1)
+    assert monitor.layers == ("0", "2")
+    capture: dict[str, Any] = {}
+    for name in ("0", "2"):
+
+        def save(m: nn.Module, args: tuple[Tensor, ...], out: Tensor, name: str = name) -> None:
+            capture[name] = {"x": args[0].detach().clone(), "y": out.detach().clone(), "w": m.weight.detach().clone()}
+            out.register_hook(lambda g: capture[name].__setitem__("dy", g.detach().clone()))
+
+        getattr(model, name).register_forward_hook(save)
+    x = torch.randn(64, 16)
+    loss = model(x).square().mean()
+    loss.backward()
+    monitor.step(0, loss=loss)
+    assert monitor.close(10)
+    assert monitor.stats()["failures"] == {}
+    for name, cfg in specs.items():
+        c = capture[name]
+        xin, y, w, dy = c["x"], c["y"], c["w"], c["dy"]
+        y_ref = F.linear(xin, w, getattr(model, name).bias.detach())
+        expected = {
+            "weight_rel_l2": _rel_l2(q(w, cfg.weight), w),
+            "act_rel_l2": _rel_l2(q(xin, cfg.input), xin),
+            "grad_rel_l2": _rel_l2(q(dy, cfg.grad), dy),
+            "output_rel_l2": _rel_l2(y, y_ref),
+            "output_cosine": _cosine(y, y_ref),
+            "update_cosine": _cosine(q(dy, cfg.grad).T @ q(xin, cfg.input), dy.T @ xin),
+            "amax": float(xin.abs().max()),
+            "scale": float(getattr(model, name).input_quantizer.last_scale.max()),
+        }
+        for metric, value in expected.items():
+            assert sink.value(metric, name, 0) == pytest.approx(value, rel=1e-4, abs=1e-7), (name, metric)
+    # NVFP4 is coarser than FP8: the agent must see it
+    assert sink.value("output_rel_l2", "2", 0) > sink.value("output_rel_l2", "0", 0)

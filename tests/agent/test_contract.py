@@ -1,0 +1,115 @@
+"""Contract: every payload the agent sends validates against the collector's ingest decoder and route, in every
+encoding, and means the same thing after decoding (values, nulls, non-finite signals, scalars)."""
+
+from __future__ import annotations
+
+import gzip
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import quantwatch.agent as qw
+from quantwatch.agent.wire import encode_batch
+from quantwatch.kernels import QuantConfig, QuantSpec, Recipe, quantize_model
+from quantwatch.service import IngestBatch
+from quantwatch.service.api.routes.ingest import DECODERS
+
+VARIANTS = [("json", False), ("json", True), ("msgpack", False), ("msgpack", True)]
+
+
+def _decode(encoded: Any) -> IngestBatch:
+    body = gzip.decompress(encoded.body) if encoded.gzip else encoded.body
+    return DECODERS[encoded.content_type](body)
+
+
+def _agent_batches() -> list[qw.Batch]:
+    """Batches from a real run: FP8/NVFP4 layers, a watched kernel, nulls (metrics a layer lacks), NaN and inf."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    recipe = Recipe(rules=[("0", QuantConfig()), ("2", QuantConfig(weight=QuantSpec("nvfp4"), grad=None))])
+    quantize_model(model, recipe)
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(
+        model,
+        run="contract/run:1",
+        exporter=sink,
+        every=1,
+        rank=3,
+        shadow="model",
+        shadow_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        max_batch_steps=2,
+    )
+    monitor.watch_kernel(lambda x: x.half().float(), name="cast.fp16")(torch.randn(10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.randn(4, 8)
+        if step == 2:
+            x[0, 0] = float("nan")
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        monitor.step(step, loss=loss, big=float("inf"), shadow_closure=lambda m, x=x: m(x).square().mean())
+    assert monitor.close(10)
+    return sink.batches
+
+
+def test_every_agent_payload_decodes_to_the_same_figures() -> None:
+    batches = _agent_batches()
+    assert len(batches) == 2
+    seen_null = seen_nan = seen_inf = False
+    for batch in batches:
+        for encoding, compress in VARIANTS:
+            encoded = encode_batch(batch, encoding, compress)  # type: ignore[arg-type]
+            decoded = _decode(encoded)
+            assert (decoded.run, decoded.rank, decoded.batch_id) == (batch.run, batch.rank, batch.batch_id)
+            assert decoded.layers == batch.layers
+            assert decoded.points == batch.point_count()
+            for sent, got in zip(batch.steps, decoded.steps, strict=True):
+                assert got.step == sent.step
+                assert got.time == pytest.approx(sent.time)
+                assert set(got.metrics) == set(sent.metrics)
+                for name, values in sent.metrics.items():
+                    missing = got.missing.get(name, np.zeros(len(values), dtype=bool))
+                    for value, decoded_value, is_missing in zip(values, got.metrics[name], missing, strict=True):
+                        if value is None:
+                            seen_null = True
+                            assert is_missing
+                        elif math.isnan(value):
+                            seen_nan = True
+                            assert math.isnan(decoded_value)
+                            assert not is_missing
+                        else:
+                            assert decoded_value == np.float32(value)
+                assert set(got.scalars) == set(sent.scalars)
+                for name, value in sent.scalars.items():
+                    if math.isnan(value):
+                        assert math.isnan(got.scalars[name])
+                    else:
+                        seen_inf = seen_inf or math.isinf(value)
+                        assert got.scalars[name] == value
+    assert seen_null
+    assert seen_nan
+    assert seen_inf
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_the_collector_route_accepts_every_agent_payload(client: Any) -> None:
+    for batch in _agent_batches():
+        for encoding, compress in VARIANTS:
+            encoded = encode_batch(batch, encoding, compress)  # type: ignore[arg-type]
+            # a distinct batch id per variant, so each is stored rather than answered as a duplicate
+            variant = qw.Batch(
+                batch.run, batch.rank, f"{batch.batch_id}-{encoding}-{compress}", batch.layers, batch.steps
+            )
+            encoded = encode_batch(variant, encoding, compress)  # type: ignore[arg-type]
+            response = client.post("/api/v1/ingest", content=encoded.body, headers=encoded.headers())
+            assert response.status_code == 200, response.text
+            assert response.json() == {"batch_id": variant.batch_id, "duplicate": False, "points": encoded.points}
+    runs = client.get("/api/v1/runs").json()
+    assert [r["name"] for r in runs] == ["contract/run:1"]
+    assert runs[0]["ranks"] == [3]
