@@ -79,26 +79,26 @@ def binade_exponent(a: Tensor) -> Tensor:
     return (a.view(torch.int32) >> 23) - 127
 
 
-def cast_bits(v: Tensor, fmt: FormatSpec, saturate: bool, noise: Tensor | None) -> Tensor:
-    """Round float32 ``v`` to ``fmt`` (float or integer) like `reference.cast_to_format`, on bit patterns."""
+def cast_bits(v: Tensor, fmt: FormatSpec, saturate: bool, noise: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Round float32 ``v`` to ``fmt`` like `reference.cast_with_overflow`, on bit patterns: ``(q, overflow)``."""
+    finite = torch.isfinite(v)
     if fmt.kind is Kind.INT:
         rounded = torch.round(v) if noise is None else _stochastic(v, noise)
-        return rounded.clamp(-fmt.max_value, fmt.max_value)
-    magnitude = v.abs()
-    finite = torch.isfinite(magnitude)
-    a = torch.where(finite, magnitude, 0.0)
+        return rounded.clamp(-fmt.max_value, fmt.max_value), finite & (rounded.abs() > fmt.max_value)
+    a = torch.where(finite, v.abs(), 0.0)
     exponent = torch.clamp(binade_exponent(a), min=fmt.emin)
     scaled = a * pow2_bits(fmt.mantissa_bits - exponent)
     rounded = torch.round(scaled) if noise is None else _stochastic(scaled, noise)
     result = rounded * pow2_bits(exponent - fmt.mantissa_bits)
-    overflow = (result > fmt.max_value) | ~finite
+    too_big = result > fmt.max_value
+    overflow = too_big | ~finite
     if saturate or fmt.special is Special.NONE:
         result = torch.where(overflow, fmt.max_value, result)
     elif fmt.special is Special.IEEE:
         result = torch.where(overflow, torch.inf, result)
     else:
         result = torch.where(overflow, torch.nan, result)
-    return torch.where(torch.isnan(v), torch.nan, torch.copysign(result, v))
+    return torch.where(torch.isnan(v), torch.nan, torch.copysign(result, v)), too_big & finite
 
 
 def _stochastic(scaled: Tensor, noise: Tensor) -> Tensor:
@@ -156,7 +156,7 @@ def _scales(
     tensor_scale = amax / (FP8_E4M3.max_value * FP4_E2M1.max_value)
     tensor_scale = torch.where(tensor_scale > 0, tensor_scale, 1.0)
     raw = (block_amax / fmt.max_value) / tensor_scale
-    block_scale = cast_bits(raw.clamp(NVFP4_BLOCK_SCALE_MIN, FP8_E4M3.max_value), FP8_E4M3, True, None)
+    block_scale = cast_bits(raw.clamp(NVFP4_BLOCK_SCALE_MIN, FP8_E4M3.max_value), FP8_E4M3, True, None)[0]
     return tensor_scale * block_scale, block_scale.squeeze(-1), tensor_scale
 
 
@@ -179,17 +179,16 @@ def fused_quantize(
     finite_abs = torch.where(finite_x, v.abs(), 0.0)
     amax = finite_abs.amax()
     if spec.kind is Scaling.NONE:
-        q = cast_bits(v, fmt, config.saturate, noise)
-        scaled = v
+        q, overflow = cast_bits(v, fmt, config.saturate, noise)
         scale_out: Tensor = torch.ones((), dtype=torch.float32, device=x.device)
         tensor_scale = None
     else:
         element_scale, scale_out, tensor_scale = _scales(v, finite_abs, amax, given_scale, config)
-        scaled = v / element_scale
-        q = cast_bits(scaled, fmt, config.saturate, noise) * element_scale
+        cast, overflow = cast_bits(v / element_scale, fmt, config.saturate, noise)
+        q = cast * element_scale
     values = q.to(x.dtype)
     if config.with_stats:
-        stats = _stats_vector(xs, values, finite_x, scaled, fmt, x.numel())
+        stats = _stats_vector(xs, values, finite_x, overflow, x.numel())
     else:
         stats = torch.zeros(len(ErrorStats.FIELDS), dtype=torch.float64, device=x.device)
     if blocked:
@@ -197,14 +196,14 @@ def fused_quantize(
     return values, stats, scale_out, amax, tensor_scale
 
 
-def _stats_vector(x: Tensor, q: Tensor, finite_x: Tensor, scaled: Tensor, fmt: FormatSpec, numel: int) -> Tensor:
+def _stats_vector(x: Tensor, q: Tensor, finite_x: Tensor, overflow: Tensor, numel: int) -> Tensor:
     finite_q = torch.isfinite(q)
     valid = finite_x & finite_q
     xv = torch.where(valid, x, 0).to(torch.float64)
     qv = torch.where(valid, q, 0).to(torch.float64)
     err = qv - xv
     nonzero = finite_x & (x != 0)
-    clipped = finite_x & ((torch.isfinite(scaled) & (scaled.abs() > fmt.max_value)) | ~finite_q)
+    clipped = finite_x & (overflow | ~finite_q)
     f64 = torch.float64
     return torch.stack(
         [

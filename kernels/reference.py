@@ -45,8 +45,8 @@ class QuantDetails:
     dimensions kept (size 1) for channel, and ``(*x.shape[:-1], n_blocks)`` for block scalings (for NVFP4 these are the
     E4M3 block scales, the element scale being ``tensor_scale · scale``). ``tensor_scale``: NVFP4's FP32 per-tensor
     scale, else None. ``amax``: the largest finite ``|x|`` (float32, 0-dim). Masks (bool, input shape):
-    ``overflow_mask`` finite inputs whose scaled magnitude exceeded the format maximum, ``underflow_mask`` non-zero
-    finite inputs that became zero, ``nonfinite_mask`` NaN/±inf inputs.
+    ``overflow_mask`` finite inputs whose scaled value rounded beyond the format maximum (clipped),
+    ``underflow_mask`` non-zero finite inputs that became zero, ``nonfinite_mask`` NaN/±inf inputs.
     """
 
     values: Tensor
@@ -107,17 +107,33 @@ def cast_to_format(
     noise: Tensor | None = None,
 ) -> Tensor:
     """Round ``v`` (float32/float64) to the nearest value of ``fmt`` (or stochastically), returning the same dtype."""
+    return cast_with_overflow(v, fmt, rounding, saturate, noise)[0]
+
+
+def cast_with_overflow(
+    v: Tensor,
+    fmt: FormatSpec,
+    rounding: Rounding = Rounding.NEAREST,
+    saturate: bool = True,
+    noise: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`cast_to_format` plus the mask of finite inputs that overflowed: rounded beyond ±max, so clipped or inf/NaN.
+
+    A value just above the maximum that rounds down to it (448.2 in E4M3) is rounding, not overflow.
+    """
+    finite = torch.isfinite(v)
     if fmt.kind is Kind.INT:
         limit = fmt.max_value
-        return _round_integer(v, rounding, noise).clamp(-limit, limit)
+        rounded = _round_integer(v, rounding, noise)
+        return rounded.clamp(-limit, limit), finite & (rounded.abs() > limit)
     magnitude = v.abs()
-    finite = torch.isfinite(magnitude)
     a = torch.where(finite, magnitude, 0)
     # The binade exponent; below the normal range the subnormal spacing applies (OCP OFP8 §3: denormals).
     exponent = floor_log2(a).clamp(min=fmt.emin)
     shift = fmt.mantissa_bits - exponent
     rounded = _round_integer(a * exact_pow2(shift, a.dtype), rounding, noise) * exact_pow2(-shift, a.dtype)
-    overflow = (rounded > fmt.max_value) | ~finite
+    too_big = rounded > fmt.max_value
+    overflow = too_big | ~finite
     if saturate or fmt.special is Special.NONE:
         rounded = torch.where(overflow, fmt.max_value, rounded)
     elif fmt.special is Special.IEEE:
@@ -126,8 +142,8 @@ def cast_to_format(
         rounded = torch.where(overflow, torch.nan, rounded)
     if fmt.kind is Kind.SCALE:
         rounded = torch.where(rounded < fmt.min_normal, fmt.min_normal, rounded)
-        return torch.where(v > 0, rounded, torch.nan)
-    return torch.where(torch.isnan(v), torch.nan, torch.copysign(rounded, v))
+        return torch.where(v > 0, rounded, torch.nan), too_big & finite
+    return torch.where(torch.isnan(v), torch.nan, torch.copysign(rounded, v)), too_big & finite
 
 
 def finite_amax(x: Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor:
@@ -265,14 +281,13 @@ def quantize_reference(
             scale_out = block_scale.squeeze(-1)
         block_noise = to_blocks(noise, scaling.block_size) if noise is not None else None
         scaled_blocks = blocks / element_scale.to(dtype)
-        q_blocks = cast_to_format(scaled_blocks, fmt, rounding, saturate, block_noise) * element_scale.to(dtype)
-        over_blocks = torch.isfinite(scaled_blocks) & (scaled_blocks.abs() > fmt.max_value)
+        cast_blocks, over_blocks = cast_with_overflow(scaled_blocks, fmt, rounding, saturate, block_noise)
+        q_blocks = cast_blocks * element_scale.to(dtype)
         q = from_blocks(q_blocks, v.shape)
         return _details(x, q, from_blocks(over_blocks, v.shape), scale_out, tensor_scale, amax, fmt, scaling)
-    q = cast_to_format(scaled, fmt, rounding, saturate, noise)
+    q, overflow = cast_with_overflow(scaled, fmt, rounding, saturate, noise)
     if kind is not Scaling.NONE:
         q = q * element_scale.to(dtype)
-    overflow = torch.isfinite(scaled) & (scaled.abs() > fmt.max_value)
     return _details(x, q, overflow, scale_out, tensor_scale, amax, fmt, scaling)
 
 

@@ -30,18 +30,19 @@ def binade(a):
 @triton.jit
 def cast(v, noise, EMIN: tl.constexpr, MBITS: tl.constexpr, MAXV: tl.constexpr, SPECIAL: tl.constexpr,
          IS_INT: tl.constexpr, SATURATE: tl.constexpr, STOCHASTIC: tl.constexpr):  # fmt: skip
+    # Returns (q, overflow): overflow marks finite inputs that rounded beyond ±max (see reference.cast_with_overflow).
+    finite = tl.abs(v) < float("inf")
     if IS_INT:
         if STOCHASTIC:
             low = tl.floor(v)
             r = low + (noise < v - low).to(tl.float32)
         else:
             r = round_half_even(v)
+        too_big = tl.abs(r) > MAXV
         # tl.minimum/maximum drop NaN; keep it like torch.clamp does.
         result = tl.where(v != v, float("nan"), tl.minimum(tl.maximum(r, -MAXV), MAXV))
     else:
-        magnitude = tl.abs(v)
-        finite = magnitude < float("inf")
-        a = tl.where(finite, magnitude, 0.0)
+        a = tl.where(finite, tl.abs(v), 0.0)
         e = tl.maximum(binade(a), EMIN)
         scaled = a * pow2(MBITS - e)
         if STOCHASTIC:
@@ -50,7 +51,8 @@ def cast(v, noise, EMIN: tl.constexpr, MBITS: tl.constexpr, MAXV: tl.constexpr, 
         else:
             r = round_half_even(scaled)
         m = r * pow2(e - MBITS)
-        overflow = (m > MAXV) | (magnitude == float("inf"))
+        too_big = m > MAXV
+        overflow = too_big | ~finite
         if SATURATE or SPECIAL == 0:
             m = tl.where(overflow, MAXV, m)
         elif SPECIAL == 1:
@@ -60,11 +62,11 @@ def cast(v, noise, EMIN: tl.constexpr, MBITS: tl.constexpr, MAXV: tl.constexpr, 
         signed = tl.where(v < 0, -m, m)
         signed = tl.where((v == 0) & (v.to(tl.int32, bitcast=True) < 0), -m, signed)
         result = tl.where(v != v, float("nan"), signed)
-    return result
+    return result, too_big & finite
 
 
 @triton.jit
-def partials(x, q, scaled, valid_lane, out_ptr, pid, MAXV: tl.constexpr):
+def partials(x, q, overflow, valid_lane, out_ptr, pid):
     finite_x = (tl.abs(x) < float("inf")) & valid_lane
     finite_q = tl.abs(q) < float("inf")
     ok = finite_x & finite_q
@@ -72,7 +74,7 @@ def partials(x, q, scaled, valid_lane, out_ptr, pid, MAXV: tl.constexpr):
     qv = tl.where(ok, q, 0.0).to(tl.float64)
     err = qv - xv
     nonzero = finite_x & (x != 0)
-    clipped = finite_x & (((tl.abs(scaled) < float("inf")) & (tl.abs(scaled) > MAXV)) | ~finite_q)
+    clipped = finite_x & (overflow | ~finite_q)
     nonfinite = valid_lane & ~finite_x
     base = out_ptr + pid * 11
     tl.store(base + 1, tl.sum(xv * xv))
@@ -102,15 +104,14 @@ def flat_kernel(x_ptr, noise_ptr, q_ptr, scale_ptr, stats_ptr, n,
         noise = tl.load(noise_ptr + offsets, mask=lane, other=0.0)
     if SCALED:
         s = tl.load(scale_ptr)
-        scaled = tl.math.div_rn(x, s)
-        q = cast(scaled, noise, EMIN, MBITS, MAXV, SPECIAL, IS_INT, SATURATE, STOCHASTIC) * s
+        q, overflow = cast(tl.math.div_rn(x, s), noise, EMIN, MBITS, MAXV, SPECIAL, IS_INT, SATURATE, STOCHASTIC)
+        q = q * s
     else:
-        scaled = x
-        q = cast(scaled, noise, EMIN, MBITS, MAXV, SPECIAL, IS_INT, SATURATE, STOCHASTIC)
+        q, overflow = cast(x, noise, EMIN, MBITS, MAXV, SPECIAL, IS_INT, SATURATE, STOCHASTIC)
     q_out = q.to(x_raw.dtype)
     tl.store(q_ptr + offsets, q_out, mask=lane)
     if WITH_STATS:
-        partials(x, q_out.to(tl.float32), scaled, lane, stats_ptr, pid, MAXV)
+        partials(x, q_out.to(tl.float32), overflow, lane, stats_ptr, pid)
 
 
 @triton.jit
@@ -136,7 +137,7 @@ def block_kernel(x_ptr, noise_ptr, q_ptr, scale_out_ptr, tensor_scale_ptr, stats
         ts = tl.load(tensor_scale_ptr)
         raw = tl.math.div_rn(tl.math.div_rn(block_amax, MAXV), ts)
         raw = tl.minimum(tl.maximum(raw, NV_SCALE_MIN), E4M3_MAX)
-        block_scale = cast(raw, raw, -6, 3, E4M3_MAX, 2, False, True, False)
+        block_scale, _ = cast(raw, raw, -6, 3, E4M3_MAX, 2, False, True, False)
         element_scale = ts * block_scale
     else:
         shared = tl.minimum(tl.maximum(binade(block_amax) - EMAX, -127), 127)
@@ -144,8 +145,9 @@ def block_kernel(x_ptr, noise_ptr, q_ptr, scale_out_ptr, tensor_scale_ptr, stats
         element_scale = block_scale
     tl.store(scale_out_ptr + rows, block_scale, mask=rows < n_blocks)
     scaled = tl.math.div_rn(x, element_scale[:, None])
-    q = cast(scaled, noise, EMIN, MBITS, MAXV, SPECIAL, IS_INT, SATURATE, STOCHASTIC) * element_scale[:, None]
+    q, overflow = cast(scaled, noise, EMIN, MBITS, MAXV, SPECIAL, IS_INT, SATURATE, STOCHASTIC)
+    q = q * element_scale[:, None]
     q_out = q.to(x_raw.dtype)
     tl.store(q_ptr + offsets, q_out, mask=lane)
     if WITH_STATS:
-        partials(x, q_out.to(tl.float32), scaled, lane, stats_ptr, pid, MAXV)
+        partials(x, q_out.to(tl.float32), overflow, lane, stats_ptr, pid)

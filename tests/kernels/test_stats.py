@@ -1,0 +1,125 @@
+"""ErrorStats against statistics recomputed independently in numpy float64; combine, round trips, edge cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from quantwatch.kernels import ErrorStats, error_stats, quantize
+
+
+def numpy_stats(x: np.ndarray, q: np.ndarray, fmt_max: float | None) -> dict[str, float]:
+    x64, q64 = x.astype(np.float64), q.astype(np.float64)
+    finite_x = np.isfinite(x64)
+    valid = finite_x & np.isfinite(q64)
+    xv, qv = np.where(valid, x64, 0.0), np.where(valid, q64, 0.0)
+    err = qv - xv
+    nonzero = finite_x & (x64 != 0)
+    overflow = finite_x & (~np.isfinite(q64) | ((np.abs(x64) > fmt_max) if fmt_max is not None else False))
+    sum_x2, sum_q2, sum_err2 = (xv**2).sum(), (qv**2).sum(), (err**2).sum()
+    return {
+        "numel": x.size,
+        "sum_x2": sum_x2,
+        "sum_q2": sum_q2,
+        "sum_qx": (qv * xv).sum(),
+        "sum_err2": sum_err2,
+        "max_abs_err": np.abs(err).max(),
+        "amax": np.abs(np.where(finite_x, x64, 0)).max(),
+        "nonzero_count": nonzero.sum(),
+        "underflow_count": (nonzero & (q64 == 0)).sum(),
+        "overflow_count": overflow.sum(),
+        "nonfinite_count": (~finite_x).sum(),
+        "rel_l2": np.linalg.norm(err) / np.linalg.norm(xv),
+        "cosine": (qv * xv).sum() / (np.linalg.norm(qv) * np.linalg.norm(xv)),
+        "sqnr_db": 20 * np.log10(np.linalg.norm(xv) / np.linalg.norm(err)),
+        "max_abs": np.abs(err).max(),
+        "underflow_ratio": (nonzero & (q64 == 0)).sum() / nonzero.sum(),
+        "overflow_ratio": overflow.sum() / finite_x.sum(),
+    }
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(("fmt", "scale"), [("fp8_e4m3", 1e3), ("fp4_e2m1", 1.0), ("fp8_e5m2", 1e-4)])
+def test_error_stats_match_numpy(fmt: str, scale: float, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((64, 33)) * scale).astype(np.float32)
+    x[0, :5] = [0.0, np.nan, np.inf, -np.inf, 1e-30]
+    xt = torch.from_numpy(x)
+    qt = quantize(xt, fmt)
+    stats = error_stats(xt, qt, fmt)
+    expected = numpy_stats(x, qt.numpy(), {"fp8_e4m3": 448.0, "fp4_e2m1": 6.0, "fp8_e5m2": 57344.0}[fmt])
+    got = stats.to_dict()
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(float(value), rel=1e-12, abs=0), name
+    assert all(getattr(stats, f).dtype == torch.float64 and getattr(stats, f).dim() == 0 for f in ErrorStats.FIELDS)
+
+
+def test_combine_of_parts_equals_the_whole() -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 10
+    x[17] = float("nan")
+    q = quantize(x, "fp8_e4m3")
+    whole = error_stats(x, q, "fp8_e4m3")
+    parts = [error_stats(xs, qs, "fp8_e4m3") for xs, qs in zip(x.split(137), q.split(137), strict=True)]
+    merged = ErrorStats.zeros()
+    for part in parts:
+        merged = merged.combine(part)
+    for name, value in whole.to_dict().items():
+        assert merged.to_dict()[name] == pytest.approx(value, rel=1e-12), name
+
+
+def test_tensor_round_trip_and_errors() -> None:
+    x = torch.randn(50)
+    stats = error_stats(x, quantize(x, "int8", scaling="tensor"))
+    vector = stats.as_tensor()
+    assert vector.shape == (len(ErrorStats.FIELDS),)
+    assert vector.dtype == torch.float64
+    assert ErrorStats.from_tensor(vector).to_dict() == stats.to_dict()
+    with pytest.raises(ValueError, match="shape"):
+        ErrorStats.from_tensor(torch.zeros(3))
+    with pytest.raises(TypeError, match="ErrorStats"):
+        stats.combine(vector)  # type: ignore[arg-type]
+
+
+def test_empty_tensor_gives_documented_nan_free_defaults() -> None:
+    stats = error_stats(torch.empty(0), torch.empty(0))
+    values = stats.to_dict()
+    assert values["numel"] == 0
+    assert values["rel_l2"] == 0.0
+    assert values["cosine"] == 1.0
+    assert values["sqnr_db"] == math.inf
+    assert values["underflow_ratio"] == 0.0
+    assert values["overflow_ratio"] == 0.0
+    assert not any(math.isnan(v) for v in values.values())
+
+
+def test_zero_and_equal_cases() -> None:
+    zeros = torch.zeros(4)
+    both_zero = error_stats(zeros, zeros).to_dict()
+    assert (both_zero["rel_l2"], both_zero["cosine"], both_zero["sqnr_db"]) == (0.0, 1.0, math.inf)
+    only_q = error_stats(zeros, torch.ones(4)).to_dict()
+    assert (only_q["rel_l2"], only_q["cosine"], only_q["sqnr_db"]) == (math.inf, 0.0, -math.inf)
+    x = torch.tensor([1.0, -2.0, 3.0])
+    equal = error_stats(x, x.clone()).to_dict()
+    assert (equal["rel_l2"], equal["cosine"], equal["sqnr_db"], equal["max_abs"]) == (0.0, 1.0, math.inf, 0.0)
+    assert error_stats(x, -x).to_dict()["cosine"] == -1.0
+
+
+def test_non_saturating_overflow_counts_and_stays_out_of_the_sums() -> None:
+    x = torch.tensor([1.0, 1000.0, -2.0])
+    q = quantize(x, "fp8_e4m3", saturate=False)
+    stats = error_stats(x, q).to_dict()
+    assert stats["overflow_count"] == 1
+    assert stats["sum_x2"] == 5.0
+    assert math.isfinite(stats["rel_l2"])
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(TypeError, match="floating-point"):
+        error_stats(torch.ones(3, dtype=torch.int64), torch.ones(3))
+    with pytest.raises(ValueError, match="shape"):
+        error_stats(torch.ones(3), torch.ones(4))
+    with pytest.raises(ValueError, match="unknown format"):
+        error_stats(torch.ones(3), torch.ones(3), "fp3")
