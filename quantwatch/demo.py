@@ -305,41 +305,31 @@ class WebhookReceiver:
 
 
 # --------------------------------------------------------------------------------------------------- collector
-def _free_port(preferred: int) -> int:
-    for port in (preferred, 0):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return int(sock.getsockname()[1])
-    raise OSError("no free TCP port on 127.0.0.1")
+def _port_to_use(preferred: int) -> int:
+    """``preferred`` when it is free on loopback (0: any), else a free one."""
+    from quantwatch.service.server import free_port
+
+    if preferred == 0:
+        return free_port()
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", preferred))
+        except OSError:
+            return free_port()
+    return preferred
 
 
 @contextmanager
 def _local_collector(database: Path, rules_file: Path, port: int) -> Iterator[str]:
     """A collector (uvicorn in a thread) on loopback over a fresh SQLite file; yields its base URL."""
-    import uvicorn
-
     from quantwatch.service import Settings, create_app
+    from quantwatch.service.server import BackgroundServer
 
     for suffix in ("", "-wal", "-shm"):
         Path(f"{database}{suffix}").unlink(missing_ok=True)
     settings = Settings(database_url=f"sqlite:///{database}", rules_file=rules_file, port=port)
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="demo-collector", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the demo collector did not start on 127.0.0.1:{port}")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with BackgroundServer(create_app(settings), port=port) as server:
+        yield server.url
 
 
 # --------------------------------------------------------------------------------------------------- the demo
@@ -412,7 +402,7 @@ def run_demo(
                 }
             )
         )
-        port = _free_port(options.port)
+        port = _port_to_use(options.port)
         if port != options.port and options.port != 0:
             console.print(f"[yellow]port {options.port} is busy; the demo collector uses {port}[/]")
         try:

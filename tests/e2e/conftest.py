@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import math
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,9 +10,9 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from quantwatch.service import Settings, create_app
+from quantwatch.service.server import BackgroundServer
 
 RUN = "e2e/short-run"
 LAYERS = [f"blocks.{b}.{part}" for b in range(3) for part in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
@@ -74,21 +71,6 @@ class Collector:
     ingest_token: str | None = None
 
 
-def _serve(app: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the collector did not start")
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{port}"
-
-
 READ_TOKEN = "e2e-read-token"
 INGEST_TOKEN = "e2e-ingest-token"
 
@@ -100,29 +82,22 @@ def secured_collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coll
     settings = Settings(
         database_url=f"sqlite:///{database_path}", tokens={READ_TOKEN: ["read"], INGEST_TOKEN: ["ingest"]}
     )
-    server, thread, url = _serve(create_app(settings))
-    try:
+    with BackgroundServer(create_app(settings)) as server:
+        url = server.url
         with httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {INGEST_TOKEN}"}) as http:
             for batch in batches():
                 http.post("/api/v1/ingest", json=batch).raise_for_status()
         yield Collector(url=url, database_path=database_path, read_token=READ_TOKEN, ingest_token=INGEST_TOKEN)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="session")
 def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
     """A collector on loopback with the short run ingested."""
     database_path = tmp_path_factory.mktemp("collector") / "quantwatch.db"
-    app = create_app(Settings(database_url=f"sqlite:///{database_path}"))
-    server, thread, url = _serve(app)
-    try:
+    with BackgroundServer(create_app(Settings(database_url=f"sqlite:///{database_path}"))) as server:
+        url = server.url
         with httpx.Client(base_url=url, timeout=30) as http:
             for batch in batches():
                 response = http.post("/api/v1/ingest", json=batch)
                 response.raise_for_status()
         yield Collector(url=url, database_path=database_path)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
