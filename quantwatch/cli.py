@@ -195,7 +195,10 @@ def demo(
         )
     except ValueError as exc:
         _usage(str(exc))
-    run_demo(options)
+    from rich.console import Console
+
+    # Into a pipe or a log, do not wrap at 80 columns: URLs and table rows stay whole.
+    run_demo(options, Console(width=None if sys.stdout.isatty() else 160))
 
 
 @app.command()

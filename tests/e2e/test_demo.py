@@ -5,6 +5,10 @@ from __future__ import annotations
 import csv
 import inspect
 import io
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +112,42 @@ def test_demo_command_defaults_match_the_module_and_bad_options_exit_2() -> None
     result = runner.invoke(cli.app, ["demo", "--url", "nowhere"])
     assert result.exit_code == 2
     assert "--url must be an http" in result.stderr
+
+
+def test_demo_sends_to_an_existing_collector_with_url(collector: Any) -> None:
+    out = io.StringIO()
+    result = run_demo(DemoOptions(steps=3, url=collector.url), Console(file=out, width=200))
+    assert result.run.startswith("demo-mixed-seed0-")
+    assert result.notifications == []
+    assert result.webhook_secret is None
+    run = httpx.get(f"{collector.url}/api/v1/runs/{result.run}").json()
+    assert run["last_step"] == 2
+    assert run["points"] == result.points_sent > 0
+    assert f"{collector.url}/#run={result.run}" in out.getvalue()
+
+
+def test_demo_command_keeps_serving_until_interrupted(tmp_path: Path) -> None:
+    # The real console script: trains, prints the summary, then serves the web view until Ctrl-C (SIGINT).
+    command = [
+        sys.executable, "-m", "quantwatch.cli", "demo", "--steps", "3", "--keep-serving", "--port", "0",
+        "--database", str(tmp_path / "demo.db"),
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        assert process.stdout is not None
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if "Ctrl-C to stop" in line:
+                break
+        printed = "".join(lines)
+        url = re.search(r"stay up at (http://127\.0\.0\.1:\d+)/", printed)
+        assert url is not None, printed
+        assert "QuantWatch" in httpx.get(url.group(1) + "/").text
+        assert httpx.get(url.group(1) + "/api/v1/runs/demo").json()["last_step"] == 2
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert (tmp_path / "demo.db").exists()
