@@ -68,13 +68,16 @@ class Partials:
 
     vmin: F32
     vmax: F32
-    vsum: F64
-    vcount: I64
+    vsum: npt.NDArray[np.floating]  # float64, or float32 straight from raw values (widened by every reduction)
+    vcount: npt.NDArray[np.integer]  # int64, or uint8 straight from raw values
 
     @classmethod
     def from_values(cls, values: F32) -> Partials:
         """One partial per value (rows × layers); missing values become the identity of each aggregate."""
         missing = is_missing(values)
+        if not missing.any():
+            # The common case: everything measured. Keep float32 sums and uint8 counts; reductions widen them.
+            return cls(values, values, values, np.ones(values.shape, dtype=np.uint8))
         with np.errstate(invalid="ignore"):
             vmin = np.where(missing, np.float32(np.inf), values).astype(np.float32)
             vmax = np.where(missing, np.float32(-np.inf), values).astype(np.float32)
@@ -128,19 +131,19 @@ class Partials:
         return Partials(
             np.minimum(self.vmin, other.vmin),
             np.maximum(self.vmax, other.vmax),
-            self.vsum + other.vsum,
-            self.vcount + other.vcount,
+            self.vsum.astype(np.float64, copy=False) + other.vsum,
+            self.vcount.astype(np.int64, copy=False) + other.vcount,
         )
 
     def reduce(self, starts: I64) -> Partials:
         """Combine consecutive rows: group ``g`` spans rows ``starts[g] … starts[g+1]-1``."""
         rows = self.vcount.shape[0]
         if starts.size == rows:
-            return self  # every group is one row (a read at exactly a rollup level)
+            return self.widened()  # every group is one row (a read at exactly a rollup level)
         sizes = np.diff(np.append(starts, rows))
         if starts.size > 8 and np.count_nonzero(sizes > 1) * 4 < starts.size:
             # Mostly single-row groups (rollup blocks plus a raw head and tail): reduce only the others.
-            out = self.take(starts)
+            out = self.take(starts).widened()
             multi = np.flatnonzero(sizes > 1)
             members = np.concatenate([np.arange(starts[g], starts[g] + sizes[g]) for g in multi.tolist()])
             sub_starts = np.concatenate(([0], np.cumsum(sizes[multi])[:-1])).astype(np.int64)
@@ -150,11 +153,28 @@ class Partials:
             out.vsum[multi] = reduced.vsum
             out.vcount[multi] = reduced.vcount
             return out
+        if starts.size <= 4096:
+            # ufunc.reduceat along axis 0 of a 2-D array is several times slower than reducing each group's
+            # contiguous block of rows (numpy walks it column by column).
+            ends = np.append(starts[1:], rows).tolist()
+            groups = list(zip(starts.tolist(), ends, strict=True))
+            return Partials(
+                np.stack([self.vmin[a:b].min(axis=0) for a, b in groups]),
+                np.stack([self.vmax[a:b].max(axis=0) for a, b in groups]),
+                np.stack([self.vsum[a:b].sum(axis=0, dtype=np.float64) for a, b in groups]),
+                np.stack([self.vcount[a:b].sum(axis=0, dtype=np.int64) for a, b in groups]),
+            )
         return Partials(
             np.minimum.reduceat(self.vmin, starts, axis=0),
             np.maximum.reduceat(self.vmax, starts, axis=0),
-            np.add.reduceat(self.vsum, starts, axis=0),
-            np.add.reduceat(self.vcount, starts, axis=0),
+            np.add.reduceat(self.vsum, starts, axis=0, dtype=np.float64),
+            np.add.reduceat(self.vcount, starts, axis=0, dtype=np.int64),
+        )
+
+    def widened(self) -> Partials:
+        """The same partials with float64 sums and int64 counts (no copy when they already are)."""
+        return Partials(
+            self.vmin, self.vmax, self.vsum.astype(np.float64, copy=False), self.vcount.astype(np.int64, copy=False)
         )
 
     def take(self, rows: I64 | slice) -> Partials:
@@ -169,7 +189,8 @@ class Partials:
     def mean(self) -> F64:
         """``sum / count`` (NaN where nothing was measured; callers mask with ``vcount``)."""
         with np.errstate(invalid="ignore", divide="ignore"):
-            return self.vsum / np.maximum(self.vcount, 1)
+            mean: F64 = self.vsum.astype(np.float64, copy=False) / np.maximum(self.vcount, 1)
+            return mean
 
 
 def group_starts(keys: I64) -> tuple[I64, I64]:

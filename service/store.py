@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, and_, delete, func, select, text, update
+from sqlalchemy import Connection, Engine, and_, bindparam, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -98,6 +98,29 @@ class Store:
         self.factory = factory
         self.pg = engine.dialect.name == "postgresql"
         self._insert = postgresql.insert if self.pg else sqlite.insert
+        rollup = self._insert(Rollup)
+        # Built once: constructing and cache-keying Core statements per batch cost more than executing them.
+        self._rollup_upsert = rollup.on_conflict_do_update(
+            index_elements=["run_id", "rank", "name_id", "level", "bucket"],
+            set_={c: rollup.excluded[c] for c in ("vmin", "vmax", "vsum", "vcount")},
+        )
+        self._rollup_select = (
+            select(Rollup.name_id, Rollup.bucket, Rollup.vmin, Rollup.vmax, Rollup.vsum, Rollup.vcount)
+            .where(
+                Rollup.run_id == bindparam("run_id"),
+                Rollup.rank == bindparam("rank"),
+                Rollup.name_id.in_(bindparam("nids", expanding=True)),
+                Rollup.level == bindparam("level"),
+                Rollup.bucket >= bindparam("lo"),
+                Rollup.bucket <= bindparam("hi"),
+            )
+            .order_by(Rollup.name_id, Rollup.bucket)
+        )
+        point = self._insert(Point)
+        self._point_upsert = point.on_conflict_do_update(
+            index_elements=["run_id", "rank", "step", "name_id"],
+            set_={"vals": point.excluded.vals, "time": point.excluded.time},
+        )
         self._names: dict[str, int] = {}
         self._runs: dict[int, _RunCache] = {}
         self._lock = threading.Lock()
@@ -294,117 +317,119 @@ class Store:
                 }
                 for i in range(len(entries))
             )
-        stmt = self._insert(Point)
-        conn.execute(
-            stmt.on_conflict_do_update(
-                index_elements=["run_id", "rank", "step", "name_id"],
-                set_={"vals": stmt.excluded.vals, "time": stmt.excluded.time},
-            ),
-            rows,
-        )
-        for nid, (steps, values) in matrices.items():
-            self._write_rollups(conn, run_id, batch.rank, nid, steps, values, n_layers, bool(replaced.get(nid)))
+        conn.execute(self._point_upsert, rows)
+        self._write_rollups(conn, run_id, batch.rank, matrices, set(replaced), n_layers)
 
     def _read_rollups(
-        self, conn: Connection, run_id: int, rank: int, nid: int, level: int, lo: int, hi: int, n_layers: int
-    ) -> tuple[I64, Partials]:
+        self, conn: Connection, run_id: int, rank: int, nids: Sequence[int], level: int, lo: int, hi: int, n_layers: int
+    ) -> dict[int, tuple[I64, Partials]]:
+        """Stored blocks of ``level`` with bucket in [lo, hi] for each of ``nids``, by name id, bucket order."""
         rows = conn.execute(
-            select(Rollup.bucket, Rollup.vmin, Rollup.vmax, Rollup.vsum, Rollup.vcount)
-            .where(
-                Rollup.run_id == run_id,
-                Rollup.rank == rank,
-                Rollup.name_id == nid,
-                Rollup.level == level,
-                Rollup.bucket >= lo,
-                Rollup.bucket <= hi,
-            )
-            .order_by(Rollup.bucket)
+            self._rollup_select,
+            {"run_id": run_id, "rank": rank, "nids": list(nids), "level": level, "lo": lo, "hi": hi},
         ).all()
-        buckets = np.array([r[0] for r in rows], dtype=np.int64)
-        return buckets, Partials.from_blobs([(r[1], r[2], r[3], r[4]) for r in rows], n_layers)
+        out: dict[int, tuple[I64, Partials]] = {}
+        start = 0
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or rows[i][0] != rows[start][0]:
+                chunk = rows[start:i]
+                out[int(rows[start][0])] = (
+                    np.array([r[1] for r in chunk], dtype=np.int64),
+                    Partials.from_blobs([(r[2], r[3], r[4], r[5]) for r in chunk], n_layers),
+                )
+                start = i
+        return out
 
     def _write_rollups(
         self,
         conn: Connection,
         run_id: int,
         rank: int,
-        nid: int,
-        steps: I64,
-        values: F32,
+        matrices: dict[int, tuple[I64, F32]],
+        replaced: set[int],
         n_layers: int,
-        replaced: bool,
     ) -> None:
+        """Bring every rollup level up to date for the batch's steps, all metrics at once per level."""
         base = LEVELS[0]
-        touched = np.unique(steps // base)
-        if replaced:
-            # Replaced values cannot be subtracted from a min or max: recompute the touched blocks from raw points.
-            lo, hi = int(touched[0]) * base, (int(touched[-1]) + 1) * base - 1
-            raw = conn.execute(
-                select(Point.step, Point.vals)
-                .where(
-                    Point.run_id == run_id,
-                    Point.rank == rank,
-                    Point.name_id == nid,
-                    Point.step >= lo,
-                    Point.step <= hi,
-                )
-                .order_by(Point.step)
-            ).all()
-            raw_steps = np.array([r[0] for r in raw], dtype=np.int64)
-            keys, starts = group_starts(raw_steps // base)
-            part = Partials.from_values(rows_from_blobs([r[1] for r in raw], n_layers)).reduce(starts)
-        else:
-            keys, starts = group_starts(steps // base)
-            part = Partials.from_values(values).reduce(starts)
-            old_keys, old = self._read_rollups(conn, run_id, rank, nid, base, int(keys[0]), int(keys[-1]), n_layers)
-            if old_keys.size:
-                pos = np.searchsorted(keys, old_keys)
-                hit = (pos < keys.size) & (keys[np.minimum(pos, keys.size - 1)] == old_keys)
-                merged = part.take(pos[hit]).merge(old.take(np.flatnonzero(hit)))
-                part.vmin[pos[hit]] = merged.vmin
-                part.vmax[pos[hit]] = merged.vmax
-                part.vsum[pos[hit]] = merged.vsum
-                part.vcount[pos[hit]] = merged.vcount
-        self._upsert_rollups(conn, run_id, rank, nid, base, keys, part)
+        level_parts: dict[int, tuple[I64, Partials]] = {}
+        fresh = [nid for nid in matrices if nid not in replaced]
+        if fresh:
+            lo = min(int(matrices[nid][0][0]) for nid in fresh) // base
+            hi = max(int(matrices[nid][0][-1]) for nid in fresh) // base
+            stored_all = self._read_rollups(conn, run_id, rank, fresh, base, lo, hi, n_layers)
+        for nid, (steps, values) in matrices.items():
+            if nid in replaced:
+                # Replaced values cannot be subtracted from a min or max: recompute the touched blocks from raw.
+                touched = steps // base
+                raw = conn.execute(
+                    select(Point.step, Point.vals)
+                    .where(
+                        Point.run_id == run_id,
+                        Point.rank == rank,
+                        Point.name_id == nid,
+                        Point.step >= int(touched.min()) * base,
+                        Point.step <= (int(touched.max()) + 1) * base - 1,
+                    )
+                    .order_by(Point.step)
+                ).all()
+                keys, starts = group_starts(np.array([r[0] for r in raw], dtype=np.int64) // base)
+                part = Partials.from_values(rows_from_blobs([r[1] for r in raw], n_layers)).reduce(starts)
+            else:
+                keys, starts = group_starts(steps // base)
+                part = Partials.from_values(values).reduce(starts)
+                old_keys, old = stored_all.get(nid, (np.zeros(0, dtype=np.int64), Partials.empty(0, n_layers)))
+                if old_keys.size:
+                    pos = np.searchsorted(keys, old_keys)
+                    hit = (pos < keys.size) & (keys[np.minimum(pos, keys.size - 1)] == old_keys)
+                    stored = Partials.empty(keys.size, n_layers)
+                    stored.vmin[pos[hit]] = old.vmin[hit]
+                    stored.vmax[pos[hit]] = old.vmax[hit]
+                    stored.vsum[pos[hit]] = old.vsum[hit]
+                    stored.vcount[pos[hit]] = old.vcount[hit]
+                    part = part.merge(stored)
+            level_parts[nid] = (keys, part)
+        self._upsert_rollups(conn, run_id, rank, base, level_parts)
         below = base
         for level in LEVELS[1:]:
             factor = level // below
-            lo_b, hi_b = int(keys[0]) // factor, int(keys[-1]) // factor
-            child_keys, child = self._read_rollups(
-                conn, run_id, rank, nid, below, lo_b * factor, (hi_b + 1) * factor - 1, n_layers
+            lo_b = min(int(k[0]) for k, _ in level_parts.values()) // factor
+            hi_b = max(int(k[-1]) for k, _ in level_parts.values()) // factor
+            children = self._read_rollups(
+                conn, run_id, rank, list(level_parts), below, lo_b * factor, (hi_b + 1) * factor - 1, n_layers
             )
-            keys, starts = group_starts(child_keys // factor)
-            part = child.reduce(starts)
-            self._upsert_rollups(conn, run_id, rank, nid, level, keys, part)
+            # Only the blocks above this batch's blocks change; recombine each from its (at most 4) children.
+            wanted = {nid: np.unique(k // factor) for nid, (k, _) in level_parts.items()}
+            next_parts: dict[int, tuple[I64, Partials]] = {}
+            for nid, (child_keys, child) in children.items():
+                keep = np.isin(child_keys // factor, wanted[nid])
+                keys, starts = group_starts(child_keys[keep] // factor)
+                next_parts[nid] = (keys, child.take(np.flatnonzero(keep)).reduce(starts))
+            self._upsert_rollups(conn, run_id, rank, level, next_parts)
+            level_parts = next_parts
             below = level
 
     def _upsert_rollups(
-        self, conn: Connection, run_id: int, rank: int, nid: int, level: int, keys: I64, part: Partials
+        self, conn: Connection, run_id: int, rank: int, level: int, parts: dict[int, tuple[I64, Partials]]
     ) -> None:
         rows = []
-        for i, bucket in enumerate(keys.tolist()):
-            vmin, vmax, vsum, vcount = part.blobs(i)
-            rows.append(
-                {
-                    "run_id": run_id,
-                    "rank": rank,
-                    "name_id": nid,
-                    "level": level,
-                    "bucket": bucket,
-                    "vmin": vmin,
-                    "vmax": vmax,
-                    "vsum": vsum,
-                    "vcount": vcount,
-                }
-            )
-        stmt = self._insert(Rollup)
-        conn.execute(
-            stmt.on_conflict_do_update(
-                index_elements=["run_id", "rank", "name_id", "level", "bucket"],
-                set_={c: stmt.excluded[c] for c in ("vmin", "vmax", "vsum", "vcount")},
-            ),
-            rows,
-        )
+        for nid, (keys, part) in parts.items():
+            for i, bucket in enumerate(keys.tolist()):
+                vmin, vmax, vsum, vcount = part.blobs(i)
+                rows.append(
+                    {
+                        "run_id": run_id,
+                        "rank": rank,
+                        "name_id": nid,
+                        "level": level,
+                        "bucket": bucket,
+                        "vmin": vmin,
+                        "vmax": vmax,
+                        "vsum": vsum,
+                        "vcount": vcount,
+                    }
+                )
+        if rows:
+            conn.execute(self._rollup_upsert, rows)
 
     def _write_scalars(self, conn: Connection, run_id: int, batch: IngestBatch, name_ids: dict[str, int]) -> None:
         rows = [
