@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from quantwatch.service.alerts.rules import RulesFileError
 from quantwatch.service.core.config import Settings
 
 db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
@@ -48,7 +49,11 @@ def serve(
         token_file=token_file,
         insecure=True if insecure else None,
     )
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except RulesFileError as exc:
+        typer.echo(f"error: invalid rules file:\n{exc.format()}", err=True)
+        raise typer.Exit(code=2) from None
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=log_level == "debug")
 
 

@@ -72,9 +72,9 @@ def retire_rule_state(session: Session, engine: AlertEngine, row: RuleRow, reaso
         episode.state = "resolved"
         episode.resolved_at = now
         episode.resolved_step = episode.step
-        episode.annotations = {**episode.annotations, "resolved_reason": reason}
         session.flush()
         notified += engine.notify(session, episode, rule, "resolved")
+        episode.annotations = {**episode.annotations, "resolved_reason": reason}
     session.execute(delete(SeriesStateRow).where(SeriesStateRow.rule_id == row.id))
     session.execute(delete(AlertGroupRow).where(AlertGroupRow.rule_id == row.id))
     session.flush()

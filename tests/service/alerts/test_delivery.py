@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
+from quantwatch.service.alerts.catalog import put_rule, sync_rules_file
 from quantwatch.service.alerts.engine import AlertEngine
 from quantwatch.service.alerts.evaluator import StepInput
-from quantwatch.service.alerts.outbox import DeliveryWorker, RetryPolicy
-from quantwatch.service.alerts.rules import Rule
+from quantwatch.service.alerts.outbox import DeliveryWorker, RetryPolicy, parse_retry_after
+from quantwatch.service.alerts.rules import Rule, parse_rules_text
 from quantwatch.service.alerts.tables import DeliveryRow, EpisodeRow, ReceiverRow, RuleRow
 from quantwatch.service.core.db import write_session
 
@@ -183,3 +186,75 @@ def test_restarted_engine_does_not_fire_twice(engine: Engine) -> None:
     with sessions() as session:
         assert session.scalar(select(func.count()).select_from(EpisodeRow)) == 1
         assert session.scalar(select(func.count()).select_from(DeliveryRow)) == 1
+
+
+def test_retries_stop_at_the_horizon(engine: Engine, receivers: Callable[..., Any]) -> None:
+    sessions = sessionmaker(engine)
+    down = receivers(start=False)
+    add_rule(sessions, RULE.model_copy(update={"consecutive": 1}))
+    add_receiver(sessions, "down", down.url, [])
+    alerts = AlertEngine(external_url="http://x", delivery_horizon_seconds=0.4)
+    worker = DeliveryWorker(sessions, policy=RetryPolicy(base_seconds=0.05, max_seconds=0.1))
+    try:
+        ingest(alerts, sessions, "r", 0, ["a"], [(1, [1.0])])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            worker.run_once()
+            with sessions() as session:
+                row = session.scalars(select(DeliveryRow)).one()
+            if row.status != "pending":
+                break
+            time.sleep(0.02)
+    finally:
+        worker.stop()
+    assert row.status == "failed"
+    assert row.attempts >= 2
+    assert "horizon" in (row.last_error or "")
+
+
+def test_retry_after_and_backoff() -> None:
+    now = 1_700_000_000.0
+    assert parse_retry_after("7", now) == 7.0
+    assert parse_retry_after("Tue, 14 Nov 2023 22:13:40 GMT", now) == pytest.approx(20.0)
+    assert parse_retry_after("soon", now) is None
+    policy = RetryPolicy(base_seconds=1.0, max_seconds=60.0)
+    rng = random.Random(5)
+    delays = [policy.delay(attempt, None, rng) for attempt in range(1, 10)]
+    assert all(0.5 * min(60.0, 2 ** (a - 1)) <= d <= min(60.0, 2 ** (a - 1)) for a, d in enumerate(delays, start=1))
+    assert policy.delay(1, 30.0, rng) == 30.0
+    with pytest.raises(ValueError, match="base_seconds"):
+        RetryPolicy(base_seconds=0.0)
+
+
+def test_rules_file_sync_retires_changed_rules(engine: Engine) -> None:
+    sessions = sessionmaker(engine)
+    alerts = AlertEngine(external_url="http://x", delivery_horizon_seconds=60)
+    first = parse_rules_text(
+        "receivers:\n  - {name: hook, url: 'http://127.0.0.1:9/h'}\n"
+        "rules:\n  - {name: x, metric: amax, op: '>', threshold: 1, consecutive: 1}\n"
+    )
+    with write_session(sessions) as session:
+        sync_rules_file(session, alerts, first)
+    with write_session(sessions) as session:
+        put_rule(session, alerts, Rule(name="mine", metric="amax", op="<", threshold=0, consecutive=1), create=True)
+    steps = [StepInput(1, 1.0, {"amax": [5.0]}, {})]
+    with write_session(sessions) as session:
+        assert alerts.evaluate(session, "r", 0, ["a"], steps) == 1
+    changed = parse_rules_text(
+        "default_rules: false\nreceivers:\n  - {name: hook, url: 'http://127.0.0.1:9/h'}\n"
+        "rules:\n  - {name: x, metric: amax, op: '>', threshold: 10, consecutive: 1}\n"
+    )
+    with write_session(sessions) as session:
+        sync_rules_file(session, alerts, changed)
+    with sessions() as session:
+        rules = {
+            row.name: (row.source, row.revision, row.definition["threshold"])
+            for row in session.scalars(select(RuleRow))
+        }
+        assert rules == {"x": ("file", 2, 10.0), "mine": ("api", 1, 0.0)}
+        episode = session.scalars(select(EpisodeRow)).one()
+        assert episode.state == "resolved"
+        assert episode.annotations["resolved_reason"] == "rules file changed"
+        assert sorted(session.scalars(select(DeliveryRow.event))) == ["firing", "resolved"]
+    with write_session(sessions) as session:
+        assert alerts.evaluate(session, "r", 0, ["a"], [StepInput(2, 2.0, {"amax": [5.0]}, {})]) == 0

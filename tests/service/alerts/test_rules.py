@@ -209,3 +209,15 @@ def test_rules_check_cli_prints_lines(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "1 enabled in effect" in result.output
     assert CliRunner().invoke(app, ["rules", "check", str(tmp_path / "missing.yml")]).exit_code == 2
+
+
+def test_serve_refuses_a_bad_rules_file_with_its_line(tmp_path: Path) -> None:
+    bad = tmp_path / "rules.yml"
+    bad.write_text(
+        "rules:\n  - name: x\n    metric: output_rel_l2\n    op: '>'\n    threshold: 0.05\n    consecutive: 0\n"
+    )
+    result = CliRunner().invoke(
+        app, ["serve", "--port", "0", "--database-url", f"sqlite:///{tmp_path}/q.db", "--rules", str(bad)]
+    )
+    assert result.exit_code == 2
+    assert f"{bad}:6: rules[0].consecutive:" in result.output
