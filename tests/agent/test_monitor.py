@@ -324,3 +324,32 @@ def test_full_shadow_model_reports_loss_and_drift_and_saves(tmp_path: Path) -> N
     assert monitor.close(10)
     with pytest.raises(qw.ConfigError):
         qw.attach(_model(), run="x", exporter=qw.InMemoryExporter()).save_shadow(path)
+
+
+def test_interpreter_exit_flushes_an_unclosed_monitor(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    path = tmp_path / "exit.jsonl"
+    script = textwrap.dedent(
+        f"""
+        import torch, torch.nn.functional as F
+        from torch import nn
+        import quantwatch.agent as qw
+
+        class Protocol(nn.Linear):
+            def reference_forward(self, x):
+                return F.linear(x, self.weight, self.bias)
+
+        model = nn.Sequential(Protocol(4, 4))
+        monitor = qw.attach(model, run="exit", url={path.as_uri()!r}, every=1, flush_interval_seconds=3600)
+        for step in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            monitor.step(step)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    docs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [s["step"] for d in docs for s in d["steps"]] == [0, 1, 2]

@@ -1,0 +1,342 @@
+"""Agent overhead on a small FP8/FP4 transformer trained on CPU, and step times while the collector is down.
+
+Part 1 (overhead): four copies of the same model, trained side by side, the variants interleaved round by round so
+drift of a shared machine hits all of them alike:
+
+* ``none``        no agent;
+* ``defaults``    ``attach(model, run=..., url=...)`` with every default (``every=DEFAULT_EVERY``);
+* ``every1``      ``every=1`` and every per-layer metric (all but ``weight_drift_rel_l2``, which needs a full
+  shadow model and so a second training step);
+* ``tensorboard`` the same per-layer figures, written through TensorBoard's ``SummaryWriter`` on the training
+  thread each step (the usual "compute, .item(), add_scalar" pattern; the agent measures, the writer logs).
+
+Part 2 (outage): ``every=1`` against a real collector (a ``quantwatch.service`` app on uvicorn in a subprocess,
+SQLite file); after a normal phase the collector is killed for ``--outage-seconds`` and started again on the same
+port and database; step-time p99 during the outage vs the normal phase, and points lost (points the agent produced
+minus points the collector holds after recovery).
+
+Run: ``.venv/bin/python bench/agent_overhead.py`` (needs the ``bench`` extra for TensorBoard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+import quantwatch.agent as qw
+from quantwatch.agent.spool import DiskSpool
+from quantwatch.kernels import QuantConfig, QuantSpec, Recipe, quantize_model
+
+WIDTH, BLOCKS, HEADS, VOCAB = 256, 4, 4, 512
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention (qkv, proj) and a GELU MLP (fc1, fc2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(WIDTH)
+        self.ln2 = nn.LayerNorm(WIDTH)
+        self.attn = nn.ModuleDict({"qkv": nn.Linear(WIDTH, 3 * WIDTH), "proj": nn.Linear(WIDTH, WIDTH)})
+        self.mlp = nn.ModuleDict({"fc1": nn.Linear(WIDTH, 4 * WIDTH), "fc2": nn.Linear(4 * WIDTH, WIDTH)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.attn["qkv"](self.ln1(x)).view(b, t, 3, HEADS, WIDTH // HEADS).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.attn["proj"](a.transpose(1, 2).reshape(b, t, WIDTH))
+        return x + self.mlp["fc2"](F.gelu(self.mlp["fc1"](self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    """4 blocks of width 256 with an FP32 embedding and head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([Block() for _ in range(BLOCKS)])
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_model() -> nn.Module:
+    """The benchmark model: FP8 (E4M3 weights/activations, E5M2 gradients) attention, NVFP4 MLP."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    fp8 = QuantConfig(weight=QuantSpec("fp8_e4m3"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2"))
+    fp4 = QuantConfig(weight=QuantSpec("nvfp4"), input=QuantSpec("nvfp4"), grad=QuantSpec("fp8_e5m2"))
+    return quantize_model(model, Recipe(rules=[("blocks.*.attn.*", fp8), ("blocks.*.mlp.*", fp4)]))
+
+
+class TensorBoardExporter:
+    """Writes every figure with ``SummaryWriter.add_scalar`` (one tag per layer and metric)."""
+
+    def __init__(self, logdir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(logdir)
+
+    def export(self, batch: qw.Batch) -> None:
+        """Write the batch's figures."""
+        for record in batch.steps:
+            for metric, values in record.metrics.items():
+                for layer, value in zip(batch.layers, values, strict=True):
+                    if value is not None:
+                        self.writer.add_scalar(f"{layer}/{metric}", value, record.step)
+            for name, value in record.scalars.items():
+                self.writer.add_scalar(name, value, record.step)
+
+    def idle(self) -> None:
+        """Nothing pending."""
+
+    def shutdown(self) -> None:
+        """Nothing to interrupt."""
+
+    def close(self) -> None:
+        """Close the event file."""
+        self.writer.close()
+
+    def counters(self) -> dict[str, int]:
+        """No counters."""
+        return {}
+
+
+class CountingExporter(qw.HttpExporter):
+    """The agent's HTTP exporter, counting the points the agent produced."""
+
+    produced_points = 0
+
+    def export(self, batch: qw.Batch) -> None:
+        """Count, then export as usual."""
+        self.produced_points += batch.point_count()
+        super().export(batch)
+
+
+class Trainer:
+    """One model copy with its optimizer, batch source and (optional) monitor."""
+
+    def __init__(self, model: nn.Module, monitor: qw.Monitor | None, batch: int, seq: int, sync_flush: bool) -> None:
+        self.model = model
+        self.monitor = monitor
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.gen = torch.Generator().manual_seed(1)
+        self.batch, self.seq = batch, seq
+        self.sync_flush = sync_flush
+        self.times: list[float] = []
+        self.sampled: list[bool] = []
+
+    def step(self) -> float:
+        """One training step; returns its wall time in seconds."""
+        started = time.perf_counter()
+        tokens = torch.randint(0, VOCAB, (self.batch, self.seq + 1), generator=self.gen)
+        logits = self.model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        sampled = False
+        if self.monitor is not None:
+            before = self.monitor.stats()["sampled_steps"]
+            self.monitor.step(loss=loss, tokens=self.batch * self.seq)
+            sampled = self.monitor.stats()["sampled_steps"] > before
+            if self.sync_flush:
+                self.monitor.flush(60)
+        elapsed = time.perf_counter() - started
+        self.times.append(elapsed)
+        self.sampled.append(sampled)
+        return elapsed
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Collector:
+    """A collector (``quantwatch.service`` on uvicorn) in a subprocess, stoppable and restartable."""
+
+    def __init__(self, database: Path, port: int) -> None:
+        self.database, self.port = database, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start and wait until it answers."""
+        code = (
+            "import uvicorn; from quantwatch.service import Settings, create_app; "
+            f"uvicorn.run(create_app(Settings(database_url='sqlite:///{self.database}')), host='127.0.0.1', "
+            f"port={self.port}, log_level='warning')"
+        )
+        self.proc = subprocess.Popen([sys.executable, "-c", code])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"{self.url}/api/v1/runs", timeout=1)
+                return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise RuntimeError("collector did not start")
+
+    def stop(self) -> None:
+        """Kill it (an outage, not a graceful drain)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def points(self, run: str) -> int:
+        """Points the collector holds for ``run``."""
+        runs = {r["name"]: r for r in httpx.get(f"{self.url}/api/v1/runs", timeout=30).json()}
+        return int(runs[run]["points"]) if run in runs else 0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def overhead(args: argparse.Namespace, collector: Collector, tmp: Path) -> dict[str, float]:
+    """Part 1: interleaved step times of the four variants; returns median ratios to ``none``."""
+    base = make_model()
+    every1_metrics = list(qw.DEFAULT_METRICS)
+    trainers = {
+        "none": Trainer(copy.deepcopy(base), None, args.batch, args.seq, False),
+    }
+    model = copy.deepcopy(base)
+    trainers["defaults"] = Trainer(
+        model,
+        qw.attach(model, run="bench-defaults", url=collector.url, spool_dir=tmp / "s1"),
+        args.batch,
+        args.seq,
+        False,
+    )
+    model = copy.deepcopy(base)
+    monitor = qw.attach(
+        model, run="bench-every1", url=collector.url, every=1, metrics=every1_metrics, spool_dir=tmp / "s2"
+    )
+    trainers["every1"] = Trainer(model, monitor, args.batch, args.seq, False)
+    model = copy.deepcopy(base)
+    monitor = qw.attach(
+        model, run="bench-tb", exporter=TensorBoardExporter(str(tmp / "tb")), every=1, metrics=every1_metrics
+    )
+    trainers["tensorboard"] = Trainer(model, monitor, args.batch, args.seq, True)
+    for trainer in trainers.values():
+        for _ in range(args.warmup):
+            trainer.step()
+        trainer.times.clear()
+        trainer.sampled.clear()
+    names = list(trainers)
+    for round_index in range(args.rounds):
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
+        for name in order:
+            for _ in range(args.steps_per_round):
+                trainers[name].step()
+    medians = {name: statistics.median(t.times) for name, t in trainers.items()}
+    print(f"\n== overhead: {args.rounds} rounds x {args.steps_per_round} steps per variant, interleaved ==")
+    print(f"{'variant':<12} {'median s':>9} {'mean s':>9} {'ratio (median)':>15} {'ratio (mean)':>13}")
+    mean_none = statistics.mean(trainers["none"].times)
+    ratios = {}
+    for name, trainer in trainers.items():
+        ratios[name] = medians[name] / medians["none"]
+        mean = statistics.mean(trainer.times)
+        print(f"{name:<12} {medians[name]:9.3f} {mean:9.3f} {ratios[name]:15.3f} {mean / mean_none:13.3f}")
+    # At defaults only one step in DEFAULT_EVERY is sampled, too few to time directly in a short run.  Its cost is
+    # composed from steps measured side by side: the defaults copy's unsampled steps (gate closed) and the every1
+    # copy's steps (the same default metric set, sampled).
+    unsampled = [t for t, s in zip(trainers["defaults"].times, trainers["defaults"].sampled, strict=True) if not s]
+    every = qw.DEFAULT_EVERY
+    composed = ((every - 1) * statistics.median(unsampled) + medians["every1"]) / (every * medians["none"])
+    ratios["defaults_composed"] = composed
+    print(
+        f"defaults (every={every}) composed: ({every - 1} x unsampled median {statistics.median(unsampled):.3f} s + "
+        f"1 x sampled {medians['every1']:.3f} s) / {every} / none {medians['none']:.3f} s = {composed:.3f}"
+    )
+    print(f"defaults: {len(unsampled)} unsampled and {len(trainers['defaults'].times) - len(unsampled)} sampled steps")
+    for name, trainer in trainers.items():
+        if trainer.monitor is not None:
+            trainer.monitor.close(60)
+            print(f"{name}: agent stats {trainer.monitor.stats()}")
+    return ratios
+
+
+def outage(args: argparse.Namespace, collector: Collector, tmp: Path) -> None:
+    """Part 2: every=1 run with the collector killed for ``args.outage_seconds``; p99 and points lost."""
+    model = make_model()
+    exporter = CountingExporter(collector.url, spool=DiskSpool(tmp / "outage-spool", 1 << 30))
+    monitor = qw.attach(model, run="bench-outage", exporter=exporter, every=1)
+    trainer = Trainer(model, monitor, args.batch, args.seq, False)
+    for _ in range(args.warmup):
+        trainer.step()
+    normal = [trainer.step() for _ in range(args.normal_steps)]
+    collector.stop()
+    during: list[float] = []
+    stop_at = time.monotonic() + args.outage_seconds
+    while time.monotonic() < stop_at:
+        during.append(trainer.step())
+    spooled = monitor.stats().get("spooled_batches", 0)
+    collector.start()
+    after = [trainer.step() for _ in range(args.normal_steps)]
+    closed = monitor.close(120)
+    stats = monitor.stats()
+    held = collector.points("bench-outage")
+    print(f"\n== outage: collector killed for {args.outage_seconds:.0f} s during an every=1 run ==")
+    print(f"normal steps {len(normal)}: p50 {percentile(normal, 0.5):.3f} s, p99 {percentile(normal, 0.99):.3f} s")
+    print(f"outage steps {len(during)}: p50 {percentile(during, 0.5):.3f} s, p99 {percentile(during, 0.99):.3f} s")
+    print(f"after  steps {len(after)}: p50 {percentile(after, 0.5):.3f} s, p99 {percentile(after, 0.99):.3f} s")
+    print(f"outage p99 / normal p99: {percentile(during, 0.99) / percentile(normal, 0.99):.3f}")
+    print(f"batches spooled during the outage: {spooled}; closed cleanly: {closed}")
+    lost = exporter.produced_points - held
+    print(f"points produced {exporter.produced_points}, held by the collector {held}, lost {lost}")
+    print(f"agent stats {stats}")
+
+
+def main() -> None:
+    """Parse the options, start a collector, run both parts."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--normal-steps", type=int, default=20)
+    parser.add_argument("--outage-seconds", type=float, default=30.0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-overhead", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, batch {args.batch} x seq {args.seq}, pid {os.getpid()}")
+    with tempfile.TemporaryDirectory(prefix="qw-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        collector = Collector(tmp / "collector.db", free_port())
+        collector.start()
+        try:
+            if not args.skip_overhead:
+                overhead(args, collector, tmp)
+            outage(args, collector, tmp)
+        finally:
+            collector.stop()
+
+
+if __name__ == "__main__":
+    main()
