@@ -15,6 +15,7 @@ from quantwatch.service.api.routes import health, ingest, runs
 from quantwatch.service.batch import IngestObserver
 from quantwatch.service.core.config import Settings
 from quantwatch.service.core.db import make_engine, make_sessionmaker, upgrade
+from quantwatch.service.exposition import alert_series_source, delivery_counts, install_exposition
 from quantwatch.service.store import Store
 
 FiringAlertCounts = Callable[[Sequence[str]], Mapping[str, int]]
@@ -65,5 +66,12 @@ def create_app(
     app.state.ingest_observers.insert(0, alerts)
     if firing_alert_counts is None:
         app.state.firing_alert_counts = firing_counts(app.state.store.factory)
+    install_exposition(
+        app,
+        top_k=settings.metrics_top_k,
+        run_ttl_seconds=settings.metrics_run_ttl_seconds,
+        alerts=alert_series_source(alerts),
+        deliveries=delivery_counts(app.state.store.factory),
+    )
     web.install(app)
     return app

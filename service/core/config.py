@@ -97,6 +97,12 @@ class Settings(BaseSettings):
     alert_retry_max_seconds: float = Field(
         default=900.0, gt=0, le=86400, description="Longest delay between two attempts of a notification."
     )
+    metrics_top_k: int = Field(
+        default=64, ge=1, le=100_000, description="Layers exported to /metrics per (run, metric): the worst K."
+    )
+    metrics_run_ttl_seconds: float = Field(
+        default=3600.0, gt=0, le=366 * 86400, description="Runs idle longer than this drop out of /metrics."
+    )
 
     @field_validator("tokens")
     @classmethod

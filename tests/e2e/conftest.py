@@ -1,8 +1,10 @@
-"""A real collector on loopback (uvicorn in a thread, SQLite in a temp dir) holding a short run."""
+"""Fixtures of the end-to-end tests: a real collector on loopback (uvicorn in a thread, SQLite in a temp dir) holding
+a short run, and the Debian binaries the tests run (a failure, never a skip, when missing)."""
 
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,3 +103,12 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
                 response = http.post("/api/v1/ingest", json=batch)
                 response.raise_for_status()
         yield Collector(url=url, database_path=database_path)
+
+
+@pytest.fixture(scope="session")
+def prometheus_binary() -> str:
+    """Path of the prometheus server binary."""
+    path = shutil.which("prometheus")
+    if path is None:
+        pytest.fail("prometheus is not installed: .ci/run installs the Debian package prometheus")
+    return path

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import standardwebhooks
 from rich.console import Console
 from typer.testing import CliRunner
@@ -37,6 +38,7 @@ def _run(tmp_path: Path, name: str) -> tuple[DemoResult, dict[str, Any], str]:
             seen["run"] = http.get("/api/v1/runs/demo").json()
             seen["export"] = http.get("/api/v1/runs/demo/export", params={"format": "csv"}).text
             seen["page"] = http.get("/").text
+            seen["metrics"] = http.get("/metrics").text
 
     out = io.StringIO()
     result = run_demo(
@@ -84,6 +86,13 @@ def test_demo_fires_the_expected_alert_once_with_a_valid_signature(tmp_path: Pat
     # The export holds every point the agent sent.
     rows = list(csv.reader(io.StringIO(seen["export"])))
     assert len(rows) - 1 == result.points_sent == seen["run"]["points"]
+
+    # Prometheus sees the run: the latest deviation of the per-tensor FP4 layer, equal to the history's last value.
+    series = f'quantwatch_layer_output_rel_l2_ratio{{layer="{PER_TENSOR_FP4_LAYER}",rank="0",run="demo"}} '
+    exposed = [line for line in seen["metrics"].splitlines() if line.startswith(series)]
+    assert len(exposed) == 1, seen["metrics"][:2000]
+    latest = heatmap["values"][heatmap["layers"].index(PER_TENSOR_FP4_LAYER)][-1]
+    assert float(exposed[0].removeprefix(series)) == pytest.approx(latest, rel=1e-6)
 
     assert "QuantWatch" in seen["page"]
     assert f"{result.url}/#run=demo" in printed

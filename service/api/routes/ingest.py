@@ -121,4 +121,5 @@ async def ingest(request: Request) -> IngestAnswer:
         return store.ingest(batch, observers)
 
     result = await run_in_threadpool(work)
+    request.state.ingest_duplicate = result.duplicate  # read by the exposition's ingest counters
     return IngestAnswer(batch_id=result.batch_id, duplicate=result.duplicate, points=result.points)
