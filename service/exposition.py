@@ -38,6 +38,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from quantwatch import __version__
+from quantwatch.service.api.deps import ReadAuth
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
@@ -80,8 +81,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_TOP_K = 64
 DEFAULT_RUN_TTL_SECONDS = 3600.0
 
-PREFIX = "quantwatch_"
-
 # Canonical metric → exported gauge family. Ratios end in ``_ratio``; ``nonfinite_count`` becomes ``_values``
 # because ``_count`` is reserved for histograms and summaries in the exposition format.
 LAYER_METRIC_FAMILIES: Mapping[str, str] = {
@@ -112,6 +111,15 @@ RUN_SCALAR_FAMILIES: Mapping[str, str] = {
 # Where a smaller value is the worse one: the "worst K" of these are the lowest.
 LOWER_IS_WORSE = frozenset({"output_cosine", "update_cosine", "output_sqnr_db"})
 
+# A custom name that spells a canonical family (or one of the collector's own) must not merge into it.
+_CANONICAL_FAMILIES = frozenset(
+    [
+        *LAYER_METRIC_FAMILIES.values(),
+        *RUN_SCALAR_FAMILIES.values(),
+        "quantwatch_run_last_step",
+        "quantwatch_run_last_ingest_timestamp_seconds",
+    ]
+)
 _RESERVED_SUFFIXES = ("_total", "_count", "_sum", "_bucket", "_created", "_info")
 _NOT_NAME_CHARS = re.compile(r"[^a-z0-9_]")
 
@@ -126,12 +134,20 @@ def _custom_family(prefix: str, name: str) -> str:
 
 def layer_family_name(metric: str) -> str:
     """The exported gauge family of a per-layer metric: ``output_rel_l2`` → ``quantwatch_layer_output_rel_l2_ratio``."""
-    return LAYER_METRIC_FAMILIES.get(metric) or _custom_family("quantwatch_layer_", metric)
+    known = LAYER_METRIC_FAMILIES.get(metric)
+    if known is not None:
+        return known
+    name = _custom_family("quantwatch_layer_", metric)
+    return name + "_custom" if name in _CANONICAL_FAMILIES else name
 
 
 def run_family_name(scalar: str) -> str:
     """The exported gauge family of a per-run scalar, e.g. ``loss`` → ``quantwatch_run_loss``."""
-    return RUN_SCALAR_FAMILIES.get(scalar) or _custom_family("quantwatch_run_", scalar)
+    known = RUN_SCALAR_FAMILIES.get(scalar)
+    if known is not None:
+        return known
+    name = _custom_family("quantwatch_run_", scalar)
+    return name + "_custom" if name in _CANONICAL_FAMILIES else name
 
 
 def _escape_label_value(value: str) -> str:
@@ -942,11 +958,17 @@ def install_exposition(
         "/metrics",
         tags=["health"],
         response_class=Response,
-        responses={200: {"content": {CONTENT_TYPE: {}}, "description": "Prometheus text format 0.0.4"}},
+        dependencies=[ReadAuth],
+        responses={
+            200: {"content": {CONTENT_TYPE: {}}, "description": "Prometheus text format 0.0.4"},
+            401: {"description": "Missing or unknown bearer token (when tokens are configured)"},
+            403: {"description": "The token lacks the read scope"},
+        },
     )
     def metrics() -> Response:
         """Prometheus exposition: latest values of the worst layers per run and metric, run scalars, alert
-        streaks and states, ingest counters and latency. Unauthenticated, like ``/healthz``."""
+        streaks and states, ingest counters and latency. Needs a read-scope token when tokens are configured
+        (Prometheus sends it with ``authorization: credentials_file``)."""
         return Response(exposition.render(), media_type=CONTENT_TYPE)
 
     return exposition

@@ -216,6 +216,9 @@ def test_family_names_follow_the_naming_scheme() -> None:
     assert layer_family_name("My-Metric.count") == "quantwatch_layer_my_metric_count_value"
     assert run_family_name("loss_shadow") == "quantwatch_run_loss_shadow"
     assert run_family_name("step_seconds") == "quantwatch_run_step_seconds"
+    # custom names never merge into a canonical family
+    assert layer_family_name("output_rel_l2_ratio") == "quantwatch_layer_output_rel_l2_ratio_custom"
+    assert run_family_name("last_step") == "quantwatch_run_last_step_custom"
 
 
 def test_promtool_check_metrics_reports_nothing() -> None:
