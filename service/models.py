@@ -128,7 +128,7 @@ class Point(Base):
 
 
 class Rollup(Base):
-    """min/max (float32), sum (float64) and count (uint16) per layer over steps [bucket·level, (bucket+1)·level)."""
+    """min, max, sum and count per layer over steps [bucket·level, (bucket+1)·level) of one metric."""
 
     __tablename__ = "rollups"
 
@@ -137,10 +137,9 @@ class Rollup(Base):
     name_id: Mapped[int] = mapped_column(RowId, ForeignKey("metric_names.id"), primary_key=True)
     level: Mapped[int] = mapped_column(Integer, primary_key=True)
     bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    vmin: Mapped[bytes] = mapped_column(LargeBinary)
-    vmax: Mapped[bytes] = mapped_column(LargeBinary)
-    vsum: Mapped[bytes] = mapped_column(LargeBinary)
-    vcount: Mapped[bytes] = mapped_column(LargeBinary)
+    # Per layer, packed: min float32, max float32, sum float64, count uint16 (18 bytes, rollups.STATS_DTYPE), so
+    # one layer of a block is one contiguous slice.
+    stats: Mapped[bytes] = mapped_column(LargeBinary)
 
     # WITHOUT ROWID: the key is the table, so a range read of blocks is one b-tree walk, not index + row lookups.
     __table_args__ = {"sqlite_with_rowid": False}  # noqa: RUF012

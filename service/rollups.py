@@ -17,13 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import orjson
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
+JsonFloats = npt.NDArray[np.floating] | list[object]
 
 MISSING_BITS = 0x7FC00001
 NAN_BITS = 0x7FC00000
+# One layer's rollup record, packed little-endian (18 bytes).
+STATS_DTYPE = np.dtype([("min", "<f4"), ("max", "<f4"), ("sum", "<f8"), ("count", "<u2")])
 # Rollup block sizes in steps (powers of four so a read combines at most four blocks of the level below a width).
 LEVELS: tuple[int, ...] = (64, 256, 1024, 4096)
 
@@ -96,35 +100,29 @@ class Partials:
         )
 
     @classmethod
-    def from_blobs(cls, rows: Sequence[tuple[bytes, bytes, bytes, bytes]], n_layers: int) -> Partials:
-        """Decode stored rollup rows (vmin, vmax, vsum, vcount blobs), padding older, narrower rows."""
-        out = cls.empty(len(rows), n_layers)
-        if not rows:
-            return out
-        if all(len(r[3]) == 2 * n_layers for r in rows):
-            # Read-only views on the joined bytes (no copies): every operation on Partials makes new arrays.
-            return cls(
-                np.frombuffer(b"".join(r[0] for r in rows), "<f4").reshape(-1, n_layers),
-                np.frombuffer(b"".join(r[1] for r in rows), "<f4").reshape(-1, n_layers),
-                np.frombuffer(b"".join(r[2] for r in rows), "<f8").reshape(-1, n_layers),
-                np.frombuffer(b"".join(r[3] for r in rows), "<u2").reshape(-1, n_layers).astype(np.int64),
-            )
-        for i, (bmin, bmax, bsum, bcount) in enumerate(rows):
-            width = len(bcount) // 2
-            out.vmin[i, :width] = np.frombuffer(bmin, "<f4")
-            out.vmax[i, :width] = np.frombuffer(bmax, "<f4")
-            out.vsum[i, :width] = np.frombuffer(bsum, "<f8")
-            out.vcount[i, :width] = np.frombuffer(bcount, "<u2")
-        return out
+    def from_stats(cls, blobs: Sequence[bytes], n_layers: int) -> Partials:
+        """Decode stored rollup blobs (:data:`STATS_DTYPE` per layer), padding older, narrower rows."""
+        width = STATS_DTYPE.itemsize * n_layers
+        if blobs and all(len(b) == width for b in blobs):
+            rec = np.frombuffer(b"".join(blobs), STATS_DTYPE).reshape(-1, n_layers)
+        else:
+            rec = np.zeros((len(blobs), n_layers), STATS_DTYPE)
+            rec["min"], rec["max"] = np.inf, -np.inf
+            for i, blob in enumerate(blobs):
+                row = np.frombuffer(blob, STATS_DTYPE)
+                rec[i, : row.size] = row
+        return cls(rec["min"], rec["max"], rec["sum"], rec["count"].astype(np.int64))
 
-    def blobs(self, row: int) -> tuple[bytes, bytes, bytes, bytes]:
+    def stats(self, row: int) -> bytes:
         """Encode one row for storage (counts as uint16: a block never holds more than 4096 steps)."""
-        return (
-            self.vmin[row].astype("<f4").tobytes(),
-            self.vmax[row].astype("<f4").tobytes(),
-            self.vsum[row].astype("<f8").tobytes(),
-            self.vcount[row].astype("<u2").tobytes(),
+        rec = np.empty(self.vmin.shape[1], STATS_DTYPE)
+        rec["min"], rec["max"], rec["sum"], rec["count"] = (
+            self.vmin[row],
+            self.vmax[row],
+            self.vsum[row],
+            self.vcount[row],
         )
+        return rec.tobytes()
 
     def merge(self, other: Partials) -> Partials:
         """Element-wise combination of two partials of the same shape."""
@@ -201,12 +199,15 @@ def group_starts(keys: I64) -> tuple[I64, I64]:
     return keys[starts], starts
 
 
-def to_json_floats(values: npt.NDArray[np.floating], valid: npt.NDArray[np.bool_] | None = None) -> list[object]:
-    """Floats for JSON: non-finite values as the wire strings ``"nan"``, ``"inf"``, ``"-inf"``; invalid as None."""
-    out: list[object] = values.astype(np.float64).tolist()
+def to_json_floats(values: npt.NDArray[np.floating], valid: npt.NDArray[np.bool_] | None = None) -> JsonFloats:
+    """Floats for JSON (see :func:`dumps`): the array itself when every value is valid and finite, else a list with
+    the wire strings ``"nan"``, ``"inf"``, ``"-inf"`` for non-finite values and None for invalid ones."""
     bad = ~np.isfinite(values)
     if valid is not None:
         bad |= ~valid
+    if not bad.any():
+        return np.ascontiguousarray(values)
+    out: list[object] = list(values)
     for i in np.flatnonzero(bad).tolist():
         if valid is not None and not valid[i]:
             out[i] = None
@@ -216,13 +217,18 @@ def to_json_floats(values: npt.NDArray[np.floating], valid: npt.NDArray[np.bool_
     return out
 
 
-def to_json_matrix(values: npt.NDArray[np.floating], valid: npt.NDArray[np.bool_]) -> list[list[object]]:
-    """:func:`to_json_floats` for a 2-D array, row by row, fixing up only the non-finite or invalid cells."""
-    out: list[list[object]] = values.astype(np.float64).tolist()
-    for i, j in np.argwhere(~valid | ~np.isfinite(values)).tolist():
-        if not valid[i, j]:
-            out[i][j] = None
-        else:
-            v = float(values[i, j])
-            out[i][j] = "nan" if v != v else ("inf" if v > 0 else "-inf")
-    return out
+def to_json_matrix(values: npt.NDArray[np.floating], valid: npt.NDArray[np.bool_]) -> list[JsonFloats]:
+    """:func:`to_json_floats` row by row."""
+    return [to_json_floats(values[i], valid[i]) for i in range(values.shape[0])]
+
+
+def dumps(content: object) -> bytes:
+    """JSON bytes with numpy arrays and scalars written natively; float32 values get their shortest float32 text
+    (which reads back to the identical float32), float64 values their shortest float64 text."""
+    return orjson.dumps(content, default=_contiguous, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _contiguous(value: object) -> object:
+    if isinstance(value, np.ndarray):
+        return np.ascontiguousarray(value)
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")

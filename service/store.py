@@ -41,6 +41,7 @@ from quantwatch.service.rollups import (
     I64,
     LEVELS,
     MISSING_BITS,
+    STATS_DTYPE,
     Partials,
     group_starts,
     is_missing,
@@ -102,10 +103,10 @@ class Store:
         # Built once: constructing and cache-keying Core statements per batch cost more than executing them.
         self._rollup_upsert = rollup.on_conflict_do_update(
             index_elements=["run_id", "rank", "name_id", "level", "bucket"],
-            set_={c: rollup.excluded[c] for c in ("vmin", "vmax", "vsum", "vcount")},
+            set_={"stats": rollup.excluded.stats},
         )
         self._rollup_select = (
-            select(Rollup.name_id, Rollup.bucket, Rollup.vmin, Rollup.vmax, Rollup.vsum, Rollup.vcount)
+            select(Rollup.name_id, Rollup.bucket, Rollup.stats)
             .where(
                 Rollup.run_id == bindparam("run_id"),
                 Rollup.rank == bindparam("rank"),
@@ -335,7 +336,7 @@ class Store:
                 chunk = rows[start:i]
                 out[int(rows[start][0])] = (
                     np.array([r[1] for r in chunk], dtype=np.int64),
-                    Partials.from_blobs([(r[2], r[3], r[4], r[5]) for r in chunk], n_layers),
+                    Partials.from_stats([r[2] for r in chunk], n_layers),
                 )
                 start = i
         return out
@@ -414,7 +415,6 @@ class Store:
         rows = []
         for nid, (keys, part) in parts.items():
             for i, bucket in enumerate(keys.tolist()):
-                vmin, vmax, vsum, vcount = part.blobs(i)
                 rows.append(
                     {
                         "run_id": run_id,
@@ -422,10 +422,7 @@ class Store:
                         "name_id": nid,
                         "level": level,
                         "bucket": bucket,
-                        "vmin": vmin,
-                        "vmax": vmax,
-                        "vsum": vsum,
-                        "vcount": vcount,
+                        "stats": part.stats(i),
                     }
                 )
         if rows:
@@ -598,18 +595,13 @@ class Store:
         layer: int | None,
         n_layers: int,
     ) -> tuple[I64, Partials]:
-        cols: tuple[Any, ...]
+        stats: Any
         if layer is None:
-            cols = (Rollup.vmin, Rollup.vmax, Rollup.vsum, Rollup.vcount)
+            stats = Rollup.stats
         else:
-            cols = (
-                func.substr(Rollup.vmin, 4 * layer + 1, 4),
-                func.substr(Rollup.vmax, 4 * layer + 1, 4),
-                func.substr(Rollup.vsum, 8 * layer + 1, 8),
-                func.substr(Rollup.vcount, 2 * layer + 1, 2),
-            )
+            stats = func.substr(Rollup.stats, STATS_DTYPE.itemsize * layer + 1, STATS_DTYPE.itemsize)
         rows = session.execute(
-            select(Rollup.bucket, *cols)
+            select(Rollup.bucket, stats)
             .where(
                 Rollup.run_id == run_id,
                 Rollup.rank == rank,
@@ -622,7 +614,7 @@ class Store:
         ).all()
         starts = np.array([r[0] for r in rows], dtype=np.int64) * level
         width = 1 if layer is not None else n_layers
-        return starts, Partials.from_blobs([(bytes(r[1]), bytes(r[2]), bytes(r[3]), bytes(r[4])) for r in rows], width)
+        return starts, Partials.from_stats([bytes(r[1]) for r in rows], width)
 
     def _bucketed(
         self,
@@ -700,9 +692,10 @@ class Store:
         keep = count > 0
         steps = np.maximum(keys * width, lo)[keep]
         return {
-            "steps": steps.tolist(),
+            "steps": steps,
             "min": to_json_floats(vmin[keep]),
-            "mean": to_json_floats(mean[keep]),
+            # Exact answers (one sample per bucket) give the stored value itself, so min = mean = max also in JSON.
+            "mean": to_json_floats(vmin[keep] if width == 1 else mean[keep]),
             "max": to_json_floats(vmax[keep]),
             "bucket_steps": width,
         }
@@ -779,7 +772,7 @@ class Store:
         n_cols = grid.size
         sel: slice | I64 = slice(None) if len(chosen) == len(names) else np.array(chosen, dtype=np.int64)
         data: np.ndarray
-        if agg == "mean":
+        if agg == "mean" and width > 1:
             data = part.mean()[:, sel]
         elif agg == "min":
             data = part.vmin[:, sel]
@@ -795,7 +788,7 @@ class Store:
             valid[pos] = part.vcount[:, sel] > 0
         return {
             "layers": [names[i] for i in chosen],
-            "steps": np.maximum(grid * width, lo).tolist(),
+            "steps": np.maximum(grid * width, lo),
             "values": to_json_matrix(full.T, valid.T),
             "bucket_steps": width,
         }

@@ -10,7 +10,17 @@ from starlette.concurrency import run_in_threadpool
 
 from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep, reject_nul
 from quantwatch.service.api.problems import ProblemError
+from quantwatch.service.rollups import dumps
 from quantwatch.service.schemas import Heatmap, LayerInfo, RunSummary, Series
+
+
+class NumpyJSONResponse(JSONResponse):
+    """JSON rendered by orjson, numpy arrays included (float32 values as their shortest float32 text)."""
+
+    def render(self, content: object) -> bytes:
+        """Serialise ``content``."""
+        return dumps(content)
+
 
 router = APIRouter(prefix="/api/v1", tags=["runs"], dependencies=[Depends(reject_nul)])
 
@@ -51,7 +61,7 @@ def series(
     start: Step = None,
     end: Step = None,
     max_points: Annotated[int, Query(ge=1, le=100_000)] = 1000,
-) -> JSONResponse:
+) -> NumpyJSONResponse:
     """min/mean/max over aligned power-of-two step buckets: exact (min = mean = max) when the range holds at most
     ``max_points`` samples; otherwise the smallest bucket width giving at most ``max_points`` buckets."""
     if (metric is None) == (scalar is None):
@@ -63,12 +73,12 @@ def series(
     if start is not None and end is not None and start > end:
         raise ProblemError(422, "start must not exceed end", [{"field": "query.start", "message": "start > end"}])
     if scalar is not None:
-        return JSONResponse(store.scalar_series(run, scalar, rank, start, end, max_points))
+        return NumpyJSONResponse(store.scalar_series(run, scalar, rank, start, end, max_points))
     if metric is None or layer is None:
         raise ProblemError(
             422, "layer is required with metric", [{"field": "query.layer", "message": "required with metric"}]
         )
-    return JSONResponse(store.series(run, metric, layer, rank, start, end, max_points))
+    return NumpyJSONResponse(store.series(run, metric, layer, rank, start, end, max_points))
 
 
 @router.get("/runs/{run:path}/heatmap", response_model=Heatmap, dependencies=[ReadAuth], responses=NOT_FOUND)
@@ -84,11 +94,11 @@ def heatmap(
         str | None, Query(max_length=500, description="Glob over layer names, e.g. blocks.*.mlp.*")
     ] = None,
     agg: Literal["max", "mean", "min"] = "max",
-) -> JSONResponse:
+) -> NumpyJSONResponse:
     """Layers (model order) × aligned step buckets of one metric, each cell the bucket's ``agg``."""
     if start is not None and end is not None and start > end:
         raise ProblemError(422, "start must not exceed end", [{"field": "query.start", "message": "start > end"}])
-    return JSONResponse(store.heatmap(run, metric, rank, start, end, max_steps, layers, agg))
+    return NumpyJSONResponse(store.heatmap(run, metric, rank, start, end, max_steps, layers, agg))
 
 
 @router.get(
