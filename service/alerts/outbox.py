@@ -302,5 +302,6 @@ class DeliveryWorker:
                 )
         if outcome.delivered:
             log.debug("delivered %s", delivery_id)
+            self._event.set()  # a notification queued behind this one (same episode and receiver) may go now
         else:
             log.info("delivery %s attempt %d: %s", delivery_id, attempts, outcome.error)

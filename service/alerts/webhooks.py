@@ -120,10 +120,12 @@ class Notification:
         """Link to the history API for the watched series."""
         base = self.external_url.rstrip("/")
         run = quote(self.run, safe="")
+        rank = min(self.ranks) if self.ranks else 0
         if self.rule.metric is not None:
-            query = urlencode({"metric": self.rule.metric, "layer": self.layer})
+            query = urlencode({"metric": self.rule.metric, "layer": self.layer, "rank": rank})
         else:
-            query = urlencode({"scalar": ",".join(sorted(self.rule.expression().names))})
+            # An expression links to the first scalar it names (the history API serves one series per request).
+            query = urlencode({"scalar": sorted(self.rule.expression().names)[0], "rank": rank})
         return f"{base}/api/v1/runs/{run}/series?{query}"
 
     def alert(self) -> dict[str, Any]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi.testclient import TestClient
 
@@ -113,6 +115,18 @@ def test_ingest_fires_lists_and_redelivers(make_app: Callable[..., Any], receive
         firing = client.get("/api/v1/alerts", params={"state": "firing", "run": "gpt"}).json()
         assert [(a["rule"], a["layer"], a["firing"]["step"]) for a in firing] == [("attn_drift", "attn.q", 2)]
         assert client.get("/api/v1/alerts", params={"run": "other"}).json() == []
+        alerts = client.app.state.alerts  # the read methods the Prometheus exposition calls
+        latest = {(s.rule, s.run, s.rank, s.layer): (s.status, s.streak) for s in alerts.latest_series()}
+        assert latest[("attn_drift", "gpt", 0, "attn.q")] == ("firing", 2)
+        assert latest[("quantwatch_output_deviation", "gpt", 0, "attn.q")] == ("pending", 2)
+        assert latest[("quantwatch_output_deviation", "gpt", 0, "mlp.fc1")] == ("inactive", 0)
+        with client.app.state.store.factory() as session:
+            stored = alerts.series_snapshot(session, ["gpt"])
+        assert sorted((s.rule, s.layer, s.series, s.status, s.streak, s.last_step) for s in stored) == [
+            ("attn_drift", "attn.q", "output_rel_l2", "firing", 2, 2),
+            ("quantwatch_output_deviation", "attn.q", "output_rel_l2", "pending", 2, 2),
+            ("quantwatch_output_deviation", "mlp.fc1", "output_rel_l2", "inactive", 0, 2),
+        ]
         hook.wait_for(1)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -125,6 +139,11 @@ def test_ingest_fires_lists_and_redelivers(make_app: Callable[..., Any], receive
         assert replay.status_code == 202
         requests = hook.wait_for(2)
         assert len(requests) == 2
+        link = urlsplit(json.loads(requests[0][1])["quantwatch"]["history_url"])
+        history = client.get(f"{link.path}?{link.query}")
+        assert history.status_code == 200, history.text
+        assert history.json()["steps"] == [1, 2]
+        assert history.json()["max"] == [0.5, 0.5]
         assert requests[0][0]["webhook-id"] == requests[1][0]["webhook-id"] == log[0]["webhook_id"]
         assert client.post("/api/v1/deliveries/999999/redeliver").status_code == 404
         assert client.get("/api/v1/alerts", params={"state": "bogus"}).status_code == 422
