@@ -33,6 +33,7 @@ from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
 from .stats import ErrorStats
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_NUMEL = 1 << 32
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> str | N
         return f"dtype {x.dtype} (supported: float32, bfloat16, float16)"
     if fmt.kind is Kind.SCALE:
         return "the e8m0 scale format as an element format"
+    if x.numel() >= MAX_NUMEL:
+        return f"tensors of {MAX_NUMEL} elements or more (packed 32-bit counts)"
     return None
 
 
@@ -98,7 +101,8 @@ def cast_bits(v: Tensor, fmt: FormatSpec, saturate: bool, noise: Tensor | None) 
         result = torch.where(overflow, torch.inf, result)
     else:
         result = torch.where(overflow, torch.nan, result)
-    return torch.where(torch.isnan(v), torch.nan, torch.copysign(result, v)), too_big & finite
+    # `v != v` is NaN; Inductor vectorises the comparison but not torch.isnan (a scalar loop, half the runtime).
+    return torch.where(v != v, torch.nan, torch.copysign(result, v)), too_big & finite
 
 
 def _stochastic(scaled: Tensor, noise: Tensor) -> Tensor:
@@ -188,7 +192,7 @@ def fused_quantize(
         q = cast * element_scale
     values = q.to(x.dtype)
     if config.with_stats:
-        stats = _stats_vector(xs, values, finite_x, overflow, x.numel())
+        stats = _stats_vector(xs, values, overflow, amax, x.numel())
     else:
         stats = torch.zeros(len(ErrorStats.FIELDS), dtype=torch.float64, device=x.device)
     if blocked:
@@ -196,7 +200,11 @@ def fused_quantize(
     return values, stats, scale_out, amax, tensor_scale
 
 
-def _stats_vector(x: Tensor, q: Tensor, finite_x: Tensor, overflow: Tensor, numel: int) -> Tensor:
+def _stats_vector(x: Tensor, q: Tensor, overflow: Tensor, amax: Tensor, numel: int) -> Tensor:
+    # Sums accumulate in float64 like the reference. Finiteness is recomputed here rather than shared with the amax
+    # pass (sharing it made Inductor materialise the mask and re-read it in an extra, slow loop), and the amax pass's
+    # result is reused for the ``amax`` field.
+    finite_x = torch.isfinite(x)
     finite_q = torch.isfinite(q)
     valid = finite_x & finite_q
     xv = torch.where(valid, x, 0).to(torch.float64)
@@ -204,20 +212,23 @@ def _stats_vector(x: Tensor, q: Tensor, finite_x: Tensor, overflow: Tensor, nume
     err = qv - xv
     nonzero = finite_x & (x != 0)
     clipped = finite_x & (overflow | ~finite_q)
-    f64 = torch.float64
-    return torch.stack(
+    sums = torch.stack([(xv * xv).sum(), (qv * qv).sum(), (qv * xv).sum(), (err * err).sum()])
+    # Two packed int64 counts (low and high 32 bits) instead of four: with four count reductions Inductor split one
+    # into a second pass over a materialised mask, which cost more than the rest of the kernel.
+    packed = torch.stack(
         [
-            torch.full((), numel, dtype=f64, device=x.device),
-            (xv * xv).sum(),
-            (qv * qv).sum(),
-            (qv * xv).sum(),
-            (err * err).sum(),
-            err.abs().amax(),
-            torch.where(finite_x, x, 0).abs().amax().to(f64),
-            nonzero.sum(dtype=f64),
-            (nonzero & (q == 0)).sum(dtype=f64),
-            clipped.sum(dtype=f64),
-            (~finite_x).sum(dtype=f64),
+            (nonzero.to(torch.int64) + ((nonzero & (q == 0)).to(torch.int64) << 32)).sum(),
+            (clipped.to(torch.int64) + ((~finite_x).to(torch.int64) << 32)).sum(),
+        ]
+    )
+    low_mask = (1 << 32) - 1
+    counts = torch.stack([packed[0] & low_mask, packed[0] >> 32, packed[1] & low_mask, packed[1] >> 32])
+    return torch.cat(
+        [
+            torch.full((1,), numel, dtype=torch.float64, device=x.device),
+            sums,
+            torch.stack([err.abs().amax(), amax.to(torch.float64)]),
+            counts.to(torch.float64),
         ]
     )
 
