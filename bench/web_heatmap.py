@@ -139,7 +139,7 @@ def _ingest(url: str, layers: int, steps: int) -> int:
 
 
 def _ms(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} ms (p90 {sorted(values)[int(0.9 * (len(values) - 1))]:.1f})"
+    return f"{statistics.median(values):.1f} ms (min {min(values):.1f}, max {max(values):.1f}, n={len(values)})"
 
 
 def main() -> None:

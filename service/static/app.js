@@ -167,6 +167,31 @@ function ramp(stops, t) {
   return [a[0] + (b[0] - a[0]) * f, a[1] + (b[1] - a[1]) * f, a[2] + (b[2] - a[2]) * f];
 }
 
+// Palettes sampled once into lookup tables: colouring 256k cells then costs a table read per cell, not a ramp.
+const LUT_SIZE = 1024;
+
+function buildLut(stops) {
+  const lut = new Uint8ClampedArray(LUT_SIZE * 3);
+  for (let i = 0; i < LUT_SIZE; i++) {
+    const c = ramp(stops, i / (LUT_SIZE - 1));
+    lut[i * 3] = c[0];
+    lut[i * 3 + 1] = c[1];
+    lut[i * 3 + 2] = c[2];
+  }
+  return lut;
+}
+
+const BELOW_LUT = buildLut(BELOW);
+const ABOVE_LUT = buildLut(ABOVE);
+const SEQUENTIAL_LUT = buildLut(SEQUENTIAL);
+
+function copyLut(lut, t, out, o) {
+  const i = Math.round(Math.min(1, Math.max(0, t)) * (LUT_SIZE - 1)) * 3;
+  out[o] = lut[i];
+  out[o + 1] = lut[i + 1];
+  out[o + 2] = lut[i + 2];
+}
+
 function makeScale(metric, values) {
   let lo = Infinity;
   let hi = -Infinity;
@@ -194,9 +219,10 @@ function makeScale(metric, values) {
       hi: top,
       pos,
       thresholdPos,
-      color(v) {
-        if (v > THRESHOLD) return ramp(ABOVE, (pos(v) - thresholdPos) / (1 - thresholdPos));
-        return ramp(BELOW, pos(v) / thresholdPos);
+      // Writes the colour of finite value v at out[o..o+2]; the side of the threshold is decided on v itself.
+      fill(v, out, o) {
+        if (v > THRESHOLD) copyLut(ABOVE_LUT, (pos(v) - thresholdPos) / (1 - thresholdPos), out, o);
+        else copyLut(BELOW_LUT, pos(v) / thresholdPos, out, o);
       },
       ticks: [bottom, THRESHOLD, top],
     };
@@ -215,9 +241,9 @@ function makeScale(metric, values) {
     hi,
     pos,
     reverse,
-    color(v) {
+    fill(v, out, o) {
       const t = Math.min(1, Math.max(0, pos(v)));
-      return ramp(SEQUENTIAL, reverse ? 1 - t : t);
+      copyLut(SEQUENTIAL_LUT, reverse ? 1 - t : t, out, o);
     },
     ticks: [lo, hi],
   };
@@ -358,11 +384,14 @@ function prepareHeatmap(body, metric) {
       kind[i] = 1;
       continue;
     }
-    const color = Number.isFinite(v) ? scale.color(v) : NONFINITE;
-    if (!Number.isFinite(v)) kind[i] = 2;
-    rgb[i * 3] = color[0];
-    rgb[i * 3 + 1] = color[1];
-    rgb[i * 3 + 2] = color[2];
+    if (Number.isFinite(v)) {
+      scale.fill(v, rgb, i * 3);
+    } else {
+      kind[i] = 2;
+      rgb[i * 3] = NONFINITE[0];
+      rgb[i * 3 + 1] = NONFINITE[1];
+      rgb[i * 3 + 2] = NONFINITE[2];
+    }
   }
   return { layers, steps, rows, cols, raw: body.values || [], values, scale, rgb, kind, metric };
 }
