@@ -377,6 +377,10 @@ def export(
             try:
                 with os.fdopen(fd, "wb") as tmp:
                     written = client.download(client.run_path(run, "/export"), params, tmp)
+                # mkstemp makes the file private (0600); give it the mode a plain open() would have.
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(tmp_name, 0o666 & ~umask)
                 Path(tmp_name).replace(output)
             except BaseException:
                 Path(tmp_name).unlink(missing_ok=True)

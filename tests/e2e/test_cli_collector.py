@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +115,9 @@ def test_export_csv_and_parquet_hold_every_point(collector: Any, tmp_path: Path)
     assert result.exit_code == 0, result.stderr
     rows = list(csv.reader(io.StringIO(csv_path.read_text())))
     assert len(rows) - 1 == EXPECTED_POINTS
+    umask = os.umask(0)
+    os.umask(umask)
+    assert csv_path.stat().st_mode & 0o777 == 0o666 & ~umask
 
     to_stdout = invoke(collector, "export", collector.run)
     assert to_stdout.exit_code == 0
@@ -176,6 +181,19 @@ def test_import_of_the_agent_file_is_idempotent(collector: Any, agent_file: Path
     assert run["first_step"] == 0
     assert run["last_step"] == 5
     assert run["points"] == summary["points"]
+
+
+def test_import_reads_gzip_files_and_standard_input(collector: Any, agent_file: Path, tmp_path: Path) -> None:
+    lines = len([line for line in agent_file.read_text().splitlines() if line.strip()])
+    gzipped = tmp_path / "run.jsonl.gz"
+    gzipped.write_bytes(gzip.compress(agent_file.read_bytes()))
+    for args, stdin in (([str(gzipped)], None), (["-"], agent_file.read_bytes())):
+        result = runner.invoke(app, ["import", *args, "--json", "--url", collector.url], input=stdin)
+        assert result.exit_code == 0, result.stderr
+        summary = json.loads(result.stdout)
+        # The batches are in the collector already (the idempotency test or an earlier pass): all recognised.
+        assert summary["batches"] == lines
+        assert summary["stored"] + summary["duplicates"] == lines
 
 
 def test_import_stops_at_a_malformed_line_naming_it(collector: Any, tmp_path: Path, agent_file: Path) -> None:
