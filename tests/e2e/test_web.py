@@ -12,6 +12,9 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
+from quantwatch.service import Settings, create_app
+from quantwatch.service.server import BackgroundServer
+
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 
@@ -181,3 +184,14 @@ def test_token_prompt_on_a_secured_collector(page: Page, secured_collector: Any)
     page.locator(f'#runs-list a[data-run="{secured_collector.run}"]').wait_for()
     page.wait_for_selector("#heatmap[data-rows]")
     assert page.locator("#banner").is_hidden()
+
+
+def test_empty_collector_says_how_to_get_runs(page: Page, tmp_path: Path) -> None:
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'empty.db'}")
+    with BackgroundServer(create_app(settings)) as server:
+        page.goto(f"{server.url}/")
+        empty = page.locator("#runs-empty")
+        empty.wait_for(state="visible")
+        assert "quantwatch demo" in empty.inner_text()
+        assert page.locator("#welcome").is_visible()
+        assert page.locator("#banner").is_hidden()
