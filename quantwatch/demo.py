@@ -29,7 +29,7 @@ from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import httpx
 import torch
@@ -554,6 +554,17 @@ def _mean(series: Mapping[str, Any] | None) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _worst_firing(alerts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The firing per-layer alert with the largest value, if any."""
+    candidates = [
+        a
+        for a in alerts
+        if a.get("state") == "firing" and a.get("layer") and a.get("firing") and isinstance(a.get("value"), float)
+        and "metric" in (a.get("labels") or {})
+    ]  # fmt: skip
+    return max(candidates, key=lambda a: float(a["value"]), default=None)
+
+
 def _format(value: object) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
@@ -602,6 +613,12 @@ def _print_summary(console: Console, options: DemoOptions, result: DemoResult) -
         console.print(f"webhooks received: {len(result.notifications)}, signatures valid: {valid}")
     base = result.url
     console.print(f"web view   [bold]{base}/#run={quote(result.run, safe='')}[/]")
+    first_look = _worst_firing(result.alerts)
+    if first_look is not None:
+        # The view opened on the worst firing layer at the step its alert fired: where to look first.
+        view = urlencode({"run": result.run, "metric": first_look["labels"]["metric"], "layer": first_look["layer"],
+                          "step": first_look["firing"]["step"]})  # fmt: skip
+        console.print(f"worst alert [bold]{base}/#{view}[/]")
     console.print(f"REST API   {base}/api/v1/runs/{quote(result.run, safe='')}   (docs: {base}/docs)")
     with httpx.Client(timeout=5) as http:
         if http.get(f"{base}/metrics").status_code == 200:

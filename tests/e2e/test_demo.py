@@ -96,6 +96,7 @@ def test_demo_fires_the_expected_alert_once_with_a_valid_signature(tmp_path: Pat
 
     assert "QuantWatch" in seen["page"]
     assert f"{result.url}/#run=demo" in printed
+    assert f"{result.url}/#run=demo&metric=output_rel_l2&layer={PER_TENSOR_FP4_LAYER}&step=2" in printed
     assert PER_TENSOR_FP4_LAYER in printed
     assert "signature ok" in printed
 
