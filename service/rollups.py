@@ -151,9 +151,9 @@ class Partials:
             out.vsum[multi] = reduced.vsum
             out.vcount[multi] = reduced.vcount
             return out
-        if starts.size <= 4096:
-            # ufunc.reduceat along axis 0 of a 2-D array is several times slower than reducing each group's
-            # contiguous block of rows (numpy walks it column by column).
+        if starts.size <= 4096 and self.vmin.shape[1] >= 64:
+            # For wide arrays ufunc.reduceat along axis 0 is several times slower than reducing each group's
+            # contiguous block of rows (numpy walks it column by column); for one column reduceat wins.
             ends = np.append(starts[1:], rows).tolist()
             groups = list(zip(starts.tolist(), ends, strict=True))
             return Partials(
