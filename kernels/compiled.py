@@ -105,6 +105,26 @@ def cast_bits(v: Tensor, fmt: FormatSpec, saturate: bool, noise: Tensor | None) 
     return torch.where(v != v, torch.nan, torch.copysign(result, v)), too_big & finite
 
 
+def overflow_threshold(fmt: FormatSpec) -> tuple[float, bool]:
+    """(T, ties_up): round-to-nearest-even takes ``|v|`` past the maximum iff ``|v| > T`` or (``|v| == T`` and ties_up).
+
+    T is the maximum plus half its unit in the last place; the tie rounds up when the maximum's last bit is odd (all
+    formats but E4M3, whose all-ones mantissa at the top exponent is NaN).
+    """
+    if fmt.kind is Kind.INT:
+        return fmt.max_value + 0.5, int(fmt.max_value) % 2 == 1
+    ulp = 2.0 ** (fmt.emax - fmt.mantissa_bits)
+    return fmt.max_value + ulp / 2, round(fmt.max_value / ulp) % 2 == 1
+
+
+def nearest_overflow(scaled: Tensor, fmt: FormatSpec) -> Tensor:
+    """The overflow mask of `cast_bits` under round-to-nearest, from the input alone."""
+    threshold, ties_up = overflow_threshold(fmt)
+    magnitude = scaled.abs()
+    beyond = (magnitude >= threshold) if ties_up else (magnitude > threshold)
+    return beyond & torch.isfinite(scaled)
+
+
 def _stochastic(scaled: Tensor, noise: Tensor) -> Tensor:
     low = torch.floor(scaled)
     return low + (noise < scaled - low).to(torch.float32)
@@ -183,13 +203,19 @@ def fused_quantize(
     finite_abs = torch.where(finite_x, v.abs(), 0.0)
     amax = finite_abs.amax()
     if spec.kind is Scaling.NONE:
+        scaled = v
         q, overflow = cast_bits(v, fmt, config.saturate, noise)
         scale_out: Tensor = torch.ones((), dtype=torch.float32, device=x.device)
         tensor_scale = None
     else:
         element_scale, scale_out, tensor_scale = _scales(v, finite_abs, amax, given_scale, config)
-        cast, overflow = cast_bits(v / element_scale, fmt, config.saturate, noise)
+        scaled = v / element_scale
+        cast, overflow = cast_bits(scaled, fmt, config.saturate, noise)
         q = cast * element_scale
+    if noise is None:
+        # The same mask from the input side; the cast's own mask made Inductor store it and re-read it in a second
+        # pass for NVFP4.
+        overflow = nearest_overflow(scaled, fmt)
     values = q.to(x.dtype)
     if config.with_stats:
         stats = _stats_vector(xs, values, overflow, amax, x.numel())

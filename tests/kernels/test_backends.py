@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantwatch.kernels import BackendUnavailableError, ErrorStats, quantize
+from quantwatch.kernels import FORMATS, BackendUnavailableError, ErrorStats, quantize
 from quantwatch.kernels import api as api_module
 from quantwatch.kernels import compiled as compiled_module
 
@@ -128,3 +128,17 @@ def test_triton_kernels_match_reference_in_the_interpreter() -> None:
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "fmt", ["fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1", "fp4_e1m2", "int8", "int4"]
+)
+def test_input_side_overflow_mask_equals_the_casts(fmt: str) -> None:
+    spec = FORMATS[fmt]
+    threshold, _ = compiled_module.overflow_threshold(spec)
+    near = torch.tensor([threshold, spec.max_value, 2 * spec.max_value, float("inf"), float("nan"), 0.0])
+    values = torch.cat([near, near.nextafter(torch.tensor(0.0)), near.nextafter(torch.tensor(float("inf")))])
+    values = torch.cat([values, -values])
+    expected = compiled_module.cast_bits(values, spec, True, None)[1]
+    assert torch.equal(compiled_module.nearest_overflow(values, spec), expected)
+    assert expected.any()
