@@ -1,17 +1,20 @@
 """Bandwidth of quantize + all error statistics: eager reference vs the fused path, against x.sum().
 
-    .venv/bin/python bench/kernels.py [--numel 16777216] [--repeats 5]
+    .venv/bin/python bench/kernels.py [--numel 16777216] [--repeats 5] [--cpu-time]
 
 Prints GB/s (input bytes / second: the tensor is read, the quantized copy written once) for the plain-torch
 reference and the fused path (``torch.compile`` on CPU, Triton on CUDA) of fp8_e4m3 per-tensor, mxfp4 and nvfp4 —
 each ``quantize(..., with_stats=True)`` — and, in the same run, the read bandwidth of ``x.sum()`` as the physical
 limit, with the ratios fused / x.sum and fused / reference.
+
+``--cpu-time`` runs on one thread and takes the fastest call by thread CPU time instead of the median wall time:
+on a machine shared with other work that figure moves far less (it still counts memory stalls).
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -23,19 +26,20 @@ from quantwatch.kernels import quantize
 CASES = [("fp8_e4m3 per-tensor", "fp8_e4m3", "tensor"), ("mxfp4", "mxfp4", None), ("nvfp4", "nvfp4", None)]
 
 
-def seconds_per_call(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median wall time of ``repeats`` calls after one warm-up call (which compiles)."""
+def seconds_per_call(fn: Callable[[], object], repeats: int, device: torch.device, cpu_time: bool) -> float:
+    """Median wall time (or fastest thread CPU time) of ``repeats`` calls after one warm-up call (which compiles)."""
     fn()
+    clock = time.thread_time if cpu_time else time.perf_counter
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = clock()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times.append(clock() - start)
+    return min(times) if cpu_time else statistics.median(times)
 
 
 def main() -> None:
@@ -43,28 +47,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--numel", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cpu-time", action="store_true", help="one thread, fastest call by thread CPU time")
     args = parser.parse_args()
+    if args.cpu_time:
+        torch.set_num_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fused_backend = "triton" if device.type == "cuda" else "compiled"
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)).reshape(-1, 4096).to(device)
     gigabytes = x.numel() * x.element_size() / 1e9
-    print(f"torch {torch.__version__}, {device.type}, threads {torch.get_num_threads()}, {platform.processor()}")
-    print(f"x: {tuple(x.shape)} float32 = {gigabytes * 1e3:.0f} MB; median of {args.repeats} calls after warm-up")
-    read = gigabytes / seconds_per_call(lambda: x.sum().item(), args.repeats * 4, device)
-    print(f"{'x.sum() read':<24}{read:>10.2f} GB/s")
-    print(f"{'case':<24}{'reference':>12}{'fused':>12}{'fused/x.sum':>14}{'fused/ref':>12}")
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    print(f"torch {torch.__version__}, {device.type}, threads {torch.get_num_threads()}, load average {load}")
+    how = "fastest thread CPU time" if args.cpu_time else "median wall time"
+    print(f"x: {tuple(x.shape)} float32 = {gigabytes * 1e3:.0f} MB; {how} of {args.repeats} calls after warm-up")
+    read = gigabytes / seconds_per_call(lambda: x.sum().item(), args.repeats * 4, device, args.cpu_time)
+    print(f"{'x.sum() read':<24}{read:>10.3f} GB/s")
+    print(f"{'case':<24}{'reference GB/s':>16}{'fused GB/s':>12}{'fused/x.sum':>13}{'fused/ref':>11}")
     for label, fmt, scaling in CASES:
         reference = gigabytes / seconds_per_call(
             lambda fmt=fmt, scaling=scaling: quantize(x, fmt, scaling, with_stats=True, backend="reference"),
             max(1, args.repeats // 2),
             device,
+            args.cpu_time,
         )
         fused = gigabytes / seconds_per_call(
             lambda fmt=fmt, scaling=scaling: quantize(x, fmt, scaling, with_stats=True, backend=fused_backend),
             args.repeats,
             device,
+            args.cpu_time,
         )
-        print(f"{label:<24}{reference:>10.2f}GB/s{fused:>8.2f}GB/s{fused / read:>14.3f}{fused / reference:>12.1f}")
+        print(f"{label:<24}{reference:>16.4f}{fused:>12.3f}{fused / read:>13.3f}{fused / reference:>11.1f}")
 
 
 if __name__ == "__main__":

@@ -110,6 +110,7 @@ class QuantLinear(nn.Linear):
         return linear(input, self.weight, self.bias)
 
     def extra_repr(self) -> str:
+        """nn.Linear's description plus whether an observer is attached."""
         return f"{super().extra_repr()}, observed={self.observer is not None}"
 
 

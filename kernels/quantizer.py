@@ -165,6 +165,7 @@ class Quantizer(nn.Module):
         self.calls.add_(1)
 
     def extra_repr(self) -> str:
+        """Format, scaling and rounding, for ``print(model)``."""
         if self.spec is None:
             return "disabled"
         return f"fmt={self.spec.fmt}, scaling={self.spec.scaling}, rounding={self.spec.rounding}"

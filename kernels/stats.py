@@ -40,12 +40,13 @@ _SUM_FIELDS = (
 _MAX_FIELDS = ("max_abs_err", "amax")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ErrorStats:
     """Partial sums of one or more quantizations; see the module docstring for the derived figures.
 
     ``max_abs_err`` is the largest ``|q − x|`` and ``amax`` the largest finite ``|x|``. Combine statistics of parts
-    (micro-batches, shards, ranks) with `combine`; never average derived ratios.
+    (micro-batches, shards, ranks) with `combine`; never average derived ratios. Equality is identity (comparing
+    device tensors would wait for the device); compare ``to_dict()`` or ``as_tensor()`` instead.
     """
 
     numel: Tensor

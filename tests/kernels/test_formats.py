@@ -178,3 +178,16 @@ def test_dtype_and_shape_are_kept(dtype: torch.dtype) -> None:
     expected = quantize(x.float(), "fp8_e4m3", scaling="tensor").to(dtype)
     if dtype != torch.float64:
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("name", "limit"), [("int8", 127), ("int4", 7)])
+def test_every_integer_code_point_is_a_fixed_point(name: str, limit: int) -> None:
+    codes = [float(v) for v in range(-limit, limit + 1)]
+    assert q(codes, name) == codes
+    assert q([c + 0.25 for c in codes[:-1]], name) == codes[:-1]
+
+
+def test_every_e8m0_code_point_is_a_fixed_point(oracle: Any) -> None:
+    values = np.arange(255, dtype=np.uint8).view(oracle.ml_dtypes["e8m0"]).astype(np.float32)
+    assert values.tolist() == [2.0**e for e in range(-127, 128)]
+    assert q(values.tolist(), "e8m0") == values.tolist()
