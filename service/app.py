@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from quantwatch import __version__
+from quantwatch.service import web
 from quantwatch.service.alerts.setup import firing_counts, install_alerts
 from quantwatch.service.api import problems
 from quantwatch.service.api.routes import health, ingest, runs
@@ -72,4 +73,5 @@ def create_app(
         alerts=alert_series_source(alerts),
         deliveries=delivery_counts(app.state.store.factory),
     )
+    web.install(app)
     return app

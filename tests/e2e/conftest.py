@@ -1,10 +1,108 @@
-"""Fixtures of the end-to-end tests: the Debian binaries they run (a failure, never a skip, when missing)."""
+"""Fixtures of the end-to-end tests: a real collector on loopback (uvicorn in a thread, SQLite in a temp dir) holding
+a short run, and the Debian binaries the tests run (a failure, never a skip, when missing)."""
 
 from __future__ import annotations
 
+import math
 import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+
+from quantwatch.service import Settings, create_app
+from quantwatch.service.server import BackgroundServer
+
+RUN = "e2e/short-run"
+LAYERS = [f"blocks.{b}.{part}" for b in range(3) for part in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+STEPS = 40
+BAD_LAYER = "blocks.1.mlp.fc1"  # drifts past 5% output deviation from step DRIFT_STEP on
+DRIFT_STEP = 25
+HOLE = ("blocks.0.attn.proj", 7)  # one point not measured (null)
+
+
+def output_rel_l2(layer_index: int, step: int) -> float | None:
+    """The seeded figures: small, smooth, one layer breaching the 5% threshold late in the run."""
+    layer = LAYERS[layer_index]
+    if (layer, step) == HOLE:
+        return None
+    value = 0.004 * (1 + layer_index % 4) * (1 + 0.15 * math.sin(step / 5 + layer_index))
+    if layer == BAD_LAYER and step >= DRIFT_STEP:
+        value = 0.06 + 0.004 * (step - DRIFT_STEP)
+    return round(value, 6)
+
+
+def batches() -> list[dict[str, Any]]:
+    """The run as ingest batches of the wire contract (JSON form), 10 steps per batch."""
+    out = []
+    for first in range(0, STEPS, 10):
+        steps = []
+        for step in range(first, first + 10):
+            loss = 3.0 * math.exp(-step / 15) + 0.4
+            steps.append(
+                {
+                    "step": step,
+                    "time": 1764467200.0 + step,
+                    "metrics": {
+                        "output_rel_l2": [output_rel_l2(i, step) for i in range(len(LAYERS))],
+                        "underflow_ratio": [0.001 * (i % 3) for i in range(len(LAYERS))],
+                    },
+                    "scalars": {"loss": loss * (1.08 if step >= DRIFT_STEP else 1.0), "loss_shadow": loss},
+                }
+            )
+        out.append({"run": RUN, "rank": 0, "batch_id": f"e2e-{first}", "layers": LAYERS, "steps": steps})
+    return out
+
+
+@dataclass
+class Collector:
+    """A running collector holding the short run, and what the run holds (tests compare against it)."""
+
+    url: str
+    database_path: Path
+    run: str = RUN
+    layers: tuple[str, ...] = tuple(LAYERS)
+    steps: int = STEPS
+    bad_layer: str = BAD_LAYER
+    drift_step: int = DRIFT_STEP
+    hole: tuple[str, int] = HOLE
+    read_token: str | None = None
+    ingest_token: str | None = None
+
+
+READ_TOKEN = "e2e-read-token"
+INGEST_TOKEN = "e2e-ingest-token"
+
+
+@pytest.fixture(scope="session")
+def secured_collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
+    """A collector that needs bearer tokens: ``READ_TOKEN`` (scope read), ``INGEST_TOKEN`` (scope ingest)."""
+    database_path = tmp_path_factory.mktemp("secured") / "quantwatch.db"
+    settings = Settings(
+        database_url=f"sqlite:///{database_path}", tokens={READ_TOKEN: ["read"], INGEST_TOKEN: ["ingest"]}
+    )
+    with BackgroundServer(create_app(settings)) as server:
+        url = server.url
+        with httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {INGEST_TOKEN}"}) as http:
+            for batch in batches():
+                http.post("/api/v1/ingest", json=batch).raise_for_status()
+        yield Collector(url=url, database_path=database_path, read_token=READ_TOKEN, ingest_token=INGEST_TOKEN)
+
+
+@pytest.fixture(scope="session")
+def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
+    """A collector on loopback with the short run ingested."""
+    database_path = tmp_path_factory.mktemp("collector") / "quantwatch.db"
+    with BackgroundServer(create_app(Settings(database_url=f"sqlite:///{database_path}"))) as server:
+        url = server.url
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for batch in batches():
+                response = http.post("/api/v1/ingest", json=batch)
+                response.raise_for_status()
+        yield Collector(url=url, database_path=database_path)
 
 
 @pytest.fixture(scope="session")

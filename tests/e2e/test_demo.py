@@ -1,0 +1,163 @@
+"""``quantwatch demo`` end to end, for a few steps: alerts, signatures, history, export, determinism."""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import io
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import standardwebhooks
+from rich.console import Console
+from typer.testing import CliRunner
+
+from quantwatch import cli
+from quantwatch.demo import DEFAULT_STEPS, PER_TENSOR_FP4_LAYER, DemoOptions, DemoResult, run_demo
+
+STEPS = 5
+DEVIATION_RULE = "quantwatch_output_deviation"
+
+
+def _run(tmp_path: Path, name: str) -> tuple[DemoResult, dict[str, Any], str]:
+    seen: dict[str, Any] = {}
+
+    def while_serving(result: DemoResult) -> None:
+        # Queried while the demo's own collector is still up.
+        with httpx.Client(base_url=result.url, timeout=30) as http:
+            seen["layers"] = [x["name"] for x in http.get("/api/v1/runs/demo/layers").json()]
+            seen["heatmap"] = http.get(
+                "/api/v1/runs/demo/heatmap", params={"metric": "output_rel_l2", "max_steps": STEPS}
+            ).json()
+            seen["run"] = http.get("/api/v1/runs/demo").json()
+            seen["export"] = http.get("/api/v1/runs/demo/export", params={"format": "csv"}).text
+            seen["page"] = http.get("/").text
+            seen["metrics"] = http.get("/metrics").text
+
+    out = io.StringIO()
+    result = run_demo(
+        DemoOptions(steps=STEPS, port=0, database=tmp_path / f"{name}.db"),
+        Console(file=out, width=200),
+        while_serving=while_serving,
+    )
+    return result, seen, out.getvalue()
+
+
+def test_demo_fires_the_expected_alert_once_with_a_valid_signature(tmp_path: Path) -> None:
+    result, seen, printed = _run(tmp_path, "first")
+
+    # The per-tensor FP4 layer breaches the 5% output deviation rule: one firing webhook, signed.
+    fired = [
+        n
+        for n in result.notifications
+        if n.status == "firing"
+        and n.details.get("rule") == DEVIATION_RULE
+        and n.details.get("layer") == PER_TENSOR_FP4_LAYER
+    ]
+    assert len(fired) == 1
+    notification = fired[0]
+    assert notification.signature_valid
+    assert notification.details["step"] == 2  # third consecutive breaching step
+    assert notification.details["value"] > 0.05
+    # An independent implementation of Standard Webhooks agrees with the demo's verifier.
+    assert result.webhook_secret is not None
+    verified = standardwebhooks.Webhook(result.webhook_secret).verify(notification.raw_body, notification.headers)
+    assert verified["quantwatch"]["layer"] == PER_TENSOR_FP4_LAYER
+    assert len({n.webhook_id for n in result.notifications}) == len(result.notifications)
+    assert all(n.signature_valid for n in result.notifications)
+
+    episodes = [a for a in result.alerts if a["rule"] == DEVIATION_RULE and a["layer"] == PER_TENSOR_FP4_LAYER]
+    assert [(a["state"], a["firing"]["step"]) for a in episodes] == [("firing", 2)]
+
+    # The history API holds every step of every monitored layer.
+    heatmap = seen["heatmap"]
+    assert heatmap["bucket_steps"] == 1
+    assert heatmap["steps"] == list(range(STEPS))
+    assert heatmap["layers"] == seen["layers"]
+    assert PER_TENSOR_FP4_LAYER in heatmap["layers"]
+    assert all(v is not None for row in heatmap["values"] for v in row)
+
+    # The export holds every point the agent sent.
+    rows = list(csv.reader(io.StringIO(seen["export"])))
+    assert len(rows) - 1 == result.points_sent == seen["run"]["points"]
+
+    # Prometheus sees the run: the latest deviation of the per-tensor FP4 layer, equal to the history's last value.
+    series = f'quantwatch_layer_output_rel_l2_ratio{{layer="{PER_TENSOR_FP4_LAYER}",rank="0",run="demo"}} '
+    exposed = [line for line in seen["metrics"].splitlines() if line.startswith(series)]
+    assert len(exposed) == 1, seen["metrics"][:2000]
+    latest = heatmap["values"][heatmap["layers"].index(PER_TENSOR_FP4_LAYER)][-1]
+    assert float(exposed[0].removeprefix(series)) == pytest.approx(latest, rel=1e-6)
+
+    assert "QuantWatch" in seen["page"]
+    assert f"{result.url}/#run=demo" in printed
+    assert f"{result.url}/#run=demo&metric=output_rel_l2&layer={PER_TENSOR_FP4_LAYER}&step=2" in printed
+    assert PER_TENSOR_FP4_LAYER in printed
+    assert "signature ok" in printed
+
+
+def test_demo_is_deterministic_for_a_seed(tmp_path: Path) -> None:
+    first, seen_first, _ = _run(tmp_path, "a")
+    second, seen_second, _ = _run(tmp_path, "b")
+
+    def alerts(result: DemoResult) -> list[tuple[str, str | None, int | None]]:
+        return sorted((a["rule"], a["layer"], (a["firing"] or {}).get("step")) for a in result.alerts)
+
+    assert alerts(first) == alerts(second)
+    assert alerts(first)
+    assert seen_first["heatmap"]["values"] == seen_second["heatmap"]["values"]
+
+
+def test_demo_command_defaults_match_the_module_and_bad_options_exit_2() -> None:
+    assert inspect.signature(cli.demo).parameters["steps"].default == DEFAULT_STEPS
+    runner = CliRunner()
+    result = runner.invoke(cli.app, ["demo", "--recipe", "int3"])
+    assert result.exit_code == 2
+    assert "--recipe must be one of mixed, fp8, fp4" in result.stderr
+    result = runner.invoke(cli.app, ["demo", "--url", "nowhere"])
+    assert result.exit_code == 2
+    assert "--url must be an http" in result.stderr
+
+
+def test_demo_sends_to_an_existing_collector_with_url(collector: Any) -> None:
+    out = io.StringIO()
+    result = run_demo(DemoOptions(steps=3, url=collector.url), Console(file=out, width=200))
+    assert result.run.startswith("demo-mixed-seed0-")
+    assert result.notifications == []
+    assert result.webhook_secret is None
+    run = httpx.get(f"{collector.url}/api/v1/runs/{result.run}").json()
+    assert run["last_step"] == 2
+    assert run["points"] == result.points_sent > 0
+    assert f"{collector.url}/#run={result.run}" in out.getvalue()
+
+
+def test_demo_command_keeps_serving_until_interrupted(tmp_path: Path) -> None:
+    # The real console script: trains, prints the summary, then serves the web view until Ctrl-C (SIGINT).
+    command = [
+        sys.executable, "-m", "quantwatch.cli", "demo", "--steps", "3", "--keep-serving", "--port", "0",
+        "--database", str(tmp_path / "demo.db"),
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        assert process.stdout is not None
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if "Ctrl-C to stop" in line:
+                break
+        printed = "".join(lines)
+        url = re.search(r"stay up at (http://127\.0\.0\.1:\d+)/", printed)
+        assert url is not None, printed
+        assert "QuantWatch" in httpx.get(url.group(1) + "/").text
+        assert httpx.get(url.group(1) + "/api/v1/runs/demo").json()["last_step"] == 2
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert (tmp_path / "demo.db").exists()
