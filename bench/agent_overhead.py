@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from torch import nn
 import quantwatch.agent as qw
 from quantwatch.agent.spool import DiskSpool
 from quantwatch.kernels import QuantConfig, QuantSpec, Recipe, quantize_model
+from quantwatch.service.server import free_port, wait_until_ready
 
 WIDTH, BLOCKS, HEADS, VOCAB = 256, 4, 4, 512
 
@@ -168,13 +168,6 @@ class Trainer:
         return elapsed
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Collector:
     """A collector (``quantwatch.service`` on uvicorn) in a subprocess, stoppable and restartable."""
 
@@ -191,14 +184,7 @@ class Collector:
             f"port={self.port}, log_level='warning')"
         )
         self.proc = subprocess.Popen([sys.executable, "-c", code])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"{self.url}/api/v1/runs", timeout=1)
-                return
-            except httpx.TransportError:
-                time.sleep(0.1)
-        raise RuntimeError("collector did not start")
+        wait_until_ready(self.proc, f"{self.url}/healthz", 60, "collector")
 
     def stop(self) -> None:
         """Kill it (an outage, not a graceful drain)."""

@@ -21,7 +21,6 @@ import math
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from quantwatch.service.server import free_port
+from quantwatch.service.server import free_port, serve_command, wait_until_ready
 
 LAYERS = [f"blocks.{i // 4}.{['attn.qkv', 'attn.proj', 'mlp.fc1', 'mlp.fc2'][i % 4]}" for i in range(64)]
 
@@ -156,34 +155,9 @@ def main() -> None:
         database_url = args.database_url or f"sqlite:///{tmp}/bench.db"
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "quantwatch.cli",
-                "serve",
-                "--port",
-                str(port),
-                "--database-url",
-                database_url,
-                "--rules",
-                str(rules),
-                "--log-level",
-                "warning",
-            ],
-            env=os.environ.copy(),
-        )
+        server = subprocess.Popen(serve_command(port, database_url, rules), env=os.environ.copy())
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("collector did not start")
-                time.sleep(0.1)
+            wait_until_ready(server, f"{url}/healthz", 60, "collector")
 
             maximum = Load(url, args.threads, None, "max")
             started = maximum.start()

@@ -20,6 +20,7 @@ import statistics
 import time
 
 import numpy as np
+from _common import METRICS
 from prometheus_client import CollectorRegistry, generate_latest
 
 from quantwatch.service.exposition import (
@@ -30,17 +31,6 @@ from quantwatch.service.exposition import (
     StepValues,
     render_exposition,
 )
-
-METRICS = [
-    "output_rel_l2",
-    "output_cosine",
-    "output_sqnr_db",
-    "weight_rel_l2",
-    "act_rel_l2",
-    "grad_rel_l2",
-    "underflow_ratio",
-    "overflow_ratio",
-]
 
 
 def batch(rng: np.random.Generator, step: int, n_layers: int, n_steps: int = 4) -> list[StepValues]:

@@ -31,45 +31,15 @@ from typing import Any
 import httpx
 import msgpack
 import numpy as np
+from _common import METRICS
+
+from quantwatch.service.server import free_port, wait_until_ready
 
 LAYERS = [
     f"blocks.{i // 8}.{['attn.qkv', 'attn.out', 'mlp.fc1', 'mlp.fc2', 'norm1', 'norm2', 'gate', 'up'][i % 8]}"
     for i in range(512)
 ]
-METRICS = [
-    "output_rel_l2",
-    "output_cosine",
-    "output_sqnr_db",
-    "weight_rel_l2",
-    "act_rel_l2",
-    "grad_rel_l2",
-    "underflow_ratio",
-    "overflow_ratio",
-]
 POSTGRES_URL = os.environ.get("QUANTWATCH_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready")
 
 
 @contextmanager
@@ -78,7 +48,7 @@ def collector(database_url: str) -> Iterator[tuple[str, int]]:
     cmd = [sys.executable, "-m", "quantwatch.cli", "serve", "--database-url", database_url, "--port", str(port)]
     proc = subprocess.Popen([*cmd, "--log-level", "warning"])
     try:
-        wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
+        wait_until_ready(proc, f"http://127.0.0.1:{port}/readyz", 120, "collector")
         yield f"http://127.0.0.1:{port}", proc.pid
     finally:
         proc.terminate()
@@ -291,7 +261,7 @@ def bench_mlflow(args: argparse.Namespace, workdir: Path) -> float | None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_ready(f"http://127.0.0.1:{port}/health", proc, timeout=300)
+        wait_until_ready(proc, f"http://127.0.0.1:{port}/health", 300, "mlflow")
         ctx = mp.get_context("spawn")
         with ctx.Manager() as manager:
             barrier = manager.Barrier(args.clients)

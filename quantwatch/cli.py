@@ -24,7 +24,7 @@ from quantwatch.service.alerts.cli import app as rules_app
 from quantwatch.service.cli import register as register_service
 
 if TYPE_CHECKING:
-    from quantwatch.client import CollectorClient, CollectorError
+    from quantwatch.client import CollectorClient, CollectorError, Params
 
 # "\b" keeps click from re-wrapping the table.
 EXIT_CODES_HELP = """\b
@@ -100,6 +100,17 @@ def _client(url: str, token: str | None, timeout: float) -> CollectorClient:
         return CollectorClient(url, token=token or None, timeout_seconds=timeout)
     except ValueError as exc:
         _usage(str(exc))
+
+
+def _get_json(url: str, token: str | None, timeout: float, path: str, params: Params | None = None) -> tuple[str, Any]:
+    """GET ``path`` from the collector at ``url``: its base URL and the decoded body; exits on an error answer."""
+    from quantwatch.client import CollectorError
+
+    with _client(url, token, timeout) as client:
+        try:
+            return client.url, client.get_json(path, params)
+        except CollectorError as exc:
+            _fail(exc)
 
 
 def _print_json(value: object) -> None:
@@ -209,22 +220,18 @@ def runs(
     timeout: TimeoutOption = 30.0,
 ) -> None:
     """List the runs the collector knows: steps, layers, metrics, firing alerts, last seen."""
-    from quantwatch.client import API_PREFIX, CollectorError
+    from quantwatch.client import API_PREFIX
 
-    with _client(url, token, timeout) as client:
-        try:
-            body = client.get_json(f"{API_PREFIX}/runs")
-        except CollectorError as exc:
-            _fail(exc)
+    collector, body = _get_json(url, token, timeout, f"{API_PREFIX}/runs")
     if as_json:
         _print_json(body)
         return
     items = _items(body, "runs")
     if not items:
-        typer.echo(f"No runs on {client.url} yet.")
+        typer.echo(f"No runs on {collector} yet.")
         return
     _table(
-        f"Runs on {client.url}",
+        f"Runs on {collector}",
         ["run", "steps", "layers", "ranks", "points", "metrics", "firing alerts", "last seen (UTC)"],
         [
             [
@@ -252,13 +259,11 @@ def alerts(
     timeout: TimeoutOption = 30.0,
 ) -> None:
     """List alert episodes (rule, run, layer, state, step) from the collector."""
-    from quantwatch.client import API_PREFIX, CollectorError
+    from quantwatch.client import API_PREFIX
 
-    with _client(url, token, timeout) as client:
-        try:
-            body = client.get_json(f"{API_PREFIX}/alerts", {"run": run, "state": state.value if state else None})
-        except CollectorError as exc:
-            _fail(exc)
+    _, body = _get_json(
+        url, token, timeout, f"{API_PREFIX}/alerts", {"run": run, "state": state.value if state else None}
+    )
     if as_json:
         _print_json(body)
         return
@@ -304,7 +309,7 @@ def series(
     timeout: TimeoutOption = 30.0,
 ) -> None:
     """Print one series: a layer's metric (--metric --layer) or a scalar (--scalar), exact or bucketed."""
-    from quantwatch.client import CollectorError
+    from quantwatch.client import CollectorClient
 
     if scalar is not None and (metric is not None or layer is not None):
         _usage("give either --scalar, or --metric with --layer, not both")
@@ -321,11 +326,7 @@ def series(
         "end": end,
         "max_points": max_points,
     }
-    with _client(url, token, timeout) as client:
-        try:
-            body = client.get_json(client.run_path(run, "/series"), params)
-        except CollectorError as exc:
-            _fail(exc)
+    _, body = _get_json(url, token, timeout, CollectorClient.run_path(run, "/series"), params)
     if as_json:
         _print_json(body)
         return

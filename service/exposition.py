@@ -124,30 +124,27 @@ _RESERVED_SUFFIXES = ("_total", "_count", "_sum", "_bucket", "_created", "_info"
 _NOT_NAME_CHARS = re.compile(r"[^a-z0-9_]")
 
 
-def _custom_family(prefix: str, name: str) -> str:
-    """Family name of a metric or scalar outside the canonical vocabulary (snake case, no reserved suffix)."""
+def _family_name(canonical: Mapping[str, str], prefix: str, name: str) -> str:
+    """The family of ``name``: its canonical one, else ``prefix`` + its snake case (no reserved suffix), marked
+    ``_custom`` where that would collide with a canonical family."""
+    known = canonical.get(name)
+    if known is not None:
+        return known
     cleaned = _NOT_NAME_CHARS.sub("_", name.lower()).strip("_") or "unnamed"
     if cleaned.endswith(_RESERVED_SUFFIXES):
         cleaned += "_value"
-    return prefix + cleaned
+    family = prefix + cleaned
+    return family + "_custom" if family in _CANONICAL_FAMILIES else family
 
 
 def layer_family_name(metric: str) -> str:
     """The exported gauge family of a per-layer metric: ``output_rel_l2`` → ``quantwatch_layer_output_rel_l2_ratio``."""
-    known = LAYER_METRIC_FAMILIES.get(metric)
-    if known is not None:
-        return known
-    name = _custom_family("quantwatch_layer_", metric)
-    return name + "_custom" if name in _CANONICAL_FAMILIES else name
+    return _family_name(LAYER_METRIC_FAMILIES, "quantwatch_layer_", metric)
 
 
 def run_family_name(scalar: str) -> str:
     """The exported gauge family of a per-run scalar, e.g. ``loss`` → ``quantwatch_run_loss``."""
-    known = RUN_SCALAR_FAMILIES.get(scalar)
-    if known is not None:
-        return known
-    name = _custom_family("quantwatch_run_", scalar)
-    return name + "_custom" if name in _CANONICAL_FAMILIES else name
+    return _family_name(RUN_SCALAR_FAMILIES, "quantwatch_run_", scalar)
 
 
 def _escape_label_value(value: str) -> str:

@@ -1,12 +1,17 @@
-"""Run the collector on uvicorn in a background thread (tests, the demo's in-process collector)."""
+"""Run the collector on uvicorn in a background thread (tests, the demo's in-process collector), or start one as a
+process and wait until it answers (benchmarks, restart tests)."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import TracebackType
 
+import httpx
 import uvicorn
 from fastapi import FastAPI
 
@@ -53,3 +58,37 @@ class BackgroundServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def serve_command(port: int, database_url: str, rules: Path, log_level: str = "warning") -> list[str]:
+    """The command line of a ``quantwatch serve`` process on loopback ``port``, run by this Python interpreter."""
+    return [
+        sys.executable,
+        "-m",
+        "quantwatch.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--database-url",
+        database_url,
+        "--rules",
+        str(rules),
+        "--log-level",
+        log_level,
+    ]
+
+
+def wait_until_ready(process: subprocess.Popen[bytes], url: str, timeout_seconds: float, name: str) -> None:
+    """Poll ``url`` until it answers 200; raise RuntimeError naming ``name`` (with the tail of the process's
+    piped stderr) if ``process`` exits first or ``timeout_seconds`` pass."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            err = process.stderr.read().decode(errors="replace") if process.stderr else ""
+            raise RuntimeError(f"{name} did not start: {err[-2000:]}")
+        time.sleep(0.1)

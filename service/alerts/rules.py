@@ -23,11 +23,20 @@ import re
 import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "DEFAULT_RULES",
@@ -97,6 +106,21 @@ _DEFAULT_DESCRIPTION = (
     "${metric} was ${value} at step ${step} (${op} ${threshold} for ${consecutive} consecutive reported steps; "
     "ranks ${ranks})."
 )
+
+
+def _check_name(value: str, what: str = "") -> str:
+    # Rule and receiver names share one grammar: they become label values and URL path segments.
+    if not _NAME_RE.fullmatch(value):
+        raise ValueError(f"{what}must match [A-Za-z_][A-Za-z0-9_.:-]{{0,127}}")
+    return value
+
+
+def _check_label_name(key: str, kind: str) -> None:
+    if not _LABEL_RE.fullmatch(key):
+        raise ValueError(f"{kind} name {key!r} must match [A-Za-z_][A-Za-z0-9_]*")
+
+
+_ObjectName = Annotated[str, AfterValidator(_check_name)]
 
 
 def breaches(value: float, op: str, threshold: float) -> bool:
@@ -240,7 +264,7 @@ class Rule(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(description="Unique rule name; becomes the `alertname` label.")
+    name: _ObjectName = Field(description="Unique rule name; becomes the `alertname` label.")
     metric: str | None = Field(default=None, description="Per-layer metric to watch (exclusive with `scalar`).")
     scalar: str | None = Field(
         default=None,
@@ -261,13 +285,6 @@ class Rule(BaseModel):
     )
     receivers: list[str] = Field(default_factory=list, description="Receiver names; empty means every receiver.")
     enabled: bool = True
-
-    @field_validator("name")
-    @classmethod
-    def _check_name(cls, value: str) -> str:
-        if not _NAME_RE.fullmatch(value):
-            raise ValueError("must match [A-Za-z_][A-Za-z0-9_.:-]{0,127}")
-        return value
 
     @field_validator("metric")
     @classmethod
@@ -304,8 +321,7 @@ class Rule(BaseModel):
     @classmethod
     def _check_labels(cls, value: dict[str, str]) -> dict[str, str]:
         for key in value:
-            if not _LABEL_RE.fullmatch(key):
-                raise ValueError(f"label name {key!r} must match [A-Za-z_][A-Za-z0-9_]*")
+            _check_label_name(key, "label")
             if key in _RESERVED_LABELS:
                 raise ValueError(f"label {key!r} is set by QuantWatch itself")
         return value
@@ -314,8 +330,7 @@ class Rule(BaseModel):
     @classmethod
     def _check_annotations(cls, value: dict[str, str]) -> dict[str, str]:
         for key, text in value.items():
-            if not _LABEL_RE.fullmatch(key):
-                raise ValueError(f"annotation name {key!r} must match [A-Za-z_][A-Za-z0-9_]*")
+            _check_label_name(key, "annotation")
             _check_template(text, f"annotations.{key}")
         return value
 
@@ -323,8 +338,7 @@ class Rule(BaseModel):
     @classmethod
     def _check_receivers(cls, value: list[str]) -> list[str]:
         for name in value:
-            if not _NAME_RE.fullmatch(name):
-                raise ValueError(f"receiver name {name!r} must match [A-Za-z_][A-Za-z0-9_.:-]{{0,127}}")
+            _check_name(name, f"receiver name {name!r} ")
         if len(set(value)) != len(value):
             raise ValueError("receiver names must be unique")
         return value
@@ -379,7 +393,7 @@ class ReceiverSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(description="Unique receiver name, referenced by rules.")
+    name: _ObjectName = Field(description="Unique receiver name, referenced by rules.")
     type: Literal["webhook", "alertmanager"] = "webhook"
     url: str = Field(description="http(s) URL; for `alertmanager`, the base URL of the Alertmanager.")
     secrets: list[SecretStr] = Field(default_factory=list, description="Standard Webhooks secrets (`whsec_...`).")
@@ -398,13 +412,6 @@ class ReceiverSpec(BaseModel):
                 raise ValueError("give either `secret` or `secrets`, not both")
             data["secrets"] = [] if secret is None else [secret]
         return data
-
-    @field_validator("name")
-    @classmethod
-    def _check_name(cls, value: str) -> str:
-        if not _NAME_RE.fullmatch(value):
-            raise ValueError("must match [A-Za-z_][A-Za-z0-9_.:-]{0,127}")
-        return value
 
     @field_validator("url")
     @classmethod

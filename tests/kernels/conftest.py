@@ -7,6 +7,9 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+import torch
+
+from quantwatch.kernels import ErrorStats
 
 # Independent oracles for the formats ml_dtypes implements (OCP OFP8 / OCP MX element and scale formats).
 ML_DTYPES = {
@@ -71,6 +74,41 @@ class SpecOracle:
     decode = staticmethod(decode)
     codes = staticmethod(codes)
     positive_grid = staticmethod(positive_grid)
+
+
+def sample(shape: tuple[int, ...], seed: int, special: bool = True) -> torch.Tensor:
+    """A seeded tensor spanning 16 binades; with ``special``, its first four values are NaN, +inf, -inf and 0."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=generator) * torch.exp2(torch.randint(-8, 8, shape, generator=generator).float())
+    if special:
+        flat = x.view(-1)
+        flat[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    return x
+
+
+def assert_same(fast: tuple[torch.Tensor, ErrorStats], reference: tuple[torch.Tensor, ErrorStats]) -> None:
+    """A fast path's (values, stats) against the reference's: values bit-exact, statistics within 1e-6 relative."""
+    values, stats = fast
+    ref_values, ref_stats = reference
+    assert values.dtype == ref_values.dtype
+    assert torch.equal(values.nan_to_num(123.0), ref_values.nan_to_num(123.0))
+    assert torch.equal(values.isnan(), ref_values.isnan())
+    got, expected = stats.as_tensor(), ref_stats.as_tensor()
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
+
+
+class BackendCheck:
+    """Inputs and the comparison of the fast-path tests (test_backends, and triton_interpreted_checks in the
+    process it starts)."""
+
+    sample = staticmethod(sample)
+    assert_same = staticmethod(assert_same)
+
+
+@pytest.fixture
+def backends() -> type[BackendCheck]:
+    """Seeded inputs and the fast-path-versus-reference comparison."""
+    return BackendCheck
 
 
 @pytest.fixture

@@ -12,33 +12,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from quantwatch.kernels import FORMATS, BackendUnavailableError, ErrorStats, quantize
+from quantwatch.kernels import FORMATS, BackendUnavailableError, quantize
 from quantwatch.kernels import api as api_module
 from quantwatch.kernels import compiled as compiled_module
-
-
-def sample(shape: tuple[int, ...], seed: int, special: bool = True) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=generator) * torch.exp2(torch.randint(-8, 8, shape, generator=generator).float())
-    if special:
-        flat = x.view(-1)
-        flat[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
-    return x
-
-
-def assert_same(fast: tuple[torch.Tensor, ErrorStats], reference: tuple[torch.Tensor, ErrorStats]) -> None:
-    values, stats = fast
-    ref_values, ref_stats = reference
-    assert values.dtype == ref_values.dtype
-    assert torch.equal(values.nan_to_num(123.0), ref_values.nan_to_num(123.0))
-    assert torch.equal(values.isnan(), ref_values.isnan())
-    got, expected = stats.as_tensor(), ref_stats.as_tensor()
-    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
-
 
 CASES = [
     # (format, scaling, rounding, saturate, dtype, shapes): together every scaling kind, both roundings, both
@@ -51,17 +32,23 @@ CASES = [
 
 @pytest.mark.parametrize(("fmt", "scaling", "rounding", "saturate", "dtype", "shapes"), CASES)
 def test_compiled_matches_reference(
-    fmt: str, scaling: str | None, rounding: str, saturate: bool, dtype: torch.dtype, shapes: list[tuple[int, int]]
+    fmt: str,
+    scaling: str | None,
+    rounding: str,
+    saturate: bool,
+    dtype: torch.dtype,
+    shapes: list[tuple[int, int]],
+    backends: Any,
 ) -> None:
     for seed, shape in enumerate(shapes):
-        x = sample(shape, seed).to(dtype)
+        x = backends.sample(shape, seed).to(dtype)
         kwargs = {"scaling": scaling, "rounding": rounding, "saturate": saturate, "with_stats": True}
         fast = quantize(x, fmt, backend="compiled", generator=torch.Generator().manual_seed(5), **kwargs)  # type: ignore[call-overload]
         ref = quantize(x, fmt, backend="reference", generator=torch.Generator().manual_seed(5), **kwargs)  # type: ignore[call-overload]
-        assert_same(fast, ref)
+        backends.assert_same(fast, ref)
 
 
-def test_auto_uses_the_compiled_path_for_large_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_uses_the_compiled_path_for_large_tensors(monkeypatch: pytest.MonkeyPatch, backends: Any) -> None:
     calls = []
     real = compiled_module.quantize_fused
 
@@ -71,24 +58,24 @@ def test_auto_uses_the_compiled_path_for_large_tensors(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(compiled_module, "quantize_fused", spy)
     monkeypatch.setattr(api_module, "AUTO_COMPILE_MIN_NUMEL", 1000)
-    small = sample((10, 10), 2)
-    large = sample((40, 40), 3)  # 40 columns: one full MX block and a partial one
+    small = backends.sample((10, 10), 2)
+    large = backends.sample((40, 40), 3)  # 40 columns: one full MX block and a partial one
     quantize(small, "mxfp4", with_stats=True)
     assert calls == []
     fast = quantize(large, "mxfp4", with_stats=True)
     assert len(calls) == 1
-    assert_same(fast, quantize(large, "mxfp4", with_stats=True, backend="reference"))
+    backends.assert_same(fast, quantize(large, "mxfp4", with_stats=True, backend="reference"))
 
 
 def test_auto_falls_back_when_compilation_fails(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, backends: Any
 ) -> None:
     def broken(config: object) -> object:
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(compiled_module, "compiled_for", broken)
     monkeypatch.setattr(api_module, "AUTO_COMPILE_MIN_NUMEL", 1)
-    x = sample((8, 8), 4)
+    x = backends.sample((8, 8), 4)
     with caplog.at_level(logging.WARNING):
         values = quantize(x, "fp8_e4m3", scaling="tensor")
     assert torch.equal(

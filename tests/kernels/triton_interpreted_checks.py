@@ -7,32 +7,14 @@ is first imported, which a process that already imported torch cannot guarantee.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
 
-from quantwatch.kernels import BackendUnavailableError, ErrorStats, quantize
+from quantwatch.kernels import BackendUnavailableError, quantize
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_backends only")
-
-
-def sample(shape: tuple[int, ...], seed: int, special: bool = True) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=generator) * torch.exp2(torch.randint(-8, 8, shape, generator=generator).float())
-    if special:
-        flat = x.view(-1)
-        flat[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
-    return x
-
-
-def assert_same(fast: tuple[torch.Tensor, ErrorStats], reference: tuple[torch.Tensor, ErrorStats]) -> None:
-    values, stats = fast
-    ref_values, ref_stats = reference
-    assert values.dtype == ref_values.dtype
-    assert torch.equal(values.nan_to_num(123.0), ref_values.nan_to_num(123.0))
-    assert torch.equal(values.isnan(), ref_values.isnan())
-    got, expected = stats.as_tensor(), ref_stats.as_tensor()
-    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
 
 
 TRITON_CASES = [
@@ -49,17 +31,17 @@ TRITON_CASES = [
 
 @pytest.mark.parametrize(("fmt", "scaling", "rounding", "saturate", "dtype"), TRITON_CASES)
 def test_triton_matches_reference(
-    fmt: str, scaling: str | None, rounding: str, saturate: bool, dtype: torch.dtype
+    fmt: str, scaling: str | None, rounding: str, saturate: bool, dtype: torch.dtype, backends: Any
 ) -> None:
-    x = sample((33, 70), 6).to(dtype)
+    x = backends.sample((33, 70), 6).to(dtype)
     kwargs = {"scaling": scaling, "rounding": rounding, "saturate": saturate, "with_stats": True}
     fast = quantize(x, fmt, backend="triton", generator=torch.Generator().manual_seed(5), **kwargs)  # type: ignore[call-overload]
     ref = quantize(x, fmt, backend="reference", generator=torch.Generator().manual_seed(5), **kwargs)  # type: ignore[call-overload]
-    assert_same(fast, ref)
+    backends.assert_same(fast, ref)
 
 
-def test_triton_without_stats_and_channel_scaling() -> None:
-    x = sample((5, 40), 7, special=False)
+def test_triton_without_stats_and_channel_scaling(backends: Any) -> None:
+    x = backends.sample((5, 40), 7, special=False)
     assert torch.equal(quantize(x, "nvfp4", backend="triton"), quantize(x, "nvfp4", backend="reference"))
     with pytest.raises(BackendUnavailableError, match="channel"):
         quantize(x, "int8", scaling="channel", backend="triton")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar, Unpack
 
 from fastapi import APIRouter, Path, Query, Request
-from sqlalchemy import select
+from sqlalchemy import Select, select
+from sqlalchemy.orm import InstrumentedAttribute
 
 from quantwatch.service.alerts.engine import AlertEngine
 from quantwatch.service.alerts.schemas import AlertOut, DeliveryOut
@@ -21,10 +22,19 @@ REDELIVER: dict[int | str, dict[str, Any]] = {
 }
 
 router = APIRouter(prefix="/api/v1", tags=["alerts"])
+SelectT = TypeVar("SelectT", bound=Select[Unpack[tuple[Any, ...]]])
 
 DeliveryId = Annotated[int, Path(ge=1, le=2**31 - 1, description="Delivery id (from GET /api/v1/deliveries).")]
 EpisodeId = Annotated[int | None, Query(ge=1, le=2**31 - 1, description="Only this alert episode.")]
 Limit = Annotated[int, Query(ge=1, le=10_000, description="Most recent first, at most this many.")]
+
+
+def _only(query: SelectT, *filters: tuple[InstrumentedAttribute[Any], object | None]) -> SelectT:
+    """``query`` narrowed to ``column == value`` for each filter whose value the caller gave (not None)."""
+    for column, value in filters:
+        if value is not None:
+            query = query.where(column == value)
+    return query
 
 
 @router.get("/alerts", response_model=list[AlertOut], dependencies=[ReadAuth])
@@ -36,13 +46,12 @@ def list_alerts(
     limit: Limit = 500,
 ) -> list[AlertOut]:
     """Alert episodes, newest first, with the step and time of each transition."""
-    query = select(EpisodeRow).order_by(EpisodeRow.id.desc()).limit(limit)
-    if state is not None:
-        query = query.where(EpisodeRow.state == state)
-    if run is not None:
-        query = query.where(EpisodeRow.run == run)
-    if rule is not None:
-        query = query.where(EpisodeRow.rule_name == rule)
+    query = _only(
+        select(EpisodeRow).order_by(EpisodeRow.id.desc()).limit(limit),
+        (EpisodeRow.state, state),
+        (EpisodeRow.run, run),
+        (EpisodeRow.rule_name, rule),
+    )
     with store.factory() as session:
         return [AlertOut.of(row) for row in session.scalars(query)]
 
@@ -58,18 +67,15 @@ def list_deliveries(
     limit: Limit = 500,
 ) -> list[DeliveryOut]:
     """The delivery log, newest first."""
-    query = (
+    query = _only(
         select(DeliveryRow, ReceiverRow.name)
         .join(ReceiverRow, ReceiverRow.id == DeliveryRow.receiver_id)
         .order_by(DeliveryRow.id.desc())
-        .limit(limit)
+        .limit(limit),
+        (DeliveryRow.status, status),
+        (ReceiverRow.name, receiver),
+        (DeliveryRow.episode_id, episode),
     )
-    if status is not None:
-        query = query.where(DeliveryRow.status == status)
-    if receiver is not None:
-        query = query.where(ReceiverRow.name == receiver)
-    if episode is not None:
-        query = query.where(DeliveryRow.episode_id == episode)
     with store.factory() as session:
         return [DeliveryOut.of(row, name) for row, name in session.execute(query)]
 

@@ -12,6 +12,7 @@ from quantwatch.service.alerts.rules import ReceiverSpec
 from quantwatch.service.alerts.schemas import ReceiverOut
 from quantwatch.service.alerts.tables import ReceiverRow
 from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
+from quantwatch.service.api.named import find_named, not_found, require_path_name
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.core.db import write_session
 
@@ -34,10 +35,7 @@ def list_receivers(store: StoreDep) -> list[ReceiverOut]:
 def get_receiver(name: str, store: StoreDep) -> ReceiverOut:
     """One receiver by name, without secrets or header values."""
     with store.factory() as session:
-        row = session.scalars(select(ReceiverRow).where(ReceiverRow.name == name)).one_or_none()
-        if row is None:
-            raise ProblemError(404, f"no receiver named {name!r}")
-        return ReceiverOut.of(row)
+        return ReceiverOut.of(find_named(session, ReceiverRow, "receiver", name))
 
 
 @router.post("", response_model=ReceiverOut, status_code=201, dependencies=[AdminAuth], responses=CONFLICT)
@@ -53,17 +51,12 @@ def create_receiver(receiver: ReceiverBody, store: StoreDep) -> ReceiverOut:
 @router.put("/{name}", response_model=ReceiverOut, dependencies=[AdminAuth], responses=NOT_FOUND)
 def replace_receiver(name: str, receiver: ReceiverBody, store: StoreDep) -> ReceiverOut:
     """Replace a receiver (this also re-enables one disabled after a 410 when ``enabled`` is true)."""
-    if receiver.name != name:
-        raise ProblemError(
-            422,
-            "body.name: must equal the name in the path",
-            errors=[{"field": "body.name", "message": "must equal the name in the path"}],
-        )
+    require_path_name(receiver.name, name)
     try:
         with write_session(store.factory) as session:
             return ReceiverOut.of(put_receiver(session, receiver, create=False))
     except NotFoundError:
-        raise ProblemError(404, f"no receiver named {name!r}") from None
+        raise not_found("receiver", name) from None
 
 
 @router.delete("/{name}", status_code=204, dependencies=[AdminAuth], responses=NOT_FOUND)
@@ -73,5 +66,5 @@ def remove_receiver(name: str, store: StoreDep) -> Response:
         with write_session(store.factory) as session:
             delete_receiver(session, name)
     except NotFoundError:
-        raise ProblemError(404, f"no receiver named {name!r}") from None
+        raise not_found("receiver", name) from None
     return Response(status_code=204)

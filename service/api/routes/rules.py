@@ -13,6 +13,7 @@ from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.schemas import RuleOut
 from quantwatch.service.alerts.tables import RuleRow
 from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
+from quantwatch.service.api.named import find_named, not_found, require_path_name
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.core.db import write_session
 
@@ -46,10 +47,7 @@ def list_rules(store: StoreDep) -> list[RuleOut]:
 def get_rule(name: str, store: StoreDep) -> RuleOut:
     """One rule by name."""
     with store.factory() as session:
-        row = session.scalars(select(RuleRow).where(RuleRow.name == name)).one_or_none()
-        if row is None:
-            raise ProblemError(404, f"no rule named {name!r}")
-        return RuleOut.of(row)
+        return RuleOut.of(find_named(session, RuleRow, "rule", name))
 
 
 @router.post("", response_model=RuleOut, status_code=201, dependencies=[AdminAuth], responses=CONFLICT)
@@ -65,19 +63,14 @@ def create_rule(rule: RuleBody, store: StoreDep, request: Request) -> RuleOut:
 @router.put("/{name}", response_model=RuleOut, dependencies=[AdminAuth], responses=NOT_FOUND)
 def replace_rule(name: str, rule: RuleBody, store: StoreDep, request: Request) -> RuleOut:
     """Replace a rule; its open episodes resolve and its series start over under the new definition."""
-    if rule.name != name:
-        raise ProblemError(
-            422,
-            "body.name: must equal the name in the path",
-            errors=[{"field": "body.name", "message": "must equal the name in the path"}],
-        )
+    require_path_name(rule.name, name)
     try:
         with write_session(store.factory) as session:
             answer = RuleOut.of(put_rule(session, _alerts(request), rule, create=False))
     except ConflictError as exc:
         raise _conflict(exc) from None
     except NotFoundError:
-        raise ProblemError(404, f"no rule named {name!r}") from None
+        raise not_found("rule", name) from None
     _alerts(request).send_enqueued()
     return answer
 
@@ -89,6 +82,6 @@ def remove_rule(name: str, store: StoreDep, request: Request) -> Response:
         with write_session(store.factory) as session:
             delete_rule(session, _alerts(request), name)
     except NotFoundError:
-        raise ProblemError(404, f"no rule named {name!r}") from None
+        raise not_found("rule", name) from None
     _alerts(request).send_enqueued()
     return Response(status_code=204)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -14,18 +13,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from sqlalchemy.engine import Engine
 
 from quantwatch.service import Settings
 from quantwatch.service.core.db import make_engine
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from quantwatch.service.server import free_port, wait_until_ready
 
 
 class Receiver:
@@ -151,16 +144,7 @@ def alertmanager(tmp_path: Path, receivers: Callable[..., Receiver]) -> Iterator
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f"{base}/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"alertmanager did not start: {process.stderr.read() if process.stderr else ''}")
-            time.sleep(0.1)
+        wait_until_ready(process, f"{base}/-/ready", 20, "alertmanager")
         yield base, hook
     finally:
         process.terminate()

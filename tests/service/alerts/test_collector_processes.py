@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from quantwatch.service.server import free_port
+from quantwatch.service.server import free_port, serve_command, wait_until_ready
 
 pytestmark = pytest.mark.slow
 
@@ -28,32 +27,9 @@ class Collector:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "QUANTWATCH_ALERT_RETRY_BASE_SECONDS": "0.05", "QUANTWATCH_ALERT_RETRY_MAX_SECONDS": "0.5"}
-        command = [
-            sys.executable,
-            "-m",
-            "quantwatch.cli",
-            "serve",
-            "--port",
-            str(self.port),
-            "--database-url",
-            database_url,
-            "--rules",
-            str(rules),
-            "--log-level",
-            "warning",
-        ]
+        command = serve_command(self.port, database_url, rules)
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                err = self.process.stderr.read().decode() if self.process.stderr else ""
-                raise RuntimeError(f"collector did not start: {err[-2000:]}")
-            time.sleep(0.1)
+        wait_until_ready(self.process, f"{self.url}/healthz", 60, "collector")
 
     def kill(self) -> None:
         if self.process.poll() is None:
