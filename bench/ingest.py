@@ -55,6 +55,15 @@ def collector(database_url: str) -> Iterator[tuple[str, int]]:
         proc.wait(30)
 
 
+HEALTHY_SCALE = 0.04  # below the shipped `output_rel_l2 > 0.05` rule: a healthy run
+FLAPPING_SCALE = 1.0  # most layers cross that threshold back and forth every step: the alert engine's worst case
+
+
+def workload_values(seed: int, scale: float) -> np.ndarray:
+    """16 rows of per-layer figures, uniform in [0, scale)."""
+    return np.random.default_rng(seed).random((16, len(LAYERS)), dtype=np.float32) * np.float32(scale)
+
+
 def encode_batch(run: str, rank: int, steps: range, metrics: list[str], values: np.ndarray) -> bytes:
     """The agent's binary encoding: one float32 ``bin`` per metric and step."""
     blobs = [values[i % values.shape[0]].astype("<f4").tobytes() for i in range(len(metrics))]
@@ -71,11 +80,10 @@ def encode_batch(run: str, rank: int, steps: range, metrics: list[str], values: 
     return bytes(msgpack.packb(doc, use_bin_type=True))
 
 
-def ingest_client(args: tuple[str, str, int, int, float, Any]) -> tuple[int, list[float], float, float]:
+def ingest_client(args: tuple[str, str, int, int, float, float, Any]) -> tuple[int, list[float], float, float]:
     """One client process: send batches back to back for ``seconds`` (encoding each takes ~1 ms, like the agent)."""
-    url, run, rank, steps_per_batch, seconds, barrier = args
-    rng = np.random.default_rng(rank)
-    values = rng.random((16, len(LAYERS)), dtype=np.float32)
+    url, run, rank, steps_per_batch, seconds, scale, barrier = args
+    values = workload_values(rank, scale)
     latencies: list[float] = []
     points = 0
     headers = {"Content-Type": "application/msgpack"}
@@ -95,13 +103,15 @@ def ingest_client(args: tuple[str, str, int, int, float, Any]) -> tuple[int, lis
     return points, latencies, start, end
 
 
-def run_clients(url: str, run: str, clients: int, steps_per_batch: int, seconds: float) -> dict[str, float]:
+def run_clients(
+    url: str, run: str, clients: int, steps_per_batch: int, seconds: float, scale: float
+) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         barrier = manager.Barrier(clients)
         with ctx.Pool(clients) as pool:
             results = pool.map(
-                ingest_client, [(url, run, rank, steps_per_batch, seconds, barrier) for rank in range(clients)]
+                ingest_client, [(url, run, rank, steps_per_batch, seconds, scale, barrier) for rank in range(clients)]
             )
     points = sum(r[0] for r in results)
     latencies = sorted(x for r in results for x in r[1])
@@ -118,7 +128,7 @@ def run_clients(url: str, run: str, clients: int, steps_per_batch: int, seconds:
 
 def fill_client(args: tuple[str, str, int, int, int]) -> float:
     url, run, first, last, per_batch = args
-    values = np.random.default_rng(first).random((16, len(LAYERS)), dtype=np.float32)
+    values = workload_values(first, HEALTHY_SCALE)
     t0 = time.perf_counter()
     with httpx.Client(base_url=url, timeout=600) as http:
         for s in range(first, last, per_batch):
@@ -190,7 +200,14 @@ def postgres_bytes(url: str) -> int:
 def bench_backend(name: str, url: str, size_of: Any, args: argparse.Namespace) -> dict[str, Any]:
     print(f"\n== {name}: {url}", flush=True)
     with collector(url) as (base, _pid):
-        ingest = run_clients(base, "bench-ingest", args.clients, args.steps_per_batch, args.seconds)
+        ingest = run_clients(
+            base,
+            "bench-ingest",
+            args.clients,
+            args.steps_per_batch,
+            args.seconds,
+            FLAPPING_SCALE if args.flapping else HEALTHY_SCALE,
+        )
         print(
             f"ingest: {ingest['points_per_second']:,.0f} points/s acknowledged "
             f"({ingest['points']:,} points in {ingest['requests']} requests, {ingest['wall_seconds']:.1f} s), "
@@ -292,11 +309,15 @@ def main() -> None:
     parser.add_argument("--mlflow-seconds", type=float, default=20)
     parser.add_argument("--skip-postgres", action="store_true")
     parser.add_argument("--skip-mlflow", action="store_true")
+    parser.add_argument(
+        "--flapping", action="store_true", help="values in [0, 1): most layers cross the default 5%% rule every step"
+    )
     args = parser.parse_args()
     print(
         f"workload: {args.clients} client processes × batches of {args.steps_per_batch} steps × {len(LAYERS)} layers × "
         f"{len(METRICS)} metrics (msgpack float32 bin, "
-        f"{args.steps_per_batch * len(LAYERS) * len(METRICS):,} points/batch)"
+        f"{args.steps_per_batch * len(LAYERS) * len(METRICS):,} points/batch), values uniform in "
+        f"[0, {FLAPPING_SCALE if args.flapping else HEALTHY_SCALE}) with the shipped alert rules on"
     )
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="qw-bench-") as tmp:
