@@ -533,14 +533,11 @@ def _derive(block: np.ndarray, present: list[list[bool]], metric_names: list[str
     sums = torch.from_numpy(np.ascontiguousarray(block[:, : _NK * _NF]).reshape(n, _NK, _NF))
     stats = ErrorStats(**{name: sums[..., i] for i, name in enumerate(_FIELDS)})
     mask = np.array(present, dtype=bool).reshape(n, _NK + 1)
-    # Comparisons of non-finite tensors have NaN sums; the ratio formulas would turn those into 0 or 1, so they are
-    # reported as NaN (a signal), never as a clean figure.
-    sum_columns = [_FIELDS.index(f) for f in ("sum_x2", "sum_q2", "sum_qx", "sum_err2")]
-    poisoned = np.isnan(sums.numpy()[..., sum_columns]).any(axis=-1)
+    # Comparisons of non-finite tensors have NaN sums, which the ratio formulas report as NaN (a signal).
     derived: dict[str, np.ndarray] = {
-        "rel_l2": np.where(poisoned, np.nan, stats.rel_l2.numpy()),
-        "cosine": np.where(poisoned, np.nan, stats.cosine.numpy()),
-        "sqnr_db": np.where(poisoned, np.nan, stats.sqnr_db.numpy()),
+        "rel_l2": stats.rel_l2.numpy(),
+        "cosine": stats.cosine.numpy(),
+        "sqnr_db": stats.sqnr_db.numpy(),
         "underflow_ratio": stats.underflow_ratio.numpy(),
         "overflow_ratio": stats.overflow_ratio.numpy(),
         "amax": stats.amax.numpy(),

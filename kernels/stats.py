@@ -13,7 +13,9 @@ Ratios and norms are derived from the sums on demand (ARCHITECTURE.md, "Formulas
 Which elements count: inputs that are NaN or ±inf are counted in ``nonfinite_count`` and left out of every sum and
 maximum; a finite input whose quantized value is not finite (non-saturating overflow) counts as an overflow and is
 left out of the sums. So an empty tensor gives ``numel == 0``, sums 0, ``rel_l2 == 0``, ``cosine == 1``,
-``sqnr_db == +inf`` and ratios 0 — no NaN.
+``sqnr_db == +inf`` and ratios 0 — no NaN. Sums that are NaN all the same (comparisons of tensors that hold NaN,
+such as the agent's output deviation, sum them unmasked) make ``rel_l2``, ``cosine`` and ``sqnr_db`` NaN rather than
+one of the degenerate values above.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ class ErrorStats:
         """‖q − x‖₂ / ‖x‖₂ (0 when both are zero, +inf when only x is)."""
         ratio = torch.sqrt(self.sum_err2 / torch.where(self.sum_x2 > 0, self.sum_x2, 1.0))
         degenerate = torch.where(self.sum_err2 > 0, torch.inf, 0.0).to(torch.float64)
-        return torch.where(self.sum_x2 > 0, ratio, degenerate)
+        return _nan_if_any(torch.where(self.sum_x2 > 0, ratio, degenerate), self.sum_x2, self.sum_err2)
 
     @property
     def cosine(self) -> Tensor:
@@ -119,7 +121,7 @@ class ErrorStats:
         value = (self.sum_qx / torch.where(denominator > 0, denominator, 1.0)).clamp(-1.0, 1.0)
         both_zero = (self.sum_q2 == 0) & (self.sum_x2 == 0)
         degenerate = torch.where(both_zero, 1.0, 0.0).to(torch.float64)
-        return torch.where(denominator > 0, value, degenerate)
+        return _nan_if_any(torch.where(denominator > 0, value, degenerate), self.sum_qx, self.sum_q2, self.sum_x2)
 
     @property
     def sqnr_db(self) -> Tensor:
@@ -128,7 +130,7 @@ class ErrorStats:
             torch.where(self.sum_x2 > 0, self.sum_x2, 1.0) / torch.where(self.sum_err2 > 0, self.sum_err2, 1.0)
         )
         value = torch.where(self.sum_x2 > 0, value, -torch.inf)
-        return torch.where(self.sum_err2 > 0, value, torch.inf)
+        return _nan_if_any(torch.where(self.sum_err2 > 0, value, torch.inf), self.sum_x2, self.sum_err2)
 
     @property
     def max_abs(self) -> Tensor:
@@ -160,6 +162,14 @@ class ErrorStats:
         return dict(zip(names, values, strict=True))
 
 
+def _nan_if_any(value: Tensor, *sums: Tensor) -> Tensor:
+    """``value``, or NaN where any of ``sums`` is NaN (the degenerate cases would otherwise read a NaN as zero)."""
+    nan = torch.isnan(sums[0])
+    for extra in sums[1:]:
+        nan = nan | torch.isnan(extra)
+    return torch.where(nan, torch.nan, value)
+
+
 def _check_pair(x: Tensor, q: Tensor) -> None:
     for name, t in (("x", x), ("q", q)):
         if not isinstance(t, Tensor):
@@ -170,10 +180,68 @@ def _check_pair(x: Tensor, q: Tensor) -> None:
         raise ValueError(f"q must have the shape of x: {tuple(q.shape)} != {tuple(x.shape)}")
 
 
-def stats_from_masks(x: Tensor, q: Tensor, overflow_mask: Tensor | None) -> ErrorStats:
-    """Statistics of ``q`` against ``x`` given which finite inputs were clipped (``None``: only non-finite ``q``)."""
+def stats_from_masks(
+    x: Tensor, q: Tensor, overflow_mask: Tensor | None, underflow_mask: Tensor | None = None
+) -> ErrorStats:
+    """Statistics of ``q`` against ``x`` given which finite inputs were clipped (``None``: only non-finite ``q``).
+
+    ``underflow_mask``, when the quantizer already computed it, marks the finite non-zero ``x`` whose ``q`` is 0
+    (exactly the underflows counted here); without it they are found from ``x`` and ``q``.
+
+    On the CPU the sums come from float64 BLAS dot products of the unmasked values; when ``Σx²`` and ``Σq²`` are
+    finite, every element of ``x`` and ``q`` is (a float32 square is below 2^256), so no element needs masking and
+    the result equals the masked computation. Otherwise, and on other devices (where checking would wait for the
+    device), the masked computation runs.
+    """
     if x.numel() == 0:
         return ErrorStats.zeros(x.device)
+    if x.device.type == "cpu":
+        fast = _finite_stats(x, q, overflow_mask, underflow_mask)
+        if fast is not None:
+            return fast
+    return _masked_stats(x, q, overflow_mask, underflow_mask)
+
+
+def _finite_stats(
+    x: Tensor, q: Tensor, overflow_mask: Tensor | None, underflow_mask: Tensor | None
+) -> ErrorStats | None:
+    f64 = torch.float64
+    xd = x.reshape(-1).to(f64)
+    qd = q.reshape(-1).to(f64)
+    sum_x2, sum_q2 = torch.dot(xd, xd), torch.dot(qd, qd)
+    if not bool(torch.isfinite(sum_x2 + sum_q2)):
+        return None
+    nonzero_x = torch.count_nonzero(x)
+    if underflow_mask is not None:
+        sum_qx, underflow = torch.dot(qd, xd), torch.count_nonzero(underflow_mask)
+    else:
+        # x·q in float64 is exact and zero exactly where x or q is: the underflows are the non-zero x whose product
+        # is 0.
+        product = xd * qd
+        sum_qx, underflow = product.sum(), nonzero_x - torch.count_nonzero(product)
+    err = qd - xd
+    err_min, err_max = torch.aminmax(err)
+    x_min, x_max = torch.aminmax(x)
+    return ErrorStats(
+        numel=torch.tensor(float(x.numel()), dtype=f64),
+        sum_x2=sum_x2,
+        sum_q2=sum_q2,
+        sum_qx=sum_qx,
+        sum_err2=torch.dot(err, err),
+        max_abs_err=torch.maximum(-err_min, err_max),
+        amax=torch.maximum(-x_min, x_max).to(f64),
+        nonzero_count=nonzero_x.to(f64),
+        underflow_count=underflow.to(f64),
+        overflow_count=(
+            torch.zeros((), dtype=f64) if overflow_mask is None else torch.count_nonzero(overflow_mask).to(f64)
+        ),
+        nonfinite_count=torch.zeros((), dtype=f64),
+    )
+
+
+def _masked_stats(
+    x: Tensor, q: Tensor, overflow_mask: Tensor | None, underflow_mask: Tensor | None = None
+) -> ErrorStats:
     finite_x = torch.isfinite(x)
     finite_q = torch.isfinite(q)
     valid = finite_x & finite_q
@@ -194,7 +262,7 @@ def stats_from_masks(x: Tensor, q: Tensor, overflow_mask: Tensor | None) -> Erro
         max_abs_err=err.abs().amax(),
         amax=torch.where(finite_x, x, 0).abs().amax().to(f64),
         nonzero_count=nonzero.sum(dtype=f64),
-        underflow_count=(nonzero & (q == 0)).sum(dtype=f64),
+        underflow_count=(nonzero & (q == 0) if underflow_mask is None else underflow_mask).sum(dtype=f64),
         overflow_count=overflow.sum(dtype=f64),
         nonfinite_count=(~finite_x).sum(dtype=f64),
     )

@@ -43,10 +43,12 @@ def numpy_stats(x: np.ndarray, q: np.ndarray, fmt_max: float | None) -> dict[str
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize(("fmt", "scale"), [("fp8_e4m3", 1e3), ("fp4_e2m1", 1.0), ("fp8_e5m2", 1e-4)])
-def test_error_stats_match_numpy(fmt: str, scale: float, seed: int) -> None:
+@pytest.mark.parametrize("nonfinite", [True, False], ids=["masked", "all-finite"])
+def test_error_stats_match_numpy(fmt: str, scale: float, seed: int, nonfinite: bool) -> None:
+    # With non-finite inputs the masked computation runs; all-finite CPU tensors take the unmasked dot products.
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((64, 33)) * scale).astype(np.float32)
-    x[0, :5] = [0.0, np.nan, np.inf, -np.inf, 1e-30]
+    x[0, :5] = [0.0, np.nan, np.inf, -np.inf, 1e-30] if nonfinite else [0.0, -0.0, 1e-30, -1e-30, 3e-8]
     xt = torch.from_numpy(x)
     qt = quantize(xt, fmt)
     stats = error_stats(xt, qt, fmt)
@@ -55,6 +57,42 @@ def test_error_stats_match_numpy(fmt: str, scale: float, seed: int) -> None:
     for name, value in expected.items():
         assert got[name] == pytest.approx(float(value), rel=1e-12, abs=0), name
     assert all(getattr(stats, f).dtype == torch.float64 and getattr(stats, f).dim() == 0 for f in ErrorStats.FIELDS)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "scaling"), [("fp8_e4m3", "tensor"), ("mxfp4", None), ("nvfp4", None), ("int8", "channel")]
+)
+@pytest.mark.parametrize("nonfinite", [True, False], ids=["masked", "all-finite"])
+def test_quantize_stats_match_numpy(fmt: str, scaling: str | None, nonfinite: bool) -> None:
+    # quantize(..., with_stats=True) hands the reference's own underflow mask to the statistics: same figures.
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((32, 64)) * np.logspace(-12, 2, 64)).astype(np.float32)
+    x[1, :3] = [0.0, np.nan, np.inf] if nonfinite else [0.0, -0.0, 1e-40]
+    xt = torch.from_numpy(x)
+    q, stats = quantize(xt, fmt, scaling, with_stats=True, backend="reference")
+    details = quantize(xt, fmt, scaling, return_details=True)
+    expected = numpy_stats(x, q.numpy(), None)
+    expected["overflow_count"] = int(details.overflow_mask.sum())
+    expected["overflow_ratio"] = expected["overflow_count"] / np.isfinite(x).sum()
+    got = stats.to_dict()
+    assert got["underflow_count"] > 0
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(float(value), rel=1e-12, abs=0), name
+
+
+def test_nan_sums_make_the_ratios_nan() -> None:
+    # Sums of unmasked comparisons (the agent's output deviation) are NaN when a tensor holds NaN; the degenerate-case
+    # rules (0, 1, ±inf for zero norms) must not read that NaN as a zero norm.
+    nan, zero = torch.tensor(float("nan"), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    base = ErrorStats.zeros()
+    for field in ("sum_x2", "sum_q2", "sum_qx", "sum_err2"):
+        stats = ErrorStats(**{**{name: getattr(base, name) for name in ErrorStats.FIELDS}, field: nan})
+        values = stats.to_dict()
+        assert math.isnan(values["cosine"]) == (field != "sum_err2"), field
+        assert math.isnan(values["rel_l2"]) == (field in ("sum_x2", "sum_err2")), field
+        assert math.isnan(values["sqnr_db"]) == (field in ("sum_x2", "sum_err2")), field
+    clean = ErrorStats(**{**{name: getattr(base, name) for name in ErrorStats.FIELDS}, "sum_x2": zero})
+    assert (clean.to_dict()["rel_l2"], clean.to_dict()["cosine"]) == (0.0, 1.0)
 
 
 def test_combine_of_parts_equals_the_whole() -> None:
