@@ -176,6 +176,7 @@ def batch_from_obj(obj: Any) -> IngestBatch:
     rank = _int(obj.get("rank", 0), "rank", 0, 2**31 - 1)
     batch_id = obj.get("batch_id")
     _require(isinstance(batch_id, str) and 1 <= len(batch_id) <= 128, "batch_id", "must be a string of 1..128 chars")
+    _require("\x00" not in batch_id, "batch_id", "must not contain NUL")  # PostgreSQL text cannot store it
     layers = obj.get("layers", [])
     _require(isinstance(layers, list), "layers", "must be an array of layer names")
     for i, name in enumerate(layers):

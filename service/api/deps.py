@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hmac
-from typing import Annotated
+import json
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.params import Depends as DependsParam
@@ -25,8 +26,23 @@ def get_store(request: Request) -> Store:
 StoreDep = Annotated[Store, Depends(get_store)]
 
 
-def reject_nul(request: Request) -> None:
-    """422 for a NUL character in the path or query (no database stores it in text)."""
+def _nul_field(value: Any, field: str) -> str | None:
+    """The first field of a decoded JSON document whose key or string value holds a NUL character."""
+    if isinstance(value, str):
+        return field if "\x00" in value else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{field}.{key}" if isinstance(key, str) else f"{field}[{key}]"
+        if isinstance(key, str) and "\x00" in key:
+            return where
+        hit = _nul_field(item, where)
+        if hit is not None:
+            return hit
+    return None
+
+
+async def reject_nul(request: Request) -> None:
+    """422 for a NUL character in the path, the query or a JSON body (no database stores it in text)."""
     if "\x00" in request.url.path:
         raise ProblemError(422, "the path contains a NUL character", [{"field": "path", "message": "NUL"}])
     for key, value in request.query_params.multi_items():
@@ -34,6 +50,14 @@ def reject_nul(request: Request) -> None:
             raise ProblemError(
                 422, f"query.{key} contains a NUL character", [{"field": f"query.{key}", "message": "NUL"}]
             )
+    body = await request.body()  # already read and cached by FastAPI for routes with a body
+    if b"\\u0000" in body:
+        try:
+            field = _nul_field(json.loads(body), "body")
+        except ValueError:
+            return  # malformed JSON: the route's own validation answers it
+        if field is not None:
+            raise ProblemError(422, f"{field} contains a NUL character", [{"field": field, "message": "NUL"}])
 
 
 def require(scope: Scope) -> DependsParam:

@@ -313,6 +313,11 @@ def test_nul_characters_are_refused_not_crashed(
     r = post_batch(doc)
     assert r.status_code == 422
     assert r.json()["errors"][0]["field"] == "layers[0]"
+    doc = make_batch("nul", ["a"], [0], {"m": np.ones((1, 1))}, batch_id="id\x00")
+    r = post_batch(doc)
+    assert r.status_code == 422
+    assert r.json()["errors"][0]["field"] == "batch_id"
+    assert client.get("/api/v1/runs/nul").status_code == 404  # nothing of the refused batches was stored
     q = client.get("/api/v1/runs/nul/series", params={"metric": "m\x00", "layer": "a"})
     assert q.status_code == 422
     assert q.json()["errors"][0]["field"] == "query.metric"

@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, TypeVar, Unpack
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from sqlalchemy import Select, select
 from sqlalchemy.orm import InstrumentedAttribute
 
 from quantwatch.service.alerts.engine import AlertEngine
 from quantwatch.service.alerts.schemas import AlertOut, DeliveryOut
 from quantwatch.service.alerts.tables import DeliveryRow, EpisodeRow, ReceiverRow
-from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
+from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep, reject_nul
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.core.db import write_session
 
@@ -21,7 +21,7 @@ REDELIVER: dict[int | str, dict[str, Any]] = {
     409: {"description": "The receiver is disabled"},
 }
 
-router = APIRouter(prefix="/api/v1", tags=["alerts"])
+router = APIRouter(prefix="/api/v1", tags=["alerts"], dependencies=[Depends(reject_nul)])
 SelectT = TypeVar("SelectT", bound=Select[Unpack[tuple[Any, ...]]])
 
 DeliveryId = Annotated[int, Path(ge=1, le=2**31 - 1, description="Delivery id (from GET /api/v1/deliveries).")]

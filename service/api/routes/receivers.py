@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Response
+from fastapi import APIRouter, Body, Depends, Response
 from sqlalchemy import select
 
 from quantwatch.service.alerts.catalog import ConflictError, NotFoundError, delete_receiver, put_receiver
 from quantwatch.service.alerts.rules import ReceiverSpec
 from quantwatch.service.alerts.schemas import ReceiverOut
 from quantwatch.service.alerts.tables import ReceiverRow
-from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
+from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep, reject_nul
 from quantwatch.service.api.named import find_named, not_found, require_path_name
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.core.db import write_session
@@ -19,7 +19,7 @@ from quantwatch.service.core.db import write_session
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown receiver"}}
 CONFLICT: dict[int | str, dict[str, Any]] = {409: {"description": "The name is taken"}}
 
-router = APIRouter(prefix="/api/v1/receivers", tags=["alerts"])
+router = APIRouter(prefix="/api/v1/receivers", tags=["alerts"], dependencies=[Depends(reject_nul)])
 
 ReceiverBody = Annotated[ReceiverSpec, Body(description="The receiver; `secret`/`secrets` and headers are write-only.")]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Request, Response
+from fastapi import APIRouter, Body, Depends, Request, Response
 from sqlalchemy import select
 
 from quantwatch.service.alerts.catalog import ConflictError, NotFoundError, delete_rule, put_rule
@@ -12,7 +12,7 @@ from quantwatch.service.alerts.engine import AlertEngine
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.schemas import RuleOut
 from quantwatch.service.alerts.tables import RuleRow
-from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep
+from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep, reject_nul
 from quantwatch.service.api.named import find_named, not_found, require_path_name
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.core.db import write_session
@@ -20,7 +20,7 @@ from quantwatch.service.core.db import write_session
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown rule"}}
 CONFLICT: dict[int | str, dict[str, Any]] = {409: {"description": "The name is taken"}}
 
-router = APIRouter(prefix="/api/v1/rules", tags=["alerts"])
+router = APIRouter(prefix="/api/v1/rules", tags=["alerts"], dependencies=[Depends(reject_nul)])
 
 RuleBody = Annotated[Rule, Body(description="The rule; invalid fields are refused with 422 naming them.")]
 

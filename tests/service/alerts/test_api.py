@@ -68,6 +68,25 @@ def test_rules_crud_and_validation(make_app: Callable[..., Any]) -> None:
         assert client.get("/api/v1/rules/attn_drift").status_code == 404
 
 
+def test_nul_characters_in_bodies_are_refused_not_crashed(make_app: Callable[..., Any]) -> None:
+    # PostgreSQL text cannot hold NUL: found by schemathesis as a 500; every such body must be a 422 naming the field.
+    with TestClient(make_app()) as client:
+        webhook = {"name": "hook", "type": "webhook", "url": "http://127.0.0.1:9/hook"}
+        for path, body, field in [
+            ("/api/v1/rules", {**RULE, "annotations": {"summary": "a\x00b"}}, "body.annotations.summary"),
+            ("/api/v1/rules", {**RULE, "labels": {"te\x00am": "x"}}, "body.labels.te\x00am"),
+            ("/api/v1/receivers", {**webhook, "url": "http://127.0.0.1:9/\x00"}, "body.url"),
+            ("/api/v1/receivers", {**webhook, "headers": {"X-A": "b\x00"}}, "body.headers.X-A"),
+            ("/api/v1/receivers", {**webhook, "secrets": ["whsec_\x00"]}, "body.secrets[0]"),
+        ]:
+            answer = client.post(path, json=body)
+            assert answer.status_code == 422, (body, answer.text)
+            assert answer.headers["content-type"] == "application/problem+json"
+            assert answer.json()["errors"][0]["field"] == field
+        assert "attn_drift" not in {rule["name"] for rule in client.get("/api/v1/rules").json()}
+        assert client.get("/api/v1/receivers").json() == []
+
+
 def test_writes_need_admin(make_app: Callable[..., Any]) -> None:
     app = make_app(tokens={"reader": ["read"], "boss": ["admin"]})
     with TestClient(app) as client:
