@@ -48,12 +48,20 @@ class FusedConfig:
     given_scale: bool
 
 
-def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> str | None:
-    """Why the fused paths cannot run this quantization, or None when they can."""
+def element_unsupported_reason(x: Tensor, fmt: FormatSpec) -> str | None:
+    """Why neither fused path (compiled, Triton) can run on this dtype and element format, or None."""
     if x.dtype not in SUPPORTED_DTYPES:
         return f"dtype {x.dtype} (supported: float32, bfloat16, float16)"
     if fmt.kind is Kind.SCALE:
         return "the e8m0 scale format as an element format"
+    return None
+
+
+def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> str | None:
+    """Why the compiled path cannot run this quantization, or None when it can."""
+    reason = element_unsupported_reason(x, fmt)
+    if reason is not None:
+        return reason
     if x.numel() >= MAX_NUMEL:
         return f"tensors of {MAX_NUMEL} elements or more (packed 32-bit counts)"
     return None

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .compiled import _blocks, _unblock
+from .compiled import _blocks, _unblock, element_unsupported_reason
 from .formats import FP4_E2M1, FP8_E4M3, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
 from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
 from .reference import amax_to_scale, finite_amax
@@ -28,7 +28,6 @@ _STAT_COUNT = len(ErrorStats.FIELDS)
 _MAX_FIELDS = (ErrorStats.FIELDS.index("max_abs_err"), ErrorStats.FIELDS.index("amax"))
 ELEMENTS_PER_PROGRAM = 1024
 BLOCKS_PER_PROGRAM = 32
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def interpreting() -> bool:
@@ -48,10 +47,9 @@ def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> str | N
         return "this environment (triton is not installed)"
     if not (x.is_cuda or (interpreting() and x.device.type == "cpu")):
         return f"{x.device.type} tensors (CUDA, or CPU under TRITON_INTERPRET=1)"
-    if x.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {x.dtype} (supported: float32, bfloat16, float16)"
-    if fmt.kind is Kind.SCALE:
-        return "the e8m0 scale format as an element format"
+    reason = element_unsupported_reason(x, fmt)
+    if reason is not None:
+        return reason
     if spec.kind is Scaling.CHANNEL:
         return "channel scaling"
     return None
