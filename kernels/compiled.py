@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn.functional import pad as pad_tensor
 
 from .formats import (
     E8M0_EXPONENT_MAX,
@@ -30,6 +29,7 @@ from .formats import (
     Special,
 )
 from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
+from .reference import from_blocks, to_blocks
 from .stats import ErrorStats
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -138,20 +138,6 @@ def _stochastic(scaled: Tensor, noise: Tensor) -> Tensor:
     return low + (noise < scaled - low).to(torch.float32)
 
 
-def _blocks(v: Tensor, block_size: int) -> Tensor:
-    if v.dim() == 0:
-        v = v.reshape(1)
-    pad = (-v.shape[-1]) % block_size
-    if pad:
-        v = pad_tensor(v, (0, pad))
-    return v.reshape(*v.shape[:-1], v.shape[-1] // block_size, block_size)
-
-
-def _unblock(blocks: Tensor, shape: torch.Size) -> Tensor:
-    last = shape[-1] if len(shape) else 1
-    return blocks.reshape(*blocks.shape[:-2], -1)[..., :last].reshape(shape)
-
-
 def _tensor_scale(amax: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> Tensor:
     scale = amax / fmt.max_value
     if spec.margin:
@@ -204,9 +190,9 @@ def fused_quantize(
     v = x.to(torch.float32)
     xs = x
     if blocked:
-        v = _blocks(v, spec.block_size)
-        xs = _blocks(x, spec.block_size)
-        noise = _blocks(noise, spec.block_size) if noise is not None else None
+        v = to_blocks(v, spec.block_size)
+        xs = to_blocks(x, spec.block_size)
+        noise = to_blocks(noise, spec.block_size) if noise is not None else None
     finite_x = torch.isfinite(v)
     finite_abs = torch.where(finite_x, v.abs(), 0.0)
     amax = finite_abs.amax()
@@ -230,7 +216,7 @@ def fused_quantize(
     else:
         stats = torch.zeros(len(ErrorStats.FIELDS), dtype=torch.float64, device=x.device)
     if blocked:
-        values = _unblock(values, x.shape)
+        values = from_blocks(values, x.shape)
     return values, stats, scale_out, amax, tensor_scale
 
 

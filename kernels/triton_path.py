@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .compiled import _blocks, _unblock, element_unsupported_reason
+from .compiled import element_unsupported_reason
 from .formats import FP4_E2M1, FP8_E4M3, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
 from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
-from .reference import amax_to_scale, finite_amax
+from .reference import amax_to_scale, finite_amax, from_blocks, to_blocks
 from .stats import ErrorStats
 
 _SPECIAL_CODES = {Special.NONE: 0, Special.IEEE: 1, Special.FN: 2, Special.NAN_ONLY: 2}
@@ -115,9 +115,9 @@ def quantize_fused(
     amax = finite_amax(source).to(torch.float32)
     blocked = spec.kind in (Scaling.BLOCK, Scaling.NVBLOCK)
     if blocked:
-        blocks = _blocks(source, spec.block_size).contiguous()
+        blocks = to_blocks(source, spec.block_size).contiguous()
         n_blocks = blocks.numel() // spec.block_size
-        noise_in = _blocks(noise, spec.block_size).contiguous() if noise is not None else blocks
+        noise_in = to_blocks(noise, spec.block_size).contiguous() if noise is not None else blocks
         q = torch.empty_like(blocks)
         block_scale = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
         nv = spec.kind is Scaling.NVBLOCK
@@ -131,7 +131,7 @@ def quantize_fused(
             EMAX=fmt.emax, NV=nv, WITH_STATS=with_stats, E4M3_MAX=FP8_E4M3.max_value,
             NV_SCALE_MIN=NVFP4_BLOCK_SCALE_MIN, **constants,
         )  # fmt: skip
-        values = _unblock(q, x.shape)
+        values = from_blocks(q, x.shape)
         scale_out = block_scale.reshape(blocks.shape[:-1])
     else:
         flat = source.contiguous().reshape(-1)
