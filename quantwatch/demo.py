@@ -2,10 +2,15 @@
 
 A small transformer learns a synthetic task (next token of a seeded Markov chain: no downloads) with a mixed
 low-precision recipe made by ``quantize_model``: FP8 for the sensitive layers (attention, output head), NVFP4 for the
-MLPs, and plain FP4 with per-tensor scaling for one MLP projection — the configuration that goes wrong. The agent is
-attached with a layer shadow for every quantized layer and a full FP32 shadow model trained in lockstep; it streams
-to a collector started in this process (SQLite ``./quantwatch-demo.db``) with the shipped alert rules on, and a
-webhook receiver in this process prints each alert as it arrives after checking its Standard Webhooks signature.
+MLPs, and plain FP4 with one per-tensor scale — weights, inputs and gradients — for one MLP projection: the
+configuration that goes wrong. Its output gradients span more range than one FP4 scale can hold, the small ones
+underflow, and the direction of its weight update drifts away from the FP32 reference until it is more than 5% off
+(``update_cosine`` below 0.95), while every other layer stays above 0.99.
+
+The agent is attached with a layer shadow for every quantized layer and a full FP32 shadow model trained in lockstep;
+it streams to a collector started in this process (SQLite ``./quantwatch-demo.db``) with the shipped alert rules on,
+tuned for this recipe (:func:`demo_rules`), and a webhook receiver in this process prints each alert as it arrives
+after checking its Standard Webhooks signature.
 
 This module imports torch; the collector (``quantwatch.service``) never does.
 """
@@ -41,6 +46,7 @@ from torch.nn import functional
 
 import quantwatch.agent as qw
 from quantwatch.kernels import QuantConfig, QuantSpec, Recipe, quantize_model
+from quantwatch.service.alerts.rules import DEFAULT_RULES, Rule
 
 __all__ = [
     "RECIPES",
@@ -49,16 +55,20 @@ __all__ = [
     "MarkovTask",
     "TinyTransformer",
     "WebhookReceiver",
+    "demo_rules",
     "make_recipe",
     "run_demo",
     "verify_webhook",
 ]
 
-DEFAULT_STEPS = 40
+DEFAULT_STEPS = 60
+LEARNING_RATE = 6e-3
 DEFAULT_DATABASE = Path("quantwatch-demo.db")
 RUN_NAME = "demo"
 # The layer the demo recipe quantizes to plain FP4 with one scale for the whole tensor.
 PER_TENSOR_FP4_LAYER = "blocks.1.mlp.fc2"
+# The demo's own rule: the update direction of a layer more than 5% off its FP32 reference, 3 steps in a row.
+UPDATE_RULE = "demo_update_direction"
 # Standard Webhooks: refuse timestamps further than this from now (replay protection).
 WEBHOOK_TOLERANCE_SECONDS = 300
 # The metrics whose worst layers the summary lists.
@@ -84,14 +94,71 @@ _NVFP4 = QuantConfig(weight=QuantSpec("nvfp4"), input=QuantSpec("nvfp4"), grad=Q
 _FP4_PER_TENSOR = QuantConfig(
     weight=QuantSpec("fp4_e2m1", scaling="tensor"),
     input=QuantSpec("fp4_e2m1", scaling="tensor"),
-    grad=QuantSpec("fp8_e5m2"),
+    grad=QuantSpec("fp4_e2m1", scaling="tensor"),
 )
 
 RECIPES: dict[str, str] = {
-    "mixed": "FP8 attention and head, NVFP4 MLPs, per-tensor FP4 on blocks.1.mlp.fc2",
+    "mixed": "FP8 attention and head, NVFP4 MLPs, per-tensor FP4 (gradients too) on blocks.1.mlp.fc2",
     "fp8": "FP8 (E4M3 forward, E5M2 gradients) everywhere",
     "fp4": "NVFP4 everywhere but the FP8 head",
 }
+
+
+# Per recipe, the globs of its FP8 layers and of its FP4 layers: what the demo's alert thresholds are scoped by.
+_FORMAT_LAYERS: dict[str, tuple[list[str], list[str]]] = {
+    "mixed": (["*.attn.*", "head"], ["*.mlp.*"]),
+    "fp8": (["*"], []),
+    "fp4": (["head"], ["blocks.*"]),
+}
+# FP4 quantization itself costs 6-14% of output deviation on this model (NVFP4 weights and inputs): a 5% bound suits FP8
+# layers only. The FP4 layers get a bound well above their own normal.
+FP4_OUTPUT_THRESHOLD = 0.25
+
+
+def demo_rules(recipe: str, receiver_url: str, secret: str) -> dict[str, Any]:
+    """The rules file the demo's collector starts with: the shipped rules, tuned for ``recipe``, and one receiver.
+
+    The shipped 5% output-deviation rule keeps its name and is scoped to the FP8 layers; FP4 layers get
+    :data:`FP4_OUTPUT_THRESHOLD`; and :data:`UPDATE_RULE` watches every layer's update direction (``update_cosine``
+    below 0.95, i.e. more than 5% off the FP32 reference, for 3 reported steps; firing until 11 steps in a row are
+    back above): the rule the drifting per-tensor FP4 layer breaks. This is how a user tunes the shipped rules to a
+    recipe: same names, narrower layers.
+    """
+    fp8_layers, fp4_layers = _FORMAT_LAYERS[recipe]
+    output_rule = next(rule for rule in DEFAULT_RULES if rule.name == "quantwatch_output_deviation")
+    rules = [
+        output_rule.model_copy(update={"layers": fp8_layers}),
+        Rule(
+            name=UPDATE_RULE,
+            metric="update_cosine",
+            op="<",
+            threshold=0.95,
+            consecutive=3,
+            # The drift is noisy step to step: one alert for the episode, not one per dip back above 0.95.
+            keep_firing_for=10,
+            annotations={
+                "summary": "The weight update of layer ${layer} in run ${run} points more than 5% away from FP32",
+                "description": "update_cosine was ${value} at step ${step} (< 0.95 for 3 consecutive steps).",
+            },
+        ),
+    ]
+    if fp4_layers:
+        summary = "FP4 layer ${layer} of run ${run} deviates from its FP32 shadow by more than ${threshold}"
+        rules.append(
+            output_rule.model_copy(
+                update={
+                    "name": "demo_fp4_output_deviation",
+                    "layers": fp4_layers,
+                    "threshold": FP4_OUTPUT_THRESHOLD,
+                    "annotations": {**output_rule.annotations, "summary": summary},
+                }
+            )
+        )
+    return {
+        "default_rules": True,
+        "rules": [rule.model_dump(mode="json") for rule in rules],
+        "receivers": [{"name": "demo-webhook", "url": receiver_url, "secret": secret}],
+    }
 
 
 def make_recipe(name: str) -> Recipe:
@@ -394,14 +461,8 @@ def run_demo(
         receiver = WebhookReceiver(on_notification=lambda n: _print_notification(console, n))
         receiver.start()
         rules_file = Path(scratch) / "rules.yaml"
-        rules_file.write_text(
-            json.dumps(  # JSON is YAML: no quoting questions for the secret
-                {
-                    "default_rules": True,
-                    "receivers": [{"name": "demo-webhook", "url": receiver.url, "secret": receiver.secret}],
-                }
-            )
-        )
+        # JSON is YAML: no quoting questions for the secret.
+        rules_file.write_text(json.dumps(demo_rules(options.recipe, receiver.url, receiver.secret)))
         port = _port_to_use(options.port)
         if port != options.port and options.port != 0:
             console.print(f"[yellow]port {options.port} is busy; the demo collector uses {port}[/]")
@@ -470,7 +531,7 @@ def _train(options: DemoOptions, console: Console, url: str, run: str) -> int:
     torch.manual_seed(options.seed)
     task = MarkovTask(options.seed)
     model = quantize_model(TinyTransformer(), make_recipe(options.recipe))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     monitor = qw.attach(
         model,
         run=run,
@@ -478,7 +539,7 @@ def _train(options: DemoOptions, console: Console, url: str, run: str) -> int:
         token=options.token,
         every=1,
         shadow="model",
-        shadow_optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
+        shadow_optimizer=lambda params: torch.optim.AdamW(params, lr=LEARNING_RATE),
         tokens_per_step=BATCH * SEQUENCE,
         flush_interval_seconds=0.5,
     )
@@ -554,15 +615,14 @@ def _mean(series: Mapping[str, Any] | None) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _worst_firing(alerts: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The firing per-layer alert with the largest value, if any."""
+def _first_firing(alerts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The firing per-layer alert that fired first (the likeliest cause of what followed), if any."""
     candidates = [
         a
         for a in alerts
-        if a.get("state") == "firing" and a.get("layer") and a.get("firing") and isinstance(a.get("value"), float)
-        and "metric" in (a.get("labels") or {})
-    ]  # fmt: skip
-    return max(candidates, key=lambda a: float(a["value"]), default=None)
+        if a.get("state") == "firing" and a.get("layer") and a.get("firing") and "metric" in (a.get("labels") or {})
+    ]
+    return min(candidates, key=lambda a: (int(a["firing"]["step"]), str(a["layer"])), default=None)
 
 
 def _format(value: object) -> str:
@@ -613,12 +673,12 @@ def _print_summary(console: Console, options: DemoOptions, result: DemoResult) -
         console.print(f"webhooks received: {len(result.notifications)}, signatures valid: {valid}")
     base = result.url
     console.print(f"web view   [bold]{base}/#run={quote(result.run, safe='')}[/]")
-    first_look = _worst_firing(result.alerts)
+    first_look = _first_firing(result.alerts)
     if first_look is not None:
-        # The view opened on the worst firing layer at the step its alert fired: where to look first.
+        # The view opened on the first firing layer at the step its alert fired: where to look first.
         view = urlencode({"run": result.run, "metric": first_look["labels"]["metric"], "layer": first_look["layer"],
                           "step": first_look["firing"]["step"]})  # fmt: skip
-        console.print(f"worst alert [bold]{base}/#{view}[/]")
+        console.print(f"first alert [bold]{base}/#{view}[/]")
     console.print(f"REST API   {base}/api/v1/runs/{quote(result.run, safe='')}   (docs: {base}/docs)")
     with httpx.Client(timeout=5) as http:
         if http.get(f"{base}/metrics").status_code == 200:

@@ -270,7 +270,10 @@ class Rule(BaseModel):
         default=None,
         description="Per-run scalar, or an arithmetic expression over scalars such as `loss / loss_shadow - 1`.",
     )
-    layers: str = Field(default="*", description="Glob over layer names (metric rules only).")
+    layers: str | list[str] = Field(
+        default="*",
+        description="Glob over layer names, or a list of globs of which any may match (metric rules only).",
+    )
     runs: str = Field(default="*", description="Glob over run names.")
     op: Op = Field(description="Comparison: `>`, `>=`, `<` or `<=`.")
     threshold: float = Field(description="Finite threshold; ratios as ratios (5% is 0.05).")
@@ -302,8 +305,12 @@ class Rule(BaseModel):
 
     @field_validator("layers")
     @classmethod
-    def _check_layers(cls, value: str) -> str:
-        return _check_glob(value, "layers")
+    def _check_layers(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, str):
+            return _check_glob(value, "layers")
+        if not 1 <= len(value) <= 64:
+            raise ValueError("layers: a list of 1..64 globs is required")
+        return [_check_glob(pattern, f"layers[{position}]") for position, pattern in enumerate(value)]
 
     @field_validator("runs")
     @classmethod
@@ -362,7 +369,8 @@ class Rule(BaseModel):
 
     def matches_layer(self, layer: str) -> bool:
         """Whether this (metric) rule applies to ``layer``."""
-        return fnmatch.fnmatchcase(layer, self.layers)
+        patterns = [self.layers] if isinstance(self.layers, str) else self.layers
+        return any(fnmatch.fnmatchcase(layer, pattern) for pattern in patterns)
 
     def expression(self) -> ScalarExpression:
         """The parsed scalar expression of a scalar rule."""

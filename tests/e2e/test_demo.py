@@ -19,13 +19,27 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from quantwatch import cli
-from quantwatch.demo import DEFAULT_STEPS, PER_TENSOR_FP4_LAYER, DemoOptions, DemoResult, run_demo
+from quantwatch.demo import (
+    DEFAULT_STEPS,
+    PER_TENSOR_FP4_LAYER,
+    RECIPES,
+    UPDATE_RULE,
+    DemoOptions,
+    DemoResult,
+    TinyTransformer,
+    demo_rules,
+    make_recipe,
+    run_demo,
+)
+from quantwatch.kernels import QuantLinear, quantize_model
+from quantwatch.service.alerts.rules import RulesFile
 
-STEPS = 5
-DEVIATION_RULE = "quantwatch_output_deviation"
+# Enough steps for the per-tensor FP4 layer's update direction to drift past 5% with the default seed.
+STEPS = 50
+Run = tuple[DemoResult, dict[str, Any], str]
 
 
-def _run(tmp_path: Path, name: str) -> tuple[DemoResult, dict[str, Any], str]:
+def _run(tmp_path: Path, name: str) -> Run:
     seen: dict[str, Any] = {}
 
     def while_serving(result: DemoResult) -> None:
@@ -34,6 +48,9 @@ def _run(tmp_path: Path, name: str) -> tuple[DemoResult, dict[str, Any], str]:
             seen["layers"] = [x["name"] for x in http.get("/api/v1/runs/demo/layers").json()]
             seen["heatmap"] = http.get(
                 "/api/v1/runs/demo/heatmap", params={"metric": "output_rel_l2", "max_steps": STEPS}
+            ).json()
+            seen["update_cosine"] = http.get(
+                "/api/v1/runs/demo/series", params={"metric": "update_cosine", "layer": PER_TENSOR_FP4_LAYER}
             ).json()
             seen["run"] = http.get("/api/v1/runs/demo").json()
             seen["export"] = http.get("/api/v1/runs/demo/export", params={"format": "csv"}).text
@@ -49,22 +66,41 @@ def _run(tmp_path: Path, name: str) -> tuple[DemoResult, dict[str, Any], str]:
     return result, seen, out.getvalue()
 
 
-def test_demo_fires_the_expected_alert_once_with_a_valid_signature(tmp_path: Path) -> None:
-    result, seen, printed = _run(tmp_path, "first")
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _run(tmp_path_factory.mktemp("demo"), "first")
 
-    # The per-tensor FP4 layer breaches the 5% output deviation rule: one firing webhook, signed.
-    fired = [
-        n
-        for n in result.notifications
-        if n.status == "firing"
-        and n.details.get("rule") == DEVIATION_RULE
-        and n.details.get("layer") == PER_TENSOR_FP4_LAYER
+
+def _first_streak_end(values: list[float], threshold: float, length: int) -> int:
+    """Index of the sample that completes the first run of ``length`` consecutive values below ``threshold``."""
+    streak = 0
+    for index, value in enumerate(values):
+        streak = streak + 1 if value < threshold else 0
+        if streak == length:
+            return index
+    raise AssertionError(f"no {length} consecutive values below {threshold}: {values}")
+
+
+def test_demo_fires_the_expected_alert_once_with_a_valid_signature(first_run: Run) -> None:
+    result, seen, printed = first_run
+
+    # The per-tensor FP4 layer's update direction drifts more than 5% off FP32: one alert in the whole run, on that
+    # layer, one firing webhook, signed. Every other layer stays inside every rule.
+    assert [(a["rule"], a["layer"], a["state"]) for a in result.alerts] == [
+        (UPDATE_RULE, PER_TENSOR_FP4_LAYER, "firing")
     ]
-    assert len(fired) == 1
-    notification = fired[0]
+    assert [(n.status, n.details.get("rule"), n.details.get("layer")) for n in result.notifications] == [
+        ("firing", UPDATE_RULE, PER_TENSOR_FP4_LAYER)
+    ]
+    notification = result.notifications[0]
     assert notification.signature_valid
-    assert notification.details["step"] == 2  # third consecutive breaching step
-    assert notification.details["value"] > 0.05
+    # It fired at the third consecutive step below 0.95, as the stored history shows.
+    history = seen["update_cosine"]
+    assert history["steps"] == list(range(STEPS))
+    fired_step = _first_streak_end(history["mean"], 0.95, 3)
+    assert fired_step > 10  # a drift, not a bad start
+    assert notification.details["step"] == fired_step
+    assert notification.details["value"] == pytest.approx(history["mean"][fired_step], rel=1e-6)
     # An independent implementation of Standard Webhooks agrees with the demo's verifier.
     assert result.webhook_secret is not None
     verified = standardwebhooks.Webhook(result.webhook_secret).verify(notification.raw_body, notification.headers)
@@ -72,8 +108,7 @@ def test_demo_fires_the_expected_alert_once_with_a_valid_signature(tmp_path: Pat
     assert len({n.webhook_id for n in result.notifications}) == len(result.notifications)
     assert all(n.signature_valid for n in result.notifications)
 
-    episodes = [a for a in result.alerts if a["rule"] == DEVIATION_RULE and a["layer"] == PER_TENSOR_FP4_LAYER]
-    assert [(a["state"], a["firing"]["step"]) for a in episodes] == [("firing", 2)]
+    assert result.alerts[0]["firing"]["step"] == fired_step
 
     # The history API holds every step of every monitored layer.
     heatmap = seen["heatmap"]
@@ -96,14 +131,14 @@ def test_demo_fires_the_expected_alert_once_with_a_valid_signature(tmp_path: Pat
 
     assert "QuantWatch" in seen["page"]
     assert f"{result.url}/#run=demo" in printed
-    assert f"{result.url}/#run=demo&metric=output_rel_l2&layer={PER_TENSOR_FP4_LAYER}&step=2" in printed
+    assert f"{result.url}/#run=demo&metric=update_cosine&layer={PER_TENSOR_FP4_LAYER}&step={fired_step}" in printed
     assert PER_TENSOR_FP4_LAYER in printed
     assert "signature ok" in printed
 
 
-def test_demo_is_deterministic_for_a_seed(tmp_path: Path) -> None:
-    first, seen_first, _ = _run(tmp_path, "a")
-    second, seen_second, _ = _run(tmp_path, "b")
+def test_demo_is_deterministic_for_a_seed(first_run: Run, tmp_path: Path) -> None:
+    first, seen_first, _ = first_run
+    second, seen_second, _ = _run(tmp_path, "second")
 
     def alerts(result: DemoResult) -> list[tuple[str, str | None, int | None]]:
         return sorted((a["rule"], a["layer"], (a["firing"] or {}).get("step")) for a in result.alerts)
@@ -161,3 +196,23 @@ def test_demo_command_keeps_serving_until_interrupted(tmp_path: Path) -> None:
         if process.poll() is None:
             process.kill()
     assert (tmp_path / "demo.db").exists()
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_demo_rules_hold_fp8_layers_to_5_percent_and_fp4_layers_to_their_own_bound(recipe: str) -> None:
+    rules = RulesFile.model_validate(demo_rules(recipe, "http://127.0.0.1:9/hook", "whsec_" + "A" * 32)).rules
+    by_name = {rule.name: rule for rule in rules}
+    fp8_rule = by_name["quantwatch_output_deviation"]  # the shipped rule, same name: it replaces the default
+    assert fp8_rule.threshold == 0.05
+    fp4_rule = by_name.get("demo_fp4_output_deviation")
+    model = quantize_model(TinyTransformer(), make_recipe(recipe))
+    quantized = [(name, m) for name, m in model.named_modules() if isinstance(m, QuantLinear)]
+    assert quantized
+    for name, module in quantized:
+        spec = module.weight_quantizer.spec
+        assert spec is not None
+        is_fp8 = spec.fmt.startswith("fp8")
+        # Each quantized layer is watched by exactly one output-deviation bound: 5% for FP8, the FP4 bound otherwise.
+        assert fp8_rule.matches_layer(name) == is_fp8, name
+        assert (fp4_rule is not None and fp4_rule.matches_layer(name)) == (not is_fp8), name
+    assert by_name[UPDATE_RULE].matches_layer(PER_TENSOR_FP4_LAYER)

@@ -44,6 +44,8 @@ def error_locs(exc: ValidationError) -> list[tuple[object, ...]]:
         ({"consecutive": 0}, "consecutive"),
         ({"keep_firing_for": -2}, "keep_firing_for"),
         ({"layers": "blocks.[0"}, "layers"),
+        ({"layers": []}, "layers"),
+        ({"layers": ["head", "blocks.[0"]}, "layers"),
         ({"runs": ""}, "runs"),
         ({"annotations": {"summary": "${nope} broke"}}, "annotations"),
         ({"annotations": {"summary": "cost $5"}}, "annotations"),
@@ -57,6 +59,17 @@ def test_invalid_rule_names_the_field(change: dict[str, object], field: str) -> 
     with pytest.raises(ValidationError) as info:
         Rule.model_validate({**base, **change})
     assert any(loc[0] == field for loc in error_locs(info.value))
+
+
+def test_layers_takes_one_glob_or_a_list_of_which_any_may_match() -> None:
+    base = {"name": "r", "metric": "output_rel_l2", "op": ">", "threshold": 0.05}
+    single = Rule.model_validate({**base, "layers": "*.attn.*"})
+    listed = Rule.model_validate({**base, "layers": ["*.attn.*", "head"]})
+    names = ["blocks.0.attn.qkv", "blocks.0.mlp.fc1", "head", "heads.0"]
+    assert [single.matches_layer(n) for n in names] == [True, False, False, False]
+    assert [listed.matches_layer(n) for n in names] == [True, False, True, False]
+    with pytest.raises(ValidationError, match="a scalar rule watches the whole run"):
+        Rule.model_validate({"name": "s", "scalar": "loss", "op": ">", "threshold": 1, "layers": ["*"]})
 
 
 def test_rule_kind_and_expressions() -> None:
