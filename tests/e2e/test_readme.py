@@ -1,0 +1,208 @@
+"""The README's commands and code, run as written (placeholders filled in), so the README cannot drift from the code.
+
+Every shell command of the README must be claimed by :data:`COVERAGE` (a new one fails
+:func:`test_every_readme_command_is_run_or_validated` until a test runs it), and every Python block runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import quantwatch.agent as qw
+from quantwatch.cli import app
+from quantwatch.demo import PER_TENSOR_FP4_LAYER, TinyTransformer, make_recipe
+from quantwatch.kernels import QuantLinear, quantize_model
+from quantwatch.service.server import free_port, wait_until_ready
+
+REPO = Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text()
+
+# How each README command is exercised: by a test of this file, or (Docker cannot run here) validated elsewhere.
+COVERAGE = {
+    "make demo": "test_make_targets_run_the_readme_commands (and tests/e2e/test_demo.py runs the demo itself)",
+    "make test": "test_make_targets_run_the_readme_commands (and .ci/run runs it on every push)",
+    "quantwatch runs": "test_readme_client_commands",
+    "quantwatch series": "test_readme_client_commands",
+    "quantwatch alerts": "test_readme_client_commands",
+    "quantwatch export": "test_readme_client_commands",
+    "quantwatch import": "test_readme_client_commands",
+    "quantwatch serve": "test_readme_serve_commands",
+    "quantwatch db upgrade": "test_readme_db_upgrade_command",
+    "cp .env.example .env": "tests/dashboards/test_compose.py (every variable of the compose file is in .env.example)",
+    "docker compose up -d --build": "tests/dashboards/test_compose.py (Compose schema, mounted paths, Dockerfile)",
+}
+
+
+def fenced_blocks(language: str) -> list[str]:
+    """The README's fenced code blocks of ``language``, in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```", README, flags=re.MULTILINE | re.DOTALL)
+
+
+def shell_commands() -> list[str]:
+    """Every command line of the README's ``sh`` blocks, comments and blank lines left out."""
+    lines = (line.split("#", 1)[0].strip() for block in fenced_blocks("sh") for line in block.splitlines())
+    return [line for line in lines if line]
+
+
+def expand(command: str) -> list[list[str]]:
+    """Argument lists for one README command line: ``[optional …]`` parts included, one list per ``a|b`` choice."""
+    words = shlex.split(command.replace("[", " ").replace("]", " "))
+    choices = [word.split("|") if "|" in word and not word.startswith("http") else [word] for word in words]
+    return [list(chosen) for chosen in itertools.product(*choices)]
+
+
+def covered_by(command: str) -> str | None:
+    return next((COVERAGE[head] for head in sorted(COVERAGE, key=len, reverse=True) if command.startswith(head)), None)
+
+
+def test_every_readme_command_is_run_or_validated() -> None:
+    commands = shell_commands()
+    assert len(commands) >= 12
+    assert [c for c in commands if covered_by(c) is None] == []
+    # Each claim names a test that exists.
+    here = Path(__file__).read_text()
+    for claim in COVERAGE.values():
+        name = claim.split(" ", 1)[0]
+        assert (name.startswith("tests/") and (REPO / name).exists()) or f"def {name}(" in here, claim
+
+
+def test_make_targets_run_the_readme_commands() -> None:
+    # `make -n` prints the recipe without running it (the suite itself runs under `make test`).
+    demo = subprocess.run(["make", "-n", "demo"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert re.search(r"^\.venv/bin/quantwatch demo$", demo, flags=re.MULTILINE), demo
+    test = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for tool in ("ruff check .", "ruff format --check .", "mypy", "python -m pytest"):
+        assert tool in test, test
+    ci = (REPO / ".ci" / "run").read_text()
+    assert re.search(r"^make test$", ci, flags=re.MULTILINE)
+
+
+def test_readme_client_commands(collector: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The run the README's commands name: `demo`, with the demo's model and the layer they query, recorded by the
+    # agent into a JSON-lines file the way the README says (`attach(url="file:///run.jsonl")`).
+    monkeypatch.chdir(tmp_path)
+    transformer = quantize_model(TinyTransformer(), make_recipe("mixed"))
+    monitor = qw.attach(transformer, run="demo", url=f"file://{tmp_path / 'run.jsonl'}", every=1)
+    tokens = torch.randint(0, 32, (2, 8))
+    for step in range(3):
+        transformer(tokens).sum().backward()
+        monitor.step(step, loss=float(step))
+    assert monitor.close(timeout_seconds=30)
+    env = {"QUANTWATCH_URL": collector.url}
+    client_commands = [c for c in shell_commands() if covered_by(c) == "test_readme_client_commands"]
+    # import first: it stores the run the other commands read.
+    client_commands.sort(key=lambda c: not c.startswith("quantwatch import"))
+    ran = 0
+    for command in client_commands:
+        for argv in expand(command):
+            assert argv[0] == "quantwatch"
+            result = CliRunner().invoke(app, argv[1:], env=env)
+            assert result.exit_code == 0, (argv, result.stdout, result.stderr)
+            written = Path("FILE")
+            if "-o" in argv:
+                assert written.stat().st_size > 0, argv
+                written.unlink()
+            else:
+                assert result.stdout.strip(), argv
+            ran += 1
+    assert ran >= 9
+    layers = httpx.get(f"{collector.url}/api/v1/runs/demo/layers").json()
+    assert PER_TENSOR_FP4_LAYER in [layer["name"] for layer in layers]
+
+
+def _serve(argv: list[str], cwd: Path, port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "QUANTWATCH_PORT": str(port)}
+    command = [sys.executable, "-m", "quantwatch.cli", *argv[1:], "--log-level", "warning"]
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def test_readme_serve_commands(tmp_path: Path, postgres_session_url: str) -> None:
+    serve = [expand(c)[0] for c in shell_commands() if c.startswith("quantwatch serve")]
+    assert len(serve) == 2
+    plain, secured = serve
+
+    # `quantwatch serve`: loopback, ./quantwatch.db, no tokens (the port comes from QUANTWATCH_PORT).
+    port = free_port()
+    process = _serve(plain, tmp_path, port)
+    try:
+        wait_until_ready(process, f"http://127.0.0.1:{port}/readyz", 60, "quantwatch serve")
+        assert httpx.get(f"http://127.0.0.1:{port}/api/v1/runs").json() == []
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert (tmp_path / "quantwatch.db").exists()
+
+    # The production line: every interface, a token file, PostgreSQL (the README's host `db` is the test server here).
+    position = secured.index("--database-url") + 1
+    assert secured[position].startswith("postgresql+psycopg://")
+    secured[position] = postgres_session_url
+    (tmp_path / secured[secured.index("--token-file") + 1]).write_text("s3cret read\n")
+    port = free_port()
+    process = _serve(secured, tmp_path, port)
+    try:
+        wait_until_ready(process, f"http://127.0.0.1:{port}/readyz", 60, "quantwatch serve --host 0.0.0.0")
+        assert httpx.get(f"http://127.0.0.1:{port}/api/v1/runs").status_code == 401
+        answer = httpx.get(f"http://127.0.0.1:{port}/api/v1/runs", headers={"Authorization": "Bearer s3cret"})
+        assert answer.status_code == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_readme_db_upgrade_command(tmp_path: Path) -> None:
+    (command,) = [c for c in shell_commands() if c.startswith("quantwatch db upgrade")]
+    url = f"sqlite:///{tmp_path / 'upgraded.db'}"
+    argv = [url if word == "…" else word for word in expand(command)[0]]
+    result = CliRunner().invoke(app, argv[1:])
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert (tmp_path / "upgraded.db").stat().st_size > 0
+
+
+def test_readme_python_blocks_run(collector: Any) -> None:
+    attach_block, kernels_block = fenced_blocks("python")
+
+    # Attaching the agent: the README's loop, with a model, data and optimizer of its kind, against a live collector.
+    net = quantize_model(TinyTransformer(), make_recipe("mixed"))
+    tokens = torch.randint(0, 32, (4, 9))
+    loader = [SimpleNamespace(x=tokens[:, :-1], y=tokens[:, 1:]) for _ in range(12)]
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    assert '"http://127.0.0.1:8000"' in attach_block
+    namespace: dict[str, Any] = {
+        "model": net,
+        "loader": loader,
+        "loss_fn": loss_fn,
+        "opt": torch.optim.SGD(net.parameters(), lr=0.01),
+    }
+    exec(attach_block.replace('"http://127.0.0.1:8000"', repr(collector.url)), namespace)
+    # every=10 over 12 steps: steps 0 and 10 are sampled, with the layers' figures and the loss.
+    run = httpx.get(f"{collector.url}/api/v1/runs/gpt-fp4-a").json()
+    assert run["last_step"] == 10
+    for query in ({"metric": "output_rel_l2", "layer": "head"}, {"scalar": "loss"}):
+        series = httpx.get(f"{collector.url}/api/v1/runs/gpt-fp4-a/series", params=query).json()
+        assert series["steps"] == [0, 10], query
+
+    # Kernels: quantize, fused statistics, and a model converted by rules (last layer FP8, the rest NVFP4).
+    namespace = {}
+    exec(kernels_block, namespace)
+    converted = namespace["model"]
+    assert isinstance(converted[0], QuantLinear)
+    assert isinstance(converted[2], QuantLinear)
+    assert converted[0].weight_quantizer.spec.fmt == "nvfp4"
+    assert converted[2].weight_quantizer.spec.fmt.startswith("fp8")
+    assert namespace["q"].shape == namespace["x"].shape
