@@ -209,7 +209,7 @@ class _Run:
     slots: dict[str, _Slot] = field(default_factory=dict)
     layer_ids: dict[str, int] = field(default_factory=dict)
     layer_names: list[str] = field(default_factory=list)
-    labels: dict[int, list[bytes]] = field(default_factory=dict)  # rank -> label text by layer id
+    labels: dict[int, npt.NDArray[np.object_]] = field(default_factory=dict)  # rank -> label bytes by layer id
     last_layers: tuple[str, ...] = ()
     last_ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
@@ -225,15 +225,20 @@ class _Run:
             self.last_ids = np.fromiter((self.layer_ids[n] for n in key), dtype=np.int64, count=len(key))
         return self.last_ids
 
-    def label_texts(self, rank: int) -> list[bytes]:
-        """``{layer="…",rank="…",run="…"} `` (up to the value) of every known layer for ``rank``, by layer id."""
-        texts = self.labels.setdefault(rank, [])
-        if len(texts) < len(self.layer_names):
+    def label_texts(self, rank: int) -> npt.NDArray[np.object_]:
+        """``{layer="…",rank="…",run="…"} `` (up to the value) of every known layer for ``rank``, by layer id.
+
+        An object array, so that a slot's labels are one gather in C rather than a lookup per line.
+        """
+        texts = self.labels.get(rank)
+        if texts is None or len(texts) < len(self.layer_names):
+            known: list[bytes] = [] if texts is None else texts.tolist()
             run = _escape_label_value(self.name)
-            texts.extend(
+            known.extend(
                 f'{{layer="{_escape_label_value(layer)}",rank="{rank}",run="{run}"}} '.encode()
-                for layer in self.layer_names[len(texts) :]
+                for layer in self.layer_names[len(known) :]
             )
+            texts = self.labels[rank] = np.array(known, dtype=object)
         return texts
 
 
@@ -441,12 +446,11 @@ def _render_slots(slots: Sequence[tuple[str, _Run, _Slot]]) -> list[bytes]:
 
 def _slot_labels(state: _Run, slot: _Slot) -> list[bytes]:
     """Label text of each entry of a slot."""
-    layer_ids = slot.layer_ids.tolist()
     if slot.ranks[0] == slot.ranks[-1]:  # sorted by rank: one rank throughout
-        return list(map(state.label_texts(int(slot.ranks[0])).__getitem__, layer_ids))
+        return cast("list[bytes]", state.label_texts(int(slot.ranks[0]))[slot.layer_ids].tolist())
     ranks = slot.ranks.tolist()
     texts = {rank: state.label_texts(rank) for rank in set(ranks)}
-    return [texts[rank][layer] for rank, layer in zip(ranks, layer_ids, strict=True)]
+    return [texts[rank][layer] for rank, layer in zip(ranks, slot.layer_ids.tolist(), strict=True)]
 
 
 def _slot_rows(state: _Run, slot: _Slot) -> Iterator[tuple[int, str, float]]:
