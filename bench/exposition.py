@@ -11,6 +11,9 @@ Prints, measured side by side in one run:
 
 Each scrape is timed in wall-clock and in CPU time of the scraping thread: on a machine whose cores are shared the
 second leaves out the time spent waiting for a core.
+
+To compare two checkouts side by side, run this file of either one with ``PYTHONPATH`` set to each checkout in turn:
+the first line printed names the code measured.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 from _common import METRICS
 from prometheus_client import CollectorRegistry, generate_latest
 
+import quantwatch
 from quantwatch.service.exposition import (
     AlertSeries,
     IngestMetrics,
@@ -86,6 +91,7 @@ def main() -> None:
             cpu.append(time.thread_time() - c0)
         return wall, cpu
 
+    print(f"code measured: {Path(quantwatch.__file__).parent.parent}")
     size = len(render_exposition(registry))
     lines = render_exposition(registry).count(b"\n")
     print(f"{args.runs} runs x {args.layers} layers x {len(METRICS)} metrics ingested, top_k=64: ")

@@ -39,6 +39,7 @@ from prometheus_client.utils import floatToGoString
 
 from quantwatch import __version__
 from quantwatch.service.api.deps import ReadAuth
+from quantwatch.service.float_text import float32_value_lines
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
@@ -208,7 +209,7 @@ class _Run:
     slots: dict[str, _Slot] = field(default_factory=dict)
     layer_ids: dict[str, int] = field(default_factory=dict)
     layer_names: list[str] = field(default_factory=list)
-    labels: dict[int, npt.NDArray[np.str_]] = field(default_factory=dict)  # rank -> label text by layer id
+    labels: dict[int, npt.NDArray[np.object_]] = field(default_factory=dict)  # rank -> label bytes by layer id
     last_layers: tuple[str, ...] = ()
     last_ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
@@ -224,16 +225,20 @@ class _Run:
             self.last_ids = np.fromiter((self.layer_ids[n] for n in key), dtype=np.int64, count=len(key))
         return self.last_ids
 
-    def label_texts(self, rank: int) -> npt.NDArray[np.str_]:
-        """``layer="…",rank="…",run="…"`` of every known layer for ``rank``, indexed by layer id."""
+    def label_texts(self, rank: int) -> npt.NDArray[np.object_]:
+        """``{layer="…",rank="…",run="…"} `` (up to the value) of every known layer for ``rank``, by layer id.
+
+        An object array, so that a slot's labels are one gather in C rather than a lookup per line.
+        """
         texts = self.labels.get(rank)
         if texts is None or len(texts) < len(self.layer_names):
+            known: list[bytes] = [] if texts is None else texts.tolist()
             run = _escape_label_value(self.name)
-            texts = np.array(
-                [f'layer="{_escape_label_value(layer)}",rank="{rank}",run="{run}"' for layer in self.layer_names],
-                dtype=np.str_,
+            known.extend(
+                f'{{layer="{_escape_label_value(layer)}",rank="{rank}",run="{run}"}} '.encode()
+                for layer in self.layer_names[len(known) :]
             )
-            self.labels[rank] = texts
+            texts = self.labels[rank] = np.array(known, dtype=object)
         return texts
 
 
@@ -421,64 +426,37 @@ def _latest_per_layer(
 def _render_slots(slots: Sequence[tuple[str, _Run, _Slot]]) -> list[bytes]:
     """The sample lines of each (family, run, slot), byte for byte as prometheus_client's text format writes them.
 
-    One vectorised pass over every slot that changed since the last scrape: numpy spells the values and joins
-    family, labels and values; per slot only a gather of its label text (a slot is sorted by rank) and a join.
+    The values of every slot that changed since the last scrape are spelled in one vectorised pass; per slot its
+    lines are one join of pieces that already exist (family, cached label text, value line).
     """
     if not slots:
         return []
-    counts = [slot.values.size for _, _, slot in slots]
-    prefixes = np.repeat(np.array([family + "{" for family, _, _ in slots], dtype=np.str_), counts)
-    labels = np.concatenate([_slot_labels(state, slot) for _, state, slot in slots])
-    values = _value_texts(np.concatenate([slot.values for _, _, slot in slots]))
-    lines = np.char.add(np.char.add(np.char.add(prefixes, labels), "} "), values).tolist()
+    values = float32_value_lines(np.concatenate([slot.values for _, _, slot in slots]))
     out = []
     start = 0
-    for count in counts:
-        out.append(("\n".join(lines[start : start + count]) + "\n").encode())
+    for family, state, slot in slots:
+        count = slot.values.size
+        pieces = [family.encode(), b"", b""] * count
+        pieces[1::3] = _slot_labels(state, slot)
+        pieces[2::3] = values[start : start + count]
+        out.append(b"".join(pieces))
         start += count
     return out
 
 
-def _slot_labels(state: _Run, slot: _Slot) -> npt.NDArray[np.str_]:
+def _slot_labels(state: _Run, slot: _Slot) -> list[bytes]:
     """Label text of each entry of a slot."""
-    first, last = int(slot.ranks[0]), int(slot.ranks[-1])
-    if first == last:
-        return state.label_texts(first)[slot.layer_ids]
-    ranks, starts = np.unique(slot.ranks, return_index=True)
-    ends = [*starts[1:].tolist(), slot.ranks.size]
-    return np.concatenate(
-        [
-            state.label_texts(rank)[slot.layer_ids[start:end]]
-            for rank, start, end in zip(ranks.tolist(), starts.tolist(), ends, strict=True)
-        ]
-    )
-
-
-_FLOAT32_1E_4 = np.float32(1e-4)
-
-
-def _value_texts(values: npt.NDArray[np.float64]) -> npt.NDArray[np.str_]:
-    """Text-format spelling of float32 figures: the shortest decimal that round-trips the float32 (0.1, not
-    0.10000000149), as prometheus_client's ``floatToGoString`` spells that decimal.
-
-    numpy's vectorised float32 → str agrees with it except for non-finite values, magnitudes ≥ 1e6 (Go-style
-    exponents) and exactly ±1e-4; those few take the per-value path.
-    """
-    f32 = values.astype(np.float32)
-    texts = f32.astype(np.str_)
-    magnitude = np.abs(f32)
-    with np.errstate(invalid="ignore"):
-        slow = np.flatnonzero(~np.isfinite(f32) | (magnitude >= 1e6) | (magnitude == _FLOAT32_1E_4))
-    if slow.size:
-        texts = texts.astype("<U32")  # room for '+Inf' and Go-style exponents
-        for i in slow.tolist():
-            texts[i] = _go_float(float(texts[i]))
-    return texts
+    if slot.ranks[0] == slot.ranks[-1]:  # sorted by rank: one rank throughout
+        return cast("list[bytes]", state.label_texts(int(slot.ranks[0]))[slot.layer_ids].tolist())
+    ranks = slot.ranks.tolist()
+    texts = {rank: state.label_texts(rank) for rank in set(ranks)}
+    return [texts[rank][layer] for rank, layer in zip(ranks, slot.layer_ids.tolist(), strict=True)]
 
 
 def _slot_rows(state: _Run, slot: _Slot) -> Iterator[tuple[int, str, float]]:
-    """(rank, layer, value) rows of a slot, each value the float of its exported spelling."""
-    for rank, layer, text in zip(slot.ranks.tolist(), slot.layer_ids.tolist(), _value_texts(slot.values), strict=True):
+    """(rank, layer, value) rows of a slot, each value the float of its shortest float32 spelling (numpy's)."""
+    texts = slot.values.astype(np.float32).astype(np.str_).tolist()
+    for rank, layer, text in zip(slot.ranks.tolist(), slot.layer_ids.tolist(), texts, strict=True):
         yield rank, state.layer_names[layer], float(text)
 
 

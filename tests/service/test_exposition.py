@@ -261,6 +261,24 @@ def test_fast_writer_spells_values_of_every_magnitude_as_prometheus_client_does(
         assert np.float32(exported[layer]) == np.float32(value) or (math.isnan(value) and math.isnan(exported[layer]))
 
 
+def test_fast_writer_matches_prometheus_client_on_random_figures_of_every_class() -> None:
+    # Random float32 codes (subnormals, NaN, ±Inf, every exponent), ±0, powers of two, ties; several ranks, so that
+    # the cap mixes them, and a second batch that changes every value between two scrapes.
+    rng = np.random.default_rng(5)
+    codes = rng.integers(0, 2**32, 3000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    with np.errstate(over="ignore"):
+        powers = np.exp2(np.arange(-149, 128, dtype=np.float64)).astype(np.float32)
+    edges = np.array([0.0, -0.0, np.inf, -np.inf, 4707.21875, 1e-4, 1e6, 1e-45, 3.4028235e38], np.float32)
+    values = np.concatenate([codes, powers, -powers, edges])
+    values = np.where(np.isnan(values), np.float32(np.nan), values)
+    layers = [f"l{i}" for i in range(len(values))]
+    cache = LatestValueCache(top_k=len(values) // 2, clock=FrozenClock(0.0))
+    registry = registry_for(cache)
+    for step, rank in ((1, 0), (1, 1), (2, 0)):
+        cache.observe("r", rank, layers, [StepValues(step, {"amax": rng.permutation(values)})])
+        assert render_exposition(registry) == generate_latest(registry)
+
+
 def test_alert_series_are_capped_per_rule_and_run_and_follow_the_run_ttl() -> None:
     clock = FrozenClock(0.0)
     cache = LatestValueCache(top_k=3, run_ttl_seconds=10, clock=clock)
