@@ -176,8 +176,6 @@ class _EpisodeFields(Protocol):
     value_text: str | None
     firing_at: float | None
     resolved_at: float | None
-    labels: dict[str, str]
-    annotations: dict[str, str]
 
 
 @dataclass(eq=False)
@@ -203,6 +201,7 @@ class _Episode:
     resolved_at: float | None = None
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
+    notified: Notification | None = None  # the latest notification: the row's labels and annotations come from it
     fresh: bool = False  # opened by this batch: inserted (unless dropped) rather than updated
     touched: bool = False
     cancelled: bool = False
@@ -215,11 +214,19 @@ class _Episode:
 
     def insert_values(self) -> dict[str, Any]:
         """The row of a new episode."""
+        self._label()
         return {name: getattr(self, name) for name in _EPISODE_COLUMNS}
 
     def update_values(self) -> dict[str, Any]:
         """What a batch may change on an existing episode, keyed for :data:`_EPISODE_UPDATE`."""
+        self._label()
         return {"b_id": self.id, **{name: getattr(self, name) for name in _EPISODE_CHANGES}}
+
+    def _label(self) -> None:
+        # Rendered once per written row rather than once per notification: a flapping batch notifies hundreds.
+        if self.notified is not None:
+            self.labels = self.notified.labels()
+            self.annotations = self.notified.annotations()
 
 
 @dataclass
@@ -238,6 +245,7 @@ class _EpisodeBatch:
 
     def notify(self, episode: _Episode, notification: Notification) -> None:
         """Queue ``notification`` (its ``episode_id`` is set once the episode is written)."""
+        episode.notified = notification
         self.notifications.append((episode, notification))
 
 
@@ -542,12 +550,17 @@ class AlertEngine:
             conn.execute(delete(_EPISODES).where(_EPISODES.c.id.in_(dropped)))
         new = [episode for episode in batch.touched if episode.fresh and not episode.cancelled]
         if new:
-            rows = conn.execute(
-                insert(_EPISODES).returning(_EPISODES.c.id, sort_by_parameter_order=True),
+            # Matched back by (rule, layer, pending step), unique among one rank's new episodes: an ordered RETURNING
+            # would make SQLite insert row by row.
+            by_start = {(episode.rule_id, episode.layer, episode.pending_step): episode for episode in new}
+            returned = conn.execute(
+                insert(_EPISODES).returning(
+                    _EPISODES.c.id, _EPISODES.c.rule_id, _EPISODES.c.layer, _EPISODES.c.pending_step
+                ),
                 [episode.insert_values() for episode in new],
-            ).all()
-            for episode, row in zip(new, rows, strict=True):
-                episode.id = int(row[0])
+            )
+            for episode_id, rule_id, layer, pending_step in returned:
+                by_start[(rule_id, layer, pending_step)].id = int(episode_id)
         moved = [
             {"b_rule_id": rule_id, "b_layer": layer, "episode_id": episode.id if episode is not None else None}
             for (rule_id, layer), (before, episode) in batch.groups.items()
@@ -562,23 +575,26 @@ class AlertEngine:
     def _write_outbox(self, session: Session, rules: dict[int, Rule], batch: _EpisodeBatch) -> int:
         conn = session.connection()
         now = self._clock()
-        receivers: dict[int, list[ReceiverRow]] = {}
+        receivers = {
+            rule_id: _receivers_for(session, rules[rule_id])
+            for rule_id in sorted({episode.rule_id for episode, _ in batch.notifications})
+        }
+        if not any(receivers.values()):
+            return 0
         known = {episode.written_id() for episode, _ in batch.notifications if not episode.fresh}
         waiting: set[tuple[int, int]] = set()
         if known:
             waiting = {
                 (int(episode_id), int(receiver_id))
                 for episode_id, receiver_id in conn.execute(
-                    select(DeliveryRow.episode_id, DeliveryRow.receiver_id).where(
-                        DeliveryRow.episode_id.in_(sorted(known)), DeliveryRow.status == "pending"
+                    select(_DELIVERIES.c.episode_id, _DELIVERIES.c.receiver_id).where(
+                        _DELIVERIES.c.episode_id.in_(sorted(known)), _DELIVERIES.c.status == "pending"
                     )
                 )
             }
         rows: list[dict[str, Any]] = []
         for episode, notification in batch.notifications:
             episode_id = episode.written_id()
-            if episode.rule_id not in receivers:
-                receivers[episode.rule_id] = _receivers_for(session, rules[episode.rule_id])
             sent = replace(notification, episode_id=episode_id)
             for receiver in receivers[episode.rule_id]:
                 if sent.status == "resolved" and not receiver.send_resolved:
@@ -588,10 +604,11 @@ class AlertEngine:
                 waiting.add((episode_id, receiver.id))
         if not rows:
             return 0
-        ids = conn.execute(
-            insert(_DELIVERIES).returning(_DELIVERIES.c.id, sort_by_parameter_order=True), rows
-        ).scalars()
-        self._record_enqueued(list(zip(ids, (row["claimed_until"] for row in rows), strict=True)))
+        # Matched back by webhook id (unique): an ordered RETURNING would make SQLite insert row by row.
+        ids: dict[str, int] = dict(
+            conn.execute(insert(_DELIVERIES).returning(_DELIVERIES.c.webhook_id, _DELIVERIES.c.id), rows).all()
+        )
+        self._record_enqueued([(ids[row["webhook_id"]], row["claimed_until"]) for row in rows])
         return len(rows)
 
     def notification(self, episode: EpisodeRow, rule: Rule, status: str) -> Notification:
@@ -599,9 +616,9 @@ class AlertEngine:
         return self._notification(episode, rule, status, episode.id)
 
     def _notification(self, episode: _EpisodeFields, rule: Rule, status: str, episode_id: int) -> Notification:
-        """The notification of ``episode`` in ``status``; sets the episode's labels and annotations from it."""
+        """The notification of ``episode`` in ``status``."""
         value = episode.value if episode.value is not None else float(episode.value_text or "nan")
-        notification = Notification(
+        return Notification(
             status="resolved" if status == "resolved" else "firing",
             rule=rule,
             run=episode.run,
@@ -614,13 +631,12 @@ class AlertEngine:
             episode_id=episode_id,
             external_url=self.external_url,
         )
-        episode.labels = notification.labels()
-        episode.annotations = notification.annotations()
-        return notification
 
     def notify(self, session: Session, episode: EpisodeRow, rule: Rule, status: str) -> int:
         """Write the outbox rows of ``episode``'s ``status`` notification for the rule's receivers."""
         notification = self.notification(episode, rule, status)
+        episode.labels = notification.labels()
+        episode.annotations = notification.annotations()
         receivers = _receivers_for(session, rule)
         now = self._clock()
         waiting = set(
