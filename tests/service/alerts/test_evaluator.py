@@ -1,21 +1,28 @@
-"""The evaluator against a tiny independent model of the step semantics (hypothesis)."""
+"""The evaluator against a tiny independent model of the step semantics, and its numpy walk against it (hypothesis)."""
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quantwatch.service.alerts.engine import batch_columns
 from quantwatch.service.alerts.evaluator import (
+    BatchColumns,
     SeriesState,
     SeriesStatus,
+    SeriesTransition,
     StepInput,
     advance_episode,
     evaluate_batch,
+    evaluate_columns,
 )
 from quantwatch.service.alerts.rules import Rule
+from quantwatch.service.batch import decode_json
 
 OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 THRESHOLD = 0.5
@@ -179,3 +186,130 @@ def test_layer_and_run_globs_select_series() -> None:
     assert [(t.layer, t.rank, t.after) for t in moved] == [("blocks.0.attn.qkv", 3, SeriesStatus.FIRING)]
     assert set(changed) == {("g", "blocks.0.attn.qkv")}
     assert evaluate_batch([rule], "llama", 0, layers, steps, {}) == ({}, [])
+
+
+def normalised(
+    result: tuple[dict[tuple[str, str], SeriesState], list[SeriesTransition]],
+) -> tuple[dict[tuple[str, str], tuple[object, ...]], list[tuple[object, ...]]]:
+    """A result with NaN made comparable (NaN != NaN would fail equal results)."""
+
+    def number(value: float | None) -> object:
+        return "nan" if value is not None and math.isnan(value) else value
+
+    changed, moved = result
+    return (
+        {key: (s.status, s.last_step, s.streak, s.clear_streak, number(s.last_value)) for key, s in changed.items()},
+        [
+            (t.rule, t.layer, t.rank, t.before, t.after, t.sample.step, t.sample.time, number(t.sample.value))
+            for t in moved
+        ],
+    )
+
+
+F32_THRESHOLD = float(np.float32(0.05))  # above 0.05 in float64, equal to it in float32: must breach `> 0.05`
+wide_values = st.one_of(
+    st.none(),
+    st.sampled_from([0.0, 0.05, F32_THRESHOLD, 0.25, 0.5, 1.0, -1.0, math.nan, math.inf, -math.inf]),
+)
+column_rules = st.builds(
+    lambda op, threshold, consecutive, keep, layers: Rule(
+        name={">": "gt", ">=": "ge", "<": "lt", "<=": "le"}[op],
+        metric="output_rel_l2",
+        layers=layers,
+        op=op,
+        threshold=threshold,
+        consecutive=consecutive,
+        keep_firing_for=keep,
+    ),
+    st.sampled_from(sorted(OPS)),
+    st.sampled_from([0.05, 0.5]),
+    st.integers(1, 4),
+    st.integers(0, 3),
+    st.sampled_from(["*", "l[02]", "l1*"]),
+)
+prior_states = st.one_of(
+    st.none(),
+    st.builds(
+        SeriesState,
+        st.sampled_from(list(SeriesStatus)),
+        st.one_of(st.none(), st.integers(0, 20)),
+        st.integers(0, 4),
+        st.integers(0, 3),
+        st.one_of(st.none(), st.just(0.3)),
+    ),
+)
+LAYERS = ["l0", "l1", "l2", "l3"]
+step_rows = st.lists(
+    st.tuples(
+        st.integers(0, 30),
+        st.one_of(st.none(), st.lists(wide_values, min_size=len(LAYERS), max_size=len(LAYERS))),
+        st.one_of(st.just({}), st.just({"loss": 2.2, "loss_shadow": 2.0}), st.just({"loss": 1.0, "loss_shadow": 0.0})),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    picked=st.lists(column_rules, min_size=1, max_size=3, unique_by=lambda rule: rule.name),
+    priors=st.lists(prior_states, min_size=len(LAYERS), max_size=len(LAYERS)),
+    batch_list=st.lists(st.tuples(st.integers(0, 2), step_rows), min_size=1, max_size=6),
+)
+def test_columns_match_per_sample_evaluation(
+    picked: list[Rule],
+    priors: list[SeriesState | None],
+    batch_list: list[tuple[int, list[tuple[int, list[float | None] | None, dict[str, float]]]]],
+) -> None:
+    """The numpy walk gives exactly the per-sample walk's states and transitions, batch after batch and per rank."""
+    scalar_rule = Rule(name="div", scalar="loss / loss_shadow - 1", op=">", threshold=0.05, consecutive=2)
+    rule_set = [*picked, scalar_rule]
+    states: dict[int, dict[tuple[str, str], SeriesState]] = {
+        rank: {
+            (rule.name, layer): prior
+            for rule in picked
+            for layer, prior in zip(LAYERS, priors, strict=True)
+            if prior is not None
+        }
+        for rank in range(3)
+    }
+    for rank, rows in batch_list:
+        steps = [
+            StepInput(step, 1000.0 + step, {} if values is None else {"output_rel_l2": values}, scalars)
+            for step, values, scalars in rows
+        ]
+        columns = BatchColumns.from_steps(len(LAYERS), steps, ["output_rel_l2"])
+        expected = evaluate_batch(rule_set, "run", rank, LAYERS, steps, states[rank])
+        got = evaluate_columns(rule_set, "run", rank, LAYERS, columns, states[rank])
+        assert normalised(got) == normalised(expected)
+        assert list(got[0]) == list(expected[0])
+        states[rank] = {**states[rank], **expected[0]}
+
+
+def test_columns_from_a_decoded_batch_mask_unmeasured_values() -> None:
+    """Agent nulls are not samples, measured NaN is (and breaches), a metric absent from the batch is left out."""
+    rule = Rule(name="dev", metric="output_rel_l2", op=">", threshold=0.05, consecutive=1)
+    batch = decode_json(
+        json.dumps(
+            {
+                "run": "r",
+                "batch_id": "b",
+                "layers": ["a", "b", "c"],
+                "steps": [
+                    {"step": 2, "metrics": {"output_rel_l2": [0.0, "nan", None]}},
+                    {"step": 1, "time": 5.0, "metrics": {"output_rel_l2": [0.1, 0.0, 0.2]}},
+                ],
+            }
+        ).encode()
+    )
+    columns = batch_columns(batch, ["output_rel_l2", "nonfinite_count"], now=9.0)
+    assert set(columns.metrics) == {"output_rel_l2"}
+    assert columns.times == (9.0, 5.0)
+    changed, moved = evaluate_columns([rule], "r", 0, batch.layers, columns, {})
+    assert [(t.layer, t.sample.step, t.after) for t in moved] == [
+        ("a", 1, SeriesStatus.FIRING),
+        ("a", 2, SeriesStatus.INACTIVE),
+        ("b", 2, SeriesStatus.FIRING),
+        ("c", 1, SeriesStatus.FIRING),
+    ]
+    assert changed[("dev", "c")].last_step == 1
