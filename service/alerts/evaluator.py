@@ -330,7 +330,7 @@ def evaluate_columns(
         column = columns.metrics.get(rule.metric)
         if column is None:
             continue
-        selected = list(_matching_layers(rule.layers, tuple(layers)))
+        selected = list(_matching_layers(rule.layer_globs, tuple(layers)))
         if selected:
             _walk_columns(
                 rule,
@@ -348,9 +348,9 @@ def evaluate_columns(
 
 
 @functools.lru_cache(maxsize=256)
-def _matching_layers(pattern: str, layers: tuple[str, ...]) -> tuple[int, ...]:
-    # A run sends the same layer list in every batch: match each rule's glob against it once.
-    return tuple(index for index, layer in enumerate(layers) if fnmatch.fnmatchcase(layer, pattern))
+def _matching_layers(patterns: tuple[str, ...], layers: tuple[str, ...]) -> tuple[int, ...]:
+    # A run sends the same layer list in every batch: match each rule's globs against it once.
+    return tuple(index for index, layer in enumerate(layers) if any(fnmatch.fnmatchcase(layer, p) for p in patterns))
 
 
 def _walk_columns(

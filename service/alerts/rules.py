@@ -367,10 +367,14 @@ class Rule(BaseModel):
         """Whether this rule applies to ``run``."""
         return fnmatch.fnmatchcase(run, self.runs)
 
+    @property
+    def layer_globs(self) -> tuple[str, ...]:
+        """The globs of ``layers``, of which any may match."""
+        return (self.layers,) if isinstance(self.layers, str) else tuple(self.layers)
+
     def matches_layer(self, layer: str) -> bool:
         """Whether this (metric) rule applies to ``layer``."""
-        patterns = [self.layers] if isinstance(self.layers, str) else self.layers
-        return any(fnmatch.fnmatchcase(layer, pattern) for pattern in patterns)
+        return any(fnmatch.fnmatchcase(layer, pattern) for pattern in self.layer_globs)
 
     def expression(self) -> ScalarExpression:
         """The parsed scalar expression of a scalar rule."""

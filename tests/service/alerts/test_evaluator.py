@@ -225,7 +225,7 @@ column_rules = st.builds(
     st.sampled_from([0.05, 0.5]),
     st.integers(1, 4),
     st.integers(0, 3),
-    st.sampled_from(["*", "l[02]", "l1*"]),
+    st.sampled_from(["*", "l[02]", "l1*", ["l0", "l2*"]]),
 )
 prior_states = st.one_of(
     st.none(),
