@@ -12,6 +12,8 @@ Three kinds of modules are recognised:
   quantization).  Optionally an ``observer`` attribute: when set, the module calls ``observer(kind, stats)`` with
   ``kind`` in ``"weight" | "input" | "grad"`` after each quantization it does.  Optionally a ``weight`` parameter
   (needed for ``update_cosine`` and ``weight_drift_rel_l2``) and an ``input_quantizer.last_scale`` tensor (``scale``).
+  Optionally ``reference_weight_grad(input, grad_output) -> Tensor``, the FP32 reference's weight gradient computed
+  directly; without it that gradient comes from autograd through the graph of ``reference_forward``.
 * **PyTorch QAT modules** (``torch.ao``) that carry ``weight_fake_quant`` and/or ``activation_post_process`` fake
   quantizers: their FP32 reference is the same ``forward`` with every fake quantizer and observer inside the module
   switched off (and restored, observers untouched).
@@ -89,19 +91,23 @@ def _fake_quantizers(module: nn.Module) -> list[nn.Module]:
     return found
 
 
-def comparison_stats(reference: Tensor, value: Tensor) -> ErrorStats:
+def comparison_stats(reference: Tensor, value: Tensor, *, error: bool = True) -> ErrorStats:
     """Partial sums comparing ``value`` with ``reference`` (output deviation, update direction, weight drift).
 
     Only the four sums the comparison metrics need (Σx², Σq², Σqx, Σ(q−x)²), as float32 BLAS dot products
     accumulated to float64: several times cheaper than :func:`~quantwatch.kernels.error_stats`, whose counts
     (underflow, overflow, non-finite) mean nothing for a comparison.  ``max_abs_err`` and ``amax`` are NaN (not
-    computed); the counts are 0.  Non-finite values make the sums NaN, which the metrics then report as ``"nan"``."""
+    computed), and so is ``Σ(q−x)²`` with ``error=False`` (for a cosine only, which then needs no ``q − x`` pass);
+    the counts are 0.  Non-finite values make the sums NaN, which the metrics then report as ``"nan"``."""
     x = reference.detach().reshape(-1).float()
     q = value.detach().reshape(-1).float()
     if x.numel() == 0:
         return ErrorStats.zeros(x.device)
-    err = q - x
-    sums = torch.stack([torch.dot(x, x), torch.dot(q, q), torch.dot(q, x), torch.dot(err, err)]).double()
+    dots = [torch.dot(x, x), torch.dot(q, q), torch.dot(q, x)]
+    if error:
+        err = q - x
+        dots.append(torch.dot(err, err))
+    sums = torch.stack(dots).double()
     zero = sums.new_zeros(())
     nan = torch.full((), float("nan"), dtype=torch.float64, device=sums.device)
     return ErrorStats(
@@ -109,7 +115,7 @@ def comparison_stats(reference: Tensor, value: Tensor) -> ErrorStats:
         sum_x2=sums[0],
         sum_q2=sums[1],
         sum_qx=sums[2],
-        sum_err2=sums[3],
+        sum_err2=sums[3] if error else nan,
         max_abs_err=nan,
         amax=nan,
         nonzero_count=zero,
@@ -189,6 +195,10 @@ class _ShadowedModuleAdapter(LayerAdapter):
         """The FP32 reference output for input ``x``."""
         raise TypeError(f"{type(self).__name__} has no reference")
 
+    def reference_weight_grad(self) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """``(input, grad_output) -> weight gradient`` of the FP32 reference, or None to use autograd."""
+        return None
+
     def arm(self, kinds: frozenset[int]) -> None:
         """Hook the module's forward when the output or update kinds are needed."""
         super().arm(kinds)
@@ -214,19 +224,25 @@ class _ShadowedModuleAdapter(LayerAdapter):
     def _compare(self, x: Tensor, output: Tensor) -> None:
         weight = self.weight
         want_update = KIND_UPDATE in self.kinds and output.requires_grad and weight is not None and weight.requires_grad
-        self._in_reference = True
-        try:
-            with torch.set_grad_enabled(want_update):
-                reference = self.reference(x.detach())
-        finally:
-            self._in_reference = False
-        if KIND_OUTPUT in self.kinds:
-            self.record(KIND_OUTPUT, comparison_stats(reference, output))
+        # update_cosine: the quantized path's weight gradient (seen by a hook on the weight) against the FP32
+        # reference gradient of the same layer and batch, from the output gradient of the quantized path and either
+        # the module's direct formula or the reference graph built here (a local backward through this layer only).
+        direct_grad = self.reference_weight_grad() if want_update else None
+        through_graph = want_update and direct_grad is None
+        if KIND_OUTPUT in self.kinds or through_graph:
+            self._in_reference = True
+            try:
+                with torch.set_grad_enabled(through_graph):
+                    reference = self.reference(x.detach())
+            finally:
+                self._in_reference = False
+            if KIND_OUTPUT in self.kinds:
+                self.record(KIND_OUTPUT, comparison_stats(reference, output))
+            if through_graph and weight is not None:
+                output.register_hook(functools.partial(self._on_output_grad, reference, weight))  # type: ignore[no-untyped-call]
+        if direct_grad is not None:
+            output.register_hook(functools.partial(self._on_output_grad_direct, direct_grad, x.detach()))  # type: ignore[no-untyped-call]
         if want_update and weight is not None:
-            # update_cosine: the quantized path's weight gradient (seen by a hook on the weight) against the FP32
-            # reference gradient of the same layer and batch, from the reference graph built above and the output
-            # gradient of the quantized path (a local backward through this layer only).
-            output.register_hook(functools.partial(self._on_output_grad, reference, weight))  # type: ignore[no-untyped-call]
             self._handles.append(weight.register_hook(self._on_weight_grad))  # type: ignore[no-untyped-call]
 
     def _on_output_grad(self, reference: Tensor, weight: Tensor, grad_output: Tensor) -> None:
@@ -240,6 +256,14 @@ class _ShadowedModuleAdapter(LayerAdapter):
 
         self._guard("reference_grad", compute)
 
+    def _on_output_grad_direct(
+        self, direct_grad: Callable[[Tensor, Tensor], Tensor], x: Tensor, grad_output: Tensor
+    ) -> None:
+        def compute() -> None:
+            self._pending_reference_grads.append(direct_grad(x, grad_output.detach()))
+
+        self._guard("reference_grad", compute)
+
     def _on_weight_grad(self, grad: Tensor) -> None:
         if self._computing_reference_grad:
             return  # the hook also sees the reference gradient being computed: only the quantized path's counts
@@ -249,7 +273,8 @@ class _ShadowedModuleAdapter(LayerAdapter):
                 return
             reference_grad = self._pending_reference_grads.popleft()
             if reference_grad is not None:
-                self.record(KIND_UPDATE, comparison_stats(reference_grad, grad))
+                # update_cosine reads the cosine only: no Σ(q−x)² pass over the gradient.
+                self.record(KIND_UPDATE, comparison_stats(reference_grad, grad, error=False))
 
         self._guard("update_compare", compare)
 
@@ -263,6 +288,11 @@ class ModuleAdapter(_ShadowedModuleAdapter):
         if not isinstance(out, Tensor):
             raise TypeError(f"reference_forward must return a Tensor, got {type(out).__name__}")
         return out
+
+    def reference_weight_grad(self) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """``module.reference_weight_grad`` when the module has it."""
+        method = getattr(self.module, "reference_weight_grad", None)
+        return method if callable(method) else None
 
     def scale(self) -> Tensor | None:
         """``module.input_quantizer.last_scale`` reduced to its largest value."""

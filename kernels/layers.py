@@ -32,7 +32,8 @@ class QuantLinear(nn.Linear):
     The observer seen at forward time is the one used for that step's backward. Exceptions from the observer
     propagate; the agent's observer must not raise.
 
-    `reference_forward` computes the FP32 shadow output of the same weights and bias without any quantization.
+    `reference_forward` computes the FP32 shadow output of the same weights and bias without any quantization, and
+    `reference_weight_grad` that shadow's weight gradient.
     """
 
     def __init__(
@@ -108,6 +109,13 @@ class QuantLinear(nn.Linear):
     def reference_forward(self, input: Tensor) -> Tensor:
         """The FP32 shadow: ``input @ weight.T + bias``, same Parameters, no quantization (differentiable)."""
         return linear(input, self.weight, self.bias)
+
+    def reference_weight_grad(self, input: Tensor, grad_output: Tensor) -> Tensor:
+        """The FP32 shadow's weight gradient for ``input`` and output gradient ``grad_output``.
+
+        ``grad_outputᵀ @ input`` summed over every leading dimension, as one matmul: what autograd through
+        `reference_forward` gives, without building its graph (about half its cost on the CPU)."""
+        return grad_output.reshape(-1, self.out_features).T.mm(input.reshape(-1, self.in_features))
 
     def extra_repr(self) -> str:
         """nn.Linear's description plus whether an observer is attached."""

@@ -187,6 +187,40 @@ def test_update_cosine_matches_hand_computed_gradients_with_micro_batches() -> N
     assert sink.value("update_cosine", "2", 0) == pytest.approx(dots / math.sqrt(qn * rn), rel=1e-5)
 
 
+def test_quant_linear_update_cosine_from_its_direct_reference_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    # QuantLinear gives its FP32 reference weight gradient directly: with update_cosine alone no reference forward
+    # runs, and over two micro-batches the figure is the hand-computed cosine of both gradient pairs.
+    from quantwatch.kernels import QuantLinear, QuantSpec, quantize
+
+    torch.manual_seed(3)
+    layer = QuantLinear(8, 4, weight=QuantSpec("fp8_e4m3"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2"))
+    reference_calls: list[Tensor] = []
+    real_reference = layer.reference_forward
+    monkeypatch.setattr(layer, "reference_forward", lambda x: reference_calls.append(x) or real_reference(x))
+    captured: list[tuple[Tensor, Tensor]] = []
+
+    def on_output(m: nn.Module, a: tuple[Tensor, ...], o: Tensor) -> None:
+        o.register_hook(lambda g: captured.append((a[0].detach(), g.detach())))
+
+    layer.register_forward_hook(on_output)
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(nn.Sequential(layer), run="direct", exporter=sink, metrics=["update_cosine"], every=1)
+    for _ in range(2):
+        layer(torch.randn(3, 5, 8)).square().mean().backward()
+    monitor.step()
+    assert monitor.close(10)
+    assert reference_calls == []
+    dots = qn = rn = 0.0
+    for xin, dy in captured:
+        q = quantize(dy, "fp8_e5m2", "tensor").reshape(-1, 4).T @ quantize(xin, "fp8_e4m3", "tensor").reshape(-1, 8)
+        r = dy.reshape(-1, 4).T @ xin.reshape(-1, 8)
+        dots += float((q.double() * r.double()).sum())
+        qn += float(q.double().square().sum())
+        rn += float(r.double().square().sum())
+    assert len(captured) == 2
+    assert sink.value("update_cosine", "0", 0) == pytest.approx(dots / math.sqrt(qn * rn), rel=1e-5)
+
+
 def test_non_finite_input_is_counted_not_raised() -> None:
     model = _model()
     sink = qw.InMemoryExporter()

@@ -35,6 +35,19 @@ def test_reference_forward_equals_nn_linear() -> None:
     assert error_stats(plain(x), out).rel_l2.item() < 0.3
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("leading", [(), (5,), (2, 3)], ids=["1d", "2d", "3d"])
+def test_reference_weight_grad_equals_autograd_through_reference_forward(leading: tuple[int, ...], bias: bool) -> None:
+    torch.manual_seed(5)
+    layer = QuantLinear(6, 4, bias=bias)
+    x = torch.randn(*leading, 6)
+    upstream = torch.randn(*leading, 4)
+    (expected,) = torch.autograd.grad(layer.reference_forward(x), layer.weight, upstream)
+    got = layer.reference_weight_grad(x, upstream)
+    assert got.shape == layer.weight.shape
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_forward_is_linear_of_the_quantized_tensors() -> None:
     torch.manual_seed(1)
     layer = QuantLinear(16, 8, weight=QuantSpec("fp8_e4m3"), input=QuantSpec("int8", scaling="channel:0"), grad=None)

@@ -59,6 +59,23 @@ def test_error_stats_match_numpy(fmt: str, scale: float, seed: int, nonfinite: b
     assert all(getattr(stats, f).dtype == torch.float64 and getattr(stats, f).dim() == 0 for f in ErrorStats.FIELDS)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_error_stats_without_a_format_match_numpy(dtype: torch.dtype) -> None:
+    # No overflow mask and no underflow mask: underflows are found from x and q, in the tensor's own dtype.
+    rng = np.random.default_rng(11)
+    x = torch.from_numpy(rng.standard_normal((40, 24)) * np.logspace(-30, 3, 24)).to(dtype)
+    x[0, :3] = torch.tensor([0.0, -0.0, 5e-39], dtype=torch.float64).to(dtype)
+    q = quantize(x, "fp8_e5m2", "tensor")
+    x_before, q_before = x.clone(), q.clone()
+    got = error_stats(x, q).to_dict()
+    assert torch.equal(x, x_before)
+    assert torch.equal(q, q_before)  # float64 q is not converted, so not copied either: it must stay untouched
+    expected = numpy_stats(x.double().numpy(), q.double().numpy(), None)
+    assert got["underflow_count"] > 0
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(float(value), rel=1e-12, abs=0), name
+
+
 @pytest.mark.parametrize(
     ("fmt", "scaling"), [("fp8_e4m3", "tensor"), ("mxfp4", None), ("nvfp4", None), ("int8", "channel")]
 )
