@@ -9,6 +9,12 @@ limit, with the ratios fused / x.sum and fused / reference.
 
 ``--cpu-time`` runs on one thread and takes the fastest call by thread CPU time instead of the median wall time:
 on a machine shared with other work that figure moves far less (it still counts memory stalls).
+
+The line ``x * 2 read+write`` is the floor of any operation that returns a new tensor of x's size: glibc maps an
+allocation this large fresh from the kernel and unmaps it on free, so every call pays a page fault per 4 KiB of
+output (about as much CPU time as the rest of the fused kernel). Run with
+``MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296`` (glibc keeps freed memory) or
+``THP_MEM_ALLOC_ENABLE=1`` (torch asks for huge pages) to measure the kernels without that cost.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ def main() -> None:
     print(f"x: {tuple(x.shape)} float32 = {gigabytes * 1e3:.0f} MB; {how} of {args.repeats} calls after warm-up")
     read = gigabytes / seconds_per_call(lambda: x.sum().item(), args.repeats * 4, device, args.cpu_time)
     print(f"{'x.sum() read':<24}{read:>10.3f} GB/s")
+    double = gigabytes / seconds_per_call(lambda: x * 2, args.repeats * 4, device, args.cpu_time)
+    print(f"{'x * 2 read+write':<24}{double:>10.3f} GB/s ({double / read:.3f} × x.sum)")
     print(f"{'case':<24}{'reference GB/s':>16}{'fused GB/s':>12}{'fused/x.sum':>13}{'fused/ref':>11}")
     for label, fmt, scaling in CASES:
         reference = gigabytes / seconds_per_call(

@@ -1,14 +1,17 @@
 """The fused CPU fast path: quantize and every error statistic in one ``torch.compile``-generated pass.
 
-The cast here is written independently of the reference, on bit patterns (the binade exponent is read from the
-float32 exponent field, powers of two are assembled from bits), which is how a vectorising compiler wants it; tests
-hold it bit-exact against `reference.quantize_reference`. Each configuration (format, scaling, rounding, saturation,
-statistics on/off) is compiled once into its own function, and Dynamo marks shapes dynamic after the first change,
-so a training loop reuses the same kernels.
+The cast here is written independently of the reference: under round-to-nearest, minifloats round in float32
+arithmetic alone (`cast_nearest`: Veltkamp splitting, a magic-number add), which Inductor vectorises; stochastic
+rounding and integers round on scaled values whose powers of two are assembled from bits (`cast_bits`). Tests hold
+both bit-exact against `reference.quantize_reference`. With statistics, the first run assumes every element finite and
+sums without masks; `quantize_fused` reruns the masked kernels when the sums show otherwise. Each configuration
+(format, scaling, rounding, saturation, statistics on/off, finite or masked) is compiled once into its own function,
+and Dynamo marks shapes dynamic after the first change, so a training loop reuses the same kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from collections.abc import Callable
@@ -33,7 +36,7 @@ from .reference import from_blocks, to_blocks
 from .stats import ErrorStats
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_NUMEL = 1 << 32
+MAX_NUMEL = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class FusedConfig:
     saturate: bool
     with_stats: bool
     given_scale: bool
+    assume_finite: bool
 
 
 def element_unsupported_reason(x: Tensor, fmt: FormatSpec) -> str | None:
@@ -63,7 +67,7 @@ def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> str | N
     if reason is not None:
         return reason
     if x.numel() >= MAX_NUMEL:
-        return f"tensors of {MAX_NUMEL} elements or more (packed 32-bit counts)"
+        return f"tensors of {MAX_NUMEL} elements or more (32-bit counts)"
     return None
 
 
@@ -113,6 +117,45 @@ def cast_bits(v: Tensor, fmt: FormatSpec, saturate: bool, noise: Tensor | None) 
     return torch.where(v != v, torch.nan, torch.copysign(result, v)), too_big & finite
 
 
+def cast_nearest(v: Tensor, fmt: FormatSpec, saturate: bool) -> Tensor:
+    """`cast_bits` under round-to-nearest-even for minifloats, in float32 arithmetic alone (no bit casts).
+
+    Inductor's CPU code casts float32 to int32 bits one element at a time; these operations all vectorise. Normal
+    values round by Veltkamp splitting: with ``c = a·(2^(23−m) + 1)``, ``c − (c − a)`` is ``a`` rounded to m
+    mantissa bits, ties to even (exact in float32 while ``c`` does not overflow, hence the clamp to 2^(emax+2), which
+    still rounds past the maximum). Below the smallest normal the format's spacing is fixed at 2^(emin−m), and adding
+    then subtracting ``2^(emin−m+23)`` rounds to it (the sum's last place is that spacing). Overflow is decided on the
+    input, as in `nearest_overflow`.
+    """
+    threshold, ties_up = overflow_threshold(fmt)
+    a = v.abs()
+    beyond = (a >= threshold) if ties_up else (a > threshold)
+    bound = 2.0 ** (fmt.emax + 2)
+    clamped = torch.where(a > bound, bound, a)
+    split = clamped * (2.0 ** (23 - fmt.mantissa_bits) + 1)
+    normal = split - (split - clamped)
+    magic = 2.0 ** (fmt.emin - fmt.mantissa_bits + 23)
+    subnormal = (clamped + magic) - magic
+    rounded = torch.where(clamped < 2.0**fmt.emin, subnormal, normal)
+    if saturate or fmt.special is Special.NONE:
+        rounded = torch.where(beyond, fmt.max_value, rounded)
+    elif fmt.special is Special.IEEE:
+        rounded = torch.where(beyond, torch.inf, rounded)
+    else:
+        rounded = torch.where(beyond, torch.nan, rounded)
+    # torch.copysign compiles to a library call, which makes the compiler spill every vector register around it;
+    # negating where v < 0 does not, and zero results take v's sign from v · 0 (v is finite there).
+    signed = torch.where(v < 0, -rounded, rounded)
+    signed = torch.where(rounded == 0, v * 0.0, signed)
+    return torch.where(v != v, torch.nan, signed)
+
+
+def _cast(v: Tensor, fmt: FormatSpec, saturate: bool, noise: Tensor | None) -> Tensor:
+    if noise is None and fmt.kind is Kind.FLOAT:
+        return cast_nearest(v, fmt, saturate)
+    return cast_bits(v, fmt, saturate, noise)[0]
+
+
 def overflow_threshold(fmt: FormatSpec) -> tuple[float, bool]:
     """(T, ties_up): round-to-nearest-even takes ``|v|`` past the maximum iff ``|v| > T`` or (``|v| == T`` and ties_up).
 
@@ -150,7 +193,7 @@ def _tensor_scale(amax: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> Tensor:
 
 
 def _scales(
-    v: Tensor, finite_abs: Tensor, amax: Tensor, given: Tensor | None, config: FusedConfig
+    v: Tensor, finite_abs: Tensor, amax: Tensor, block_amax: Tensor, given: Tensor | None, config: FusedConfig
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(element scale broadcastable to v, scale to report, NVFP4 tensor scale)."""
     fmt, spec = config.fmt, config.scaling
@@ -166,7 +209,6 @@ def _scales(
             channel_amax = finite_abs.amax(dim=dims, keepdim=True) if dims else finite_abs
         scale = _tensor_scale(channel_amax, fmt, ScalingSpec(Scaling.TENSOR))
         return scale, scale, None
-    block_amax = finite_abs.amax(dim=-1, keepdim=True)
     if spec.kind is Scaling.BLOCK:
         shared = (binade_exponent(block_amax) - fmt.emax).clamp(E8M0_EXPONENT_MIN, E8M0_EXPONENT_MAX)
         scale = pow2_bits(shared)
@@ -193,28 +235,35 @@ def fused_quantize(
         v = to_blocks(v, spec.block_size)
         xs = to_blocks(x, spec.block_size)
         noise = to_blocks(noise, spec.block_size) if noise is not None else None
-    finite_x = torch.isfinite(v)
-    finite_abs = torch.where(finite_x, v.abs(), 0.0)
-    amax = finite_abs.amax()
+    # Assuming every element finite, |x| needs no mask; `quantize_fused` checks the sums and reruns masked otherwise.
+    finite_abs = v.abs() if config.assume_finite else torch.where(torch.isfinite(v), v.abs(), 0.0)
+    # Blocked: the tensor's amax is the largest block amax, which spares Inductor a third pass over x.
+    block_amax = finite_abs.amax(dim=-1, keepdim=True) if blocked else finite_abs
+    amax = block_amax.amax()
     if spec.kind is Scaling.NONE:
         scaled = v
-        q, overflow = cast_bits(v, fmt, config.saturate, noise)
+        element_scale = None
         scale_out: Tensor = torch.ones((), dtype=torch.float32, device=x.device)
         tensor_scale = None
     else:
-        element_scale, scale_out, tensor_scale = _scales(v, finite_abs, amax, given_scale, config)
+        element_scale, scale_out, tensor_scale = _scales(v, finite_abs, amax, block_amax, given_scale, config)
         scaled = v / element_scale
-        cast, overflow = cast_bits(scaled, fmt, config.saturate, noise)
-        q = cast * element_scale
     if noise is None:
-        # The same mask from the input side; the cast's own mask made Inductor store it and re-read it in a second
-        # pass for NVFP4.
+        q = _cast(scaled, fmt, config.saturate, None)
+        # The overflow mask from the input side; the cast's own mask made Inductor store it and re-read it in a
+        # second pass for NVFP4.
         overflow = nearest_overflow(scaled, fmt)
-    values = q.to(x.dtype)
-    if config.with_stats:
-        stats = _stats_vector(xs, values, overflow, amax, x.numel())
     else:
+        q, overflow = cast_bits(scaled, fmt, config.saturate, noise)
+    if element_scale is not None:
+        q = q * element_scale
+    values = q.to(x.dtype)
+    if not config.with_stats:
         stats = torch.zeros(len(ErrorStats.FIELDS), dtype=torch.float64, device=x.device)
+    elif config.assume_finite:
+        stats = _finite_stats_vector(xs, values, overflow, amax, x.numel())
+    else:
+        stats = _stats_vector(xs, values, overflow, amax, x.numel())
     if blocked:
         values = from_blocks(values, x.shape)
     return values, stats, scale_out, amax, tensor_scale
@@ -249,6 +298,32 @@ def _stats_vector(x: Tensor, q: Tensor, overflow: Tensor, amax: Tensor, numel: i
             sums,
             torch.stack([err.abs().amax(), amax.to(torch.float64)]),
             counts.to(torch.float64),
+        ]
+    )
+
+
+def _finite_stats_vector(x: Tensor, q: Tensor, overflow: Tensor, amax: Tensor, numel: int) -> Tensor:
+    # `_stats_vector` for tensors whose x and q are all finite, without masks: float64 squares of float32 values
+    # cannot overflow, so the sums are finite exactly when every element is, which `quantize_fused` checks.
+    xd = x.to(torch.float64)
+    qd = q.to(torch.float64)
+    err = qd - xd
+    sums = torch.stack([(xd * xd).sum(), (qd * qd).sum(), (qd * xd).sum(), (err * err).sum()])
+    # In float32 the largest |q − x| is the float64 one rounded once (rounding is monotonic): within 2^-24.
+    max_err = (q.to(torch.float32) - x.to(torch.float32)).abs().amax()
+    # 32-bit counts (numel < 2^31, see MAX_NUMEL) are one vector add each; 64-bit ones doubled the loop. A finite
+    # zero always quantizes to zero, so the underflows are the zeros of q less those of x (both counted over x's
+    # blocks, padding included).
+    nonzero = (x != 0).sum(dtype=torch.int32)
+    zeros_q = (q == 0).sum(dtype=torch.int32)
+    counts = torch.stack([nonzero, zeros_q - (x.numel() - nonzero), overflow.sum(dtype=torch.int32)])
+    return torch.cat(
+        [
+            torch.full((1,), numel, dtype=torch.float64, device=x.device),
+            sums,
+            torch.stack([max_err, amax]).to(torch.float64),
+            counts.to(torch.float64),
+            torch.zeros(1, dtype=torch.float64, device=x.device),
         ]
     )
 
@@ -290,10 +365,16 @@ def quantize_fused(
     Raises `BackendUnavailableError` when this quantization is unsupported or torch.compile cannot build it.
     """
     check_supported(x, fmt, spec)
-    config = FusedConfig(fmt, spec, rounding is Rounding.STOCHASTIC, saturate, with_stats, scale is not None)
+    config = FusedConfig(
+        fmt, spec, rounding is Rounding.STOCHASTIC, saturate, with_stats, scale is not None, with_stats
+    )
     given = scale.to(device=x.device, dtype=torch.float32) if scale is not None else None
     try:
         values, stats, scale_out, amax, _ = compiled_for(config)(x.detach(), noise, given)
+        if with_stats and not bool(torch.isfinite(stats[1] + stats[2])):
+            # Some x or q is NaN or infinite: the unmasked amax and sums do not hold, so run the masked kernels.
+            masked = dataclasses.replace(config, assume_finite=False)
+            values, stats, scale_out, amax, _ = compiled_for(masked)(x.detach(), noise, given)
     except (RuntimeError, OSError, ImportError) as error:
         raise BackendUnavailableError(f"torch.compile could not build the fused kernel: {error}") from error
     return values, ErrorStats.from_tensor(stats) if with_stats else None, scale_out, amax
