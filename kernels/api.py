@@ -161,7 +161,7 @@ def quantize(
             raise BackendUnavailableError("return_details is computed by the reference backend only")
         details = quantize_reference(x, element, spec, rounding_mode, saturate, generator, scale)
         if with_stats:
-            return details, stats_from_masks(x, details.values, details.overflow_mask, details.underflow_mask)
+            return details, reference_stats(x, details)
         return details
     values, stats = quantize_with_backend(
         x, element, spec, rounding_mode, saturate, generator, requested, with_stats, scale
@@ -201,5 +201,17 @@ def quantize_with_backend(
                 raise
             log.warning("quantwatch.kernels: %s backend unavailable; using the reference", chosen.value, exc_info=True)
     details = quantize_reference(x, element, spec, rounding, saturate, generator, scale, noise)
-    stats = stats_from_masks(x, details.values, details.overflow_mask, details.underflow_mask) if with_stats else None
+    stats = reference_stats(x, details) if with_stats else None
     return details.values, stats, details.scale, details.amax
+
+
+def reference_stats(x: Tensor, details: QuantDetails) -> ErrorStats:
+    """`ErrorStats` of a reference quantization, reusing its masks and amax (float32, so exact unless x is float64)."""
+    return stats_from_masks(
+        x,
+        details.values,
+        details.overflow_mask,
+        details.underflow_mask,
+        nonzero_mask=details.nonzero_mask,
+        amax=details.amax if x.dtype != torch.float64 else None,
+    )

@@ -55,6 +55,7 @@ class QuantDetails:
     amax: Tensor
     overflow_mask: Tensor
     underflow_mask: Tensor
+    nonzero_mask: Tensor
     nonfinite_mask: Tensor
     fmt: FormatSpec
     scaling: ScalingSpec
@@ -303,13 +304,15 @@ def _details(
 ) -> QuantDetails:
     values = q.to(x.dtype)
     finite = torch.isfinite(x)
+    nonzero = finite & (x != 0)
     return QuantDetails(
         values=values,
         scale=scale,
         tensor_scale=tensor_scale,
         amax=amax,
         overflow_mask=overflow & finite,
-        underflow_mask=finite & (x != 0) & (values == 0),
+        underflow_mask=nonzero & (values == 0),
+        nonzero_mask=nonzero,
         nonfinite_mask=~finite,
         fmt=fmt,
         scaling=scaling,
@@ -327,6 +330,7 @@ def empty_details(x: Tensor, fmt: FormatSpec, scaling: ScalingSpec) -> QuantDeta
         amax=torch.zeros((), dtype=torch.float32, device=x.device),
         overflow_mask=empty_mask,
         underflow_mask=empty_mask,
+        nonzero_mask=empty_mask,
         nonfinite_mask=empty_mask,
         fmt=fmt,
         scaling=scaling,
