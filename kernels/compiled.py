@@ -29,10 +29,9 @@ from .formats import (
     NVFP4_BLOCK_SCALE_MIN,
     FormatSpec,
     Kind,
-    Special,
 )
 from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
-from .reference import from_blocks, to_blocks
+from .reference import from_blocks, replace_overflow, to_blocks
 from .stats import ErrorStats
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -107,12 +106,7 @@ def cast_bits(v: Tensor, fmt: FormatSpec, saturate: bool, noise: Tensor | None) 
     result = rounded * pow2_bits(exponent - fmt.mantissa_bits)
     too_big = result > fmt.max_value
     overflow = too_big | ~finite
-    if saturate or fmt.special is Special.NONE:
-        result = torch.where(overflow, fmt.max_value, result)
-    elif fmt.special is Special.IEEE:
-        result = torch.where(overflow, torch.inf, result)
-    else:
-        result = torch.where(overflow, torch.nan, result)
+    result = replace_overflow(result, overflow, fmt, saturate)
     # `v != v` is NaN; Inductor vectorises the comparison but not torch.isnan (a scalar loop, half the runtime).
     return torch.where(v != v, torch.nan, torch.copysign(result, v)), too_big & finite
 
@@ -137,12 +131,7 @@ def cast_nearest(v: Tensor, fmt: FormatSpec, saturate: bool) -> Tensor:
     magic = 2.0 ** (fmt.emin - fmt.mantissa_bits + 23)
     subnormal = (clamped + magic) - magic
     rounded = torch.where(clamped < 2.0**fmt.emin, subnormal, normal)
-    if saturate or fmt.special is Special.NONE:
-        rounded = torch.where(beyond, fmt.max_value, rounded)
-    elif fmt.special is Special.IEEE:
-        rounded = torch.where(beyond, torch.inf, rounded)
-    else:
-        rounded = torch.where(beyond, torch.nan, rounded)
+    rounded = replace_overflow(rounded, beyond, fmt, saturate)
     # torch.copysign compiles to a library call, which makes the compiler spill every vector register around it;
     # negating where v < 0 does not, and zero results take v's sign from v · 0 (v is finite there).
     signed = torch.where(v < 0, -rounded, rounded)

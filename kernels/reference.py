@@ -111,6 +111,16 @@ def cast_to_format(
     return cast_with_overflow(v, fmt, rounding, saturate, noise)[0]
 
 
+def replace_overflow(result: Tensor, overflow: Tensor, fmt: FormatSpec, saturate: bool) -> Tensor:
+    """``result`` with its ``overflow`` elements replaced as the format defines (magnitudes; callers apply the sign):
+    the maximum when saturating or for formats without inf/NaN, inf for IEEE-style formats, NaN for the others."""
+    if saturate or fmt.special is Special.NONE:
+        return torch.where(overflow, fmt.max_value, result)
+    if fmt.special is Special.IEEE:
+        return torch.where(overflow, torch.inf, result)
+    return torch.where(overflow, torch.nan, result)
+
+
 def cast_with_overflow(
     v: Tensor,
     fmt: FormatSpec,
@@ -135,12 +145,7 @@ def cast_with_overflow(
     rounded = _round_integer(a * exact_pow2(shift, a.dtype), rounding, noise) * exact_pow2(-shift, a.dtype)
     too_big = rounded > fmt.max_value
     overflow = too_big | ~finite
-    if saturate or fmt.special is Special.NONE:
-        rounded = torch.where(overflow, fmt.max_value, rounded)
-    elif fmt.special is Special.IEEE:
-        rounded = torch.where(overflow, torch.inf, rounded)
-    else:
-        rounded = torch.where(overflow, torch.nan, rounded)
+    rounded = replace_overflow(rounded, overflow, fmt, saturate)
     if fmt.kind is Kind.SCALE:
         rounded = torch.where(rounded < fmt.min_normal, fmt.min_normal, rounded)
         return torch.where(v > 0, rounded, torch.nan), too_big & finite
