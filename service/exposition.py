@@ -14,6 +14,7 @@ runs that send nothing for ``run_ttl_seconds`` drop out.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import re
 import threading
@@ -148,8 +149,10 @@ def run_family_name(scalar: str) -> str:
     return _family_name(RUN_SCALAR_FAMILIES, "quantwatch_run_", scalar)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _escape_label_value(value: str) -> str:
-    # The text format's escaping, byte for byte what prometheus_client writes.
+    # The text format's escaping, byte for byte what prometheus_client writes. Memoised: the same run, layer and rule
+    # names come back in every scrape.
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
@@ -472,8 +475,8 @@ class _FastFamily(Metric, ABC):
         super().__init__(name, documentation, "gauge")
 
     @abstractmethod
-    def rendered(self) -> bytes:
-        """The sample lines of the family."""
+    def rendered(self) -> list[bytes]:
+        """The sample lines of the family, in pieces to be concatenated."""
 
     @abstractmethod
     def build_samples(self) -> list[Sample]:
@@ -497,9 +500,9 @@ class _LayerGaugeFamily(_FastFamily):
         super().__init__(family.name, documentation)
         self._family = family
 
-    def rendered(self) -> bytes:
-        """The sample lines of every run, as rendered by the cache."""
-        return b"".join(slot.text or b"" for _, slot in self._family.chunks)
+    def rendered(self) -> list[bytes]:
+        """The sample lines of every run, as rendered by the cache (joined once, with the whole exposition)."""
+        return [slot.text or b"" for _, slot in self._family.chunks]
 
     def build_samples(self) -> list[Sample]:
         """Samples built from the cached arrays."""
@@ -523,7 +526,7 @@ class _RowsGaugeFamily(_FastFamily):
         """Add one sample with label ``values`` in the order of the family's label names."""
         self._rows.append((tuple(values), float(value)))
 
-    def rendered(self) -> bytes:
+    def rendered(self) -> list[bytes]:
         """The sample lines, in the order the rows were added."""
         names = [self._labels[i] for i in self._order]
         lines = []
@@ -532,7 +535,7 @@ class _RowsGaugeFamily(_FastFamily):
                 f'{name}="{_escape_label_value(values[i])}"' for name, i in zip(names, self._order, strict=True)
             )
             lines.append(f"{self.name}{{{labels}}} {_go_float(value)}\n")
-        return "".join(lines).encode()
+        return ["".join(lines).encode()]
 
     def build_samples(self) -> list[Sample]:
         """Samples of the rows."""
@@ -838,7 +841,7 @@ def render_exposition(registry: CollectorRegistry) -> bytes:
             doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
             header = f"# HELP {metric.name} {doc}\n# TYPE {metric.name} gauge\n"
             parts.append(header.encode())
-            parts.append(metric.rendered())
+            parts.extend(metric.rendered())
         else:
             parts.append(generate_latest(_Single(metric)))
     return b"".join(parts)
