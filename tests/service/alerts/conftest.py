@@ -28,6 +28,9 @@ class Receiver:
         self.port = port or free_port()
         self.requests: list[tuple[dict[str, str], bytes]] = []
         self.answers: list[tuple[int, dict[str, str]]] = []
+        # (webhook-id, status code, body) of each request, in the order the answers were handed out: requests arrive
+        # concurrently, so ``requests`` (recorded once answered) need not be in that order.
+        self.answered: list[tuple[str, int, bytes]] = []
         self.arrived = threading.Condition()
         self._server: ThreadingHTTPServer | None = None
 
@@ -41,7 +44,9 @@ class Receiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length", "0")))
-                code, headers = owner.answers.pop(0) if owner.answers else (204, {})
+                with owner.arrived:
+                    code, headers = owner.answers.pop(0) if owner.answers else (204, {})
+                    owner.answered.append((self.headers.get("webhook-id", ""), code, body))
                 self.send_response(code)
                 for key, value in headers.items():
                     self.send_header(key, value)
