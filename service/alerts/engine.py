@@ -96,19 +96,9 @@ _EPISODE_COLUMNS = (
     "labels",
     "annotations",
 )
-_EPISODE_CHANGES = (
-    "state",
-    "ranks",
-    "step",
-    "value",
-    "value_text",
-    "firing_step",
-    "firing_at",
-    "resolved_step",
-    "resolved_at",
-    "labels",
-    "annotations",
-)
+# What a later batch may change on an episode: everything but its identity and when it opened.
+_EPISODE_FIXED = frozenset({"rule_id", "rule_name", "run", "layer", "severity", "pending_step", "pending_at"})
+_EPISODE_CHANGES = tuple(name for name in _EPISODE_COLUMNS if name not in _EPISODE_FIXED)
 _STATUS = {status.value: status for status in SeriesStatus}
 _EPISODE_UPDATE = update(_EPISODES).where(_EPISODES.c.id == bindparam("b_id"))
 _GROUP_UPDATE = update(_GROUPS).where(
