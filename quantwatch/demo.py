@@ -162,16 +162,16 @@ def demo_rules(recipe: str, receiver_url: str, secret: str) -> dict[str, Any]:
 
 
 def make_recipe(name: str) -> Recipe:
-    """The demo's quantization recipe ``name`` (one of :data:`RECIPES`); ``ValueError`` names the choices."""
-    if name == "mixed":
-        return Recipe(
-            rules=[("*.attn.*", _FP8), ("head", _FP8), (PER_TENSOR_FP4_LAYER, _FP4_PER_TENSOR), ("*.mlp.*", _NVFP4)]
-        )
-    if name == "fp8":
-        return Recipe(rules=[("*", _FP8)])
-    if name == "fp4":
-        return Recipe(rules=[("head", _FP8), ("*", _NVFP4)])
-    raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {name!r}")
+    """The demo's quantization recipe ``name`` (one of :data:`RECIPES`); ``ValueError`` names the choices.
+
+    The layers of each format are those :func:`demo_rules` scopes its thresholds by; in ``mixed`` the per-tensor FP4
+    layer comes first (the first matching glob wins).
+    """
+    if name not in _FORMAT_LAYERS:
+        raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {name!r}")
+    fp8_layers, fp4_layers = _FORMAT_LAYERS[name]
+    per_tensor = [(PER_TENSOR_FP4_LAYER, _FP4_PER_TENSOR)] if name == "mixed" else []
+    return Recipe(rules=[*((glob, _FP8) for glob in fp8_layers), *per_tensor, *((glob, _NVFP4) for glob in fp4_layers)])
 
 
 # --------------------------------------------------------------------------------------------------- model and task
