@@ -4,7 +4,6 @@
 "use strict";
 
 const API = "api/v1";
-const THRESHOLD = 0.05; // the default rule: output deviation above 5% (ratios are stored as ratios)
 const LIVE_INTERVAL_MS = 5000;
 const MAX_HEATMAP_COLUMNS = 500;
 const TOKEN_KEY = "quantwatch.token";
@@ -24,6 +23,7 @@ const state = {
   step: null,
   rank: null, // null: the collector's default (rank 0)
   alertState: "",
+  rules: [], // GET /rules: the alert rules, whose bounds the heatmap and the charts draw
   heatmap: null, // last heatmap answer plus derived colours
   series: null,
   loss: null,
@@ -101,7 +101,7 @@ function toNumber(v) {
   return Number.isNaN(n) ? null : n;
 }
 
-function isThresholdMetric(metric) {
+function isRatioMetric(metric) {
   return /_rel_l2$|_ratio$/.test(metric || "");
 }
 
@@ -118,8 +118,13 @@ function formatValue(v, metric) {
   let text;
   if (abs !== 0 && (abs < 1e-3 || abs >= 1e6)) text = v.toExponential(3);
   else text = String(Number(v.toPrecision(5)));
-  if (isThresholdMetric(metric) && Number.isFinite(v)) text += ` (${(v * 100).toPrecision(3)}%)`;
+  if (isRatioMetric(metric) && Number.isFinite(v)) text += ` (${(v * 100).toPrecision(3)}%)`;
   return text;
+}
+
+function formatBound(bound, metric) {
+  const t = bound.threshold;
+  return `${bound.op} ${isRatioMetric(metric) ? `${Number((t * 100).toPrecision(4))}%` : formatTick(t)}`;
 }
 
 function formatTick(v) {
@@ -147,13 +152,103 @@ function formatTime(t) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Colour scales. Ratio metrics (…_rel_l2, …_ratio) get a log scale split at the 5% threshold: blues below, reds
-// above, so a breaching layer stands out at a glance. Other metrics get a sequential scale, reversed where a high
-// value is good (cosine, SQNR) so that bad always looks hot.
+// Alert rule bounds: what the collector's rules call a breach, per (metric, layer) of the open run, so the heatmap
+// and the charts mark the bound that actually alerts (a shipped 5% default, a rules file's 25% for FP4 layers, a
+// cosine floor of 0.95) instead of one constant.
+
+const globCache = new Map();
+
+// Python's fnmatch.fnmatchcase, which the collector matches rule globs with: *, ?, [seq], [!seq]; case-sensitive.
+function globRegExp(glob) {
+  let re = globCache.get(glob);
+  if (re) return re;
+  const escape = (text) => text.replace(/[.*+?^${}()|[\]\\/-]/g, "\\$&");
+  let source = "";
+  for (let i = 0; i < glob.length; i++) {
+    const ch = glob[i];
+    if (ch === "*") source += ".*";
+    else if (ch === "?") source += ".";
+    else if (ch === "[") {
+      let j = i + 1;
+      if (glob[j] === "!") j++;
+      if (glob[j] === "]") j++;
+      const close = glob.indexOf("]", j);
+      if (close < 0) {
+        source += "\\[";
+        continue;
+      }
+      let body = glob.slice(i + 1, close);
+      const negate = body.startsWith("!");
+      if (negate) body = body.slice(1);
+      source += `[${negate ? "^" : ""}${body.replace(/[\\\]\[^]/g, "\\$&")}]`;
+      i = close;
+    } else source += escape(ch);
+  }
+  re = new RegExp(`^(?:${source})$`, "s");
+  globCache.set(glob, re);
+  return re;
+}
+
+function globMatches(glob, name) {
+  return globRegExp(glob).test(name);
+}
+
+// A breach of `op threshold`: ">" and ">=" say high values are bad, "<" and "<=" low ones.
+function breaches(bound, v) {
+  switch (bound.op) {
+    case ">":
+      return v > bound.threshold;
+    case ">=":
+      return v >= bound.threshold;
+    case "<":
+      return v < bound.threshold;
+    default:
+      return v <= bound.threshold;
+  }
+}
+
+function lowIsBad(bound) {
+  return bound.op === "<" || bound.op === "<=";
+}
+
+// The enabled rules on `metric` that apply to the open run and to `layer`, one entry per distinct (op, threshold).
+function ruleBounds(metric, layer) {
+  const bounds = new Map();
+  for (const rule of state.rules) {
+    if (!rule.enabled || rule.metric !== metric || !globMatches(rule.runs || "*", state.run || "")) continue;
+    const globs = Array.isArray(rule.layers) ? rule.layers : [rule.layers || "*"];
+    if (!globs.some((g) => globMatches(g, layer))) continue;
+    const key = `${rule.op} ${rule.threshold}`;
+    const bound = bounds.get(key);
+    if (bound) bound.rules.push(rule.name);
+    else bounds.set(key, { op: rule.op, threshold: Number(rule.threshold), rules: [rule.name] });
+  }
+  return [...bounds.values()];
+}
+
+// The bound a layer's cells are coloured against: the tightest one in the metric's bad direction (the first to
+// breach), or null when no rule watches the layer.
+function rowBound(metric, layer) {
+  const bounds = ruleBounds(metric, layer);
+  if (bounds.length === 0) return null;
+  const wantLow = higherIsBetter(metric);
+  const sameWay = bounds.filter((b) => lowIsBad(b) === wantLow);
+  const pool = sameWay.length ? sameWay : bounds;
+  const low = lowIsBad(pool[0]);
+  return pool.filter((b) => lowIsBad(b) === low).reduce((a, b) => ((low ? b.threshold > a.threshold : b.threshold < a.threshold) ? b : a));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Colour scales. Where alert rules watch the metric, each layer's row is split at its own rule bound (`rowBound`):
+// blues on the safe side, reds past the bound, so a breaching layer stands out at a glance and an FP4 layer held to
+// 25% is not painted red for a 10% its rule accepts; rows no rule watches are grey. Ratio metrics (…_rel_l2, …_ratio)
+// are drawn on a log scale. Without any rule on the metric: a sequential scale, reversed where a high value is good
+// (cosine, SQNR) so that bad always looks hot.
 
 const BELOW = [[247, 251, 255], [198, 219, 239], [107, 174, 214], [33, 113, 181], [8, 48, 107]];
 const ABOVE = [[254, 217, 118], [253, 141, 60], [227, 26, 28], [128, 0, 38]];
 const SEQUENTIAL = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+const GREY = [[238, 238, 238], [48, 48, 48]];
 const NONFINITE = [209, 0, 209];
 const HATCH_DARK = [205, 210, 218];
 const HATCH_LIGHT = [238, 240, 243];
@@ -184,6 +279,7 @@ function buildLut(stops) {
 const BELOW_LUT = buildLut(BELOW);
 const ABOVE_LUT = buildLut(ABOVE);
 const SEQUENTIAL_LUT = buildLut(SEQUENTIAL);
+const GREY_LUT = buildLut(GREY);
 
 function copyLut(lut, t, out, o) {
   const i = Math.round(Math.min(1, Math.max(0, t)) * (LUT_SIZE - 1)) * 3;
@@ -192,7 +288,7 @@ function copyLut(lut, t, out, o) {
   out[o + 2] = lut[i + 2];
 }
 
-function makeScale(metric, values) {
+function valueRange(values) {
   let lo = Infinity;
   let hi = -Infinity;
   let minPositive = Infinity;
@@ -202,66 +298,80 @@ function makeScale(metric, values) {
     if (v > hi) hi = v;
     if (v > 0 && v < minPositive) minPositive = v;
   }
-  if (lo === Infinity) {
-    lo = 0;
-    hi = 1;
+  return lo === Infinity ? { lo: 0, hi: 1, minPositive } : { lo, hi, minPositive };
+}
+
+// A position in [0, 1] for every value: log for ratio metrics with positive bounds and for wide positive ranges.
+function scalePosition(metric, range, thresholds) {
+  let { lo, hi } = range;
+  if (isRatioMetric(metric) && thresholds.length > 0 && Math.min(...thresholds) > 0) {
+    hi = Math.max(hi, Math.max(...thresholds) * 2);
+    const floor = range.minPositive === Infinity ? hi * 1e-4 : range.minPositive;
+    lo = Math.min(Math.max(floor, hi * 1e-5), Math.min(...thresholds) / 4);
+    const logLo = Math.log10(lo);
+    const logHi = Math.log10(hi);
+    return { lo, hi, pos: (v) => (v <= 0 ? 0 : Math.min(1, Math.max(0, (Math.log10(v) - logLo) / (logHi - logLo)))) };
   }
-  if (isThresholdMetric(metric)) {
-    const top = Math.max(hi, THRESHOLD * 2);
-    const bottom = Math.min(Math.max(minPositive === Infinity ? THRESHOLD / 100 : minPositive, top * 1e-5), THRESHOLD / 4);
-    const logLo = Math.log10(bottom);
-    const logHi = Math.log10(top);
-    const pos = (v) => (v <= 0 ? 0 : Math.min(1, Math.max(0, (Math.log10(v) - logLo) / (logHi - logLo))));
-    const thresholdPos = pos(THRESHOLD);
-    return {
-      kind: "threshold",
-      lo: bottom,
-      hi: top,
-      pos,
-      thresholdPos,
-      // Writes the colour of finite value v at out[o..o+2]; the side of the threshold is decided on v itself.
-      fill(v, out, o) {
-        if (v > THRESHOLD) copyLut(ABOVE_LUT, (pos(v) - thresholdPos) / (1 - thresholdPos), out, o);
-        else copyLut(BELOW_LUT, pos(v) / thresholdPos, out, o);
-      },
-      ticks: [bottom, THRESHOLD, top],
-    };
+  if (thresholds.length > 0) {
+    lo = Math.min(lo, ...thresholds);
+    hi = Math.max(hi, ...thresholds);
   }
-  const useLog = lo > 0 && hi / lo > 100;
-  if (hi === lo) {
-    hi = lo + (lo === 0 ? 1 : Math.abs(lo) * 0.01);
+  if (hi === lo) hi = lo + (lo === 0 ? 1 : Math.abs(lo) * 0.01);
+  const clamp = (t) => Math.min(1, Math.max(0, t));
+  if (lo > 0 && hi / lo > 100) {
+    const logLo = Math.log10(lo);
+    const logHi = Math.log10(hi);
+    return { lo, hi, pos: (v) => (v <= 0 ? 0 : clamp((Math.log10(v) - logLo) / (logHi - logLo))) };
   }
+  return { lo, hi, pos: (v) => clamp((v - lo) / (hi - lo)) };
+}
+
+// `bounds`: the distinct row bounds of the heatmap, most rows first (empty when no rule watches the metric).
+function makeScale(metric, values, bounds) {
+  const { lo, hi, pos } = scalePosition(metric, valueRange(values), bounds.map((b) => b.threshold));
   const reverse = higherIsBetter(metric);
-  const pos = useLog
-    ? (v) => (v <= 0 ? 0 : (Math.log10(v) - Math.log10(lo)) / (Math.log10(hi) - Math.log10(lo)))
-    : (v) => (v - lo) / (hi - lo);
   return {
-    kind: "sequential",
+    kind: bounds.length > 0 ? "bounded" : "sequential",
     lo,
     hi,
     pos,
     reverse,
-    fill(v, out, o) {
-      const t = Math.min(1, Math.max(0, pos(v)));
-      copyLut(SEQUENTIAL_LUT, reverse ? 1 - t : t, out, o);
+    bounds,
+    // How a row is coloured: against its bound (with the bound's position computed once), or unwatched.
+    style(bound) {
+      return bound ? { bound, at: pos(bound.threshold), low: lowIsBad(bound) } : null;
     },
-    ticks: [lo, hi],
+    // Writes the colour of finite value v at out[o..o+2]; the side of the bound is decided on v itself.
+    fill(v, out, o, style) {
+      const t = pos(v);
+      if (style === null) {
+        if (bounds.length > 0) copyLut(GREY_LUT, t, out, o);
+        else copyLut(SEQUENTIAL_LUT, reverse ? 1 - t : t, out, o);
+      } else if (breaches(style.bound, v)) {
+        copyLut(ABOVE_LUT, style.low ? (style.at - t) / (style.at || 1) : (t - style.at) / (1 - style.at || 1), out, o);
+      } else {
+        copyLut(BELOW_LUT, style.low ? (1 - t) / (1 - style.at || 1) : t / (style.at || 1), out, o);
+      }
+    },
   };
 }
 
-function drawLegend(scale, metric) {
+function drawLegend(scale, metric, unwatched) {
   const canvas = $("legend");
-  const { ctx, width } = setupCanvas(canvas, 360, 44);
-  ctx.clearRect(0, 0, width, 44);
+  const { ctx, width } = setupCanvas(canvas, 360, 58);
+  ctx.clearRect(0, 0, width, 58);
   const x0 = 8;
   const barW = width - 16;
+  const main = scale.kind === "bounded" ? scale.style(scale.bounds[0]) : null;
   for (let i = 0; i < barW; i++) {
     const t = i / (barW - 1);
     let rgb;
-    if (scale.kind === "threshold") {
-      rgb = t > scale.thresholdPos ? ramp(ABOVE, (t - scale.thresholdPos) / (1 - scale.thresholdPos)) : ramp(BELOW, t / scale.thresholdPos);
-    } else {
+    if (main === null) {
       rgb = ramp(SEQUENTIAL, scale.reverse ? 1 - t : t);
+    } else if (main.low) {
+      rgb = t < main.at ? ramp(ABOVE, (main.at - t) / (main.at || 1)) : ramp(BELOW, (1 - t) / (1 - main.at || 1));
+    } else {
+      rgb = t > main.at ? ramp(ABOVE, (t - main.at) / (1 - main.at || 1)) : ramp(BELOW, t / (main.at || 1));
     }
     ctx.fillStyle = `rgb(${rgb[0] | 0},${rgb[1] | 0},${rgb[2] | 0})`;
     ctx.fillRect(x0 + i, 4, 1, 14);
@@ -277,8 +387,18 @@ function drawLegend(scale, metric) {
   };
   label(0, formatTick(scale.lo), "left");
   label(1, formatTick(scale.hi), "right");
-  if (scale.kind === "threshold") {
-    const x = x0 + scale.thresholdPos * (barW - 1);
+  ctx.textAlign = "center";
+  if (main === null) {
+    ctx.fillText(metric + (scale.reverse ? " (low is bad)" : ""), x0 + barW / 2, 23);
+    return;
+  }
+  // One marker per threshold; bounds of opposite direction at the same value share it.
+  const labels = new Map();
+  for (const bound of scale.bounds) {
+    labels.set(bound.threshold, [...(labels.get(bound.threshold) || []), formatBound(bound, metric)]);
+  }
+  for (const [threshold, texts] of labels) {
+    const x = x0 + scale.pos(threshold) * (barW - 1);
     ctx.strokeStyle = "#111";
     ctx.lineWidth = 2;
     ctx.beginPath();
@@ -286,12 +406,12 @@ function drawLegend(scale, metric) {
     ctx.lineTo(x, 21);
     ctx.stroke();
     ctx.fillStyle = "#111";
-    ctx.textAlign = "center";
-    ctx.fillText(`5% threshold`, x, 23);
-  } else {
-    ctx.textAlign = "center";
-    ctx.fillText(metric + (scale.reverse ? " (low is bad)" : ""), x0 + barW / 2, 23);
+    const text = texts.join(" · ");
+    const half = ctx.measureText(text).width / 2;
+    ctx.fillText(text, Math.min(Math.max(x, x0 + half), x0 + barW - half), 23);
   }
+  ctx.fillStyle = "#475467";
+  ctx.fillText(`red: past its layer's rule${unwatched ? " · grey: no rule on the layer" : ""}`, x0 + barW / 2, 40);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -374,26 +494,39 @@ function prepareHeatmap(body, metric) {
       if (v !== null) flat.push(v);
     }
   }
-  const scale = makeScale(metric, flat);
+  // Each row against its own rule bound; the legend lists the distinct bounds, the most common first.
+  const bounds = layers.map((layer) => rowBound(metric, layer));
+  const tally = new Map();
+  for (const b of bounds) {
+    if (!b) continue;
+    const key = `${b.op} ${b.threshold}`;
+    const seen = tally.get(key);
+    if (seen) seen.rows++;
+    else tally.set(key, { bound: b, rows: 1 });
+  }
+  const distinct = [...tally.values()].sort((a, b) => b.rows - a.rows).map((entry) => entry.bound);
+  const scale = makeScale(metric, flat, distinct);
   // Pre-computed RGB per cell; kind 0 = value, 1 = not measured, 2 = non-finite.
   const rgb = new Uint8ClampedArray(rows * cols * 3);
   const kind = new Uint8Array(rows * cols);
-  for (let i = 0; i < rows * cols; i++) {
-    const v = values[i];
-    if (v === null) {
-      kind[i] = 1;
-      continue;
-    }
-    if (Number.isFinite(v)) {
-      scale.fill(v, rgb, i * 3);
-    } else {
-      kind[i] = 2;
-      rgb[i * 3] = NONFINITE[0];
-      rgb[i * 3 + 1] = NONFINITE[1];
-      rgb[i * 3 + 2] = NONFINITE[2];
+  for (let r = 0; r < rows; r++) {
+    const style = scale.style(bounds[r]);
+    for (let i = r * cols; i < (r + 1) * cols; i++) {
+      const v = values[i];
+      if (v === null) {
+        kind[i] = 1;
+      } else if (Number.isFinite(v)) {
+        scale.fill(v, rgb, i * 3, style);
+      } else {
+        kind[i] = 2;
+        rgb[i * 3] = NONFINITE[0];
+        rgb[i * 3 + 1] = NONFINITE[1];
+        rgb[i * 3 + 2] = NONFINITE[2];
+      }
     }
   }
-  return { layers, steps, rows, cols, raw: body.values || [], values, scale, rgb, kind, metric };
+  const unwatched = distinct.length > 0 && bounds.includes(null);
+  return { layers, steps, rows, cols, raw: body.values || [], values, scale, bounds, unwatched, rgb, kind, metric };
 }
 
 function drawHeatmap() {
@@ -492,7 +625,7 @@ function drawHeatmap() {
   canvas.dataset.rows = String(hm.rows);
   canvas.dataset.cols = String(hm.cols);
   canvas.dataset.plot = JSON.stringify(hm.plot);
-  drawLegend(hm.scale, hm.metric);
+  drawLegend(hm.scale, hm.metric, hm.unwatched);
 }
 
 function columnOfStep(hm, step) {
@@ -551,6 +684,11 @@ function showHeatmapTooltip(cell) {
   line("layer", hm.layers[cell.r]);
   line(hm.exact || first === last ? "step" : "steps", stepText.replace(/^steps? /, ""));
   line(hm.metric, formatValue(value, hm.metric));
+  const bound = hm.bounds[cell.r];
+  if (bound) {
+    const past = value !== null && Number.isFinite(value) && breaches(bound, value);
+    line("rule", `${bound.rules.join(", ")} ${formatBound(bound, hm.metric)}${past ? " (past it)" : ""}`);
+  }
   placeTooltip(tooltip, $("heatmap-wrap"), cell.x, cell.y);
 }
 
@@ -636,9 +774,13 @@ function drawChart(canvas, spec) {
     ymin = 0;
     ymax = 1;
   }
-  if (spec.threshold !== null && ymax >= spec.threshold * 0.5) {
-    ymax = Math.max(ymax, spec.threshold * 1.1);
-    ymin = Math.min(ymin, spec.threshold);
+  // A rule bound joins the y range when the data come within a span of it (a far-off bound would flatten the line).
+  const span = Math.max(ymax - ymin, Math.abs(ymax) * 0.05);
+  for (const bound of spec.bounds) {
+    if (bound.threshold >= ymin - span && bound.threshold <= ymax + span) {
+      ymax = Math.max(ymax, bound.threshold);
+      ymin = Math.min(ymin, bound.threshold);
+    }
   }
   if (spec.zeroBased && ymin > 0) ymin = 0;
   if (ymax === ymin) {
@@ -683,18 +825,22 @@ function drawChart(canvas, spec) {
   ctx.beginPath();
   ctx.rect(plot.x, plot.y, plot.w, plot.h);
   ctx.clip();
-  if (spec.threshold !== null && spec.threshold >= ymin && spec.threshold <= ymax) {
+  ctx.textAlign = "right";
+  ctx.textBaseline = "bottom";
+  const drawnBounds = [];
+  for (const bound of spec.bounds) {
+    if (bound.threshold < ymin || bound.threshold > ymax) continue;
+    drawnBounds.push(formatBound(bound, spec.metric));
+    const y = yOf(bound.threshold);
     ctx.strokeStyle = "#c62828";
     ctx.setLineDash([5, 4]);
     ctx.beginPath();
-    ctx.moveTo(plot.x, yOf(spec.threshold));
-    ctx.lineTo(plot.x + plot.w, yOf(spec.threshold));
+    ctx.moveTo(plot.x, y);
+    ctx.lineTo(plot.x + plot.w, y);
     ctx.stroke();
     ctx.setLineDash([]);
     ctx.fillStyle = "#c62828";
-    ctx.textAlign = "right";
-    ctx.textBaseline = "bottom";
-    ctx.fillText("5% threshold", plot.x + plot.w - 4, yOf(spec.threshold) - 2);
+    ctx.fillText(`${bound.rules.join(", ")} ${formatBound(bound, spec.metric)}`, plot.x + plot.w - 4, y - 2);
   }
   for (const line of spec.lines) {
     if (line.band) {
@@ -763,6 +909,7 @@ function drawChart(canvas, spec) {
   }
   ctx.restore();
   canvas._chart = { plot, xmin, xmax, spec };
+  canvas.dataset.bounds = JSON.stringify(drawnBounds);
   return true;
 }
 
@@ -928,6 +1075,15 @@ function renderRuns() {
 function metricsOf(detail) {
   const raw = pick(detail, "metrics", "metrics_seen") || [];
   return raw.map((m) => (typeof m === "string" ? m : pick(m, "name", "metric"))).filter(Boolean);
+}
+
+// The alert rules; kept as they were when the collector cannot answer (the alerts panel reports its errors).
+async function loadRules() {
+  try {
+    state.rules = listOf(await api("/rules"), "rules");
+  } catch (_) {
+    // An older collector or a token without the read scope: no bounds to draw beyond what is known.
+  }
 }
 
 async function loadRunDetail() {
@@ -1103,9 +1259,9 @@ function drawSeries() {
   if (!state.series) return;
   const drawn = drawChart(canvas, {
     metric: state.metric,
-    threshold: isThresholdMetric(state.metric) ? THRESHOLD : null,
+    bounds: ruleBounds(state.metric, state.layer),
     marker: state.step,
-    zeroBased: isThresholdMetric(state.metric),
+    zeroBased: isRatioMetric(state.metric),
     lines: [{ name: state.metric, ...state.series, color: "#2f6fd6", band: true, bandColor: "rgba(47,111,214,0.18)" }],
   });
   showOverlay("series-empty", drawn ? null : "No points for this layer in this step range.");
@@ -1146,7 +1302,7 @@ function drawLoss() {
   const lines = state.loss || [];
   const drawn =
     lines.length > 0 &&
-    drawChart(canvas, { metric: "loss", threshold: null, marker: state.step, zeroBased: false, lines });
+    drawChart(canvas, { metric: "loss", bounds: [], marker: state.step, zeroBased: false, lines });
   if (!drawn) {
     canvas._chart = null;
     setupCanvas(canvas, Math.max(280, canvas.parentElement.clientWidth), 240);
@@ -1291,6 +1447,7 @@ async function applyHash() {
   const seriesChanged = heatmapChanged || h.layer !== state.layer;
   const stepChanged = h.step !== state.step;
   Object.assign(state, h);
+  $("metric").value = state.metric || "";
   $("agg").value = state.agg;
   $("layer-glob").value = state.glob;
   $("zoom-reset").hidden = state.start === null && state.end === null;
@@ -1333,6 +1490,7 @@ async function refresh(force) {
   const afterKey = after ? JSON.stringify([pick(after, "last_seen_at"), pick(after, "points"), pick(after, "firing_alerts")]) : null;
   if (force || beforeKey !== afterKey) {
     if (!(await loadRunDetail())) return;
+    await loadRules();
     loadHeatmap();
     loadSeries();
     loadLoss();
@@ -1386,7 +1544,7 @@ async function start() {
   installHeatmapEvents();
   installChartHover("series", "series-tooltip");
   installChartHover("loss", "loss-tooltip");
-  await loadRuns();
+  await Promise.all([loadRuns(), loadRules()]);
   if (!openLatestRun()) applyHash();
 }
 

@@ -93,6 +93,12 @@ def secured_collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coll
 
 
 @pytest.fixture(scope="session")
+def short_run() -> list[dict[str, Any]]:
+    """The short run's ingest batches, for a test that needs a collector of its own holding it."""
+    return batches()
+
+
+@pytest.fixture(scope="session")
 def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
     """A collector on loopback with the short run ingested."""
     database_path = tmp_path_factory.mktemp("collector") / "quantwatch.db"

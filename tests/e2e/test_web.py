@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import operator
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -195,3 +197,151 @@ def test_empty_collector_says_how_to_get_runs(page: Page, tmp_path: Path) -> Non
         assert "quantwatch demo" in empty.inner_text()
         assert page.locator("#welcome").is_visible()
         assert page.locator("#banner").is_hidden()
+
+
+def _cell_colours(page: Page) -> list[tuple[int, int, int]]:
+    """The colour drawn at the centre of the last column's cell of every heatmap row."""
+    colours: list[list[int]] = page.evaluate(
+        """() => {
+            const c = document.getElementById('heatmap');
+            const plot = JSON.parse(c.dataset.plot);
+            const rows = Number(c.dataset.rows);
+            const cols = Number(c.dataset.cols);
+            const dpr = window.devicePixelRatio || 1;
+            const ctx = c.getContext('2d');
+            const out = [];
+            for (let r = 0; r < rows; r++) {
+                const x = (plot.x + (cols - 0.5) * plot.w / cols) * dpr;
+                const y = (plot.y + (r + 0.5) * plot.h / rows) * dpr;
+                out.push(Array.from(ctx.getImageData(Math.floor(x), Math.floor(y), 1, 1).data.slice(0, 3)));
+            }
+            return out;
+        }"""
+    )
+    return [(r, g, b) for r, g, b in colours]
+
+
+def _kind_of(colour: tuple[int, int, int]) -> str:
+    r, g, b = colour
+    if r == g == b:
+        return "unwatched"
+    return "past" if r > b + 40 else "within"
+
+
+def test_rule_bounds_colour_each_row_and_mark_the_chart(
+    page: Page, tmp_path: Path, short_run: list[dict[str, Any]]
+) -> None:
+    """Every heatmap row is coloured against the bound of the rule that watches its layer, in either direction, and
+    grey where no rule does; the layer chart draws the bounds that apply to its layer."""
+    run, layers = short_run[0]["run"], short_run[0]["layers"]
+    rules = [
+        {"name": "ufl_high_b0", "metric": "underflow_ratio", "layers": "blocks.0.*", "op": ">", "threshold": 0.0015},
+        {
+            "name": "ufl_high_b1",
+            "metric": "underflow_ratio",
+            "layers": ["blocks.1.attn.*"],
+            "op": ">=",
+            "threshold": 0.001,
+        },
+        {"name": "ufl_low_b2", "metric": "underflow_ratio", "layers": "blocks.2.*", "op": "<", "threshold": 0.0015},
+    ]
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'rules.db'}")
+    with BackgroundServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        for rule in rules:
+            http.post("/api/v1/rules", json=rule).raise_for_status()
+        for batch in short_run:
+            http.post("/api/v1/ingest", json=batch).raise_for_status()
+        page.goto(f"{server.url}/#run={quote(run, safe='')}&metric=underflow_ratio")
+        page.wait_for_selector("#heatmap[data-rows]")
+        answer = http.get(f"/api/v1/runs/{quote(run, safe='')}/heatmap", params={"metric": "underflow_ratio"}).json()
+
+        expected = []
+        for row, layer in enumerate(layers):
+            watching = [rule for rule in rules if any(fnmatch.fnmatchcase(layer, g) for g in _globs(rule))]
+            value = answer["values"][row][-1]
+            if not watching:
+                expected.append("unwatched")
+            else:
+                (rule,) = watching
+                past = OPS[rule["op"]](value, rule["threshold"])
+                expected.append("past" if past else "within")
+        assert {"unwatched", "past", "within"} <= set(expected)
+        assert [_kind_of(colour) for colour in _cell_colours(page)] == expected
+
+        # The tooltip names the rule of the hovered row and whether its value is past the bound.
+        row = expected.index("past")
+        shown = _hover_cell(page, row, len(answer["steps"]) - 1)
+        assert "(past it)" in (shown["text"] or "")
+        rule_name = next(r["name"] for r in rules if any(fnmatch.fnmatchcase(layers[row], g) for g in _globs(r)))
+        assert rule_name in (shown["text"] or "")
+
+        # The layer chart of the drifting layer draws the shipped 5% output rule; a layer far below it does not.
+        page.goto(f"{server.url}/#run={quote(run, safe='')}&metric=output_rel_l2&layer=blocks.1.mlp.fc1")
+        page.wait_for_function("() => document.getElementById('series').dataset.bounds === '[\"> 5%\"]'")
+        assert page.locator("#metric").input_value() == "output_rel_l2"  # the picker follows the URL
+        page.goto(f"{server.url}/#run={quote(run, safe='')}&metric=output_rel_l2&layer=blocks.0.attn.qkv")
+        page.wait_for_function("() => document.getElementById('series').dataset.bounds === '[]'")
+
+
+OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
+def _globs(rule: dict[str, Any]) -> list[str]:
+    layers = rule["layers"]
+    return [layers] if isinstance(layers, str) else list(layers)
+
+
+def test_rule_globs_match_as_the_collector_matches_them(page: Page, collector: Any) -> None:
+    """The page's glob matcher agrees with Python's fnmatch.fnmatchcase, which the collector's rules use."""
+    patterns = [
+        "*",
+        "blocks.*",
+        "blocks.?.mlp.*",
+        "blocks.[01].*",
+        "blocks.[!0].attn.*",
+        "blocks.[0-1].mlp.fc[12]",
+        "a+b*",
+        "(x)|y",
+        "[]]",
+        "[!]]x",
+        "[a",
+        "a]",
+        "*.fc?",
+        "a\\b",
+        "a-b",
+        "[a-c-]z",
+        "^x$",
+        "[^a]",
+        "",
+        "BLOCKS.*",
+    ]
+    names = [
+        "blocks.0.mlp.fc1",
+        "blocks.1.attn.qkv",
+        "blocks.2.attn.proj",
+        "blocks.10.mlp.fc2",
+        "a+bc",
+        "aab",
+        "(x)|y",
+        "x",
+        "]",
+        "]x",
+        "ax",
+        "[a",
+        "a]",
+        "head.fc1",
+        "a\\b",
+        "a-b",
+        "az",
+        "-z",
+        "dz",
+        "^x$",
+        "^",
+        "b",
+        "",
+    ]
+    _open_run(page, collector)
+    got = page.evaluate(
+        "([patterns, names]) => patterns.map((p) => names.map((n) => globMatches(p, n)))", [patterns, names]
+    )
+    assert got == [[fnmatch.fnmatchcase(n, p) for n in names] for p in patterns]
