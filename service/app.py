@@ -56,6 +56,7 @@ def create_app(
     app.state.engine = engine
     app.state.store = Store(engine, make_sessionmaker(engine))
     app.state.ingest_observers = list(observers)
+    app.state.ingest_gate = ingest.IngestGate(settings.max_pending_ingest)
     app.state.firing_alert_counts = firing_alert_counts
     app.state.token_scopes = settings.token_scopes()
     problems.install(app)

@@ -80,6 +80,12 @@ class Settings(BaseSettings):
     max_decoded_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1024, le=1 << 33, description="Largest ingest body after gzip decoding."
     )
+    max_pending_ingest: int = Field(
+        default=64,
+        ge=1,
+        le=100_000,
+        description="Ingest requests held at once (reading, queued, storing); more get 429 with Retry-After.",
+    )
     auto_upgrade: bool = Field(default=True, description="Run the Alembic migrations to head when the app is created.")
     sqlite_synchronous: Literal["FULL", "NORMAL"] = Field(
         default="FULL", description="SQLite synchronous mode in WAL: FULL makes every acknowledged batch durable."

@@ -236,3 +236,45 @@ def test_real_server_down_then_up_replays_in_order(tmp_path: Path, scripted_coll
     up.export(_batch(4))
     up.close()
     assert [d["batch_id"] for d in scripted_collector.accepted()] == ["b1", "b2", "b3", "b4"]
+
+
+def test_real_collector_at_its_ingest_limit_throttles_and_the_exporter_waits_it_out(
+    make_app: Callable[..., Any],
+) -> None:
+    """The collector's 429 + Retry-After (ingest limit reached) is retried after the delay and nothing is lost."""
+    import threading
+
+    from quantwatch.service.server import BackgroundServer
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Holding:
+        def on_batch(self, session: Any, run_row: Any, batch: Any) -> None:
+            if batch.batch_id == "held":
+                entered.set()
+                release.wait(30)
+
+        def after_commit(self, batch: Any) -> None:
+            pass
+
+    app = make_app(max_pending_ingest=1)
+    app.state.ingest_observers.append(Holding())
+    with BackgroundServer(app) as server:
+        other = HttpExporter(server.url, retry=FAST, encoding="json")
+        holder = threading.Thread(target=other.export, args=(_batch(1, "held"),))
+        holder.start()
+        assert entered.wait(30)
+        threading.Timer(0.3, release.set).start()
+        exporter = HttpExporter(server.url, retry=RetryPolicy(max_attempts=4, initial_seconds=0.01), encoding="json")
+        started = time.monotonic()
+        exporter.export(_batch(2))
+        waited = time.monotonic() - started
+        holder.join(30)
+        exporter.close()
+        other.close()
+        counts = exporter.counters()
+        assert counts["retried_requests"] >= 1
+        assert waited >= 1.0  # the collector's Retry-After (whole seconds, at least 1), not the 10 ms backoff
+        assert (counts["sent_batches"], counts["dropped_batches"], counts["rejected_batches"]) == (1, 0, 0)
+        stored = httpx.get(f"{server.url}/api/v1/runs/run-a").json()
+        assert stored["points"] == 2 * 3  # two batches of two layer values and one scalar

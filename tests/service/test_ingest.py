@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -321,3 +322,56 @@ def test_nul_characters_are_refused_not_crashed(
     q = client.get("/api/v1/runs/nul/series", params={"metric": "m\x00", "layer": "a"})
     assert q.status_code == 422
     assert q.json()["errors"][0]["field"] == "query.metric"
+
+
+class _Holding:
+    """An ingest observer that holds the batch ``hold_id`` inside its storing transaction until released."""
+
+    def __init__(self, hold_id: str) -> None:
+        self.hold_id = hold_id
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def on_batch(self, session: Any, run_row: Any, batch: Any) -> None:
+        if batch.batch_id == self.hold_id:
+            self.entered.set()
+            assert self.release.wait(30), "the test never released the held batch"
+
+    def after_commit(self, batch: Any) -> None:
+        pass
+
+
+def test_ingest_beyond_the_pending_limit_gets_429_with_retry_after_and_loses_nothing(
+    make_app: Callable[..., Any], make_batch: Callable[..., Any], encode_batch: Callable[..., Any]
+) -> None:
+    """Over real HTTP: with one request held, a second is refused with 429 + Retry-After before its body is stored;
+    once the first is through, the second is accepted and both batches are stored exactly once."""
+    from quantwatch.service.server import BackgroundServer
+
+    held = make_batch("gate", ["a"], [1], {"m": np.array([[1.0]])}, batch_id="held")
+    second = make_batch("gate", ["a"], [2], {"m": np.array([[2.0]])}, batch_id="second")
+    app = make_app(max_pending_ingest=1)
+    holding = _Holding("held")
+    app.state.ingest_observers.append(holding)
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        outcome: list[httpx.Response] = []
+        sender = threading.Thread(
+            target=lambda: outcome.append(
+                http.post("/api/v1/ingest", content=encode_batch(held)[0], headers=encode_batch(held)[1])
+            )
+        )
+        sender.start()
+        assert holding.entered.wait(30)
+        with httpx.Client(base_url=server.url, timeout=30) as other:
+            refused = other.post("/api/v1/ingest", content=encode_batch(second)[0], headers=encode_batch(second)[1])
+            assert refused.status_code == 429
+            assert refused.headers["content-type"] == PROBLEM
+            assert refused.json()["status"] == 429
+            assert 1 <= int(refused.headers["retry-after"]) <= 30
+            holding.release.set()
+            sender.join(30)
+            assert [r.status_code for r in outcome] == [200]
+            accepted = other.post("/api/v1/ingest", content=encode_batch(second)[0], headers=encode_batch(second)[1])
+            assert accepted.json() == {"batch_id": "second", "duplicate": False, "points": 1}
+            assert other.get("/api/v1/runs/gate").json()["points"] == 2
+            assert 'quantwatch_ingest_requests_total{outcome="throttled"} 1.0' in other.get("/metrics").text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 import zlib
 from typing import Any
 
@@ -46,6 +48,29 @@ DECODERS = {
     "application/msgpack": decode_msgpack,
     "application/x-msgpack": decode_msgpack,
 }
+
+
+class IngestGate:
+    """Admission control for ingest: at most ``limit`` requests held at once (reading their body, waiting for a worker
+    thread, or being stored); the others are answered 429 before their body is read, so a burst of many ranks costs
+    bounded memory and the agent, which honours ``Retry-After``, spools and backs off instead of piling up.
+
+    Touched only on the event loop, so plain counters suffice. ``Retry-After`` is what the held requests need at the
+    recent pace: pending × the moving average of a request's time, rounded up to whole seconds, 1–30.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pending = 0
+        self.average_seconds = 0.05
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait."""
+        return min(30, max(1, math.ceil(self.pending * self.average_seconds)))
+
+    def record(self, seconds: float) -> None:
+        """Fold one admitted request's time into the moving average."""
+        self.average_seconds += 0.2 * (seconds - self.average_seconds)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -94,6 +119,7 @@ def _gunzip(body: bytes, limit: int) -> bytes:
         413: {"description": "Body too large"},
         415: {"description": "Unsupported content type or encoding"},
         422: {"description": "Schema violation (the problem's errors name the field)"},
+        429: {"description": "Too many ingest requests in progress; retry after Retry-After"},
         503: {"description": "Database busy; retry"},
     },
 )
@@ -111,15 +137,28 @@ async def ingest(request: Request) -> IngestAnswer:
     if encoding not in ("identity", "gzip"):
         raise ProblemError(415, "content encoding must be gzip or identity")
     settings = request.app.state.settings
-    body = await _read_body(request, settings.max_body_bytes)
-    store: Store = request.app.state.store
-    observers = tuple(request.app.state.ingest_observers)
+    gate: IngestGate = request.app.state.ingest_gate
+    if gate.pending >= gate.limit:
+        raise ProblemError(
+            429,
+            f"{gate.pending} ingest requests are in progress, the limit is {gate.limit}; retry after Retry-After",
+            headers={"Retry-After": str(gate.retry_after())},
+        )
+    gate.pending += 1
+    started = time.perf_counter()
+    try:
+        body = await _read_body(request, settings.max_body_bytes)
+        store: Store = request.app.state.store
+        observers = tuple(request.app.state.ingest_observers)
 
-    def work() -> IngestResult:
-        raw = _gunzip(body, settings.max_decoded_bytes) if encoding == "gzip" else body
-        batch: IngestBatch = decoder(raw)
-        return store.ingest(batch, observers)
+        def work() -> IngestResult:
+            raw = _gunzip(body, settings.max_decoded_bytes) if encoding == "gzip" else body
+            batch: IngestBatch = decoder(raw)
+            return store.ingest(batch, observers)
 
-    result = await run_in_threadpool(work)
+        result = await run_in_threadpool(work)
+    finally:
+        gate.pending -= 1
+        gate.record(time.perf_counter() - started)
     request.state.ingest_duplicate = result.duplicate  # read by the exposition's ingest counters
     return IngestAnswer(batch_id=result.batch_id, duplicate=result.duplicate, points=result.points)
