@@ -172,7 +172,7 @@ def version() -> None:
 
 @app.command()
 def demo(
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps.")] = 60,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps.")] = 80,
     recipe: Annotated[
         str, typer.Option("--recipe", help="Quantization recipe: mixed (FP8 + FP4), fp8 or fp4.")
     ] = "mixed",

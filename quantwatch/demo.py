@@ -56,12 +56,13 @@ __all__ = [
     "TinyTransformer",
     "WebhookReceiver",
     "demo_rules",
+    "kept_rules_path",
     "make_recipe",
     "run_demo",
     "verify_webhook",
 ]
 
-DEFAULT_STEPS = 60
+DEFAULT_STEPS = 80
 LEARNING_RATE = 6e-3
 DEFAULT_DATABASE = Path("quantwatch-demo.db")
 RUN_NAME = "demo"
@@ -159,6 +160,13 @@ def demo_rules(recipe: str, receiver_url: str, secret: str) -> dict[str, Any]:
         "rules": [rule.model_dump(mode="json") for rule in rules],
         "receivers": [{"name": "demo-webhook", "url": receiver_url, "secret": secret}],
     }
+
+
+def kept_rules_path(database: Path) -> Path:
+    """Where the demo leaves its rules (without the receiver, which lives only as long as the demo) next to its
+    database, so that ``quantwatch serve --rules`` shows the history under the same rules: served without them, the
+    collector would retire the demo's rules and their alerts with them."""
+    return database.with_name(f"{database.stem}.rules.yaml")
 
 
 def make_recipe(name: str) -> Recipe:
@@ -461,8 +469,11 @@ def run_demo(
         receiver = WebhookReceiver(on_notification=lambda n: _print_notification(console, n))
         receiver.start()
         rules_file = Path(scratch) / "rules.yaml"
+        rules = demo_rules(options.recipe, receiver.url, receiver.secret)
         # JSON is YAML: no quoting questions for the secret.
-        rules_file.write_text(json.dumps(demo_rules(options.recipe, receiver.url, receiver.secret)))
+        rules_file.write_text(json.dumps(rules))
+        kept = {key: value for key, value in rules.items() if key != "receivers"}
+        kept_rules_path(options.database).write_text(json.dumps(kept, indent=2) + "\n")
         port = _port_to_use(options.port)
         if port != options.port and options.port != 0:
             console.print(f"[yellow]port {options.port} is busy; the demo collector uses {port}[/]")
@@ -685,6 +696,7 @@ def _print_summary(console: Console, options: DemoOptions, result: DemoResult) -
             console.print(f"Prometheus {base}/metrics")
     if not options.keep_serving and options.url is None:
         console.print(
-            f"History kept in {options.database}; see it again with "
-            f"[bold]quantwatch serve --database-url sqlite:///{options.database}[/]"
+            f"History kept in {options.database}; see it again with [bold]quantwatch serve --database-url "
+            f"sqlite:///{options.database} --rules {kept_rules_path(options.database)}[/]",
+            soft_wrap=True,  # one line, to copy and paste
         )
