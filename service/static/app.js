@@ -15,7 +15,7 @@ const state = {
   run: null, // selected run name
   detail: null, // GET /runs/{run}
   metric: null,
-  agg: "max",
+  agg: "worst", // bucket aggregate: "worst" is max, or min where a high value is good (cosine, SQNR)
   glob: "",
   start: null,
   end: null,
@@ -109,6 +109,12 @@ function higherIsBetter(metric) {
   return /cosine|sqnr/.test(metric || "");
 }
 
+// What a bucket of several steps shows: the chosen aggregate, or for "worst" the one that keeps a bad step visible.
+function bucketAggregate(metric) {
+  if (state.agg !== "worst") return state.agg;
+  return higherIsBetter(metric) ? "min" : "max";
+}
+
 function formatValue(v, metric) {
   if (v === null) return "not measured";
   if (Number.isNaN(v)) return "NaN";
@@ -158,33 +164,71 @@ function formatTime(t) {
 
 const globCache = new Map();
 
-// Python's fnmatch.fnmatchcase, which the collector matches rule globs with: *, ?, [seq], [!seq]; case-sensitive.
+// Python 3.11's fnmatch.translate, which the collector's rule globs go through, ported character for character
+// (code points, not UTF-16 units): *, ?, [seq], [!seq]; a backwards range such as [8-1] is dropped, an empty set
+// matches nothing and [!] any character, as in Python; case-sensitive.
 function globRegExp(glob) {
   let re = globCache.get(glob);
   if (re) return re;
-  const escape = (text) => text.replace(/[.*+?^${}()|[\]\\/-]/g, "\\$&");
+  const pat = Array.from(glob);
+  const n = pat.length;
+  const escape = (ch) => ch.replace(/[.*+?^${}()|[\]\\/]/g, "\\$&");
+  const inClass = (ch) => ch.replace(/[\\\]\[^-]/g, "\\$&");
   let source = "";
-  for (let i = 0; i < glob.length; i++) {
-    const ch = glob[i];
-    if (ch === "*") source += ".*";
-    else if (ch === "?") source += ".";
-    else if (ch === "[") {
-      let j = i + 1;
-      if (glob[j] === "!") j++;
-      if (glob[j] === "]") j++;
-      const close = glob.indexOf("]", j);
-      if (close < 0) {
+  let i = 0;
+  while (i < n) {
+    const c = pat[i++];
+    if (c === "*") {
+      source += ".*";
+    } else if (c === "?") {
+      source += ".";
+    } else if (c !== "[") {
+      source += escape(c);
+    } else {
+      let j = i;
+      if (j < n && pat[j] === "!") j++;
+      if (j < n && pat[j] === "]") j++;
+      while (j < n && pat[j] !== "]") j++;
+      if (j >= n) {
         source += "\\[";
         continue;
       }
-      let body = glob.slice(i + 1, close);
-      const negate = body.startsWith("!");
-      if (negate) body = body.slice(1);
-      source += `[${negate ? "^" : ""}${body.replace(/[\\\]\[^]/g, "\\$&")}]`;
-      i = close;
-    } else source += escape(ch);
+      let chunks;
+      if (!pat.slice(i, j).includes("-")) {
+        chunks = [pat.slice(i, j)];
+      } else {
+        chunks = [];
+        let start = i;
+        let k = pat[i] === "!" ? i + 2 : i + 1;
+        for (;;) {
+          k = pat.indexOf("-", k);
+          if (k < 0 || k >= j) break;
+          chunks.push(pat.slice(start, k));
+          start = k + 1;
+          k += 3;
+        }
+        const chunk = pat.slice(start, j);
+        if (chunk.length) chunks.push(chunk);
+        else chunks[chunks.length - 1] = [...chunks[chunks.length - 1], "-"];
+        // Remove empty (backwards) ranges, as Python does.
+        for (let m = chunks.length - 1; m > 0; m--) {
+          const last = chunks[m - 1][chunks[m - 1].length - 1];
+          if (last.codePointAt(0) > chunks[m][0].codePointAt(0)) {
+            chunks[m - 1] = [...chunks[m - 1].slice(0, -1), ...chunks[m].slice(1)];
+            chunks.splice(m, 1);
+          }
+        }
+      }
+      i = j + 1;
+      // Hyphens between chunks make ranges; every other special character is literal.
+      const negated = chunks.length > 0 && chunks[0].length > 0 && chunks[0][0] === "!";
+      if (negated) chunks[0] = chunks[0].slice(1);
+      const body = chunks.map((chunk) => chunk.map(inClass).join("")).join("-");
+      if (!body) source += negated ? "." : "(?!)";
+      else source += `[${negated ? "^" : ""}${body}]`;
+    }
   }
-  re = new RegExp(`^(?:${source})$`, "s");
+  re = new RegExp(`^(?:${source})$`, "su");
   globCache.set(glob, re);
   return re;
 }
@@ -193,8 +237,12 @@ function globMatches(glob, name) {
   return globRegExp(glob).test(name);
 }
 
-// A breach of `op threshold`: ">" and ">=" say high values are bad, "<" and "<=" low ones.
-function breaches(bound, v) {
+// A breach of `op threshold` as the collector decides it: on the float32 value (the API spells float32 values in
+// their shortest form: 0.95 stands for 0.949999988…, which is < 0.95), and non-finite values breach every rule.
+// ">" and ">=" say high values are bad, "<" and "<=" low ones.
+function breaches(bound, value) {
+  if (!Number.isFinite(value)) return true;
+  const v = Math.fround(value);
   switch (bound.op) {
     case ">":
       return v > bound.threshold;
@@ -666,7 +714,7 @@ function showHeatmapTooltip(cell) {
   const raw = rawRow[cell.c] === undefined ? null : rawRow[cell.c];
   const value = hm.values[cell.r * hm.cols + cell.c];
   const [first, last] = stepRangeOfColumn(hm, cell.c);
-  const stepText = hm.exact || first === last ? `step ${first}` : `steps ${first}–${last} (${state.agg})`;
+  const stepText = hm.exact || first === last ? `step ${first}` : `steps ${first}–${last} (${hm.agg})`;
   tooltip.dataset.layer = hm.layers[cell.r];
   tooltip.dataset.step = String(first);
   tooltip.dataset.value = raw === null ? "null" : String(raw);
@@ -686,7 +734,7 @@ function showHeatmapTooltip(cell) {
   line(hm.metric, formatValue(value, hm.metric));
   const bound = hm.bounds[cell.r];
   if (bound) {
-    const past = value !== null && Number.isFinite(value) && breaches(bound, value);
+    const past = value !== null && breaches(bound, value);
     line("rule", `${bound.rules.join(", ")} ${formatBound(bound, hm.metric)}${past ? " (past it)" : ""}`);
   }
   placeTooltip(tooltip, $("heatmap-wrap"), cell.x, cell.y);
@@ -1078,12 +1126,17 @@ function metricsOf(detail) {
 }
 
 // The alert rules; kept as they were when the collector cannot answer (the alerts panel reports its errors).
+// True when they changed.
 async function loadRules() {
+  let rules;
   try {
-    state.rules = listOf(await api("/rules"), "rules");
+    rules = listOf(await api("/rules"), "rules");
   } catch (_) {
-    // An older collector or a token without the read scope: no bounds to draw beyond what is known.
+    return false;
   }
+  const changed = JSON.stringify(rules) !== JSON.stringify(state.rules);
+  state.rules = rules;
+  return changed;
 }
 
 async function loadRunDetail() {
@@ -1173,7 +1226,7 @@ async function loadHeatmap() {
   try {
     body = await api(`/runs/${encodeURIComponent(state.run)}/heatmap`, {
       metric: state.metric,
-      agg: state.agg,
+      agg: bucketAggregate(state.metric),
       rank: state.rank,
       layers: state.glob,
       start: state.start,
@@ -1190,6 +1243,7 @@ async function loadHeatmap() {
   }
   if (seq !== heatmapSeq) return;
   const hm = prepareHeatmap(body, state.metric);
+  hm.agg = bucketAggregate(state.metric);
   hm.lastStep = state.end !== null ? state.end : pick(state.detail, "last_step");
   hm.bucketSteps = Math.max(1, Number(body.bucket_steps) || 1);
   hm.exact = hm.bucketSteps === 1;
@@ -1397,7 +1451,7 @@ function readHash() {
   return {
     run: p.get("run"),
     metric: p.get("metric"),
-    agg: p.get("agg") === "mean" ? "mean" : "max",
+    agg: ["max", "min", "mean"].includes(p.get("agg")) ? p.get("agg") : "worst",
     glob: p.get("layers") || "",
     start: num("start"),
     end: num("end"),
@@ -1422,7 +1476,7 @@ function hashFor(changes) {
   const next = { ...cur, ...changes };
   const p = new URLSearchParams();
   for (const k of ["run", "metric", "agg", "rank", "layers", "start", "end", "layer", "step"]) {
-    if (next[k] !== null && next[k] !== undefined && next[k] !== "" && !(k === "agg" && next[k] === "max")) {
+    if (next[k] !== null && next[k] !== undefined && next[k] !== "" && !(k === "agg" && next[k] === "worst")) {
       p.set(k, String(next[k]));
     }
   }
@@ -1488,13 +1542,16 @@ async function refresh(force) {
   }
   const after = state.runs.find((r) => runName(r) === state.run);
   const afterKey = after ? JSON.stringify([pick(after, "last_seen_at"), pick(after, "points"), pick(after, "firing_alerts")]) : null;
+  const rulesChanged = await loadRules();
   if (force || beforeKey !== afterKey) {
     if (!(await loadRunDetail())) return;
-    await loadRules();
     loadHeatmap();
     loadSeries();
     loadLoss();
     loadAlerts();
+  } else if (rulesChanged) {
+    loadHeatmap();
+    drawSeries();
   }
 }
 

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import operator
+import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import httpx
+import numpy as np
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
 from quantwatch.service import Settings, create_app
+from quantwatch.service.alerts.rules import breaches
 from quantwatch.service.server import BackgroundServer
 
 CHROMIUM = "/usr/bin/chromium"
@@ -228,6 +231,21 @@ def _kind_of(colour: tuple[int, int, int]) -> str:
     return "past" if r > b + 40 else "within"
 
 
+def _expected_kinds(rules: list[dict[str, Any]], layers: list[str], values: list[float | None]) -> list[str]:
+    """How each row's cell should look: decided by the collector's own breach test on the float32 value."""
+    kinds = []
+    for layer, value in zip(layers, values, strict=True):
+        watching = [rule for rule in rules if any(fnmatch.fnmatchcase(layer, g) for g in _globs(rule))]
+        if not watching:
+            kinds.append("unwatched")
+            continue
+        (rule,) = watching
+        assert value is not None
+        past = breaches(float(np.float32(value)), rule["op"], rule["threshold"])
+        kinds.append("past" if past else "within")
+    return kinds
+
+
 def test_rule_bounds_colour_each_row_and_mark_the_chart(
     page: Page, tmp_path: Path, short_run: list[dict[str, Any]]
 ) -> None:
@@ -236,11 +254,12 @@ def test_rule_bounds_colour_each_row_and_mark_the_chart(
     run, layers = short_run[0]["run"], short_run[0]["layers"]
     rules = [
         {"name": "ufl_high_b0", "metric": "underflow_ratio", "layers": "blocks.0.*", "op": ">", "threshold": 0.0015},
+        # float32(0.001) is 0.00100000005 > 0.001: the collector calls it a breach, and so must the page.
         {
             "name": "ufl_high_b1",
             "metric": "underflow_ratio",
             "layers": ["blocks.1.attn.*"],
-            "op": ">=",
+            "op": ">",
             "threshold": 0.001,
         },
         {"name": "ufl_low_b2", "metric": "underflow_ratio", "layers": "blocks.2.*", "op": "<", "threshold": 0.0015},
@@ -255,17 +274,9 @@ def test_rule_bounds_colour_each_row_and_mark_the_chart(
         page.wait_for_selector("#heatmap[data-rows]")
         answer = http.get(f"/api/v1/runs/{quote(run, safe='')}/heatmap", params={"metric": "underflow_ratio"}).json()
 
-        expected = []
-        for row, layer in enumerate(layers):
-            watching = [rule for rule in rules if any(fnmatch.fnmatchcase(layer, g) for g in _globs(rule))]
-            value = answer["values"][row][-1]
-            if not watching:
-                expected.append("unwatched")
-            else:
-                (rule,) = watching
-                past = OPS[rule["op"]](value, rule["threshold"])
-                expected.append("past" if past else "within")
+        expected = _expected_kinds(rules, layers, [row[-1] for row in answer["values"]])
         assert {"unwatched", "past", "within"} <= set(expected)
+        assert expected[layers.index("blocks.1.attn.qkv")] == "past"  # the float32 case above
         assert [_kind_of(colour) for colour in _cell_colours(page)] == expected
 
         # The tooltip names the rule of the hovered row and whether its value is past the bound.
@@ -283,7 +294,51 @@ def test_rule_bounds_colour_each_row_and_mark_the_chart(
         page.wait_for_function("() => document.getElementById('series').dataset.bounds === '[]'")
 
 
-OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+def test_a_floor_rule_keeps_a_one_step_dip_visible_in_a_bucketed_heatmap(page: Page, tmp_path: Path) -> None:
+    """For a metric where high is good, buckets show their worst (lowest) step by default: one dip of update_cosine
+    below the rule's 0.95 floor, inside a bucket of several steps, is painted past the bound."""
+    run, layers, steps, dip = "e2e/cosine", ["l0", "l1"], 1024, (1, 701)
+    values = np.full((steps, len(layers)), 0.99, dtype=np.float32)
+    values[dip[1], dip[0]] = 0.90
+    batches = [
+        {
+            "run": run,
+            "batch_id": f"cos-{first}",
+            "layers": layers,
+            "steps": [
+                {"step": step, "metrics": {"update_cosine": values[step].tolist()}}
+                for step in range(first, first + 256)
+            ],
+        }
+        for first in range(0, steps, 256)
+    ]
+    rule = {"name": "floor", "metric": "update_cosine", "op": "<", "threshold": 0.95, "layers": "*"}
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'cosine.db'}")
+    with BackgroundServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        http.post("/api/v1/rules", json=rule).raise_for_status()
+        for batch in batches:
+            http.post("/api/v1/ingest", json=batch).raise_for_status()
+        requests: list[str] = []
+        page.on("request", lambda r: requests.append(r.url) if "/heatmap?" in r.url else None)
+        page.goto(f"{server.url}/#run={quote(run, safe='')}&metric=update_cosine")
+        page.wait_for_selector("#heatmap[data-rows]")
+        assert "agg=min" in requests[-1]
+        answer = httpx.get(requests[-1]).json()
+        assert answer["bucket_steps"] > 1
+        column = max(c for c, first in enumerate(answer["steps"]) if first <= dip[1])
+        assert answer["values"][dip[0]][column] == pytest.approx(0.90)
+        colours = page.evaluate(
+            """(column) => {
+                const c = document.getElementById('heatmap');
+                const plot = JSON.parse(c.dataset.plot);
+                const cols = Number(c.dataset.cols);
+                const x = Math.floor(plot.x + (column + 0.5) * plot.w / cols);
+                const at = (r) => c.getContext('2d').getImageData(x, Math.floor(plot.y + (r + 0.5) * plot.h / 2), 1, 1);
+                return [0, 1].map((r) => Array.from(at(r).data.slice(0, 3)));
+            }""",
+            column,
+        )
+        assert [_kind_of((r, g, b)) for r, g, b in colours] == ["within", "past"]
 
 
 def _globs(rule: dict[str, Any]) -> list[str]:
@@ -340,8 +395,24 @@ def test_rule_globs_match_as_the_collector_matches_them(page: Page, collector: A
         "b",
         "",
     ]
+    tricky = ["[8-11]", "[z-a]", "[!z-a]", "[%-!]", "[a-]", "[-a]", "[!-]", "[b-a-c]", "[]-a]", "?", "[!a]", "[[]"]
+    rng = random.Random(7)
+    alphabet = [*"ab81-!]^[\\z%*?.", "\N{GRINNING FACE}"]
+    generated = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 7))) for _ in range(400)]
+    patterns += [p for p in tricky + generated if _compiles(p)]
+    names += ["8", "1", "9", "-", "!", "\N{GRINNING FACE}", "blocks.1.mlp", "blocks.8.mlp", "[", "%", "cz"]
+    names += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))) for _ in range(40)]
     _open_run(page, collector)
     got = page.evaluate(
         "([patterns, names]) => patterns.map((p) => names.map((n) => globMatches(p, n)))", [patterns, names]
     )
     assert got == [[fnmatch.fnmatchcase(n, p) for n in names] for p in patterns]
+
+
+def _compiles(pattern: str) -> bool:
+    """Whether the collector accepts ``pattern`` as a rule glob (fnmatch's regex compiles)."""
+    try:
+        re.compile(fnmatch.translate(pattern))
+    except re.error:
+        return False
+    return True

@@ -69,7 +69,7 @@ class IngestGate:
         return min(30, max(1, math.ceil(self.pending * self.average_seconds)))
 
     def record(self, seconds: float) -> None:
-        """Fold one admitted request's time into the moving average."""
+        """Fold the time of one stored request into the moving average (refused ones say nothing of the pace)."""
         self.average_seconds += 0.2 * (seconds - self.average_seconds)
 
 
@@ -157,8 +157,8 @@ async def ingest(request: Request) -> IngestAnswer:
             return store.ingest(batch, observers)
 
         result = await run_in_threadpool(work)
+        gate.record(time.perf_counter() - started)
     finally:
         gate.pending -= 1
-        gate.record(time.perf_counter() - started)
     request.state.ingest_duplicate = result.duplicate  # read by the exposition's ingest counters
     return IngestAnswer(batch_id=result.batch_id, duplicate=result.duplicate, points=result.points)
