@@ -85,6 +85,15 @@ def choose_width(start: int, end: int, max_points: int) -> int:
     return width
 
 
+def _columns(rows: Sequence[Any]) -> tuple[I64, list[bytes]]:
+    """The (step or bucket, blob) rows of a read as an int64 array and a list of bytes, without a Python-level loop
+    per row (a long series read returns ~800 rows)."""
+    if not rows:
+        return np.zeros(0, dtype=np.int64), []
+    keys, blobs = zip(*rows, strict=True)
+    return np.array(keys, dtype=np.int64), list(map(bytes, blobs))
+
+
 def _json_value(value: float) -> float | str:
     if math.isfinite(value):
         return value
@@ -630,8 +639,8 @@ class Store:
             rows = conn.execute(self._raw_rows, params).all()
         else:
             rows = conn.execute(self._raw_layer_rows, {**params, "offset": 4 * layer + 1}).all()
-        steps = np.array([r[0] for r in rows], dtype=np.int64)
-        return steps, Partials.from_values(rows_from_blobs([bytes(r[1]) for r in rows], width))
+        steps, blobs = _columns(rows)
+        return steps, Partials.from_values(rows_from_blobs(blobs, width))
 
     def _rollup_partials(
         self,
@@ -651,9 +660,9 @@ class Store:
         else:
             offset = STATS_DTYPE.itemsize * layer + 1
             rows = conn.execute(self._block_layer_rows, {**params, "offset": offset}).all()
-        starts = np.array([r[0] for r in rows], dtype=np.int64) * level
+        buckets, blobs = _columns(rows)
         width = 1 if layer is not None else n_layers
-        return starts, Partials.from_stats([bytes(r[1]) for r in rows], width)
+        return buckets * level, Partials.from_stats(blobs, width)
 
     def _bucketed(
         self,
