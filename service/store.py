@@ -12,6 +12,7 @@ import fnmatch
 import io
 import logging
 import math
+import operator
 import struct
 import threading
 import time
@@ -85,13 +86,17 @@ def choose_width(start: int, end: int, max_points: int) -> int:
     return width
 
 
+_first = operator.itemgetter(0)
+_second = operator.itemgetter(1)
+
+
 def _columns(rows: Sequence[Any]) -> tuple[I64, list[bytes]]:
     """The (step or bucket, blob) rows of a read as an int64 array and a list of bytes, without a Python-level loop
-    per row (a long series read returns ~800 rows)."""
-    if not rows:
-        return np.zeros(0, dtype=np.int64), []
-    keys, blobs = zip(*rows, strict=True)
-    return np.array(keys, dtype=np.int64), list(map(bytes, blobs))
+    per row (a long series read returns ~800 rows, a raw one up to ~64,000). Not ``zip(*rows)``: that allocates an
+    iterator per row, which the garbage collector tracks, and in the collector's large heap the collections it set
+    off made raw reads of 20,000 rows several times slower at the median."""
+    keys = np.fromiter(map(_first, rows), dtype=np.int64, count=len(rows))
+    return keys, list(map(bytes, map(_second, rows)))
 
 
 def _json_value(value: float) -> float | str:
