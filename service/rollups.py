@@ -28,8 +28,10 @@ MISSING_BITS = 0x7FC00001
 NAN_BITS = 0x7FC00000
 # One layer's rollup record, packed little-endian (18 bytes).
 STATS_DTYPE = np.dtype([("min", "<f4"), ("max", "<f4"), ("sum", "<f8"), ("count", "<u2")])
-# Rollup block sizes in steps (powers of four so a read combines at most four blocks of the level below a width).
-LEVELS: tuple[int, ...] = (64, 256, 1024, 4096)
+# Rollup block sizes in steps. A read of bucket width w takes the largest level ≤ w, so combines at most four blocks
+# per bucket; 128 is there for the most common read, a 1,000-point series of a 100,000-step run (w = 128), which then
+# reads 782 blocks instead of 1,563 level-64 ones (see BENCHMARKS.md, issue 3).
+LEVELS: tuple[int, ...] = (64, 128, 256, 1024, 4096)
 
 
 def missing_row(n_layers: int) -> F32:
@@ -56,7 +58,7 @@ def is_missing(values: F32) -> npt.NDArray[np.bool_]:
 def rows_from_blobs(blobs: Sequence[bytes], n_layers: int) -> F32:
     """Stack float32 blobs into ``[len(blobs), n_layers]``; shorter blobs (older layer counts) pad with missing."""
     width = 4 * n_layers
-    if all(len(blob) == width for blob in blobs):
+    if set(map(len, blobs)) <= {width}:  # map/set: no Python frame per row (a series decodes ~800)
         return np.frombuffer(b"".join(blobs), dtype="<f4").reshape(len(blobs), n_layers).astype(np.float32)
     out = np.empty((len(blobs), n_layers), dtype=np.float32)
     out.view(np.uint32)[:] = MISSING_BITS
@@ -103,7 +105,7 @@ class Partials:
     def from_stats(cls, blobs: Sequence[bytes], n_layers: int) -> Partials:
         """Decode stored rollup blobs (:data:`STATS_DTYPE` per layer), padding older, narrower rows."""
         width = STATS_DTYPE.itemsize * n_layers
-        if blobs and all(len(b) == width for b in blobs):
+        if blobs and set(map(len, blobs)) == {width}:
             rec = np.frombuffer(b"".join(blobs), STATS_DTYPE).reshape(-1, n_layers)
         else:
             rec = np.zeros((len(blobs), n_layers), STATS_DTYPE)

@@ -17,7 +17,9 @@ from quantwatch.service.store import Store
 bearer = HTTPBearer(auto_error=False, description="A token configured with the scope the route names.")
 
 
-def get_store(request: Request) -> Store:
+# The dependencies below do no I/O, so they are coroutines: FastAPI runs a plain ``def`` dependency in the thread
+# pool, and the two hops cost a series request ~0.5 ms of its p50 on a loaded machine (BENCHMARKS.md, issue 3).
+async def get_store(request: Request) -> Store:
     """The app's data-access object."""
     store: Store = request.app.state.store
     return store
@@ -63,7 +65,7 @@ async def reject_nul(request: Request) -> None:
 def require(scope: Scope) -> DependsParam:
     """A dependency that lets a request through only with a token holding ``scope`` (when tokens are configured)."""
 
-    def check(
+    async def check(
         request: Request,
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
     ) -> None:

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect
+from sqlalchemy import inspect, select
 
+from alembic import command
 from quantwatch.service import Settings
 from quantwatch.service.core.db import alembic_config, make_engine, upgrade
-from quantwatch.service.models import Base
+from quantwatch.service.models import Base, Rollup
 
 
 def test_cli_upgrades_an_empty_database_and_models_agree(empty_database_url: str) -> None:
@@ -50,3 +54,42 @@ def test_app_upgrades_an_empty_database_on_start(empty_database_url: str) -> Non
             assert client.get("/api/v1/runs").json() == []
     finally:
         app.state.engine.dispose()
+
+
+def test_level_128_backfill_rebuilds_what_ingest_writes(
+    client: Any, post_batch: Callable[..., Any], make_batch: Callable[..., Any]
+) -> None:
+    """Revision 0003 fills the 128-step rollups of history stored before it; they must equal ingest's own."""
+    rng = np.random.default_rng(5)
+    layers = ["a", "b", "c"]
+    steps = np.sort(rng.choice(np.arange(3000), size=1800, replace=False))
+    values = rng.standard_normal((steps.size, 4)).astype(np.float32)
+    values[rng.random(values.shape) < 0.1] = np.nan  # not measured
+    values[7, 1] = np.inf
+    half = steps.size // 2
+    # The second half adds a layer: older level-64 blobs are narrower than newer ones, also within one block.
+    for part, names in ((slice(0, half), layers), (slice(half, None), [*layers, "d"])):
+        doc = make_batch("mig", names, steps[part].tolist(), {"m": values[part, : len(names)]})
+        assert post_batch(doc).status_code == 200
+    params = {"metric": "m", "layer": "b", "max_points": 30}
+    before = client.get("/api/v1/runs/mig/series", params=params).json()
+    assert before["bucket_steps"] == 128
+    engine = client.app.state.engine
+    level_128 = select(Rollup.run_id, Rollup.rank, Rollup.name_id, Rollup.bucket, Rollup.stats).where(
+        Rollup.level == 128
+    )
+
+    def rows() -> list[tuple[Any, ...]]:
+        with engine.connect() as conn:
+            return [(*r[:4], bytes(r[4])) for r in conn.execute(level_128.order_by(Rollup.bucket))]
+
+    written = rows()
+    assert len(written) == np.unique(steps // 128).size
+    cfg = alembic_config(engine.url.render_as_string(hide_password=False))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0002_alerts")
+    assert rows() == []
+    upgrade(engine)
+    assert rows() == written
+    assert client.get("/api/v1/runs/mig/series", params=params).json() == before

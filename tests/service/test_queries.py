@@ -86,6 +86,12 @@ QUERIES = [
     (100, 4000, 33),
     (64, 4095, 16),
     (1234, 1300, 5),
+    # Bucket width 128 (the level added for long series): whole range, and partial blocks at both edges.
+    (None, None, 100),
+    (130, 1000, 7),
+    (5, 8990, 80),
+    # Width 512: level 256, two blocks per bucket.
+    (None, None, 20),
 ]
 
 
