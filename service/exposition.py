@@ -156,6 +156,16 @@ def _escape_label_value(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _row_prefix(family: str, names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    """``family{name="value",…} `` with the label names sorted, as the text format writes them. Memoised: the same
+    run, rank, rule and layer rows come back in every scrape."""
+    labels = ",".join(
+        f'{name}="{_escape_label_value(value)}"' for name, value in sorted(zip(names, values, strict=True))
+    )
+    return f"{family}{{{labels}}} "
+
+
 class StepLike(Protocol):
     """One step of a batch as the cache reads it; :class:`quantwatch.service.batch.IngestStep` is one."""
 
@@ -429,22 +439,41 @@ def _latest_per_layer(
 def _render_slots(slots: Sequence[tuple[str, _Run, _Slot]]) -> list[bytes]:
     """The sample lines of each (family, run, slot), byte for byte as prometheus_client's text format writes them.
 
-    The values of every slot that changed since the last scrape are spelled in one vectorised pass; per slot its
-    lines are one join of pieces that already exist (family, cached label text, value line).
+    The values of every slot that changed since the last scrape are spelled in one vectorised pass, and the labels
+    of a run's slots are gathered in one pass; per slot its lines are one join of pieces that already exist
+    (family, cached label text, value line).
     """
     if not slots:
         return []
     values = float32_value_lines(np.concatenate([slot.values for _, _, slot in slots]))
+    labels: list[bytes] = []
+    first = 0
+    for last in range(1, len(slots) + 1):
+        if last == len(slots) or slots[last][1] is not slots[first][1]:
+            labels.extend(_run_labels(slots[first][1], [slot for _, _, slot in slots[first:last]]))
+            first = last
+    pieces: list[bytes] = [b""] * (3 * len(values))
+    pieces[0::3] = list(
+        itertools.chain.from_iterable([family.encode()] * slot.values.size for family, _, slot in slots)
+    )
+    pieces[1::3] = labels
+    pieces[2::3] = values
     out = []
     start = 0
-    for family, state, slot in slots:
-        count = slot.values.size
-        pieces = [family.encode(), b"", b""] * count
-        pieces[1::3] = _slot_labels(state, slot)
-        pieces[2::3] = values[start : start + count]
-        out.append(b"".join(pieces))
-        start += count
+    for _, _, slot in slots:
+        end = start + 3 * slot.values.size
+        out.append(b"".join(pieces[start:end]))
+        start = end
     return out
+
+
+def _run_labels(state: _Run, slots: Sequence[_Slot]) -> list[bytes]:
+    """Label text of each entry of some slots of one run, in order: one gather when they all hold a single rank."""
+    rank = slots[0].ranks[0]
+    if all(slot.ranks[0] == rank and slot.ranks[-1] == rank for slot in slots):  # sorted by rank: one throughout
+        ids = np.concatenate([slot.layer_ids for slot in slots])
+        return cast("list[bytes]", state.label_texts(int(rank))[ids].tolist())
+    return [label for slot in slots for label in _slot_labels(state, slot)]
 
 
 def _slot_labels(state: _Run, slot: _Slot) -> list[bytes]:
@@ -519,7 +548,6 @@ class _RowsGaugeFamily(_FastFamily):
     def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
         super().__init__(name, documentation)
         self._labels = tuple(labels)
-        self._order = sorted(range(len(labels)), key=lambda i: labels[i])  # the text format sorts label names
         self._rows: list[tuple[tuple[str, ...], float]] = []
 
     def add(self, values: Sequence[str], value: float) -> None:
@@ -528,14 +556,12 @@ class _RowsGaugeFamily(_FastFamily):
 
     def rendered(self) -> list[bytes]:
         """The sample lines, in the order the rows were added."""
-        names = [self._labels[i] for i in self._order]
-        lines = []
-        for values, value in self._rows:
-            labels = ",".join(
-                f'{name}="{_escape_label_value(values[i])}"' for name, i in zip(names, self._order, strict=True)
-            )
-            lines.append(f"{self.name}{{{labels}}} {_go_float(value)}\n")
-        return ["".join(lines).encode()]
+        name, labels = self.name, self._labels
+        return [
+            "".join(
+                [f"{_row_prefix(name, labels, values)}{_go_float(value)}\n" for values, value in self._rows]
+            ).encode()
+        ]
 
     def build_samples(self) -> list[Sample]:
         """Samples of the rows."""
