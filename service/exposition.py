@@ -522,41 +522,22 @@ def _latest_per_layer(
 def _render_slots(slots: Sequence[tuple[str, _Run, _Slot]]) -> list[bytes]:
     """The sample lines of each (family, run, slot), byte for byte as prometheus_client's text format writes them.
 
-    The values of every slot that changed since the last scrape are spelled in one vectorised pass, and the labels
-    of a run's slots are gathered in one pass; per slot its lines are one join of pieces that already exist
-    (family, cached label text, value line).
+    The values of every slot that changed since the last scrape are spelled in one vectorised pass; per slot its
+    lines are one join of pieces that already exist (family, cached label text, value line).
     """
     if not slots:
         return []
     values = float32_value_lines(np.concatenate([slot.values for _, _, slot in slots]))
-    labels: list[bytes] = []
-    first = 0
-    for last in range(1, len(slots) + 1):
-        if last == len(slots) or slots[last][1] is not slots[first][1]:
-            labels.extend(_run_labels(slots[first][1], [slot for _, _, slot in slots[first:last]]))
-            first = last
-    pieces: list[bytes] = [b""] * (3 * len(values))
-    pieces[0::3] = list(
-        itertools.chain.from_iterable([family.encode()] * slot.values.size for family, _, slot in slots)
-    )
-    pieces[1::3] = labels
-    pieces[2::3] = values
     out = []
     start = 0
-    for _, _, slot in slots:
-        end = start + 3 * slot.values.size
-        out.append(b"".join(pieces[start:end]))
-        start = end
+    for family, state, slot in slots:
+        count = slot.values.size
+        pieces = [family.encode(), b"", b""] * count
+        pieces[1::3] = _slot_labels(state, slot)
+        pieces[2::3] = values[start : start + count]
+        out.append(b"".join(pieces))
+        start += count
     return out
-
-
-def _run_labels(state: _Run, slots: Sequence[_Slot]) -> list[bytes]:
-    """Label text of each entry of some slots of one run, in order: one gather when they all hold a single rank."""
-    rank = slots[0].ranks[0]
-    if all(slot.ranks[0] == rank and slot.ranks[-1] == rank for slot in slots):  # sorted by rank: one throughout
-        ids = np.concatenate([slot.layer_ids for slot in slots])
-        return cast("list[bytes]", state.label_texts(int(rank))[ids].tolist())
-    return [label for slot in slots for label in _slot_labels(state, slot)]
 
 
 def _slot_labels(state: _Run, slot: _Slot) -> list[bytes]:
