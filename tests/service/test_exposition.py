@@ -353,20 +353,25 @@ def test_scrapes_concurrent_with_ingest_and_the_renderer_are_whole_and_never_sta
     sent: dict[str, int] = {}  # run -> newest step observed, written before the step is visible to a scrape
     errors: list[BaseException] = []
 
+    rng = np.random.default_rng(3)
+    layers = [f"blocks.{i}.attn.qkv" for i in range(64)]
+
+    def send(step: int) -> None:
+        for run in ("r0", "r1", "r2"):
+            values = {m: rng.random(64).astype(np.float32) for m in ("output_rel_l2", "output_cosine")}
+            cache.observe(run, 0, layers, [StepValues(step, values)])
+            sent[run] = step
+
     def ingest() -> None:
-        rng = np.random.default_rng(3)
-        layers = [f"blocks.{i}.attn.qkv" for i in range(64)]
-        step = 0
+        step = 1
         try:
             while not stopping.is_set():
                 step += 1
-                for run in ("r0", "r1", "r2"):
-                    values = {m: rng.random(64).astype(np.float32) for m in ("output_rel_l2", "output_cosine")}
-                    cache.observe(run, 0, layers, [StepValues(step, values)])
-                    sent[run] = step
+                send(step)
         except BaseException as exc:  # surfaced by the assertion below
             errors.append(exc)
 
+    send(1)  # every run and metric exists before the first scrape
     feeder = threading.Thread(target=ingest)
     renderer.start()
     feeder.start()
