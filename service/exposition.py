@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONTENT_TYPE",
+    "DEFAULT_RENDER_IDLE_AFTER_SECONDS",
     "DEFAULT_RENDER_INTERVAL_SECONDS",
     "DEFAULT_RUN_TTL_SECONDS",
     "DEFAULT_TOP_K",
@@ -89,6 +90,8 @@ DEFAULT_RUN_TTL_SECONDS = 3600.0
 # How often the background renderer renders what batches changed: it bounds the renderer's work per second whatever
 # the batch rate, and how much a scrape can find left to render when batches arrive steadily.
 DEFAULT_RENDER_INTERVAL_SECONDS = 0.25
+# The renderer works only while someone scrapes: not at all until the first scrape, nor after this long without one.
+DEFAULT_RENDER_IDLE_AFTER_SECONDS = 300.0
 
 log = logging.getLogger("quantwatch.exposition")
 
@@ -312,6 +315,7 @@ class LatestValueCache:
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
         self._changed_runs: set[str] = set()  # runs with slots a batch changed since a render
+        self.scraped_at: float | None = None  # time.monotonic() of the last snapshot
         self._omitted_values_total = 0
         self._expired_runs_total = 0
 
@@ -417,6 +421,7 @@ class LatestValueCache:
         """Expire idle runs, render changed slots and return what a scrape exports."""
         deadline = self._clock() - self.run_ttl_seconds
         with self._lock:
+            self.scraped_at = time.monotonic()
             self._expire_locked(deadline)
             runs = sorted(self._runs.items())
             by_metric: dict[str, list[tuple[_Run, _Slot]]] = {}
@@ -458,14 +463,22 @@ class BackgroundRenderer:
     A scrape then only renders what changed since the last pass, so its time no longer grows with how many runs sent
     a batch since the previous scrape; it still renders whatever is left, so its answer is never stale. The work per
     second is bounded by the interval, not by the batch rate: a slot that ten batches changed between two passes is
-    rendered once. ``cpu_seconds`` and ``slots_rendered`` say what it cost.
+    rendered once. Nothing is rendered ahead until the first scrape or after ``idle_after_seconds`` without one (a
+    collector nobody scrapes spends nothing). ``cpu_seconds`` and ``slots_rendered`` say what it cost.
     """
 
-    def __init__(self, cache: LatestValueCache, interval_seconds: float = DEFAULT_RENDER_INTERVAL_SECONDS) -> None:
-        if not isinstance(interval_seconds, (int, float)) or not interval_seconds > 0:
-            raise ValueError(f"interval_seconds must be a number > 0, got {interval_seconds!r}")
+    def __init__(
+        self,
+        cache: LatestValueCache,
+        interval_seconds: float = DEFAULT_RENDER_INTERVAL_SECONDS,
+        idle_after_seconds: float = DEFAULT_RENDER_IDLE_AFTER_SECONDS,
+    ) -> None:
+        for name, value in (("interval_seconds", interval_seconds), ("idle_after_seconds", idle_after_seconds)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
         self.cache = cache
         self.interval_seconds = float(interval_seconds)
+        self.idle_after_seconds = float(idle_after_seconds)
         self.cpu_seconds = 0.0
         self.slots_rendered = 0
         self._stopping = threading.Event()
@@ -488,6 +501,9 @@ class BackgroundRenderer:
 
     def _loop(self) -> None:
         while not self._stopping.wait(self.interval_seconds):
+            scraped_at = self.cache.scraped_at
+            if scraped_at is None or time.monotonic() - scraped_at > self.idle_after_seconds:
+                continue
             started = time.thread_time()
             try:
                 self.slots_rendered += self.cache.render_changed()

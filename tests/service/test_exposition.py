@@ -325,6 +325,7 @@ def test_background_renderer_renders_what_batches_changed_and_stops() -> None:
     renderer = BackgroundRenderer(cache, interval_seconds=0.01)
     renderer.start()
     try:
+        cache.snapshot()  # someone scrapes
         mixed_ranks_scenario(cache, np.random.default_rng(0), 1)
         deadline = time.monotonic() + 30
         while renderer.slots_rendered < 6:
@@ -337,10 +338,27 @@ def test_background_renderer_renders_what_batches_changed_and_stops() -> None:
     assert "quantwatch-exposition" not in {thread.name for thread in threading.enumerate()}
 
 
-@pytest.mark.parametrize("interval", [0, -1.0])
-def test_bad_render_interval_names_the_field(interval: float) -> None:
-    with pytest.raises(ValueError, match="interval_seconds"):
-        BackgroundRenderer(LatestValueCache(), interval_seconds=interval)
+def test_background_renderer_waits_for_someone_to_scrape() -> None:
+    cache = LatestValueCache(top_k=8)
+    renderer = BackgroundRenderer(cache, interval_seconds=0.005, idle_after_seconds=60)
+    renderer.start()
+    try:
+        mixed_ranks_scenario(cache, np.random.default_rng(0), 1)
+        time.sleep(0.2)  # forty passes' worth
+        assert renderer.slots_rendered == 0  # never scraped
+        cache.scraped_at = time.monotonic() - 61
+        time.sleep(0.2)
+        assert renderer.slots_rendered == 0  # not scraped for longer than idle_after_seconds
+    finally:
+        renderer.stop()
+    assert cache.render_changed() == 6  # the slots were left for a scrape
+
+
+@pytest.mark.parametrize("field", ["interval_seconds", "idle_after_seconds"])
+@pytest.mark.parametrize("value", [0, -1.0, True])
+def test_bad_renderer_settings_name_the_field(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        BackgroundRenderer(LatestValueCache(), **{field: value})
 
 
 def test_scrapes_concurrent_with_ingest_and_the_renderer_are_whole_and_never_stale() -> None:

@@ -62,11 +62,12 @@ def test_a_running_collector_renders_changed_layers_before_the_scrape(
 ) -> None:
     collector = start_collector()
     renderer = collector.app.state.exposition.renderer
+    scrape(collector.url)  # the renderer works once someone scrapes
     rel = np.array([[0.5, 0.25]], np.float32)
     body, headers = encode_batch(make_batch("bg", ["a", "b"], [1], {"output_rel_l2": rel}))
     assert post(collector.url, body, headers).status_code == 200
     deadline = time.monotonic() + 30
-    while renderer.slots_rendered == 0:  # the app's lifespan started the renderer; nobody has scraped yet
+    while renderer.slots_rendered == 0:  # the app's lifespan started the renderer; no scrape since the batch
         assert time.monotonic() < deadline, "the background renderer did not render the batch"
         time.sleep(0.02)
     layer_values = {
