@@ -321,9 +321,14 @@ def test_rendering_changed_slots_ahead_of_a_scrape_gives_the_same_exposition() -
 
 
 def test_background_renderer_renders_what_batches_changed_and_stops() -> None:
+    def renderer_threads() -> int:  # other tests' collectors may have theirs running
+        return sum(thread.name == "quantwatch-exposition" for thread in threading.enumerate())
+
     cache = LatestValueCache(top_k=8)
     renderer = BackgroundRenderer(cache, interval_seconds=0.01)
+    before = renderer_threads()
     renderer.start()
+    assert renderer_threads() == before + 1
     try:
         cache.snapshot()  # someone scrapes
         mixed_ranks_scenario(cache, np.random.default_rng(0), 1)
@@ -335,7 +340,7 @@ def test_background_renderer_renders_what_batches_changed_and_stops() -> None:
         renderer.stop()
     assert renderer.slots_rendered == 6
     assert renderer.cpu_seconds > 0
-    assert "quantwatch-exposition" not in {thread.name for thread in threading.enumerate()}
+    assert renderer_threads() == before
 
 
 def test_background_renderer_waits_for_someone_to_scrape() -> None:
