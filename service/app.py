@@ -41,9 +41,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.delivery_worker.start()
+        app.state.exposition.renderer.start()
         try:
             yield
         finally:
+            app.state.exposition.renderer.stop()
             app.state.delivery_worker.stop()
 
     app = FastAPI(

@@ -4,7 +4,8 @@ Layers import downward, as in prometheus/client_python: the :class:`LatestValueC
 beyond the names it renders; :class:`QuantWatchCollector` turns the cache (and the alert streaks) into metric
 families on the app's own :class:`~prometheus_client.CollectorRegistry`; :func:`render_exposition` writes the text
 format. Nothing on the ingest path calls ``Gauge.set`` per point: the cache takes a whole batch at once, with numpy,
-and renders the sample lines of a (run, metric) only when a scrape finds them changed.
+and the sample lines of a (run, metric) are rendered after it changed, off the ingest path: by the
+:class:`BackgroundRenderer` between scrapes, or by the scrape itself for whatever is left.
 
 Cardinality is bounded by design: per (run, metric) only the ``top_k`` worst layers are exported (higher is worse,
 except for cosines and SQNR where lower is worse; non-finite values are the worst of all), the rest is counted, and
@@ -16,6 +17,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import logging
 import re
 import threading
 import time
@@ -51,12 +53,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONTENT_TYPE",
+    "DEFAULT_RENDER_IDLE_AFTER_SECONDS",
+    "DEFAULT_RENDER_INTERVAL_SECONDS",
     "DEFAULT_RUN_TTL_SECONDS",
     "DEFAULT_TOP_K",
     "LAYER_METRIC_FAMILIES",
     "RUN_SCALAR_FAMILIES",
     "AlertSeries",
     "AlertSeriesSource",
+    "BackgroundRenderer",
     "DeliveryCounts",
     "Exposition",
     "IngestMetrics",
@@ -82,6 +87,13 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 DEFAULT_TOP_K = 64
 DEFAULT_RUN_TTL_SECONDS = 3600.0
+# How often the background renderer renders what batches changed: it bounds the renderer's work per second whatever
+# the batch rate, and how much a scrape can find left to render when batches arrive steadily.
+DEFAULT_RENDER_INTERVAL_SECONDS = 0.25
+# The renderer works only while someone scrapes: not at all until the first scrape, nor after this long without one.
+DEFAULT_RENDER_IDLE_AFTER_SECONDS = 300.0
+
+log = logging.getLogger("quantwatch.exposition")
 
 # Canonical metric → exported gauge family. Ratios end in ``_ratio``; ``nonfinite_count`` becomes ``_values``
 # because ``_count`` is reserved for histograms and summaries in the exposition format.
@@ -154,6 +166,16 @@ def _escape_label_value(value: str) -> str:
     # The text format's escaping, byte for byte what prometheus_client writes. Memoised: the same run, layer and rule
     # names come back in every scrape.
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _row_prefix(family: str, names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    """``family{name="value",…} `` with the label names sorted, as the text format writes them. Memoised: the same
+    run, rank, rule and layer rows come back in every scrape."""
+    labels = ",".join(
+        f'{name}="{_escape_label_value(value)}"' for name, value in sorted(zip(names, values, strict=True))
+    )
+    return f"{family}{{{labels}}} "
 
 
 class StepLike(Protocol):
@@ -272,7 +294,8 @@ class LatestValueCache:
 
     Per (run, metric) it keeps the ``top_k`` worst layers across ranks (the exposition's cardinality cap); per
     (run, rank) the last step and the latest scalars. Work per batch is O(layers) numpy per metric; nothing is
-    rendered until a scrape asks. ``clock`` is injectable so tests can freeze time.
+    rendered on the ingest path (see :meth:`render_changed` and :meth:`snapshot`). ``clock`` is injectable so tests
+    can freeze time.
     """
 
     def __init__(
@@ -291,6 +314,8 @@ class LatestValueCache:
         self._clock = clock
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
+        self._changed_runs: set[str] = set()  # runs with slots a batch changed since a render
+        self.scraped_at: float | None = None  # time.monotonic() of the last snapshot
         self._omitted_values_total = 0
         self._expired_runs_total = 0
 
@@ -320,6 +345,7 @@ class LatestValueCache:
             ids = state.ids_of(layers)
             for metric, (values, measured) in latest.items():
                 self._merge(state, metric, rank, ids[measured], values[measured])
+            self._changed_runs.add(run)
 
     def _merge(
         self,
@@ -367,10 +393,35 @@ class LatestValueCache:
         self._expired_runs_total += len(stale)
         return len(stale)
 
+    def render_changed(self, runs_per_hold: int = 8) -> int:
+        """Render the slots that batches changed since they were last rendered; returns how many it rendered.
+
+        The :class:`BackgroundRenderer` calls this between scrapes, so that a scrape finds most slots rendered. The
+        lock is held for ``runs_per_hold`` runs at a time: ingest and a scrape wait for one small pass at most.
+        Runs changed while it works are left to the next call (or to the scrape).
+        """
+        with self._lock:
+            todo, self._changed_runs = sorted(self._changed_runs), set()
+        rendered = 0
+        for first in range(0, len(todo), runs_per_hold):
+            with self._lock:
+                changed = [
+                    (layer_family_name(metric), state, slot)
+                    for state in (self._runs.get(run) for run in todo[first : first + runs_per_hold])
+                    if state is not None
+                    for metric, slot in state.slots.items()
+                    if slot.text is None
+                ]
+                for (_, _, slot), text in zip(changed, _render_slots(changed), strict=True):
+                    slot.text = text
+            rendered += len(changed)
+        return rendered
+
     def snapshot(self) -> CacheSnapshot:
         """Expire idle runs, render changed slots and return what a scrape exports."""
         deadline = self._clock() - self.run_ttl_seconds
         with self._lock:
+            self.scraped_at = time.monotonic()
             self._expire_locked(deadline)
             runs = sorted(self._runs.items())
             by_metric: dict[str, list[tuple[_Run, _Slot]]] = {}
@@ -390,6 +441,7 @@ class LatestValueCache:
                 seen.append((run, state.last_seen))
             for (_, _, slot), text in zip(changed, _render_slots(changed), strict=True):
                 slot.text = text
+            self._changed_runs.clear()  # everything is rendered now
             families = tuple(
                 LayerFamily(layer_family_name(metric), metric, tuple(chunks))
                 for metric, chunks in sorted(by_metric.items(), key=lambda item: layer_family_name(item[0]))
@@ -403,6 +455,63 @@ class LatestValueCache:
                 omitted_values_total=self._omitted_values_total,
                 expired_runs_total=self._expired_runs_total,
             )
+
+
+class BackgroundRenderer:
+    """A daemon thread rendering the slots that batches changed, between scrapes, every ``interval_seconds``.
+
+    A scrape then only renders what changed since the last pass, so its time no longer grows with how many runs sent
+    a batch since the previous scrape; it still renders whatever is left, so its answer is never stale. The work per
+    second is bounded by the interval, not by the batch rate: a slot that ten batches changed between two passes is
+    rendered once. Nothing is rendered ahead until the first scrape or after ``idle_after_seconds`` without one (a
+    collector nobody scrapes spends nothing). ``cpu_seconds`` and ``slots_rendered`` say what it cost.
+    """
+
+    def __init__(
+        self,
+        cache: LatestValueCache,
+        interval_seconds: float = DEFAULT_RENDER_INTERVAL_SECONDS,
+        idle_after_seconds: float = DEFAULT_RENDER_IDLE_AFTER_SECONDS,
+    ) -> None:
+        for name, value in (("interval_seconds", interval_seconds), ("idle_after_seconds", idle_after_seconds)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        self.cache = cache
+        self.interval_seconds = float(interval_seconds)
+        self.idle_after_seconds = float(idle_after_seconds)
+        self.cpu_seconds = 0.0
+        self.slots_rendered = 0
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failed = False
+
+    def start(self) -> None:
+        """Start the thread (idempotent)."""
+        if self._thread is None:
+            self._stopping.clear()
+            self._thread = threading.Thread(target=self._loop, name="quantwatch-exposition", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread after the pass in progress."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stopping.wait(self.interval_seconds):
+            scraped_at = self.cache.scraped_at
+            if scraped_at is None or time.monotonic() - scraped_at > self.idle_after_seconds:
+                continue
+            started = time.thread_time()
+            try:
+                self.slots_rendered += self.cache.render_changed()
+            except Exception:  # a scrape renders what is left (and reports the error itself)
+                if not self._failed:
+                    log.exception("background rendering of the exposition failed; scrapes render instead")
+                    self._failed = True
+            self.cpu_seconds += time.thread_time() - started
 
 
 def _latest_per_layer(
@@ -519,7 +628,6 @@ class _RowsGaugeFamily(_FastFamily):
     def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
         super().__init__(name, documentation)
         self._labels = tuple(labels)
-        self._order = sorted(range(len(labels)), key=lambda i: labels[i])  # the text format sorts label names
         self._rows: list[tuple[tuple[str, ...], float]] = []
 
     def add(self, values: Sequence[str], value: float) -> None:
@@ -528,14 +636,12 @@ class _RowsGaugeFamily(_FastFamily):
 
     def rendered(self) -> list[bytes]:
         """The sample lines, in the order the rows were added."""
-        names = [self._labels[i] for i in self._order]
-        lines = []
-        for values, value in self._rows:
-            labels = ",".join(
-                f'{name}="{_escape_label_value(values[i])}"' for name, i in zip(names, self._order, strict=True)
-            )
-            lines.append(f"{self.name}{{{labels}}} {_go_float(value)}\n")
-        return ["".join(lines).encode()]
+        name, labels = self.name, self._labels
+        return [
+            "".join(
+                [f"{_row_prefix(name, labels, values)}{_go_float(value)}\n" for values, value in self._rows]
+            ).encode()
+        ]
 
     def build_samples(self) -> list[Sample]:
         """Samples of the rows."""
@@ -906,6 +1012,7 @@ class Exposition:
     cache: LatestValueCache
     ingest: IngestMetrics
     collector: QuantWatchCollector
+    renderer: BackgroundRenderer
 
     def render(self) -> bytes:
         """The text exposition of the app's registry."""
@@ -920,14 +1027,19 @@ def install_exposition(
     alerts: AlertSeriesSource | None = None,
     deliveries: DeliveryCounts | None = None,
     clock: Callable[[], float] = time.time,
+    render_interval_seconds: float = DEFAULT_RENDER_INTERVAL_SECONDS,
 ) -> Exposition:
-    """Give ``app`` its ``GET /metrics``: a registry of its own, the cache as an ingest observer, ingest timing."""
+    """Give ``app`` its ``GET /metrics``: a registry of its own, the cache as an ingest observer, ingest timing.
+
+    The app's lifespan starts and stops ``exposition.renderer`` (the background renderer).
+    """
     cache = LatestValueCache(top_k=top_k, run_ttl_seconds=run_ttl_seconds, clock=clock)
     ingest = IngestMetrics()
     collector = QuantWatchCollector(cache, ingest, alerts, deliveries)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    exposition = Exposition(registry, cache, ingest, collector)
+    renderer = BackgroundRenderer(cache, render_interval_seconds)
+    exposition = Exposition(registry, cache, ingest, collector, renderer)
     app.state.exposition = exposition
     app.state.ingest_observers.append(PrometheusObserver(cache, ingest))
     app.add_middleware(IngestTimingMiddleware, metrics=ingest)

@@ -142,11 +142,16 @@ def _shortest_decimals(
     return digits, shifts, found
 
 
-# The layout tables. A text's characters come from one row of 24 columns: the decimal's digits right-aligned in
-# columns 0-8, then constant characters, the last one NUL (numpy drops trailing NULs of a bytes value).
-_DIGIT_COLUMNS = _MOST_DIGITS
-_CONSTANTS = b"0123456789.-e\n\0"
-_NUL_COLUMN = _DIGIT_COLUMNS + len(_CONSTANTS) - 1
+# The layout tables. A text's characters come from one source row of 28 bytes, written as seven 4-byte words so that
+# filling it is three gathers of 4-digit groups and one broadcast: the decimal's nine digits zero-padded in columns
+# 3-11 (columns 0-2 are the leading zeros of the first group, never read), then the constant characters, the last
+# one NUL (numpy drops trailing NULs of a bytes value). The text is then one flat gather through the row's layout.
+_GROUP_DIGITS = 4
+_DIGITS_END = 3 * _GROUP_DIGITS  # the digits end where the constants start
+_CONSTANTS = b"0123456789.-e\n\0\0"  # padded to a whole word
+_ROW_WORDS = 3 + len(_CONSTANTS) // 4
+_ROW_BYTES = 4 * _ROW_WORDS
+_NUL_COLUMN = _DIGITS_END + _CONSTANTS.index(b"\0")
 _TEXT_WIDTH = 16  # '-1.23456789e-13' or '-0.000123456789', and the newline
 _EXPONENTS = _HIGHEST_EXPONENT - _LOWEST_EXPONENT + 1
 
@@ -157,24 +162,29 @@ def _layout(negative: bool, exponent: int, count: int) -> list[int]:
     text = repr(float(f"{'-' if negative else ''}{digits}e{exponent - count + 1}")) + "\n"
     mantissa_end = text.find("e") if "e" in text else len(text)
     columns = [
-        _DIGIT_COLUMNS - count + int(char) - 1
+        _DIGITS_END - count + int(char) - 1
         if i < mantissa_end and char in digits
-        else _DIGIT_COLUMNS + _CONSTANTS.index(char.encode())
+        else _DIGITS_END + _CONSTANTS.index(char.encode())
         for i, char in enumerate(text)
     ]
     return columns + [_NUL_COLUMN] * (_TEXT_WIDTH - len(columns))
 
 
-# Indexed by (negative, exponent - lowest, digit count - 1).
+# One row per shape, indexed by (negative * digit counts + digit count - 1) * exponents + exponent - lowest.
 _LAYOUTS = np.array(
     [
-        [_layout(negative, exponent, count) for exponent in range(_LOWEST_EXPONENT, _HIGHEST_EXPONENT + 1)]
+        _layout(negative, exponent, count)
         for negative in (False, True)
         for count in range(1, _MOST_DIGITS + 1)
+        for exponent in range(_LOWEST_EXPONENT, _HIGHEST_EXPONENT + 1)
     ],
     dtype=np.intp,
-).reshape(2, _MOST_DIGITS, _EXPONENTS, _TEXT_WIDTH)
-_FOUR_DIGITS = np.array([list(f"{i:04d}".encode()) for i in range(10_000)], dtype=np.uint8)
+)
+# The text of 0000 … 9999 as one 4-byte word each, and the constant characters as words.
+_FOUR_DIGITS = np.array([list(f"{i:04d}".encode()) for i in range(10**_GROUP_DIGITS)], dtype=np.uint8).view(np.uint32)[
+    :, 0
+]
+_CONSTANT_WORDS = np.frombuffer(_CONSTANTS, dtype=np.uint32)
 _DIGIT_LIMITS = 10 ** np.arange(1, _MOST_DIGITS + 1, dtype=np.int64)
 
 
@@ -183,14 +193,15 @@ def _spell(
 ) -> list[bytes]:
     """``repr`` of each decimal ``±digits * 10**-shifts`` followed by a newline, laid out by table."""
     count = np.searchsorted(_DIGIT_LIMITS, digits, side="right") + 1  # zero has one digit
-    exponent = count - 1 - shifts
-    source = np.empty((digits.size, _DIGIT_COLUMNS + len(_CONSTANTS)), dtype=np.uint8)
-    source[:, 0] = digits // 100_000_000 + ord("0")
-    source[:, 1:5] = _FOUR_DIGITS[digits // 10_000 % 10_000]
-    source[:, 5:9] = _FOUR_DIGITS[digits % 10_000]
-    source[:, _DIGIT_COLUMNS:] = np.frombuffer(_CONSTANTS, dtype=np.uint8)
-    layout = _LAYOUTS[negative.astype(np.intp), count - 1, exponent - _LOWEST_EXPONENT]
-    text = np.take_along_axis(source, layout, axis=1)
+    shape = (negative * _MOST_DIGITS + count - 1) * _EXPONENTS + (count - 1 - shifts - _LOWEST_EXPONENT)
+    source = np.empty((digits.size, _ROW_WORDS), dtype=np.uint32)
+    source[:, 0] = _FOUR_DIGITS[digits // 10 ** (2 * _GROUP_DIGITS)]
+    source[:, 1] = _FOUR_DIGITS[digits // 10**_GROUP_DIGITS % 10**_GROUP_DIGITS]
+    source[:, 2] = _FOUR_DIGITS[digits % 10**_GROUP_DIGITS]
+    source[:, 3:] = _CONSTANT_WORDS
+    columns = np.take(_LAYOUTS, shape, axis=0)
+    columns += np.arange(0, digits.size * _ROW_BYTES, _ROW_BYTES, dtype=np.intp)[:, None]
+    text = np.take(source.view(np.uint8).ravel(), columns)
     return cast("list[bytes]", text.view(f"S{_TEXT_WIDTH}").ravel().tolist())
 
 

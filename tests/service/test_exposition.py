@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from quantwatch import __version__
 from quantwatch.service.exposition import (
     AlertSeries,
+    BackgroundRenderer,
     IngestMetrics,
     LatestValueCache,
     QuantWatchCollector,
@@ -294,3 +297,125 @@ def test_alert_series_are_capped_per_rule_and_run_and_follow_the_run_ttl() -> No
     assert states == {("l0", "firing"), ("l1", "pending"), ("l2", "pending")}
     clock.now += 11
     assert samples(registry, "quantwatch_alert_streak_steps") == {}
+
+
+def mixed_ranks_scenario(cache: LatestValueCache, rng: np.random.Generator, step: int) -> None:
+    """Batches of two runs, the second with two ranks, so that slots mix ranks and the cap leaves values out."""
+    layers = [f"blocks.{i}.mlp.fc1" for i in range(40)]
+    for run, rank in (("a", 0), ("b", 0), ("b", 1)):
+        metrics = {m: rng.random(40).astype(np.float32) for m in ("output_rel_l2", "output_cosine", "amax")}
+        cache.observe(run, rank, layers, [StepValues(step, metrics, {"loss": float(rng.random())})])
+
+
+def test_rendering_changed_slots_ahead_of_a_scrape_gives_the_same_exposition() -> None:
+    ahead, at_scrape = (LatestValueCache(top_k=8, clock=FrozenClock(50.0)) for _ in range(2))
+    for step in range(3):
+        for cache in (ahead, at_scrape):
+            mixed_ranks_scenario(cache, np.random.default_rng(step), step)
+        assert ahead.render_changed(runs_per_hold=1) == 2 * 3  # two runs, three metrics each
+        assert ahead.render_changed() == 0  # nothing changed since
+        assert render_exposition(registry_for(ahead)) == render_exposition(registry_for(at_scrape))
+    mixed_ranks_scenario(ahead, np.random.default_rng(9), 9)
+    render_exposition(registry_for(ahead))  # the scrape rendered what changed: nothing left for the renderer
+    assert ahead.render_changed() == 0
+
+
+def test_background_renderer_renders_what_batches_changed_and_stops() -> None:
+    def renderer_threads() -> int:  # other tests' collectors may have theirs running
+        return sum(thread.name == "quantwatch-exposition" for thread in threading.enumerate())
+
+    cache = LatestValueCache(top_k=8)
+    renderer = BackgroundRenderer(cache, interval_seconds=0.01)
+    before = renderer_threads()
+    renderer.start()
+    assert renderer_threads() == before + 1
+    try:
+        cache.snapshot()  # someone scrapes
+        mixed_ranks_scenario(cache, np.random.default_rng(0), 1)
+        deadline = time.monotonic() + 30
+        while renderer.slots_rendered < 6:
+            assert time.monotonic() < deadline, "the renderer rendered nothing"
+            time.sleep(0.01)
+    finally:
+        renderer.stop()
+    assert renderer.slots_rendered == 6
+    assert renderer.cpu_seconds > 0
+    assert renderer_threads() == before
+
+
+def test_background_renderer_waits_for_someone_to_scrape() -> None:
+    cache = LatestValueCache(top_k=8)
+    renderer = BackgroundRenderer(cache, interval_seconds=0.005, idle_after_seconds=60)
+    renderer.start()
+    try:
+        mixed_ranks_scenario(cache, np.random.default_rng(0), 1)
+        time.sleep(0.2)  # forty passes' worth
+        assert renderer.slots_rendered == 0  # never scraped
+        cache.scraped_at = time.monotonic() - 61
+        time.sleep(0.2)
+        assert renderer.slots_rendered == 0  # not scraped for longer than idle_after_seconds
+    finally:
+        renderer.stop()
+    assert cache.render_changed() == 6  # the slots were left for a scrape
+
+
+@pytest.mark.parametrize("field", ["interval_seconds", "idle_after_seconds"])
+@pytest.mark.parametrize("value", [0, -1.0, True])
+def test_bad_renderer_settings_name_the_field(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        BackgroundRenderer(LatestValueCache(), **{field: value})
+
+
+def test_scrapes_concurrent_with_ingest_and_the_renderer_are_whole_and_never_stale() -> None:
+    # A real ingest thread and the background renderer against scrapes from this thread: every scrape parses, holds
+    # at most K layers per (run, metric), and shows each run's newest batch at least as new as before the scrape.
+    cache = LatestValueCache(top_k=8)
+    registry = registry_for(cache)
+    renderer = BackgroundRenderer(cache, interval_seconds=0.001)
+    stopping = threading.Event()
+    sent: dict[str, int] = {}  # run -> newest step observed, written before the step is visible to a scrape
+    errors: list[BaseException] = []
+
+    rng = np.random.default_rng(3)
+    layers = [f"blocks.{i}.attn.qkv" for i in range(64)]
+
+    def send(step: int) -> None:
+        for run in ("r0", "r1", "r2"):
+            values = {m: rng.random(64).astype(np.float32) for m in ("output_rel_l2", "output_cosine")}
+            cache.observe(run, 0, layers, [StepValues(step, values)])
+            sent[run] = step
+
+    def ingest() -> None:
+        step = 1
+        try:
+            while not stopping.is_set():
+                step += 1
+                send(step)
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    send(1)  # every run and metric exists before the first scrape
+    feeder = threading.Thread(target=ingest)
+    renderer.start()
+    feeder.start()
+    try:
+        scrapes = 0
+        while scrapes < 40 or renderer.slots_rendered == 0:
+            before = dict(sent)
+            text = render_exposition(registry).decode()
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            steps = {s.labels["run"]: s.value for s in families["quantwatch_run_last_step"].samples}
+            assert all(steps[run] >= step for run, step in before.items())
+            for metric in ("output_rel_l2", "output_cosine"):
+                per_run: dict[str, int] = {}
+                for sample in families[layer_family_name(metric)].samples:
+                    per_run[sample.labels["run"]] = per_run.get(sample.labels["run"], 0) + 1
+                assert all(count == 8 for count in per_run.values())
+            scrapes += 1
+            assert scrapes < 10_000, "the renderer never rendered while ingest ran"
+    finally:
+        stopping.set()
+        feeder.join()
+        renderer.stop()
+    assert errors == []
+    assert render_exposition(registry) == generate_latest(registry)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,27 @@ def test_metrics_follow_ingest(
     assert outcomes == {"accepted": 1.0, "duplicate": 1.0, "rejected": 1.0, "throttled": 0.0, "error": 0.0}
     assert got["quantwatch_ingest_request_duration_seconds_count"][()] == 3.0
     assert got["quantwatch_exposition_layer_series_omitted"] == {(("metric", "output_rel_l2"),): 1.0}
+
+
+def test_a_running_collector_renders_changed_layers_before_the_scrape(
+    start_collector: Callable[..., Any],
+    make_batch: Callable[..., dict[str, Any]],
+    encode_batch: Callable[..., tuple[bytes, dict[str, str]]],
+) -> None:
+    collector = start_collector()
+    renderer = collector.app.state.exposition.renderer
+    scrape(collector.url)  # the renderer works once someone scrapes
+    rel = np.array([[0.5, 0.25]], np.float32)
+    body, headers = encode_batch(make_batch("bg", ["a", "b"], [1], {"output_rel_l2": rel}))
+    assert post(collector.url, body, headers).status_code == 200
+    deadline = time.monotonic() + 30
+    while renderer.slots_rendered == 0:  # the app's lifespan started the renderer; no scrape since the batch
+        assert time.monotonic() < deadline, "the background renderer did not render the batch"
+        time.sleep(0.02)
+    layer_values = {
+        dict(k)["layer"]: v for k, v in scrape(collector.url)["quantwatch_layer_output_rel_l2_ratio"].items()
+    }
+    assert layer_values == {"a": 0.5, "b": 0.25}
 
 
 def test_promtool_accepts_the_live_exposition(

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
+import uvicorn
+from typer.testing import CliRunner
 
+from quantwatch.cli import app
 from quantwatch.service.server import free_port
 
 
@@ -41,3 +48,22 @@ def test_quantwatch_serve_answers_on_loopback(database_url: str) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_serve_freezes_what_startup_built_before_it_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The objects built at startup are moved out of the garbage collector's reach before uvicorn starts serving, so a
+    # full collection does not walk them on every request's time.
+    frozen_when_serving: list[int] = []
+
+    def run(served: Any, **_options: Any) -> None:
+        frozen_when_serving.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    gc.unfreeze()
+    try:
+        result = CliRunner().invoke(app, ["serve", "--port", "0", "--database-url", f"sqlite:///{tmp_path}/q.db"])
+    finally:
+        gc.unfreeze()
+    assert result.exit_code == 0, result.output
+    assert len(frozen_when_serving) == 1
+    assert frozen_when_serving[0] > 10_000
