@@ -207,8 +207,11 @@ class HttpExporter:
         self.drain_spool()
 
     def shutdown(self) -> None:
-        """Stop waiting between retries; from now on a transient failure spools at once."""
+        """Stop waiting between retries; from now on a transient failure spools at once. The spool gets one more
+        replay attempt whatever the circuit says: a collector that came back since the last failed probe gets the
+        backlog before the process ends, instead of the next process."""
         self._stopping.set()
+        self._not_before = 0.0
 
     def close(self) -> None:
         """Close the HTTP client (after the engine has stopped calling ``export``)."""

@@ -278,3 +278,24 @@ def test_real_collector_at_its_ingest_limit_throttles_and_the_exporter_waits_it_
         assert (counts["sent_batches"], counts["dropped_batches"], counts["rejected_batches"]) == (1, 0, 0)
         stored = httpx.get(f"{server.url}/api/v1/runs/run-a").json()
         assert stored["points"] == 2 * 3  # two batches of two layer values and one scalar
+
+
+def test_closing_replays_the_spool_even_while_the_circuit_is_open(tmp_path: Path, decode: Any) -> None:
+    """A collector back before the circuit's next probe still gets the backlog when the process closes."""
+    handler = Scripted(httpx.ConnectError("down"))  # one failure, then every request succeeds
+    slow_probe = RetryPolicy(max_attempts=1, initial_seconds=30.0, max_seconds=30.0)
+    exporter = HttpExporter(
+        "http://collector.test/",
+        transport=httpx.MockTransport(handler),
+        retry=slow_probe,
+        spool=DiskSpool(tmp_path, 1 << 20),
+    )
+    exporter.export(_batch(1))
+    exporter.export(_batch(2))  # the circuit is open for 15-30 s: straight to the spool
+    exporter.idle()
+    assert exporter.counters()["spool_batches"] == 2
+    exporter.shutdown()
+    exporter.idle()  # the engine's last call while closing
+    counts = exporter.counters()
+    assert (counts["spool_batches"], counts["replayed_batches"]) == (0, 2)
+    assert handler.batch_ids(decode) == ["b1", "b1", "b2"]
