@@ -67,15 +67,19 @@ class OverheadClock:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self._depth = 0
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
-        """Time the enclosed block."""
+        """Time the enclosed block (a block inside another counts once, with the outer one)."""
+        self._depth += 1
         started = time.perf_counter()
         try:
             yield
         finally:
-            self.seconds += time.perf_counter() - started
+            self._depth -= 1
+            if not self._depth:
+                self.seconds += time.perf_counter() - started
 
 
 class DeferredStatistics:
