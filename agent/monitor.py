@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from quantwatch.agent.engine import BatchEngine, PendingStep
 from quantwatch.agent.errors import ConfigError
@@ -39,6 +40,7 @@ from quantwatch.agent.layers import (
     KIND_OUTPUT,
     KIND_UPDATE,
     KIND_WEIGHT,
+    DeferredStatistics,
     KernelAdapter,
     LayerAdapter,
     ModuleAdapter,
@@ -259,10 +261,15 @@ class Monitor:
         self._tokens_per_step = tokens_per_step
         self._clock = OverheadClock()
         self._lock = threading.Lock()
+        self._model = model
+        self._deferred = DeferredStatistics(failures, self._clock)
+        self._model_hook: RemovableHandle | None = None
         self._adapters: list[LayerAdapter] = []
         for name, module in modules.items():
-            adapter_type = ModuleAdapter if callable(getattr(module, "reference_forward", None)) else QatAdapter
-            self._adapters.append(adapter_type(name, module, failures, self._clock))
+            if callable(getattr(module, "reference_forward", None)):
+                self._adapters.append(ModuleAdapter(name, module, failures, self._clock, self._deferred))
+            else:
+                self._adapters.append(QatAdapter(name, module, failures, self._clock, self._deferred))
         first_param = next(model.parameters(), None)
         self._device = first_param.device if first_param is not None else torch.device("cpu")
         self._nan_row = torch.full((_NF,), float("nan"), dtype=torch.float64, device=self._device)
@@ -348,8 +355,7 @@ class Monitor:
         if self._closed:
             return True
         self._closed = True
-        for adapter in self._adapters:
-            adapter.disarm()
+        self._disarm(list(self._adapters))
         return self._engine.close(timeout_seconds) if self._engine is not None else True
 
     def stats(self) -> dict[str, Any]:
@@ -389,6 +395,17 @@ class Monitor:
         with self._lock:
             for adapter in self._adapters:
                 adapter.arm(kinds)
+        if kinds & {KIND_WEIGHT, KIND_INPUT, KIND_GRAD}:
+            self._model_hook = self._model.register_forward_hook(self._deferred.on_model_forward)
+
+    def _disarm(self, adapters: list[LayerAdapter]) -> None:
+        """Remove every hook; compute the deferred statistics of the step."""
+        if self._model_hook is not None:
+            self._model_hook.remove()
+            self._model_hook = None
+        for adapter in adapters:
+            adapter.disarm()
+        self._deferred.flush()
 
     def _step(
         self, step: int | None, shadow_closure: LossClosure | None, tokens: float | None, scalars: dict[str, Any]
@@ -417,8 +434,7 @@ class Monitor:
             self._armed = frozenset()
             with self._lock:
                 adapters = list(self._adapters)
-            for adapter in adapters:
-                adapter.disarm()
+            self._disarm(adapters)
             self._sampled_steps += 1
             self._submit(current, armed, adapters, step_seconds, tokens, shadow_loss, scalars)
         self._arm_for(current + 1)
@@ -438,7 +454,7 @@ class Monitor:
                 shadow_weight = self._shadow.weights.get(adapter.name)
                 weight = adapter.weight
                 if shadow_weight is not None and weight is not None:
-                    adapter.record(KIND_DRIFT, comparison_stats(shadow_weight, weight))
+                    adapter.record(KIND_DRIFT, comparison_stats(shadow_weight, weight, batch=self._deferred.batch))
         rows: list[Tensor] = []
         present: list[list[bool]] = []
         for adapter in adapters:
@@ -533,6 +549,8 @@ def _derive(block: np.ndarray, present: list[list[bool]], metric_names: list[str
     sums = torch.from_numpy(np.ascontiguousarray(block[:, : _NK * _NF]).reshape(n, _NK, _NF))
     stats = ErrorStats(**{name: sums[..., i] for i, name in enumerate(_FIELDS)})
     mask = np.array(present, dtype=bool).reshape(n, _NK + 1)
+    # A NaN count of elements marks statistics that were never filled (a tensor changed before they were computed).
+    mask[:, :_NK] &= ~np.isnan(block[:, : _NK * _NF : _NF])
     # Comparisons of non-finite tensors have NaN sums, which the ratio formulas report as NaN (a signal).
     derived: dict[str, np.ndarray] = {
         "rel_l2": stats.rel_l2.numpy(),

@@ -11,7 +11,7 @@ from .layers import Observer, QuantLinear
 from .options import Backend, BackendUnavailableError, Rounding, Scaling, ScalingSpec, parse_scaling
 from .quantizer import Quantizer, QuantSpec
 from .reference import QuantDetails
-from .stats import ErrorStats, error_stats
+from .stats import ErrorStats, StatsBatch, error_stats
 
 __all__ = [
     "AUTO_COMPILE_MIN_NUMEL",
@@ -32,6 +32,7 @@ __all__ = [
     "Rounding",
     "Scaling",
     "ScalingSpec",
+    "StatsBatch",
     "error_stats",
     "parse_scaling",
     "quantize",

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.nn.functional import linear
 
 from .quantizer import Quantizer, QuantSpec, straight_through
-from .stats import ErrorStats
+from .stats import ErrorStats, StatsBatch
 
 Observer = Callable[[str, ErrorStats], None]
 
@@ -30,7 +30,9 @@ class QuantLinear(nn.Linear):
     ``observer("weight", stats)`` and ``observer("input", stats)`` during forward and ``observer("grad", stats)``
     during backward, with the fused `ErrorStats` of the quantization it just did (tensors on the device, no sync).
     The observer seen at forward time is the one used for that step's backward. Exceptions from the observer
-    propagate; the agent's observer must not raise.
+    propagate; the agent's observer must not raise. ``stats_batch``: None (default) or a `StatsBatch` that the
+    observed quantizations collect into, so that the statistics of CPU tensors are computed together when the batch
+    is flushed (the observer then receives them before they are filled; see `StatsBatch`).
 
     `reference_forward` computes the FP32 shadow output of the same weights and bias without any quantization, and
     `reference_weight_grad` that shadow's weight gradient.
@@ -54,6 +56,7 @@ class QuantLinear(nn.Linear):
         self.input_quantizer = Quantizer(input, generator)
         self.grad_quantizer = Quantizer(grad, generator)
         self.observer: Observer | None = None
+        self.stats_batch: StatsBatch | None = None
 
     @classmethod
     def from_linear(
@@ -88,21 +91,27 @@ class QuantLinear(nn.Linear):
             weight = self.weight_quantizer(self.weight)
             x = self.input_quantizer(input)
         else:
-            weight = self._observed(self.weight_quantizer, self.weight, "weight", observer)
-            x = self._observed(self.input_quantizer, input, "input", observer)
+            batch = self.stats_batch
+            weight = self._observed(self.weight_quantizer, self.weight, "weight", observer, batch)
+            x = self._observed(self.input_quantizer, input, "input", observer, batch)
         if weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
         out = linear(x, weight, self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype))
         if self.grad_quantizer.enabled and out.requires_grad:
-            out = _QuantizeGradient.apply(out, self.grad_quantizer, observer)  # type: ignore[no-untyped-call]
+            observed = None if observer is None else (observer, self.stats_batch)
+            out = _QuantizeGradient.apply(out, self.grad_quantizer, observed)  # type: ignore[no-untyped-call]
         return out
 
     @staticmethod
-    def _observed(quantizer: Quantizer, t: Tensor, role: str, observer: Observer) -> Tensor:
+    def _observed(quantizer: Quantizer, t: Tensor, role: str, observer: Observer, batch: StatsBatch | None) -> Tensor:
         if not quantizer.enabled:
             return t
         sink: list[ErrorStats] = []
-        q = straight_through(t, quantizer, sink)
+        if batch is None:
+            q = straight_through(t, quantizer, sink)
+        else:
+            with batch.collecting():
+                q = straight_through(t, quantizer, sink)
         observer(role, sink[0])
         return q
 
@@ -126,16 +135,25 @@ class _QuantizeGradient(torch.autograd.Function):
     """Identity forward; backward fake-quantizes the output gradient and reports its statistics."""
 
     @staticmethod
-    def forward(ctx: Any, out: Tensor, quantizer: Quantizer, observer: Observer | None) -> Tensor:
+    def forward(
+        ctx: Any, out: Tensor, quantizer: Quantizer, observed: tuple[Observer, StatsBatch | None] | None
+    ) -> Tensor:
         ctx.quantizer = quantizer
-        ctx.observer = observer
+        ctx.observed = observed
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         quantizer: Quantizer = ctx.quantizer
-        observer: Observer | None = ctx.observer
-        q, stats = quantizer.quantize(grad, with_stats=observer is not None)
-        if observer is not None and stats is not None:
+        observed: tuple[Observer, StatsBatch | None] | None = ctx.observed
+        if observed is None:
+            return quantizer.quantize(grad)[0], None, None
+        observer, batch = observed
+        if batch is None:
+            q, stats = quantizer.quantize(grad, with_stats=True)
+        else:
+            with batch.collecting():
+                q, stats = quantizer.quantize(grad, with_stats=True)
+        if stats is not None:
             observer("grad", stats)
         return q, None, None

@@ -20,13 +20,17 @@ one of the degenerate values above.
 
 from __future__ import annotations
 
+import math
+import threading
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from types import TracebackType
+from typing import ClassVar, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
-from torch.nn.functional import pad
 
 from .formats import FormatSpec, resolve_format
 
@@ -198,28 +202,194 @@ def stats_from_masks(
     ``amax`` is the largest finite ``|x|`` (exactly: float32 holds it for every input but float64). Each is found
     from ``x`` and ``q`` when not given.
 
-    On the CPU the sums are taken in float32 over chunks of 256 to 2048 elements, and the chunks' partial sums added
-    in float64 (float64 inputs stay float64 throughout): within 1e-6 relative of float64 sums
+    On the CPU the sums are dot products of rows of 512 elements in float32 (BLAS, no temporaries), and the rows'
+    partial sums added in float64 (float64 inputs stay float64 throughout): within 1e-6 relative of float64 sums
     (tests/kernels/test_stats.py bounds it on adversarial inputs) without float64 copies of the tensors. That holds
     when ``x``, ``q`` and ``q − x`` are finite, at most 2^40 in magnitude, and each of ``Σx²``, ``Σq²``, ``Σ(q−x)²``
     is zero by construction or at least ``numel · 2^-100`` (float32 squares then neither overflow a chunk's sum nor
     lose more than 2^-50 of a sum to underflow); otherwise, and on other devices (where checking would wait for the
-    device), the masked float64 computation runs.
+    device), the masked float64 computation runs. Inside `StatsBatch.collecting` CPU statistics are deferred to the
+    batch's `StatsBatch.flush`.
     """
     if x.numel() == 0:
         return ErrorStats.zeros(x.device)
     if x.device.type == "cpu":
+        batch: StatsBatch | None = getattr(_COLLECTING, "batch", None)
+        if batch is not None:
+            return batch._defer(x, q, overflow_mask, underflow_mask, nonzero_mask, amax)
         fast = _chunked_stats(x, q, overflow_mask, underflow_mask, nonzero_mask, amax)
         if fast is not None:
             return fast
     return _masked_stats(x, q, overflow_mask, underflow_mask)
 
 
-# Chunks are summed in float32: at most 2048 elements, so a chunk's rounding error stays near 1e-7 of its sum; at
-# least 256 (when a power of two of that size divides the length; otherwise the tensors are zero-padded), so the
-# float64 pass over the partial sums reads at most 1/256 of the data.
-_CHUNK = 2048
-_MIN_CHUNK = 256
+_COLLECTING = threading.local()
+
+
+class StatsBatch:
+    """Statistics of many CPU quantizations, computed together in `flush` instead of one by one as they happen.
+
+    Spread over a training step, each statistics call runs between unrelated work, with cold caches, and costs about
+    twice what the same calls cost back to back. While `collecting` is active in a thread, `stats_from_masks` (so the
+    reference backend's ``with_stats=True`` and `QuantLinear`'s observed quantizations) of CPU tensors returns
+    `ErrorStats` whose fields hold NaN until `flush` fills them in place, and the batch keeps the tensors until then.
+    Statistics of other devices are computed at once as before (they stay on the device). `flush` has to run before
+    the tensors change: one changed in place since (its version counter moved, as an optimizer step moves a weight's)
+    gets NaN statistics and counts in the value `flush` returns.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[_Deferred] = []
+        self._scope = _Collecting(self)
+        # Rows for the statistics handed out until the next flush, made at the last flush (with warm caches): taking
+        # one then costs no torch call. As many as were taken between two flushes at most (the first period makes
+        # its own).
+        self._blank: list[_Row] = []
+        self._taken = 0
+        self._wanted = 0
+
+    def __len__(self) -> int:
+        """How many statistics wait for `flush`."""
+        return len(self._pending)
+
+    def collecting(self) -> _Collecting:
+        """A context manager (reentrant, per thread) inside which CPU statistics are deferred to this batch."""
+        return self._scope
+
+    def host_stats(self, fields: Sequence[float]) -> ErrorStats:
+        """`ErrorStats` (CPU tensors) holding ``fields``, host values in the order of `ErrorStats.FIELDS`."""
+        row = self._row()
+        row.values[:] = fields
+        return row.stats
+
+    def flush(self) -> int:
+        """Compute every pending statistic; returns how many were left NaN because a tensor changed in place."""
+        pending, self._pending = self._pending, []
+        stale = 0
+        for entry in pending:
+            if not entry.fill():
+                stale += 1
+        self._wanted = max(self._wanted, self._taken)
+        self._taken = 0
+        missing = self._wanted - len(self._blank)
+        if missing > 0:
+            self._blank.extend(_blank_rows(missing))
+        return stale
+
+    def _row(self) -> _Row:
+        self._taken += 1
+        return self._blank.pop() if self._blank else _blank_rows(1)[0]
+
+    def _defer(
+        self,
+        x: Tensor,
+        q: Tensor,
+        overflow_mask: Tensor | None,
+        underflow_mask: Tensor | None,
+        nonzero_mask: Tensor | None,
+        amax: Tensor | None,
+    ) -> ErrorStats:
+        row = self._row()
+        self._pending.append(_Deferred(x, q, overflow_mask, underflow_mask, nonzero_mask, amax, row))
+        return row.stats
+
+
+class _Row(NamedTuple):
+    """Statistics whose fields are views of one float64 row (``values``, the row as NumPy), NaN until set."""
+
+    stats: ErrorStats
+    values: np.ndarray
+
+
+def _blank_rows(count: int) -> list[_Row]:
+    block = torch.full((count, len(ErrorStats.FIELDS)), torch.nan, dtype=torch.float64)
+    values = block.numpy()
+    return [_Row(_RowStats(row), values[i]) for i, row in enumerate(block.unbind())]
+
+
+_FIELD_INDEX = {name: i for i, name in enumerate(ErrorStats.FIELDS)}
+
+
+class _RowStats(ErrorStats):
+    """`ErrorStats` held in one float64 row: each field's 0-dim view is made when first read (about half a
+    microsecond each; the agent reads none, it takes the row whole with `as_tensor`)."""
+
+    def __init__(self, row: Tensor) -> None:  # the fields are views made on demand, not dataclass fields
+        object.__setattr__(self, "_row", row)
+
+    def __getattr__(self, name: str) -> Tensor:
+        index = _FIELD_INDEX.get(name)
+        if index is None:
+            raise AttributeError(name)
+        value: Tensor = self._row[index]
+        object.__setattr__(self, name, value)
+        return value
+
+    def as_tensor(self) -> Tensor:
+        """The row itself (a view: its values are the statistics)."""
+        row: Tensor = self._row
+        return row
+
+
+class _Collecting:
+    """`StatsBatch.collecting`: sets the thread's collecting batch, restores the previous one on exit."""
+
+    def __init__(self, batch: StatsBatch) -> None:
+        self._batch = batch
+
+    def __enter__(self) -> None:
+        saved: list[StatsBatch | None] | None = getattr(_COLLECTING, "saved", None)
+        if saved is None:
+            saved = _COLLECTING.saved = []
+        saved.append(getattr(_COLLECTING, "batch", None))
+        _COLLECTING.batch = self._batch
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        _COLLECTING.batch = _COLLECTING.saved.pop()
+
+
+class _Deferred:
+    """One deferred `stats_from_masks` call: its arguments, their versions, and the row its `ErrorStats` views."""
+
+    __slots__ = ("amax", "nonzero_mask", "overflow_mask", "q", "row", "underflow_mask", "versions", "x")
+
+    row: _Row
+
+    def __init__(
+        self,
+        x: Tensor,
+        q: Tensor,
+        overflow_mask: Tensor | None,
+        underflow_mask: Tensor | None,
+        nonzero_mask: Tensor | None,
+        amax: Tensor | None,
+        row: _Row,
+    ) -> None:
+        self.x, self.q, self.row = x, q, row
+        self.overflow_mask, self.underflow_mask, self.nonzero_mask, self.amax = (
+            overflow_mask,
+            underflow_mask,
+            nonzero_mask,
+            amax,
+        )
+        self.versions = (x._version, q._version)
+
+    def fill(self) -> bool:
+        """Write the statistics into the row; False (the row stays NaN) when ``x`` or ``q`` changed since."""
+        if (self.x._version, self.q._version) != self.versions:
+            return False
+        args = (self.x, self.q, self.overflow_mask, self.underflow_mask)
+        fields = _host_fields(*args, self.nonzero_mask, self.amax)
+        self.row.values[:] = fields if fields is not None else _masked_stats(*args).as_tensor().numpy()
+        return True
+
+
+# On the CPU the sums are taken with NumPy (BLAS dot products, no temporaries): over rows of `_CHUNK` elements in
+# the working dtype, the rows' partial sums then added in float64. Few, cheap calls: a small tensor is bound by the
+# fixed cost of each call, not by its passes.
+_CHUNK = 512
 _MAX_MAGNITUDE = 2.0**40
 _MIN_SUM_PER_ELEMENT = 2.0**-100
 
@@ -232,61 +402,87 @@ def _chunked_stats(
     nonzero_mask: Tensor | None,
     amax: Tensor | None,
 ) -> ErrorStats | None:
-    # Every torch call costs microseconds of dispatch (as much as a pass over a small tensor), so this makes as few
-    # as it can: the results are read to the host as they come (this is the CPU path: nothing waits for a device),
-    # checked there, and packed in one tensor. None sends the caller to the masked computation.
-    f64 = torch.float64
-    work = f64 if f64 in (x.dtype, q.dtype) else torch.float32
-    with torch.no_grad():
-        rows_x, rows_q = _rows(x, work), _rows(q, work)
-        rows_err = rows_q - rows_x
-        err_min, err_max = torch.aminmax(rows_err)
-        err_norms = torch.linalg.vector_norm(rows_err, dim=1)
-        # Σx², Σq² and Σqx come from the same products and sums, so q == ±x gives a cosine of exactly ±1.
-        partials = torch.stack(
-            [
-                torch.linalg.vecdot(rows_x, rows_x),
-                torch.linalg.vecdot(rows_q, rows_q),
-                torch.linalg.vecdot(rows_q, rows_x),
-                err_norms.square(),
-            ]
-        )
-        x2, q2, qx, err2 = partials.sum(1, dtype=f64).tolist()
-        max_err = max(-err_min.item(), err_max.item())
-        if amax is not None:
-            x_amax = amax.item()
-        else:
-            x_min, x_max = torch.aminmax(rows_x)
-            x_amax = max(-x_min.item(), x_max.item())
-        least = x.numel() * _MIN_SUM_PER_ELEMENT
-        in_range = (
-            max_err <= _MAX_MAGNITUDE  # False for NaN: q − x is NaN or ±inf wherever x or q is not finite
-            and x_amax <= _MAX_MAGNITUDE
-            and (x2 >= least or x_amax == 0)
-            and (err2 >= least or max_err == 0)
-            and (q2 >= least or max_err == x_amax == 0)  # q == x + (q − x)
-        )
-        if not in_range:
-            return None
-        underflow = underflow_mask if underflow_mask is not None else (x != 0) & (q == 0)
-        nonzero = torch.count_nonzero(x if nonzero_mask is None else nonzero_mask).item()
-        underflows = torch.count_nonzero(underflow).item()
-        overflows = torch.count_nonzero(overflow_mask).item() if overflow_mask is not None else 0
-    fields = (x.numel(), x2, q2, qx, err2, max_err, x_amax, nonzero, underflows, overflows, 0)
+    fields = _host_fields(x, q, overflow_mask, underflow_mask, nonzero_mask, amax)
+    if fields is None:
+        return None
     # array → tensor shares the buffer: microseconds less than torch.tensor(list).
-    return ErrorStats(*torch.frombuffer(array("d", fields), dtype=f64).unbind())
+    return ErrorStats(*torch.frombuffer(array("d", fields), dtype=torch.float64).unbind())
 
 
-def _rows(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t`` in ``dtype`` as rows of `_MIN_CHUNK` to `_CHUNK` elements (a view when it can be, else zero-padded)."""
-    n = t.numel()
-    if n <= _CHUNK:
-        rows = t.reshape(1, n)
-    elif n & -n >= _MIN_CHUNK:  # the largest power of two dividing n
-        rows = t.reshape(-1, min(n & -n, _CHUNK))
+def _host_fields(
+    x: Tensor,
+    q: Tensor,
+    overflow_mask: Tensor | None,
+    underflow_mask: Tensor | None,
+    nonzero_mask: Tensor | None,
+    amax: Tensor | None,
+) -> tuple[float, ...] | None:
+    """The fields of `ErrorStats` (in its order) of CPU tensors as Python floats; None outside the chunked range."""
+    work = torch.float64 if torch.float64 in (x.dtype, q.dtype) else torch.float32
+    xn, qn = _host_array(x, work), _host_array(q, work)
+    n = xn.size
+    with np.errstate(all="ignore"):  # non-finite values are found below, from the results
+        err = qn - xn
+        max_err = max(-float(err.min()), float(err.max()))
+        x2, q2, qx, err2 = _dot_sums(((xn, xn), (qn, qn), (qn, xn), (err, err)), n)
+    x_amax = amax.item() if amax is not None else max(-float(xn.min()), float(xn.max()))
+    least = n * _MIN_SUM_PER_ELEMENT
+    in_range = (
+        max_err <= _MAX_MAGNITUDE  # False for NaN: q − x is NaN or ±inf wherever x or q is not finite
+        and x_amax <= _MAX_MAGNITUDE
+        and (x2 >= least or x_amax == 0)
+        and (err2 >= least or max_err == 0)
+        and (q2 >= least or max_err == x_amax == 0)  # q == x + (q − x)
+    )
+    if not in_range:
+        return None
+    nonzero = np.count_nonzero(xn if nonzero_mask is None else nonzero_mask.numpy())
+    if underflow_mask is None:
+        underflows = np.count_nonzero((xn != 0) & (qn == 0))
     else:
-        rows = pad(t.reshape(-1), (0, -n % _CHUNK)).view(-1, _CHUNK)
-    return rows if rows.dtype == dtype else rows.to(dtype)
+        underflows = np.count_nonzero(underflow_mask.numpy())
+    overflows = np.count_nonzero(overflow_mask.numpy()) if overflow_mask is not None else 0
+    return (float(n), x2, q2, qx, err2, max_err, x_amax, float(nonzero), float(underflows), float(overflows), 0.0)
+
+
+def _host_array(t: Tensor, dtype: torch.dtype) -> np.ndarray:
+    """``t`` flattened, in ``dtype``, as a NumPy array (a view when it can be)."""
+    flat = t.detach().reshape(-1)
+    return (flat if flat.dtype == dtype else flat.to(dtype)).numpy(force=True)
+
+
+def comparison_fields(x: Tensor, q: Tensor, *, error: bool = True) -> tuple[float, ...]:
+    """The `ErrorStats` fields (host values, in the order of ``FIELDS``) comparing CPU tensors ``q`` and ``x``: the
+    four sums only, each one BLAS dot product over the whole tensor (float32 unless either is float64), no masking.
+
+    ``Σ(q−x)²`` is NaN ("not computed") with ``error=False``, ``max_abs_err`` and ``amax`` are NaN, the counts 0;
+    non-finite values make the sums NaN."""
+    work = torch.float64 if torch.float64 in (x.dtype, q.dtype) else torch.float32
+    xn, qn = _host_array(x, work), _host_array(q, work)
+    with np.errstate(all="ignore"):
+        sums = [float(np.dot(xn, xn)), float(np.dot(qn, qn)), float(np.dot(qn, xn))]
+        if error:
+            err = qn - xn
+            sums.append(float(np.dot(err, err)))
+        else:
+            sums.append(math.nan)
+    return (float(xn.size), *sums, math.nan, math.nan, 0.0, 0.0, 0.0, 0.0)
+
+
+def _dot_sums(pairs: tuple[tuple[np.ndarray, np.ndarray], ...], n: int) -> list[float]:
+    """``Σ a·b`` of each pair of length-``n`` arrays: dot products of `_CHUNK`-element rows (and of the shorter rest)
+    in the arrays' dtype, added in float64. ``a·a`` and ``b·b`` of ``b == ±a`` take the same products in the same
+    order as ``a·b``, so ``q == ±x`` gives a cosine of exactly ±1."""
+    rows = n - n % _CHUNK
+    sums = [0.0] * len(pairs)
+    if rows:
+        partials = np.stack(
+            [np.matmul(a[:rows].reshape(-1, 1, _CHUNK), b[:rows].reshape(-1, _CHUNK, 1)) for a, b in pairs]
+        )
+        sums = partials.reshape(len(pairs), -1).sum(axis=1, dtype=np.float64).tolist()
+    if rows < n:
+        sums = [s + float(np.dot(a[rows:], b[rows:])) for s, (a, b) in zip(sums, pairs, strict=True)]
+    return sums
 
 
 def _masked_stats(

@@ -325,3 +325,46 @@ def test_quant_linear_from_quantize_model_matches_an_independent_computation() -
             assert sink.value(metric, name, 0) == pytest.approx(value, rel=1e-4, abs=1e-7), (name, metric)
     # NVFP4 is coarser than FP8: the agent must see it
     assert sink.value("output_rel_l2", "2", 0) > sink.value("output_rel_l2", "0", 0)
+
+
+def test_deferred_statistics_see_the_weights_before_the_optimizer_step() -> None:
+    # QuantLinear's statistics on the CPU are computed together after the model's forward (StatsBatch), so an
+    # optimizer step before monitor.step must not change what weight_rel_l2 measured: the weight of the forward.
+    from quantwatch.kernels import QuantLinear, QuantSpec, quantize
+
+    torch.manual_seed(3)
+    model = nn.Sequential(QuantLinear(16, 8, weight=QuantSpec("nvfp4"), input=QuantSpec("fp8_e4m3"), grad=None))
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="deferred", exporter=sink, every=1)
+    weight_before = model[0].weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=10.0)  # a large step: a stale figure would differ clearly
+    model(torch.randn(4, 16)).square().sum().backward()
+    opt.step()
+    monitor.step(0)
+    assert monitor.close(10)
+    assert monitor.stats()["failures"] == {}
+    expected = _rel_l2(quantize(weight_before, "nvfp4"), weight_before)
+    moved = _rel_l2(quantize(model[0].weight.detach(), "nvfp4"), model[0].weight.detach())
+    assert abs(expected - moved) > 1e-4
+    assert sink.value("weight_rel_l2", "0", 0) == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_tensor_changed_before_its_deferred_statistics_is_reported_as_not_measured() -> None:
+    # Calling the layer directly skips the model-forward flush; the weight then changes in place before
+    # monitor.step: its figure is dropped (null) and counted, never computed from the changed weight.
+    from quantwatch.kernels import QuantLinear, QuantSpec
+
+    torch.manual_seed(4)
+    layer = QuantLinear(16, 8, weight=QuantSpec("fp8_e4m3"), input=QuantSpec("fp8_e4m3"), grad=None)
+    model = nn.Sequential(layer)
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="stale", exporter=sink, every=1)
+    layer(torch.randn(4, 16))
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    monitor.step(0)
+    assert monitor.close(10)
+    assert monitor.stats()["failures"] == {"statistics_stale": 1}
+    ((_, record),) = sink.records()
+    assert "weight_rel_l2" not in record.metrics
+    assert sink.value("act_rel_l2", "0", 0) is not None

@@ -353,3 +353,22 @@ def test_interpreter_exit_flushes_an_unclosed_monitor(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     docs = [json.loads(line) for line in path.read_text().splitlines()]
     assert [s["step"] for d in docs for s in d["steps"]] == [0, 1, 2]
+
+
+def test_overhead_clock_counts_a_nested_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # monitor.step is timed as a whole and flushes the deferred statistics, which are timed when flushed from hooks:
+    # the nested block must not be added a second time.
+    from quantwatch.agent.layers import OverheadClock
+
+    now = [100.0]
+    monkeypatch.setattr(layers_module.time, "perf_counter", lambda: now[0])
+    clock = OverheadClock()
+    with clock.measure():
+        now[0] += 2.0
+        with clock.measure():
+            now[0] += 3.0
+        now[0] += 1.0
+    assert clock.seconds == 6.0
+    with clock.measure():
+        now[0] += 0.5
+    assert clock.seconds == 6.5

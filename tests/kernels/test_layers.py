@@ -14,6 +14,7 @@ from quantwatch.kernels import (
     QuantLinear,
     QuantSpec,
     Recipe,
+    StatsBatch,
     error_stats,
     quantize,
     quantize_model,
@@ -116,6 +117,28 @@ def test_observer_receives_the_stats_of_each_quantization() -> None:
     for role, stats in seen:
         assert stats.as_tensor().dtype == torch.float64
         torch.testing.assert_close(stats.as_tensor(), expected[role].as_tensor(), rtol=1e-12, atol=0)
+
+
+def test_observed_quantizations_collect_into_the_stats_batch() -> None:
+    # With a StatsBatch the observer gets the statistics of weight, input and gradient before they are computed;
+    # after flush they equal what the layer without a batch reports.
+    torch.manual_seed(6)
+    plain = QuantLinear(16, 8, weight=QuantSpec("nvfp4"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2"))
+    batched = QuantLinear(16, 8, weight=QuantSpec("nvfp4"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2"))
+    batched.load_state_dict(plain.state_dict())
+    batch = StatsBatch()
+    batched.stats_batch = batch
+    seen: dict[str, list[ErrorStats]] = {"plain": [], "batched": []}
+    plain.observer = lambda role, stats: seen["plain"].append(stats)
+    batched.observer = lambda role, stats: seen["batched"].append(stats)
+    x = torch.randn(4, 16)
+    for layer in (plain, batched):
+        layer(x).square().sum().backward()
+    assert len(batch) == 3
+    assert all(torch.isnan(stats.as_tensor()).all() for stats in seen["batched"])
+    assert batch.flush() == 0
+    for got, expected in zip(seen["batched"], seen["plain"], strict=True):
+        assert torch.equal(got.as_tensor(), expected.as_tensor())
 
 
 def test_no_observer_means_no_statistics(monkeypatch: pytest.MonkeyPatch) -> None:

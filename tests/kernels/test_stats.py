@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from quantwatch.kernels import ErrorStats, error_stats, quantize
-from quantwatch.kernels.stats import _chunked_stats, stats_from_masks
+from quantwatch.kernels import ErrorStats, StatsBatch, error_stats, quantize
+from quantwatch.kernels.stats import _chunked_stats, comparison_fields, stats_from_masks
 
 # On the CPU, statistics of finite float32 (and narrower) tensors sum in float32 chunks combined in float64
 # (ARCHITECTURE.md "Formulas": float32 or wider): sums and the figures derived from them are held to 1e-6 relative of
@@ -288,3 +289,87 @@ def test_bad_inputs() -> None:
         error_stats(torch.ones(3), torch.ones(4))
     with pytest.raises(ValueError, match="unknown format"):
         error_stats(torch.ones(3), torch.ones(3), "fp3")
+
+
+def _pair(seed: int, n: int = 3000) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    return x, quantize(x, "fp8_e4m3", "tensor")
+
+
+def test_batch_defers_cpu_statistics_until_flush() -> None:
+    # Inside collecting(), CPU statistics come back NaN and hold what the eager computation gives once flushed, for
+    # the chunked sums and for the masked float64 path (a NaN input) alike; outside, nothing is deferred.
+    batch = StatsBatch()
+    finite = _pair(1)
+    with_nan = (finite[0].clone(), finite[1].clone())
+    with_nan[0][7] = float("nan")
+    with batch.collecting():
+        deferred = [error_stats(x, q, "fp8_e4m3") for x, q in (finite, with_nan)]
+    eager = error_stats(*finite, "fp8_e4m3")
+    assert eager.to_dict()["numel"] == 3000  # computed at once outside the context
+    assert len(batch) == 2
+    assert all(math.isnan(v) for stats in deferred for v in stats.as_tensor().tolist())
+    assert batch.flush() == 0
+    assert len(batch) == 0
+    for stats, (x, q) in zip(deferred, (finite, with_nan), strict=True):
+        expected = error_stats(x, q, "fp8_e4m3")
+        assert torch.equal(stats.as_tensor(), expected.as_tensor())
+        assert stats.to_dict() == expected.to_dict()
+    assert deferred[1].to_dict()["nonfinite_count"] == 1
+
+
+def test_batch_leaves_statistics_of_a_tensor_changed_in_place_unfilled() -> None:
+    batch = StatsBatch()
+    x, q = _pair(2)
+    kept = _pair(3)
+    with batch.collecting():
+        changed = error_stats(x, q)
+        fine = error_stats(*kept)
+    x.mul_(2.0)
+    assert batch.flush() == 1
+    assert all(math.isnan(v) for v in changed.as_tensor().tolist())
+    assert fine.to_dict() == error_stats(*kept).to_dict()
+
+
+def test_collecting_is_per_thread_and_nests() -> None:
+    outer, inner = StatsBatch(), StatsBatch()
+    x, q = _pair(4)
+    seen_elsewhere: list[float] = []
+    with outer.collecting():
+        with inner.collecting():
+            error_stats(x, q)
+        error_stats(x, q)
+        thread = threading.Thread(target=lambda: seen_elsewhere.append(error_stats(x, q).to_dict()["numel"]))
+        thread.start()
+        thread.join()
+    assert (len(outer), len(inner)) == (1, 1)
+    assert seen_elsewhere == [3000.0]  # another thread computes at once
+    assert error_stats(x, q).to_dict()["numel"] == 3000  # and so does this one after the context
+
+
+def test_host_stats_hold_the_given_values() -> None:
+    batch = StatsBatch()
+    fields = [float(i) for i in range(len(ErrorStats.FIELDS))]
+    stats = batch.host_stats(fields)
+    assert stats.as_tensor().tolist() == fields
+    assert [float(getattr(stats, name)) for name in ErrorStats.FIELDS] == fields
+    batch.flush()  # rows for the next period are made here; they hold their own values
+    again = batch.host_stats([2 * v for v in fields])
+    assert again.as_tensor().tolist() == [2 * v for v in fields]
+    assert stats.as_tensor().tolist() == fields
+
+
+@pytest.mark.parametrize("error", [True, False])
+def test_comparison_fields_match_numpy(error: bool) -> None:
+    x, q = _pair(5, 50_000)
+    q = q + 0.3  # not a quantization: a comparison of two tensors
+    got = comparison_fields(x.reshape(100, 500), q.reshape(100, 500), error=error)
+    x64, q64 = x.double().numpy(), q.double().numpy()
+    expected = [x64 @ x64, q64 @ q64, q64 @ x64, ((q64 - x64) ** 2).sum()]
+    assert got[0] == 50_000
+    for value, reference in zip(got[1:4], expected, strict=False):
+        assert value == pytest.approx(float(reference), rel=1e-5)
+    if error:
+        assert got[4] == pytest.approx(float(expected[3]), rel=1e-5)
+    assert [math.isnan(v) for v in got[4:7]] == [not error, True, True]
+    assert got[7:] == (0.0, 0.0, 0.0, 0.0)
