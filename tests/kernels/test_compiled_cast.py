@@ -15,7 +15,7 @@ import torch
 
 from quantwatch.kernels import FORMATS, quantize
 from quantwatch.kernels import compiled as compiled_module
-from quantwatch.kernels.compiled import cast_nearest
+from quantwatch.kernels.compiled import cast_nearest, cast_saturating
 from quantwatch.kernels.formats import FormatSpec, Kind
 from quantwatch.kernels.reference import cast_with_overflow
 
@@ -121,3 +121,24 @@ def test_compiled_statistics_on_finite_inputs_match_the_reference(
     assert counts["underflow_count"] > 0
     if "scale" in kwargs or "saturate" in kwargs:
         assert counts["overflow_count"] > 0
+
+
+def saturating_casts(v: torch.Tensor, small: torch.Tensor) -> list[torch.Tensor]:
+    """`cast_saturating` of every float format: clamped on ``v``, unclamped on ``small`` (|small| ≤ max(1 + 2^-22))."""
+    return [cast_saturating(v, fmt) for fmt in FLOAT_FORMATS] + [
+        cast_saturating(small * fmt.max_value, fmt, clamp=False) for fmt in FLOAT_FORMATS
+    ]
+
+
+def test_cast_saturating_matches_the_reference_on_every_finite_rounding_case() -> None:
+    # The lane kernels' cast rounds signed values; zeros keep their sign through `round`, and clamping is saturation.
+    compiled = torch.compile(saturating_casts, dynamic=True)
+    for values in [torch.cat([rounding_cases(fmt) for fmt in FLOAT_FORMATS]), random_patterns(1 << 16, 4)]:
+        finite = values[torch.isfinite(values)]
+        # Every rounding case scaled into [-1, 1], and the largest inputs a scale from the amax can give.
+        small = torch.cat([finite / finite.abs().amax(), torch.tensor([1 + 2.0**-22, -(1 + 2.0**-22)])])
+        results = iter(compiled(finite, small))
+        for fmt in FLOAT_FORMATS:
+            assert_bitwise_equal(next(results), cast_with_overflow(finite, fmt, saturate=True)[0])
+        for fmt in FLOAT_FORMATS:
+            assert_bitwise_equal(next(results), cast_with_overflow(small * fmt.max_value, fmt, saturate=True)[0])
