@@ -425,7 +425,7 @@ def _fused_lanes(
         scale_out = reported.reshape(-1)[: block_shape[:-1].numel()].reshape(block_shape[:-1])
         may_clip = True
     else:
-        amax = x.abs().amax().to(torch.float32)
+        amax = _run_max([t.abs() for t in xs]).amax()
         if spec.kind is Scaling.NONE:
             scales = None
             scale_out = torch.ones((), dtype=torch.float32, device=x.device)
