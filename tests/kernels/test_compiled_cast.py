@@ -262,3 +262,19 @@ def test_compiled_statistics_below_the_float32_range_rerun_masked(
     ref = quantize(x, "fp8_e4m3", "tensor", with_stats=True, backend="reference")
     backends.assert_same(fast, ref)
     assert_bitwise_equal(fast[0], ref[0])
+
+
+def test_nvfp4_lanes_never_clip_even_where_block_scales_round_down(backends: Any) -> None:
+    # The lane kernels count no NVFP4 overflows: a block scale rounds to E4M3 at most 2^-4 below its exact value, so
+    # |x / scale| stays below 7. Block amaxes swept across whole E4M3 rounding intervals, from just past each tie
+    # (the scale rounds down the most) in every binade the block scales span, hold that against the reference.
+    generator = torch.Generator().manual_seed(13)
+    steps = torch.arange(256, dtype=torch.float32)
+    block_amax = (1 + steps / 256) * torch.exp2(torch.arange(-12, 9, dtype=torch.float32))[:, None]
+    blocks = torch.rand((*block_amax.shape, 16), generator=generator) * block_amax[..., None]
+    blocks[..., 3] = block_amax
+    x = blocks.reshape(-1, 64)
+    fast = quantize(x, "nvfp4", with_stats=True, backend="compiled")
+    ref = quantize(x, "nvfp4", with_stats=True, backend="reference")
+    backends.assert_same(fast, ref)
+    assert ref[1].to_dict()["overflow_count"] == 0
