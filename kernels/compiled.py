@@ -4,9 +4,10 @@ The cast here is written independently of the reference: under round-to-nearest,
 arithmetic alone (`cast_nearest`: Veltkamp splitting, a magic-number add), which Inductor vectorises; stochastic
 rounding and integers round on scaled values whose powers of two are assembled from bits (`cast_bits`). Tests hold
 both bit-exact against `reference.quantize_reference`. With statistics, the first run assumes every element finite and
-sums without masks; `quantize_fused` reruns the masked kernels when the sums show otherwise. Each configuration
-(format, scaling, rounding, saturation, statistics on/off, finite or masked) is compiled once into its own function,
-and Dynamo marks shapes dynamic after the first change, so a training loop reuses the same kernels.
+sums without masks (float32 inputs under scalar and block scalings: float32 products over runs of 8 inside the
+quantize loop, `lane_stats`); `quantize_fused` reruns the masked float64 kernels when the sums show otherwise. Each
+configuration (format, scaling, rounding, saturation, statistics on/off, finite or masked) is compiled once into its
+own function, and Dynamo marks shapes dynamic after the first change, so a training loop reuses the same kernels.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class FusedConfig:
     with_stats: bool
     given_scale: bool
     assume_finite: bool
+    # All-finite statistics as float32 lanes (`uses_lanes`, `_fused_lanes`).
     lanes: bool = False
 
 
@@ -159,10 +161,10 @@ def cast_saturating(v: Tensor, fmt: FormatSpec, clamp: bool = True) -> Tensor:
     """`cast_nearest` of finite ``v`` for a minifloat that saturates, rounding signed values (no sign masks).
 
     Clamping to ±max first is saturation itself (a value within the range never rounds past the maximum); without
-    ``clamp`` every ``|v|`` must already be at most the maximum times (1 + 2^-22), as with a scale taken from the
-    amax. Normal values round by Veltkamp splitting, which is symmetric in the sign; below the smallest normal
-    ``round`` (vectorised, half to even, keeps the sign of a zero) rounds to the fixed spacing 2^(emin−m). NaN and
-    ±inf are not handled: callers check the sums and rerun the masked kernels.
+    ``clamp`` every ``|v|`` must already round to at most the maximum (below `overflow_threshold`), as under a scale
+    taken from the amax or an NVFP4 block scale. Normal values round by Veltkamp splitting, which is symmetric in the
+    sign; below the smallest normal ``round`` (vectorised, half to even, keeps the sign of a zero) rounds to the fixed
+    spacing 2^(emin−m). NaN and ±inf are not handled: callers check the sums and rerun the masked kernels.
     """
     c = v.clamp(-fmt.max_value, fmt.max_value) if clamp else v
     split = c * (2.0 ** (23 - fmt.mantissa_bits) + 1)

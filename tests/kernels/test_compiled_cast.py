@@ -128,10 +128,19 @@ def test_compiled_statistics_on_finite_inputs_match_the_reference(
         assert counts["overflow_count"] > 0
 
 
-def saturating_casts(v: torch.Tensor, small: torch.Tensor) -> list[torch.Tensor]:
-    """`cast_saturating` of every float format: clamped on ``v``, unclamped on ``small`` (|small| ≤ max(1 + 2^-22))."""
+def below_overflow(fmt: FormatSpec) -> float:
+    """The largest float32 that rounds to at most the format's maximum (the overflow threshold, or just below it)."""
+    threshold, ties_up = compiled_module.overflow_threshold(fmt)
+    if not ties_up:
+        return threshold
+    return float(torch.nextafter(torch.tensor(threshold), torch.tensor(0.0)))
+
+
+def saturating_casts(v: torch.Tensor, unit: torch.Tensor) -> list[torch.Tensor]:
+    """`cast_saturating` of every float format: clamped on ``v``, unclamped on ``unit`` (|unit| ≤ 1) scaled up to
+    the largest value that rounds to at most the maximum."""
     return [cast_saturating(v, fmt) for fmt in FLOAT_FORMATS] + [
-        cast_saturating(small * fmt.max_value, fmt, clamp=False) for fmt in FLOAT_FORMATS
+        cast_saturating(unit * below_overflow(fmt), fmt, clamp=False) for fmt in FLOAT_FORMATS
     ]
 
 
@@ -140,13 +149,16 @@ def test_cast_saturating_matches_the_reference_on_every_finite_rounding_case() -
     compiled = torch.compile(saturating_casts, dynamic=True)
     for values in [torch.cat([rounding_cases(fmt) for fmt in FLOAT_FORMATS]), random_patterns(1 << 16, 4)]:
         finite = values[torch.isfinite(values)]
-        # Every rounding case scaled into [-1, 1], and the largest inputs a scale from the amax can give.
-        small = torch.cat([finite / finite.abs().amax(), torch.tensor([1 + 2.0**-22, -(1 + 2.0**-22)])])
-        results = iter(compiled(finite, small))
+        # Every rounding case scaled into [-1, 1] (±1 exactly at the largest), for the values no clamp may meet.
+        unit = finite / finite.abs().amax()
+        results = iter(compiled(finite, unit))
         for fmt in FLOAT_FORMATS:
             assert_bitwise_equal(next(results), cast_with_overflow(finite, fmt, saturate=True)[0])
         for fmt in FLOAT_FORMATS:
-            assert_bitwise_equal(next(results), cast_with_overflow(small * fmt.max_value, fmt, saturate=True)[0])
+            unclamped = unit * below_overflow(fmt)
+            expected, overflow = cast_with_overflow(unclamped, fmt, saturate=True)
+            assert not bool(overflow.any())
+            assert_bitwise_equal(next(results), expected)
 
 
 LANE_CASES = [
