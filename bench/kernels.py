@@ -8,7 +8,8 @@ each ``quantize(..., with_stats=True)`` — and, in the same run, the read bandw
 limit, with the ratios fused / x.sum and fused / reference.
 
 ``--cpu-time`` runs on one thread and takes the fastest call by thread CPU time instead of the median wall time:
-on a machine shared with other work that figure moves far less (it still counts memory stalls).
+on a machine shared with other work that figure moves far less (it still counts memory stalls). ``x.sum()``,
+``x * 2`` and the fused cases are called in turn, round after round, so their ratios hold under the same load.
 
 The line ``x * 2 read+write`` is the floor of any operation that returns a new tensor of x's size: glibc maps an
 allocation this large fresh from the kernel and unmaps it on free, so every call pays a page fault per 4 KiB of
@@ -34,18 +35,28 @@ CASES = [("fp8_e4m3 per-tensor", "fp8_e4m3", "tensor"), ("mxfp4", "mxfp4", None)
 
 def seconds_per_call(fn: Callable[[], object], repeats: int, device: torch.device, cpu_time: bool) -> float:
     """Median wall time (or fastest thread CPU time) of ``repeats`` calls after one warm-up call (which compiles)."""
-    fn()
-    clock = time.thread_time if cpu_time else time.perf_counter
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = clock()
+    return seconds_interleaved({"fn": fn}, repeats, device, cpu_time)["fn"]
+
+
+def seconds_interleaved(
+    fns: dict[str, Callable[[], object]], repeats: int, device: torch.device, cpu_time: bool
+) -> dict[str, float]:
+    """`seconds_per_call` of several functions called in turn, round after round, so that each ratio between them
+    is taken under the same load of a shared machine (one warm-up call each first)."""
+    for fn in fns.values():
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(clock() - start)
-    return min(times) if cpu_time else statistics.median(times)
+    clock = time.thread_time if cpu_time else time.perf_counter
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = clock()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(clock() - start)
+    return {name: min(t) if cpu_time else statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -65,9 +76,21 @@ def main() -> None:
     print(f"torch {torch.__version__}, {device.type}, threads {torch.get_num_threads()}, load average {load}")
     how = "fastest thread CPU time" if args.cpu_time else "median wall time"
     print(f"x: {tuple(x.shape)} float32 = {gigabytes * 1e3:.0f} MB; {how} of {args.repeats} calls after warm-up")
-    read = gigabytes / seconds_per_call(lambda: x.sum().item(), args.repeats * 4, device, args.cpu_time)
+    # x.sum(), x * 2 and the fused cases take turns in each round (one round per repeat, x.sum() and x * 2 four
+    # times a round): the ratios compare calls made under the same load. The reference is slow and runs apart.
+    timed: dict[str, Callable[[], object]] = {}
+    for index in range(4):
+        timed[f"sum{index}"] = lambda: x.sum().item()
+        timed[f"double{index}"] = lambda: x * 2
+    for label, fmt, scaling in CASES:
+        timed[label] = lambda fmt=fmt, scaling=scaling: quantize(
+            x, fmt, scaling, with_stats=True, backend=fused_backend
+        )
+    seconds = seconds_interleaved(timed, args.repeats, device, args.cpu_time)
+    pick = min if args.cpu_time else statistics.median
+    read = gigabytes / pick(seconds[f"sum{index}"] for index in range(4))
     print(f"{'x.sum() read':<24}{read:>10.3f} GB/s")
-    double = gigabytes / seconds_per_call(lambda: x * 2, args.repeats * 4, device, args.cpu_time)
+    double = gigabytes / pick(seconds[f"double{index}"] for index in range(4))
     print(f"{'x * 2 read+write':<24}{double:>10.3f} GB/s ({double / read:.3f} × x.sum)")
     print(f"{'case':<24}{'reference GB/s':>16}{'fused GB/s':>12}{'fused/x.sum':>13}{'fused/ref':>11}")
     for label, fmt, scaling in CASES:
@@ -77,12 +100,7 @@ def main() -> None:
             device,
             args.cpu_time,
         )
-        fused = gigabytes / seconds_per_call(
-            lambda fmt=fmt, scaling=scaling: quantize(x, fmt, scaling, with_stats=True, backend=fused_backend),
-            args.repeats,
-            device,
-            args.cpu_time,
-        )
+        fused = gigabytes / seconds[label]
         print(f"{label:<24}{reference:>16.4f}{fused:>12.3f}{fused / read:>13.3f}{fused / reference:>11.1f}")
 
 

@@ -4,9 +4,10 @@ The cast here is written independently of the reference: under round-to-nearest,
 arithmetic alone (`cast_nearest`: Veltkamp splitting, a magic-number add), which Inductor vectorises; stochastic
 rounding and integers round on scaled values whose powers of two are assembled from bits (`cast_bits`). Tests hold
 both bit-exact against `reference.quantize_reference`. With statistics, the first run assumes every element finite and
-sums without masks; `quantize_fused` reruns the masked kernels when the sums show otherwise. Each configuration
-(format, scaling, rounding, saturation, statistics on/off, finite or masked) is compiled once into its own function,
-and Dynamo marks shapes dynamic after the first change, so a training loop reuses the same kernels.
+sums without masks (float32 inputs under scalar and block scalings: float32 products over runs of 8 inside the
+quantize loop, `lane_stats`); `quantize_fused` reruns the masked float64 kernels when the sums show otherwise. Each
+configuration (format, scaling, rounding, saturation, statistics on/off, finite or masked) is compiled once into its
+own function, and Dynamo marks shapes dynamic after the first change, so a training loop reuses the same kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.functional import pad
 
 from .formats import (
     E8M0_EXPONENT_MAX,
@@ -29,6 +31,7 @@ from .formats import (
     NVFP4_BLOCK_SCALE_MIN,
     FormatSpec,
     Kind,
+    Special,
 )
 from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
 from .reference import from_blocks, replace_overflow, to_blocks
@@ -36,6 +39,19 @@ from .stats import ErrorStats
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_NUMEL = 1 << 31
+
+# The all-finite statistics of scalar and block scalings sum float32 products over runs of LANE_DEPTH elements
+# (one element from each of LANE_DEPTH consecutive rows of LANE_WIDTH, or of blocks), and those partial sums in
+# float64: each partial is within LANE_DEPTH · 2^-24 ≈ 4.8e-7 of its exact value, while the float64 products the
+# kernels replace cost two conversions and twice the vector instructions per element. That holds while no float32
+# product overflows or loses much of a sum to underflow, which `lane_sums_in_range` checks on the results.
+LANE_DEPTH = 8
+LANE_WIDTH = 16  # one AVX-512 vector of float32
+LANE_MAX_MAGNITUDE = 2.0**40
+LANE_MIN_SUM_PER_ELEMENT = 2.0**-100
+# Inductor stores a pointwise value to memory (and sums it in a second loop) once it reads more than 12 inputs or
+# holds more than 50 operations; a count over LANE_DEPTH slices does both, so the lane kernels raise the limits.
+INDUCTOR_OPTIONS = {"realize_cpu_acc_reads_threshold": 64, "realize_opcount_threshold": 400}
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,8 @@ class FusedConfig:
     with_stats: bool
     given_scale: bool
     assume_finite: bool
+    # All-finite statistics as float32 lanes (`uses_lanes`, `_fused_lanes`).
+    lanes: bool = False
 
 
 def element_unsupported_reason(x: Tensor, fmt: FormatSpec) -> str | None:
@@ -139,6 +157,23 @@ def cast_nearest(v: Tensor, fmt: FormatSpec, saturate: bool) -> Tensor:
     return torch.where(v != v, torch.nan, signed)
 
 
+def cast_saturating(v: Tensor, fmt: FormatSpec, clamp: bool = True) -> Tensor:
+    """`cast_nearest` of finite ``v`` for a minifloat that saturates, rounding signed values (no sign masks).
+
+    Clamping to ±max first is saturation itself (a value within the range never rounds past the maximum); without
+    ``clamp`` every ``|v|`` must already round to at most the maximum (below `overflow_threshold`), as under a scale
+    taken from the amax or an NVFP4 block scale. Normal values round by Veltkamp splitting, which is symmetric in the
+    sign; below the smallest normal ``round`` (vectorised, half to even, keeps the sign of a zero) rounds to the fixed
+    spacing 2^(emin−m). NaN and ±inf are not handled: callers check the sums and rerun the masked kernels.
+    """
+    c = v.clamp(-fmt.max_value, fmt.max_value) if clamp else v
+    split = c * (2.0 ** (23 - fmt.mantissa_bits) + 1)
+    normal = split - (split - c)
+    steps_per_unit = 2.0 ** (fmt.mantissa_bits - fmt.emin)
+    subnormal = torch.round(c * steps_per_unit) * (1 / steps_per_unit)
+    return torch.where(c.abs() < 2.0**fmt.emin, subnormal, normal)
+
+
 def _cast(v: Tensor, fmt: FormatSpec, saturate: bool, noise: Tensor | None) -> Tensor:
     if noise is None and fmt.kind is Kind.FLOAT:
         return cast_nearest(v, fmt, saturate)
@@ -198,15 +233,8 @@ def _scales(
             channel_amax = finite_abs.amax(dim=dims, keepdim=True) if dims else finite_abs
         scale = _tensor_scale(channel_amax, fmt, ScalingSpec(Scaling.TENSOR))
         return scale, scale, None
-    if spec.kind is Scaling.BLOCK:
-        shared = (binade_exponent(block_amax) - fmt.emax).clamp(E8M0_EXPONENT_MIN, E8M0_EXPONENT_MAX)
-        scale = pow2_bits(shared)
-        return scale, scale.squeeze(-1), None
-    tensor_scale = amax / (FP8_E4M3.max_value * FP4_E2M1.max_value)
-    tensor_scale = torch.where(tensor_scale > 0, tensor_scale, 1.0)
-    raw = (block_amax / fmt.max_value) / tensor_scale
-    block_scale = cast_bits(raw.clamp(NVFP4_BLOCK_SCALE_MIN, FP8_E4M3.max_value), FP8_E4M3, True, None)[0]
-    return tensor_scale * block_scale, block_scale.squeeze(-1), tensor_scale
+    element, reported, tensor_scale = _block_scales(block_amax, amax, config)
+    return element, reported.squeeze(-1), tensor_scale
 
 
 def fused_quantize(
@@ -216,6 +244,8 @@ def fused_quantize(
 
     Eager-runnable; `quantize_fused` runs it compiled.
     """
+    if config.lanes:
+        return _fused_lanes(x, noise, given_scale, config)
     fmt, spec = config.fmt, config.scaling
     blocked = spec.kind in (Scaling.BLOCK, Scaling.NVBLOCK)
     v = x.to(torch.float32)
@@ -256,6 +286,197 @@ def fused_quantize(
     if blocked:
         values = from_blocks(values, x.shape)
     return values, stats, scale_out, amax, tensor_scale
+
+
+LANE_KINDS = (Scaling.NONE, Scaling.TENSOR, Scaling.DELAYED, Scaling.BLOCK, Scaling.NVBLOCK)
+
+
+def uses_lanes(x: Tensor, spec: ScalingSpec, with_stats: bool) -> bool:
+    """Whether the all-finite statistics run as float32 lanes (`_fused_lanes`): float32 input, scalar or block scaling.
+
+    16-bit inputs keep the float64 sums: Inductor feeds the statistics the float32 values it stored as 16-bit ones,
+    without the rounding, when the store and the sums share a loop.
+    """
+    return with_stats and x.dtype == torch.float32 and spec.kind in LANE_KINDS
+
+
+def lanes(t: Tensor, width: int) -> list[Tensor]:
+    """Flat ``t`` (numel a multiple of ``LANE_DEPTH · width``) as LANE_DEPTH strided slices of shape (rows, width):
+    slice k holds row k of every group of LANE_DEPTH consecutive rows, so adding the slices sums runs of LANE_DEPTH.
+    """
+    runs = t.reshape(-1, LANE_DEPTH, width)
+    return [runs[:, k, :] for k in range(LANE_DEPTH)]
+
+
+def _run_sum(terms: list[Tensor]) -> Tensor:
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def _run_max(terms: list[Tensor]) -> Tensor:
+    largest = terms[0]
+    for term in terms[1:]:
+        largest = torch.maximum(largest, term)
+    return largest
+
+
+def _count(masks: list[Tensor]) -> Tensor:
+    # 32-bit counts (numel < 2^31, see MAX_NUMEL) are one vector add each; 64-bit ones doubled the loop.
+    return _run_sum([mask.to(torch.int32) for mask in masks]).sum(dtype=torch.int32)
+
+
+def lane_stats(
+    xs: list[Tensor], qs: list[Tensor], overflow: list[Tensor] | None, amax: Tensor, numel: int, padded_numel: int
+) -> Tensor:
+    """The all-finite statistics (`ErrorStats.FIELDS` order, float64) of float32 lanes of x and q (see `lanes`).
+
+    Σx², Σq², Σqx and Σ(q−x)² add float32 products over runs of LANE_DEPTH, then the runs in float64; Σx², Σq² and
+    Σqx take the same products in the same order, so q == ±x gives a cosine of exactly ±1. ``amax`` is the largest
+    |x|; ``overflow`` masks the clipped inputs (None: none can be). A finite zero always quantizes to zero, so the
+    underflows are the zeros of q less those of x, both over the ``padded_numel`` elements the lanes hold (the
+    padding is zeros). Valid when `lane_sums_in_range` holds for the result.
+    """
+    errors = [q - x for q, x in zip(qs, xs, strict=True)]
+    f64 = torch.float64
+    sums = torch.stack(
+        [
+            _run_sum([x * x for x in xs]).to(f64).sum(),
+            _run_sum([q * q for q in qs]).to(f64).sum(),
+            _run_sum([q * x for q, x in zip(qs, xs, strict=True)]).to(f64).sum(),
+            _run_sum([e * e for e in errors]).to(f64).sum(),
+        ]
+    )
+    # In float32 the largest |q − x| is the float64 one rounded once (rounding is monotonic): within 2^-24.
+    max_err = _run_max([e.abs() for e in errors]).amax()
+    nonzero = _count([x != 0 for x in xs])
+    zeros_q = _count([q == 0 for q in qs])
+    clipped = _count(overflow) if overflow is not None else torch.zeros((), dtype=torch.int32, device=amax.device)
+    counts = torch.stack([nonzero, zeros_q - (padded_numel - nonzero), clipped])
+    return torch.cat(
+        [
+            torch.full((1,), numel, dtype=f64, device=amax.device),
+            sums,
+            torch.stack([max_err, amax]).to(f64),
+            counts.to(f64),
+            torch.zeros(1, dtype=f64, device=amax.device),
+        ]
+    )
+
+
+def lane_sums_in_range(stats: list[float]) -> bool:
+    """Whether `lane_stats`'s float32 runs hold 1e-6 for these statistics (a list in `ErrorStats.FIELDS` order).
+
+    No product may overflow (|x|, |q − x| ≤ 2^40, so |q| ≤ 2^41 and eight squares stay below 2^85), and each of Σx²,
+    Σq², Σ(q−x)² is zero by construction or at least numel · 2^-100, so products lost to float32 underflow (under
+    2^-149 each) cost at most 2^-49 of it. NaN and ±inf fail every comparison or the magnitude bound. This also
+    excludes the subnormal scales (amax below max · 2^-126) under which a scale taken from the amax could clip.
+    """
+    numel, sum_x2, sum_q2, _, sum_err2, max_err, amax = stats[:7]
+    least = numel * LANE_MIN_SUM_PER_ELEMENT
+    return (
+        max_err <= LANE_MAX_MAGNITUDE
+        and amax <= LANE_MAX_MAGNITUDE
+        and (sum_x2 >= least or amax == 0)
+        and (sum_err2 >= least or max_err == 0)
+        and (sum_q2 >= least or max_err == amax == 0)
+    )
+
+
+def _beyond(scaled: Tensor, fmt: FormatSpec) -> Tensor:
+    threshold, ties_up = overflow_threshold(fmt)
+    magnitude = scaled.abs()
+    return (magnitude >= threshold) if ties_up else (magnitude > threshold)
+
+
+def _lane_cast(
+    scaled: list[Tensor], noise: list[Tensor] | None, config: FusedConfig, may_clip: bool
+) -> tuple[list[Tensor], list[Tensor] | None]:
+    fmt = config.fmt
+    if noise is not None:
+        pairs = [cast_bits(s, fmt, config.saturate, n) for s, n in zip(scaled, noise, strict=True)]
+        return [q for q, _ in pairs], [over for _, over in pairs]
+    if fmt.kind is Kind.FLOAT and (config.saturate or fmt.special is Special.NONE):
+        return [cast_saturating(s, fmt, may_clip) for s in scaled], [
+            _beyond(s, fmt) for s in scaled
+        ] if may_clip else None
+    return [_cast(s, fmt, config.saturate, None) for s in scaled], [nearest_overflow(s, fmt) for s in scaled]
+
+
+def _fused_lanes(
+    x: Tensor, noise: Tensor | None, given_scale: Tensor | None, config: FusedConfig
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """`fused_quantize` for `uses_lanes` configurations: one loop quantizes LANE_DEPTH slices of runs (stacked back
+    into the output in place) and sums their statistics, so neither x nor q is read again for them."""
+    fmt, spec = config.fmt, config.scaling
+    blocked = spec.kind in (Scaling.BLOCK, Scaling.NVBLOCK)
+    width = spec.block_size if blocked else LANE_WIDTH
+    padded = padded_flat(x, spec, width)
+    xs = [t.to(torch.float32) for t in lanes(padded, width)]
+    noise_lanes = lanes(padded_flat(noise, spec, width), width) if noise is not None else None
+    tensor_scale = None
+    if blocked:
+        # Block amaxes and scales in one loop over all blocks (a loop per lane would read x with a stride), then
+        # sliced into lanes like x.
+        block_amax = padded.reshape(-1, width).to(torch.float32).abs().amax(dim=-1, keepdim=True)
+        amax = block_amax.amax()
+        element, reported, tensor_scale = _block_scales(block_amax, amax, config)
+        scales: list[Tensor] | None = lanes(element.reshape(-1), 1)
+        block_shape = to_blocks(x, spec.block_size).shape
+        scale_out = reported.reshape(-1)[: block_shape[:-1].numel()].reshape(block_shape[:-1])
+        # An MX block's largest |x / scale| lies in [2^emax, 2^(emax+1)), past the maximum. An NVFP4 block scale is
+        # a normal E4M3 value (at least 2^-6) within 2^-4 of (block amax / 6) / tensor scale, or above it, so
+        # |x / scale| stays below 6 · 16/15 · (1 + 2^-21) < 7, where rounding would first pass 6: nothing clips.
+        may_clip = spec.kind is Scaling.BLOCK
+    else:
+        amax = _run_max([t.abs() for t in xs]).amax()
+        if spec.kind is Scaling.NONE:
+            scales = None
+            scale_out = torch.ones((), dtype=torch.float32, device=x.device)
+            may_clip = True
+        else:
+            scale = given_scale if given_scale is not None else _tensor_scale(amax, fmt, spec)
+            scales = [scale] * LANE_DEPTH
+            scale_out = scale
+            # A scale taken from the amax (and not shrunk by a negative margin) keeps every |x / scale| within the
+            # maximum, up to rounding: nothing clips, so neither clamp nor overflow count is needed.
+            may_clip = given_scale is not None or spec.margin < 0
+    scaled = xs if scales is None else [t / s for t, s in zip(xs, scales, strict=True)]
+    qs, overflow = _lane_cast(scaled, noise_lanes, config, may_clip)
+    if scales is not None:
+        qs = [q * s for q, s in zip(qs, scales, strict=True)]
+    values_lanes = [q.to(x.dtype) for q in qs]
+    stacked = torch.stack(values_lanes, dim=1).reshape(-1)
+    if blocked:
+        values = from_blocks(stacked[: block_shape.numel()].reshape(block_shape), x.shape)
+    else:
+        values = stacked[: x.numel()].reshape(x.shape)
+    q_lanes = [v.to(torch.float32) for v in values_lanes]
+    stats = lane_stats(xs, q_lanes, overflow, amax, x.numel(), LANE_DEPTH * xs[0].numel())
+    return values, stats, scale_out, amax, tensor_scale
+
+
+def padded_flat(t: Tensor, spec: ScalingSpec, width: int) -> Tensor:
+    """``t``'s blocks under a block scaling (a partial last block zero-padded), else ``t``, flattened and zero-padded
+    to whole groups of LANE_DEPTH rows of ``width`` (what `lanes` takes)."""
+    flat = (to_blocks(t, spec.block_size) if spec.kind in (Scaling.BLOCK, Scaling.NVBLOCK) else t).reshape(-1)
+    padding = -flat.numel() % (LANE_DEPTH * width)
+    return pad(flat, (0, padding)) if padding else flat
+
+
+def _block_scales(block_amax: Tensor, amax: Tensor, config: FusedConfig) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(element scale, scale to report, NVFP4 tensor scale) of blocks from their amaxes, as `_scales` does."""
+    fmt = config.fmt
+    if config.scaling.kind is Scaling.BLOCK:
+        shared = (binade_exponent(block_amax) - fmt.emax).clamp(E8M0_EXPONENT_MIN, E8M0_EXPONENT_MAX)
+        scale = pow2_bits(shared)
+        return scale, scale, None
+    tensor_scale = amax / (FP8_E4M3.max_value * FP4_E2M1.max_value)
+    tensor_scale = torch.where(tensor_scale > 0, tensor_scale, 1.0)
+    raw = (block_amax / fmt.max_value) / tensor_scale
+    block_scale = cast_bits(raw.clamp(NVFP4_BLOCK_SCALE_MIN, FP8_E4M3.max_value), FP8_E4M3, True, None)[0]
+    return tensor_scale * block_scale, block_scale, tensor_scale
 
 
 def _stats_vector(x: Tensor, q: Tensor, overflow: Tensor, amax: Tensor, numel: int) -> Tensor:
@@ -339,6 +560,13 @@ def compiled_for(config: FusedConfig) -> Callable[..., tuple[Tensor, Tensor, Ten
     return compiled
 
 
+def _fast_stats_hold(stats: Tensor, config: FusedConfig) -> bool:
+    # Some x or q is NaN or infinite when the float64 sums are not finite; the float32 runs have their own range.
+    if config.lanes:
+        return lane_sums_in_range(stats.tolist())
+    return bool(torch.isfinite(stats[1] + stats[2]))
+
+
 def quantize_fused(
     x: Tensor,
     fmt: FormatSpec,
@@ -355,14 +583,21 @@ def quantize_fused(
     """
     check_supported(x, fmt, spec)
     config = FusedConfig(
-        fmt, spec, rounding is Rounding.STOCHASTIC, saturate, with_stats, scale is not None, with_stats
+        fmt,
+        spec,
+        rounding is Rounding.STOCHASTIC,
+        saturate,
+        with_stats,
+        scale is not None,
+        with_stats,
+        uses_lanes(x, spec, with_stats),
     )
     given = scale.to(device=x.device, dtype=torch.float32) if scale is not None else None
     try:
         values, stats, scale_out, amax, _ = compiled_for(config)(x.detach(), noise, given)
-        if with_stats and not bool(torch.isfinite(stats[1] + stats[2])):
+        if with_stats and not _fast_stats_hold(stats, config):
             # Some x or q is NaN or infinite: the unmasked amax and sums do not hold, so run the masked kernels.
-            masked = dataclasses.replace(config, assume_finite=False)
+            masked = dataclasses.replace(config, assume_finite=False, lanes=False)
             values, stats, scale_out, amax, _ = compiled_for(masked)(x.detach(), noise, given)
     except (RuntimeError, OSError, ImportError) as error:
         raise BackendUnavailableError(f"torch.compile could not build the fused kernel: {error}") from error

@@ -27,6 +27,8 @@ CASES = [
     ("fp8_e4m3", "tensor", "nearest", False, torch.float32, [(64, 96), (33, 70)]),
     ("nvfp4", None, "nearest", True, torch.float32, [(33, 70)]),
     ("int8", "channel:1", "stochastic", True, torch.bfloat16, [(33, 70)]),
+    # Stochastic rounding on the float32 lane kernels: the noise is padded and sliced like x.
+    ("fp4_e2m1", "tensor", "stochastic", True, torch.float32, [(33, 70)]),
 ]
 
 

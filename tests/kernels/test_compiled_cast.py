@@ -2,21 +2,26 @@
 
 `compiled.cast_nearest` rounds with Veltkamp splitting and a magic-number add instead of bit manipulation; it runs
 here compiled (Inductor's flags and vector code are what must be exact) on every rounding case of a band of binades
-around each format's range. The fast statistics (no masks, checked on the sums) run on finite inputs and fall back
-to the masked kernels on non-finite ones.
+around each format's range, as does the saturating signed cast of the lane kernels. The fast statistics (no masks,
+float32 lanes, checked on the sums) run on finite inputs, hold 1e-6 on adversarial ones, and fall back to the masked
+kernels on non-finite ones and outside float32's range.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from quantwatch.kernels import FORMATS, quantize
+from quantwatch.kernels import FORMATS, ErrorStats, quantize
 from quantwatch.kernels import compiled as compiled_module
-from quantwatch.kernels.compiled import cast_nearest
+from quantwatch.kernels.compiled import LANE_WIDTH, cast_nearest, cast_saturating
 from quantwatch.kernels.formats import FormatSpec, Kind
+from quantwatch.kernels.options import Scaling, ScalingSpec
 from quantwatch.kernels.reference import cast_with_overflow
 
 FLOAT_FORMATS = [spec for spec in FORMATS.values() if spec.kind is Kind.FLOAT]
@@ -121,3 +126,167 @@ def test_compiled_statistics_on_finite_inputs_match_the_reference(
     assert counts["underflow_count"] > 0
     if "scale" in kwargs or "saturate" in kwargs:
         assert counts["overflow_count"] > 0
+
+
+def below_overflow(fmt: FormatSpec) -> float:
+    """The largest float32 that rounds to at most the format's maximum (the overflow threshold, or just below it)."""
+    threshold, ties_up = compiled_module.overflow_threshold(fmt)
+    if not ties_up:
+        return threshold
+    return float(torch.nextafter(torch.tensor(threshold), torch.tensor(0.0)))
+
+
+def saturating_casts(v: torch.Tensor, unit: torch.Tensor) -> list[torch.Tensor]:
+    """`cast_saturating` of every float format: clamped on ``v``, unclamped on ``unit`` (|unit| ≤ 1) scaled up to
+    the largest value that rounds to at most the maximum."""
+    return [cast_saturating(v, fmt) for fmt in FLOAT_FORMATS] + [
+        cast_saturating(unit * below_overflow(fmt), fmt, clamp=False) for fmt in FLOAT_FORMATS
+    ]
+
+
+def test_cast_saturating_matches_the_reference_on_every_finite_rounding_case() -> None:
+    # The lane kernels' cast rounds signed values; zeros keep their sign through `round`, and clamping is saturation.
+    compiled = torch.compile(saturating_casts, dynamic=True)
+    for values in [torch.cat([rounding_cases(fmt) for fmt in FLOAT_FORMATS]), random_patterns(1 << 16, 4)]:
+        finite = values[torch.isfinite(values)]
+        # Every rounding case scaled into [-1, 1] (±1 exactly at the largest), for the values no clamp may meet.
+        unit = finite / finite.abs().amax()
+        results = iter(compiled(finite, unit))
+        for fmt in FLOAT_FORMATS:
+            assert_bitwise_equal(next(results), cast_with_overflow(finite, fmt, saturate=True)[0])
+        for fmt in FLOAT_FORMATS:
+            unclamped = unit * below_overflow(fmt)
+            expected, overflow = cast_with_overflow(unclamped, fmt, saturate=True)
+            assert not bool(overflow.any())
+            assert_bitwise_equal(next(results), expected)
+
+
+LANE_CASES = [
+    "fp8 e4m3, tensor scale",
+    "nvfp4, wide range",
+    "near float32 underflow",
+    "same sign, one magnitude",
+    "one element one ulp off",
+    "q == x",
+    "q == -x",
+]
+
+
+@functools.cache
+def _lane_pairs() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(9)
+    n = (1 << 22) + 37  # not a whole number of lane groups: the last one is zero-padded
+    normal = torch.randn(n, generator=gen)
+    # Magnitudes from 1e-15 to 1e11 (the lane range ends at 2^40): squares span 52 decades, most below float32's.
+    wide = normal * 10.0 ** (torch.rand(n, generator=gen) * 26 - 15)
+    # Squares below float32's normal range (|x| < 2^-63) everywhere but one element in 1024, which carries the sums.
+    tiny = normal * 2.0**-70
+    tiny[::1024] *= 2.0**50
+    # Same-sign values of one magnitude: where a float32 running sum loses the most.
+    offset = 1 + 1e-3 * normal
+    one_ulp = normal.clone()
+    one_ulp[12345] = torch.nextafter(one_ulp[12345], torch.tensor(torch.inf))
+    pairs = [
+        (normal, quantize(normal, "fp8_e4m3", "tensor")),
+        (wide, quantize(wide, "nvfp4")),
+        (tiny, quantize(tiny, "fp8_e4m3", "tensor")),
+        (offset, quantize(offset, "fp8_e5m2", "tensor")),
+        (normal, one_ulp),
+        (normal, normal.clone()),
+        (wide, -wide),
+    ]
+    return dict(zip(LANE_CASES, pairs, strict=True))
+
+
+def flat_lane_stats(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """`lane_stats` of flat x and q, as the lane kernels lay them out (no overflow mask)."""
+    spec = ScalingSpec(Scaling.NONE)
+    padded = compiled_module.padded_flat(x, spec, LANE_WIDTH)
+    xs = compiled_module.lanes(padded, LANE_WIDTH)
+    qs = compiled_module.lanes(compiled_module.padded_flat(q, spec, LANE_WIDTH), LANE_WIDTH)
+    return compiled_module.lane_stats(xs, qs, None, x.abs().amax(), x.numel(), padded.numel())
+
+
+@pytest.mark.parametrize("case", LANE_CASES)
+def test_lane_statistics_hold_1e6_on_adversarial_inputs(case: str) -> None:
+    # 4M-element pairs where float32 products and sums are hardest: wide dynamic range, products that underflow,
+    # cosine within 1e-7 of 1, rel_l2 down to 1e-10, exact and negated copies. Compiled (Inductor's code is what
+    # must hold) and checked against numpy's float64.
+    x, q = _lane_pairs()[case]
+    stats = torch.compile(flat_lane_stats, dynamic=True)(x, q).tolist()
+    assert compiled_module.lane_sums_in_range(stats)
+    got = dict(zip(ErrorStats.FIELDS, stats, strict=True))
+    x64, q64 = x.double().numpy(), q.double().numpy()
+    err = q64 - x64
+    expected = {"sum_x2": (x64 * x64).sum(), "sum_q2": (q64 * q64).sum(), "sum_err2": (err * err).sum()}
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(float(value), rel=1e-6, abs=0), name
+    # Σqx is bounded against the norms (the sum itself may cancel).
+    assert abs(got["sum_qx"] - float((q64 * x64).sum())) <= 1e-6 * math.sqrt(expected["sum_x2"] * expected["sum_q2"])
+    assert got["max_abs_err"] == pytest.approx(float(np.abs(err).max()), rel=2**-24, abs=0)
+    assert got["amax"] == float(np.abs(x64).max())
+    assert got["nonzero_count"] == int((x64 != 0).sum())
+    assert got["underflow_count"] == int(((x64 != 0) & (q64 == 0)).sum())
+    assert (got["numel"], got["overflow_count"], got["nonfinite_count"]) == (x.numel(), 0, 0)
+    derived = ErrorStats.from_tensor(torch.tensor(stats)).to_dict()
+    if case == "q == x":
+        assert (derived["rel_l2"], derived["cosine"], derived["sqnr_db"], derived["max_abs"]) == (
+            0.0,
+            1.0,
+            math.inf,
+            0.0,
+        )
+    if case == "q == -x":
+        assert derived["cosine"] == -1.0
+    if case == "near float32 underflow":
+        assert got["underflow_count"] > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "x", "q"),
+    [
+        ("NaN in x", torch.tensor([1.0, float("nan"), 2.0]), torch.tensor([1.0, 0.0, 2.0])),
+        ("inf in q", torch.tensor([1.0, 2.0]), torch.tensor([1.0, float("inf")])),
+        ("|x| above 2^40", torch.tensor([1.0, 2.0**41]), torch.tensor([1.0, 2.0**41])),
+        ("tiny errors only", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 2.0**-22]) * 2.0**-60),
+        ("squares underflow", torch.full((4,), 1e-30), torch.full((4,), 1.5e-30)),
+    ],
+)
+def test_lane_range_check_rejects_what_float32_cannot_sum(name: str, x: torch.Tensor, q: torch.Tensor) -> None:
+    assert not compiled_module.lane_sums_in_range(flat_lane_stats(x, q).tolist()), name
+
+
+def test_compiled_statistics_below_the_float32_range_rerun_masked(
+    backends: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every square below float32's normal range: the lane sums would lose them, so the masked float64 kernels rerun.
+    used: list[bool] = []
+    real = compiled_module.compiled_for
+
+    def spy(config: compiled_module.FusedConfig) -> Any:
+        used.append(config.lanes)
+        return real(config)
+
+    monkeypatch.setattr(compiled_module, "compiled_for", spy)
+    x = finite_sample((33, 70), 12) * 2.0**-70
+    fast = quantize(x, "fp8_e4m3", "tensor", with_stats=True, backend="compiled")
+    assert used == [True, False]
+    ref = quantize(x, "fp8_e4m3", "tensor", with_stats=True, backend="reference")
+    backends.assert_same(fast, ref)
+    assert_bitwise_equal(fast[0], ref[0])
+
+
+def test_nvfp4_lanes_never_clip_even_where_block_scales_round_down(backends: Any) -> None:
+    # The lane kernels count no NVFP4 overflows: a block scale rounds to E4M3 at most 2^-4 below its exact value, so
+    # |x / scale| stays below 7. Block amaxes swept across whole E4M3 rounding intervals, from just past each tie
+    # (the scale rounds down the most) in every binade the block scales span, hold that against the reference.
+    generator = torch.Generator().manual_seed(13)
+    steps = torch.arange(256, dtype=torch.float32)
+    block_amax = (1 + steps / 256) * torch.exp2(torch.arange(-12, 9, dtype=torch.float32))[:, None]
+    blocks = torch.rand((*block_amax.shape, 16), generator=generator) * block_amax[..., None]
+    blocks[..., 3] = block_amax
+    x = blocks.reshape(-1, 64)
+    fast = quantize(x, "nvfp4", with_stats=True, backend="compiled")
+    ref = quantize(x, "nvfp4", with_stats=True, backend="reference")
+    backends.assert_same(fast, ref)
+    assert ref[1].to_dict()["overflow_count"] == 0
