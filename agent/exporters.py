@@ -1,9 +1,10 @@
 """Exporters: where finished batches go.
 
 * :class:`HttpExporter` posts to a collector's ``/api/v1/ingest`` over one keep-alive ``httpx.Client``.  Connection
-  errors, 429 and 5xx are retried with jittered exponential backoff, honouring ``Retry-After``; other 4xx are permanent
-  (logged once, counted, not retried).  When retries run out, or while the collector is known to be down, batches go to
-  a bounded :class:`~quantwatch.agent.spool.DiskSpool` and are replayed oldest first as soon as it answers again.
+  errors, 408, 425, 429 and 5xx are retried with jittered exponential backoff, honouring ``Retry-After``; other 4xx
+  are permanent (logged once, counted, not retried).  When retries run out, or while the collector is known to be
+  down, batches go to a bounded :class:`~quantwatch.agent.spool.DiskSpool` and are replayed oldest first as soon as
+  it answers again.
 * :class:`InMemoryExporter` keeps batches in a list (tests, notebooks).
 * :class:`JsonLinesExporter` appends each batch as one line of the JSON wire format, so a file can be posted to a
   collector later, line by line.
@@ -33,6 +34,8 @@ from quantwatch.agent.wire import Batch, EncodedBatch, Encoding, StepRecord, enc
 __all__ = ["Exporter", "HttpExporter", "InMemoryExporter", "JsonLinesExporter", "RetryPolicy"]
 
 INGEST_PATH = "/api/v1/ingest"
+# 4xx answers that say "try again" (request timeout, too early, too many requests); every other 4xx is permanent.
+_TRANSIENT_4XX = frozenset({408, 425, 429})
 
 
 @runtime_checkable
@@ -270,7 +273,7 @@ class HttpExporter:
         if 200 <= status < 300:
             return
         detail = response.text[:500]
-        if status == 429 or status >= 500:
+        if status in _TRANSIENT_4XX or status >= 500:
             raise TransientExportError(
                 f"HTTP {status}: {detail}", parse_retry_after(response.headers.get("Retry-After"))
             )

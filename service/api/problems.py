@@ -25,6 +25,7 @@ TITLES = {
     404: "not-found",
     405: "method-not-allowed",
     406: "not-acceptable",
+    408: "request-timeout",
     409: "conflict",
     413: "payload-too-large",
     415: "unsupported-media-type",

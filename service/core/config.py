@@ -86,6 +86,9 @@ class Settings(BaseSettings):
         le=100_000,
         description="Ingest requests held at once (reading, queued, storing); more get 429 with Retry-After.",
     )
+    ingest_read_timeout_seconds: float = Field(
+        default=30.0, gt=0, le=3600, description="Longest wait for an ingest body to arrive; slower gets 408."
+    )
     auto_upgrade: bool = Field(default=True, description="Run the Alembic migrations to head when the app is created.")
     sqlite_synchronous: Literal["FULL", "NORMAL"] = Field(
         default="FULL", description="SQLite synchronous mode in WAL: FULL makes every acknowledged batch durable."

@@ -68,8 +68,8 @@ def test_posts_msgpack_gzip_with_bearer_token() -> None:
 
 @pytest.mark.parametrize(
     "failure",
-    [httpx.ConnectError("refused"), httpx.ReadTimeout("slow"), 429, 500, 502, 503],
-    ids=["connect", "timeout", "429", "500", "502", "503"],
+    [httpx.ConnectError("refused"), httpx.ReadTimeout("slow"), 408, 425, 429, 500, 502, 503],
+    ids=["connect", "timeout", "408", "425", "429", "500", "502", "503"],
 )
 def test_transient_failures_are_retried(failure: Any) -> None:
     handler = Scripted(failure, 200)

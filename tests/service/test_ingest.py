@@ -375,3 +375,36 @@ def test_ingest_beyond_the_pending_limit_gets_429_with_retry_after_and_loses_not
             assert accepted.json() == {"batch_id": "second", "duplicate": False, "points": 1}
             assert other.get("/api/v1/runs/gate").json()["points"] == 2
             assert 'quantwatch_ingest_requests_total{outcome="throttled"} 1.0' in other.get("/metrics").text
+
+
+def test_a_stalled_upload_gets_408_and_frees_its_slot(
+    make_app: Callable[..., Any], make_batch: Callable[..., Any], encode_batch: Callable[..., Any]
+) -> None:
+    """A client that sends headers and part of its body, then stalls, is answered 408 problem+json after the read
+    timeout, and the ingest slot it held is free again (the gate allows one request at a time here)."""
+    from quantwatch.service.server import BackgroundServer
+
+    app = make_app(max_pending_ingest=1, ingest_read_timeout_seconds=0.5)
+    doc = make_batch("stall", ["a"], [1], {"m": np.array([[1.0]])})
+    body, headers = encode_batch(doc)
+    with BackgroundServer(app) as server:
+        with socket.create_connection((server.host, server.port), timeout=30) as stalled:
+            head = (
+                f"POST /api/v1/ingest HTTP/1.1\r\nHost: {server.host}\r\nContent-Type: {headers['Content-Type']}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            )
+            stalled.sendall(head.encode() + body[: len(body) // 2])
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                chunk = stalled.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+        status_line, _, rest = answer.partition(b"\r\n")
+        assert status_line.split()[1] == b"408", answer
+        assert b"application/problem+json" in rest.lower()
+        assert json.loads(rest.split(b"\r\n\r\n", 1)[1])["status"] == 408
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            stored = http.post("/api/v1/ingest", content=body, headers=headers)
+            assert stored.status_code == 200, stored.text
+            assert http.get("/api/v1/runs/stall").json()["points"] == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import zlib
@@ -116,6 +117,7 @@ def _gunzip(body: bytes, limit: int) -> bytes:
     },
     responses={
         400: {"description": "Malformed body"},
+        408: {"description": "The body did not arrive within ingest_read_timeout_seconds; retry"},
         413: {"description": "Body too large"},
         415: {"description": "Unsupported content type or encoding"},
         422: {"description": "Schema violation (the problem's errors name the field)"},
@@ -147,7 +149,14 @@ async def ingest(request: Request) -> IngestAnswer:
     gate.pending += 1
     started = time.perf_counter()
     try:
-        body = await _read_body(request, settings.max_body_bytes)
+        try:
+            async with asyncio.timeout(settings.ingest_read_timeout_seconds):
+                body = await _read_body(request, settings.max_body_bytes)
+        except TimeoutError:
+            # A slow or stalled upload would hold its gate slot for as long as the client likes.
+            raise ProblemError(
+                408, f"the request body did not arrive within {settings.ingest_read_timeout_seconds:g} s; retry"
+            ) from None
         store: Store = request.app.state.store
         observers = tuple(request.app.state.ingest_observers)
 
