@@ -87,8 +87,9 @@ class DeferredStatistics:
 
     Computed together, the statistics of a step's CPU quantizations cost about half what the same calls cost spread
     over the step.  The batch is flushed before anything is expected to change the tensors it holds: when the
-    monitored model's forward returns (the weights before an optimizer step), at the first gradient statistics of a
-    backward that follows forward statistics (a forward recomputed for activation checkpointing), and at
+    monitored model's forward returns, at the first gradient statistics of a backward that follows forward
+    statistics, before any optimizer step (a global pre-hook while a step is sampled: the weights and gradients
+    before they move, also those of a forward recomputed inside backward for activation checkpointing), and at
     ``monitor.step``.  A tensor changed in place all the same leaves its statistics unfilled: they are reported as
     not measured, and the failure is counted."""
 
@@ -103,14 +104,25 @@ class DeferredStatistics:
         self.forward_pending = False
         with self.clock.measure():
             try:
-                stale = self.batch.flush()
+                result = self.batch.flush()
             except Exception as exc:
                 self.failures.record("statistics_failed", f"deferred statistics: {exc}", exc)
                 return
-        if stale:
+        if result.stale:
             self.failures.record(
-                "statistics_stale", f"{stale} tensors changed in place before their statistics; not reported"
+                "statistics_stale", f"{result.stale} tensors changed in place before their statistics; not reported"
             )
+        if result.failed:
+            self.failures.record(
+                "statistics_failed", f"{result.failed} deferred statistics failed: {result.error}", result.error
+            )
+
+    def on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook: flush before the weights (and the gradients it may scale) change in place, also
+        when no forward hook fired since the last statistics (a forward recomputed inside backward for activation
+        checkpointing)."""
+        if len(self.batch):
+            self.flush()
 
     def on_model_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """Forward hook of the monitored model: flush what its forward collected."""

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from quantwatch.agent.engine import BatchEngine, PendingStep
@@ -264,6 +265,7 @@ class Monitor:
         self._model = model
         self._deferred = DeferredStatistics(failures, self._clock)
         self._model_hook: RemovableHandle | None = None
+        self._optimizer_hook: RemovableHandle | None = None
         self._adapters: list[LayerAdapter] = []
         for name, module in modules.items():
             if callable(getattr(module, "reference_forward", None)):
@@ -397,12 +399,16 @@ class Monitor:
                 adapter.arm(kinds)
         if kinds & {KIND_WEIGHT, KIND_INPUT, KIND_GRAD}:
             self._model_hook = self._model.register_forward_hook(self._deferred.on_model_forward)
+            self._optimizer_hook = register_optimizer_step_pre_hook(self._deferred.on_optimizer_step)
 
     def _disarm(self, adapters: list[LayerAdapter]) -> None:
         """Remove every hook; compute the deferred statistics of the step."""
         if self._model_hook is not None:
             self._model_hook.remove()
             self._model_hook = None
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
         for adapter in adapters:
             adapter.disarm()
         self._deferred.flush()

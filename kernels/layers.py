@@ -31,8 +31,9 @@ class QuantLinear(nn.Linear):
     during backward, with the fused `ErrorStats` of the quantization it just did (tensors on the device, no sync).
     The observer seen at forward time is the one used for that step's backward. Exceptions from the observer
     propagate; the agent's observer must not raise. ``stats_batch``: None (default) or a `StatsBatch` that the
-    observed quantizations collect into, so that the statistics of CPU tensors are computed together when the batch
-    is flushed (the observer then receives them before they are filled; see `StatsBatch`).
+    observed weight and gradient quantizations collect into, so that the statistics of CPU tensors are computed
+    together when the batch is flushed (the observer then receives them before they are filled; see `StatsBatch`);
+    the input's are computed at once (a caller may change the input in place right after the forward).
 
     `reference_forward` computes the FP32 shadow output of the same weights and bias without any quantization, and
     `reference_weight_grad` that shadow's weight gradient.
@@ -91,9 +92,10 @@ class QuantLinear(nn.Linear):
             weight = self.weight_quantizer(self.weight)
             x = self.input_quantizer(input)
         else:
-            batch = self.stats_batch
-            weight = self._observed(self.weight_quantizer, self.weight, "weight", observer, batch)
-            x = self._observed(self.input_quantizer, input, "input", observer, batch)
+            weight = self._observed(self.weight_quantizer, self.weight, "weight", observer, self.stats_batch)
+            # The input's statistics are taken at once, not batched: the caller may change it in place as soon as this
+            # forward returns (``x += layer(x)``), long before a flush.
+            x = self._observed(self.input_quantizer, input, "input", observer, None)
         if weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
         out = linear(x, weight, self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype))

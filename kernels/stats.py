@@ -215,7 +215,8 @@ def stats_from_masks(
         return ErrorStats.zeros(x.device)
     if x.device.type == "cpu":
         batch: StatsBatch | None = getattr(_COLLECTING, "batch", None)
-        if batch is not None:
+        # Inference tensors keep no version counter, so nothing could tell whether they changed before a flush.
+        if batch is not None and not (x.is_inference() or q.is_inference()):
             return batch._defer(x, q, overflow_mask, underflow_mask, nonzero_mask, amax)
         fast = _chunked_stats(x, q, overflow_mask, underflow_mask, nonzero_mask, amax)
         if fast is not None:
@@ -230,12 +231,12 @@ class StatsBatch:
     """Statistics of many CPU quantizations, computed together in `flush` instead of one by one as they happen.
 
     Spread over a training step, each statistics call runs between unrelated work, with cold caches, and costs about
-    twice what the same calls cost back to back. While `collecting` is active in a thread, `stats_from_masks` (so the
-    reference backend's ``with_stats=True`` and `QuantLinear`'s observed quantizations) of CPU tensors returns
-    `ErrorStats` whose fields hold NaN until `flush` fills them in place, and the batch keeps the tensors until then.
-    Statistics of other devices are computed at once as before (they stay on the device). `flush` has to run before
-    the tensors change: one changed in place since (its version counter moved, as an optimizer step moves a weight's)
-    gets NaN statistics and counts in the value `flush` returns.
+    twice what the same calls cost back to back. While `collecting` is active in a thread, `stats_from_masks` (so
+    the reference backend's ``with_stats=True`` and `QuantLinear`'s observed quantizations) of CPU tensors returns
+    `ErrorStats` whose fields hold NaN until `flush` fills them in place, and the batch keeps the tensors until
+    then. Statistics of other devices, and of inference tensors (which keep no version counter), are computed at
+    once as before. `flush` has to run before the tensors change: one changed in place since (its version counter
+    moved, as an optimizer step moves a weight's) gets NaN statistics and counts in what `flush` returns.
     """
 
     def __init__(self) -> None:
@@ -262,23 +263,33 @@ class StatsBatch:
         row.values[:] = fields
         return row.stats
 
-    def flush(self) -> int:
-        """Compute every pending statistic; returns how many were left NaN because a tensor changed in place."""
+    def flush(self) -> FlushResult:
+        """Compute every pending statistic. Those whose tensors changed in place since (``stale``) or whose
+        computation failed (``failed``, the first error kept in ``error``) stay NaN; one never costs another's."""
         pending, self._pending = self._pending, []
-        stale = 0
+        result = FlushResult()
         for entry in pending:
-            if not entry.fill():
-                stale += 1
+            try:
+                filled = entry.fill()
+            except Exception as exc:
+                result.failed += 1
+                result.error = result.error or exc
+                continue
+            if not filled:
+                result.stale += 1
         self._wanted = max(self._wanted, self._taken)
         self._taken = 0
         missing = self._wanted - len(self._blank)
         if missing > 0:
             self._blank.extend(_blank_rows(missing))
-        return stale
+        return result
 
     def _row(self) -> _Row:
         self._taken += 1
-        return self._blank.pop() if self._blank else _blank_rows(1)[0]
+        try:
+            return self._blank.pop()  # one call: two threads forwarding through one model cannot both take the last
+        except IndexError:
+            return _blank_rows(1)[0]
 
     def _defer(
         self,
@@ -292,6 +303,15 @@ class StatsBatch:
         row = self._row()
         self._pending.append(_Deferred(x, q, overflow_mask, underflow_mask, nonzero_mask, amax, row))
         return row.stats
+
+
+@dataclass
+class FlushResult:
+    """What `StatsBatch.flush` left unfilled: statistics of tensors changed in place since, and failed ones."""
+
+    stale: int = 0
+    failed: int = 0
+    error: Exception | None = None
 
 
 class _Row(NamedTuple):
@@ -381,8 +401,9 @@ class _Deferred:
         if (self.x._version, self.q._version) != self.versions:
             return False
         args = (self.x, self.q, self.overflow_mask, self.underflow_mask)
-        fields = _host_fields(*args, self.nonzero_mask, self.amax)
-        self.row.values[:] = fields if fields is not None else _masked_stats(*args).as_tensor().numpy()
+        with torch.no_grad():  # a weight or an activation that requires grad, read for its values only
+            fields = _host_fields(*args, self.nonzero_mask, self.amax)
+            self.row.values[:] = fields if fields is not None else _masked_stats(*args).as_tensor().numpy()
         return True
 
 

@@ -368,3 +368,86 @@ def test_a_tensor_changed_before_its_deferred_statistics_is_reported_as_not_meas
     ((_, record),) = sink.records()
     assert "weight_rel_l2" not in record.metrics
     assert sink.value("act_rel_l2", "0", 0) is not None
+
+
+def _two_quant_linears() -> nn.Sequential:
+    from quantwatch.kernels import QuantLinear, QuantSpec
+
+    torch.manual_seed(5)
+    return nn.Sequential(
+        QuantLinear(16, 16, weight=QuantSpec("fp8_e4m3"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2")),
+        QuantLinear(16, 8, weight=QuantSpec("nvfp4"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2")),
+    )
+
+
+def test_a_non_finite_weight_costs_no_other_statistic() -> None:
+    # The masked float64 path (non-finite input) reads a weight that requires grad: it must neither fail nor take the
+    # other layers' deferred statistics with it. Divergence is when these figures matter most.
+    model = _two_quant_linears()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("inf")
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="inf-weight", exporter=sink, every=1)
+    model(torch.randn(4, 16, requires_grad=True)).square().sum().backward()
+    monitor.step(0)
+    assert monitor.close(10)
+    assert "statistics_failed" not in monitor.stats()["failures"]
+    assert sink.value("nonfinite_count", "0", 0) >= 1
+    for layer in ("0", "1"):
+        for metric in ("weight_rel_l2", "act_rel_l2"):
+            assert sink.value(metric, layer, 0) is not None, (metric, layer)
+
+
+def test_an_inference_mode_forward_on_a_sampled_step_does_not_raise() -> None:
+    model = _two_quant_linears()
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="inference", exporter=sink, every=1)
+    with torch.inference_mode():
+        out = model(torch.randn(4, 16))
+    assert out.shape == (4, 8)
+    monitor.step(0)
+    assert monitor.close(10)
+    assert monitor.stats()["failures"] == {}
+    assert sink.value("weight_rel_l2", "1", 0) is not None
+
+
+def test_activation_checkpointing_keeps_the_recomputed_layers_weight_statistics() -> None:
+    # The checkpointed layer's forward reruns inside backward, after the last model-forward flush; the optimizer
+    # step's pre-hook flushes its statistics before the weights move (the README's loop order: step, then monitor).
+    from torch.utils.checkpoint import checkpoint
+
+    model = _two_quant_linears()
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="checkpointed", exporter=sink, every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    x = torch.randn(4, 16, requires_grad=True)
+    model[1](checkpoint(model[0], x, use_reentrant=False)).square().sum().backward()
+    opt.step()
+    monitor.step(0)
+    assert monitor.close(10)
+    assert monitor.stats()["failures"] == {}
+    assert sink.value("weight_rel_l2", "0", 0) is not None
+
+
+def test_an_input_changed_in_place_after_the_layer_keeps_its_activation_statistics() -> None:
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = _two_quant_linears()[0]
+
+        def forward(self, x: Tensor) -> Tensor:
+            x = x.clone()
+            x += self.fc(x)  # the layer's input changes in place before the model's forward returns
+            return x
+
+    model = Residual()
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="residual", exporter=sink, every=1)
+    x = torch.randn(4, 16)
+    model(x)
+    monitor.step(0)
+    assert monitor.close(10)
+    assert monitor.stats()["failures"] == {}
+    from quantwatch.kernels import quantize
+
+    assert sink.value("act_rel_l2", "fc", 0) == pytest.approx(_rel_l2(quantize(x, "fp8_e4m3", "tensor"), x), rel=1e-6)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quantwatch.kernels import ErrorStats, StatsBatch, error_stats, quantize
-from quantwatch.kernels.stats import _chunked_stats, comparison_fields, stats_from_masks
+from quantwatch.kernels.stats import FlushResult, _chunked_stats, comparison_fields, stats_from_masks
 
 # On the CPU, statistics of finite float32 (and narrower) tensors sum in float32 chunks combined in float64
 # (ARCHITECTURE.md "Formulas": float32 or wider): sums and the figures derived from them are held to 1e-6 relative of
@@ -309,7 +309,7 @@ def test_batch_defers_cpu_statistics_until_flush() -> None:
     assert eager.to_dict()["numel"] == 3000  # computed at once outside the context
     assert len(batch) == 2
     assert all(math.isnan(v) for stats in deferred for v in stats.as_tensor().tolist())
-    assert batch.flush() == 0
+    assert batch.flush() == FlushResult()
     assert len(batch) == 0
     for stats, (x, q) in zip(deferred, (finite, with_nan), strict=True):
         expected = error_stats(x, q, "fp8_e4m3")
@@ -326,7 +326,7 @@ def test_batch_leaves_statistics_of_a_tensor_changed_in_place_unfilled() -> None
         changed = error_stats(x, q)
         fine = error_stats(*kept)
     x.mul_(2.0)
-    assert batch.flush() == 1
+    assert batch.flush() == FlushResult(stale=1)
     assert all(math.isnan(v) for v in changed.as_tensor().tolist())
     assert fine.to_dict() == error_stats(*kept).to_dict()
 
