@@ -264,8 +264,22 @@ def test_real_collector_at_its_ingest_limit_throttles_and_the_exporter_waits_it_
         holder = threading.Thread(target=other.export, args=(_batch(1, "held"),))
         holder.start()
         assert entered.wait(30)
-        threading.Timer(0.3, release.set).start()
-        exporter = HttpExporter(server.url, retry=RetryPolicy(max_attempts=4, initial_seconds=0.01), encoding="json")
+
+        class ReleaseOnceThrottled(httpx.HTTPTransport):
+            """The real transport; the held batch is let through once the collector has refused this exporter."""
+
+            def handle_request(self, request: httpx.Request) -> httpx.Response:
+                response = super().handle_request(request)
+                if response.status_code == 429:
+                    release.set()
+                return response
+
+        exporter = HttpExporter(
+            server.url,
+            transport=ReleaseOnceThrottled(),
+            retry=RetryPolicy(max_attempts=4, initial_seconds=0.01),
+            encoding="json",
+        )
         started = time.monotonic()
         exporter.export(_batch(2))
         waited = time.monotonic() - started
