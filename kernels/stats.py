@@ -225,6 +225,8 @@ def stats_from_masks(
 
 
 _COLLECTING = threading.local()
+# The arguments of `stats_from_masks` after the check: x, q, overflow, underflow and non-zero masks, amax.
+_StatsArgs = tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]
 
 
 class StatsBatch:
@@ -301,7 +303,7 @@ class StatsBatch:
         amax: Tensor | None,
     ) -> ErrorStats:
         row = self._row()
-        self._pending.append(_Deferred(x, q, overflow_mask, underflow_mask, nonzero_mask, amax, row))
+        self._pending.append(_Deferred((x, q, overflow_mask, underflow_mask, nonzero_mask, amax), row))
         return row.stats
 
 
@@ -371,39 +373,26 @@ class _Collecting:
 
 
 class _Deferred:
-    """One deferred `stats_from_masks` call: its arguments, their versions, and the row its `ErrorStats` views."""
+    """One deferred `stats_from_masks` call: its arguments (in `_host_fields` order), the versions of ``x`` and
+    ``q`` when it was made, and the row its `ErrorStats` views."""
 
-    __slots__ = ("amax", "nonzero_mask", "overflow_mask", "q", "row", "underflow_mask", "versions", "x")
+    __slots__ = ("args", "row", "versions")
 
-    row: _Row
-
-    def __init__(
-        self,
-        x: Tensor,
-        q: Tensor,
-        overflow_mask: Tensor | None,
-        underflow_mask: Tensor | None,
-        nonzero_mask: Tensor | None,
-        amax: Tensor | None,
-        row: _Row,
-    ) -> None:
-        self.x, self.q, self.row = x, q, row
-        self.overflow_mask, self.underflow_mask, self.nonzero_mask, self.amax = (
-            overflow_mask,
-            underflow_mask,
-            nonzero_mask,
-            amax,
-        )
-        self.versions = (x._version, q._version)
+    def __init__(self, args: _StatsArgs, row: _Row) -> None:
+        self.args, self.row = args, row
+        self.versions = (args[0]._version, args[1]._version)
 
     def fill(self) -> bool:
         """Write the statistics into the row; False (the row stays NaN) when ``x`` or ``q`` changed since."""
-        if (self.x._version, self.q._version) != self.versions:
+        x, q, overflow_mask, underflow_mask = self.args[:4]
+        if (x._version, q._version) != self.versions:
             return False
-        args = (self.x, self.q, self.overflow_mask, self.underflow_mask)
         with torch.no_grad():  # a weight or an activation that requires grad, read for its values only
-            fields = _host_fields(*args, self.nonzero_mask, self.amax)
-            self.row.values[:] = fields if fields is not None else _masked_stats(*args).as_tensor().numpy()
+            fields = _host_fields(*self.args)
+            if fields is None:  # outside the chunked range: the exact float64 computation
+                self.row.values[:] = _masked_stats(x, q, overflow_mask, underflow_mask).as_tensor().numpy()
+            else:
+                self.row.values[:] = fields
         return True
 
 

@@ -497,7 +497,8 @@ class BackgroundRenderer:
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
-            self._thread = None
+            if not self._thread.is_alive():  # kept while it runs on: a later start() must not add a second thread
+                self._thread = None
 
     def _loop(self) -> None:
         while not self._stopping.wait(self.interval_seconds):
