@@ -55,6 +55,7 @@ from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel
 from quantwatch.agent.spool import DiskSpool
 from quantwatch.agent.wire import RUN_NAME_PATTERN, Encoding, StepRecord
 from quantwatch.kernels import ErrorStats
+from quantwatch.kernels import native as native_kernels
 
 __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "Monitor", "attach"]
 
@@ -274,6 +275,8 @@ class Monitor:
                 self._adapters.append(QatAdapter(name, module, failures, self._clock, self._deferred))
         first_param = next(model.parameters(), None)
         self._device = first_param.device if first_param is not None else torch.device("cpu")
+        if reporting and self._device.type == "cpu":
+            native_kernels.prepare_in_background()  # one-pass CPU statistics, once built; NumPy's until then
         self._nan_row = torch.full((_NF,), float("nan"), dtype=torch.float64, device=self._device)
         self._nan = self._nan_row[0]
         self._steps_seen = 0

@@ -3,9 +3,11 @@
     .venv/bin/python bench/kernels.py [--numel 16777216] [--repeats 5] [--cpu-time]
 
 Prints GB/s (input bytes / second: the tensor is read, the quantized copy written once) for the plain-torch
-reference and the fused path (``torch.compile`` on CPU, Triton on CUDA) of fp8_e4m3 per-tensor, mxfp4 and nvfp4 —
-each ``quantize(..., with_stats=True)`` — and, in the same run, the read bandwidth of ``x.sum()`` as the physical
-limit, with the ratios fused / x.sum and fused / reference.
+reference and the fused paths of fp8_e4m3 per-tensor, mxfp4 and nvfp4 — each ``quantize(..., with_stats=True)`` —
+and, in the same run, the read bandwidth of ``x.sum()`` as the physical limit. On the CPU the fused paths are
+``compiled`` (torch.compile) and ``native`` (the hand-written kernels, what ``auto`` picks), the latter also with
+``out=`` (one output buffer reused, as a training loop would); on CUDA, Triton. Ratios: the fastest fused path /
+x.sum, and the fastest fused path / reference.
 
 ``--cpu-time`` runs on one thread and takes the fastest call by thread CPU time instead of the median wall time:
 on a machine shared with other work that figure moves far less (it still counts memory stalls). ``x.sum()``,
@@ -13,7 +15,8 @@ on a machine shared with other work that figure moves far less (it still counts 
 
 The line ``x * 2 read+write`` is the floor of any operation that returns a new tensor of x's size: glibc maps an
 allocation this large fresh from the kernel and unmaps it on free, so every call pays a page fault per 4 KiB of
-output (about as much CPU time as the rest of the fused kernel). Run with
+output, and the kernel zeroes each page (more CPU time than the native kernels themselves); ``x * 2, out=`` is the
+same without the allocation. ``quantize(..., out=buffer)`` avoids it; or run with
 ``MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296`` (glibc keeps freed memory) or
 ``THP_MEM_ALLOC_ENABLE=1`` (torch asks for huge pages) to measure the kernels without that cost.
 """
@@ -69,7 +72,6 @@ def main() -> None:
     if args.cpu_time:
         torch.set_num_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    fused_backend = "triton" if device.type == "cuda" else "compiled"
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)).reshape(-1, 4096).to(device)
     gigabytes = x.numel() * x.element_size() / 1e9
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
@@ -78,21 +80,28 @@ def main() -> None:
     print(f"x: {tuple(x.shape)} float32 = {gigabytes * 1e3:.0f} MB; {how} of {args.repeats} calls after warm-up")
     # x.sum(), x * 2 and the fused cases take turns in each round (one round per repeat, x.sum() and x * 2 four
     # times a round): the ratios compare calls made under the same load. The reference is slow and runs apart.
+    fused = ["triton"] if device.type == "cuda" else ["compiled", "native", "native, out="]
+    out = torch.empty_like(x)
     timed: dict[str, Callable[[], object]] = {}
     for index in range(4):
         timed[f"sum{index}"] = lambda: x.sum().item()
         timed[f"double{index}"] = lambda: x * 2
+        timed[f"double_out{index}"] = lambda: torch.mul(x, 2, out=out)
     for label, fmt, scaling in CASES:
-        timed[label] = lambda fmt=fmt, scaling=scaling: quantize(
-            x, fmt, scaling, with_stats=True, backend=fused_backend
-        )
+        for path in fused:
+            backend, _, reuse = path.partition(", ")
+            timed[f"{label} {path}"] = lambda fmt=fmt, scaling=scaling, backend=backend, reuse=reuse: quantize(
+                x, fmt, scaling, with_stats=True, backend=backend, out=out if reuse else None
+            )
     seconds = seconds_interleaved(timed, args.repeats, device, args.cpu_time)
     pick = min if args.cpu_time else statistics.median
     read = gigabytes / pick(seconds[f"sum{index}"] for index in range(4))
     print(f"{'x.sum() read':<24}{read:>10.3f} GB/s")
-    double = gigabytes / pick(seconds[f"double{index}"] for index in range(4))
-    print(f"{'x * 2 read+write':<24}{double:>10.3f} GB/s ({double / read:.3f} × x.sum)")
-    print(f"{'case':<24}{'reference GB/s':>16}{'fused GB/s':>12}{'fused/x.sum':>13}{'fused/ref':>11}")
+    for name, label in [("double", "x * 2 read+write"), ("double_out", "x * 2, out= read+write")]:
+        rate = gigabytes / pick(seconds[f"{name}{index}"] for index in range(4))
+        print(f"{label:<24}{rate:>10.3f} GB/s ({rate / read:.3f} × x.sum)")
+    columns = "".join(f"{path:>14}" for path in fused)
+    print(f"{'GB/s':<20}{'reference':>11}{columns}{'best/x.sum':>12}{'best/ref':>10}")
     for label, fmt, scaling in CASES:
         reference = gigabytes / seconds_per_call(
             lambda fmt=fmt, scaling=scaling: quantize(x, fmt, scaling, with_stats=True, backend="reference"),
@@ -100,8 +109,10 @@ def main() -> None:
             device,
             args.cpu_time,
         )
-        fused = gigabytes / seconds[label]
-        print(f"{label:<24}{reference:>16.4f}{fused:>12.3f}{fused / read:>13.3f}{fused / reference:>11.1f}")
+        rates = [gigabytes / seconds[f"{label} {path}"] for path in fused]
+        cells = "".join(f"{rate:>14.3f}" for rate in rates)
+        best = max(rates)
+        print(f"{label:<20}{reference:>11.4f}{cells}{best / read:>12.3f}{best / reference:>10.1f}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from . import compiled, triton_path
+from . import compiled, native, triton_path
 from .formats import FormatSpec, resolve_format
 from .options import (
     Backend,
@@ -50,9 +50,14 @@ def resolve_quantization(
     return element, spec, parse_rounding(rounding)
 
 
-def _choose_backend(requested: Backend, x: Tensor, element: FormatSpec, spec: ScalingSpec) -> Backend:
+def _choose_backend(
+    requested: Backend, x: Tensor, element: FormatSpec, spec: ScalingSpec, rounding: Rounding, saturate: bool
+) -> Backend:
     if requested is Backend.TRITON:
         triton_path.check_supported(x, element, spec)
+        return requested
+    if requested is Backend.NATIVE:
+        native.check_supported(x, element, spec, rounding, saturate)
         return requested
     if requested is Backend.COMPILED:
         compiled.check_supported(x, element, spec)
@@ -61,8 +66,11 @@ def _choose_backend(requested: Backend, x: Tensor, element: FormatSpec, spec: Sc
         return requested
     if x.is_cuda and triton_path.supports(x, element, spec):
         return Backend.TRITON
-    if x.numel() >= AUTO_COMPILE_MIN_NUMEL and compiled.supports(x, element, spec):
-        return Backend.COMPILED
+    if x.numel() >= AUTO_COMPILE_MIN_NUMEL:
+        if native.supports(x, element, spec, rounding, saturate) and native.available():
+            return Backend.NATIVE
+        if compiled.supports(x, element, spec):
+            return Backend.COMPILED
     return Backend.REFERENCE
 
 
@@ -79,6 +87,7 @@ def quantize(
     with_stats: Literal[False] = ...,
     *,
     scale: Tensor | None = ...,
+    out: Tensor | None = ...,
 ) -> Tensor: ...
 @overload
 def quantize(
@@ -93,6 +102,7 @@ def quantize(
     *,
     with_stats: Literal[True],
     scale: Tensor | None = ...,
+    out: Tensor | None = ...,
 ) -> tuple[Tensor, ErrorStats]: ...
 @overload
 def quantize(
@@ -107,6 +117,7 @@ def quantize(
     return_details: Literal[True],
     with_stats: Literal[False] = ...,
     scale: Tensor | None = ...,
+    out: Tensor | None = ...,
 ) -> QuantDetails: ...
 @overload
 def quantize(
@@ -121,6 +132,7 @@ def quantize(
     return_details: Literal[True],
     with_stats: Literal[True],
     scale: Tensor | None = ...,
+    out: Tensor | None = ...,
 ) -> tuple[QuantDetails, ErrorStats]: ...
 def quantize(
     x: Tensor,
@@ -134,6 +146,7 @@ def quantize(
     with_stats: bool = False,
     *,
     scale: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> Tensor | QuantDetails | tuple[Tensor, ErrorStats] | tuple[QuantDetails, ErrorStats]:
     """Fake-quantize ``x`` to a format: the result has ``x``'s shape and dtype and holds only format values × scales.
 
@@ -143,9 +156,11 @@ def quantize(
     ``"nvblock:N"`` (NVFP4 two-level), ``"delayed:N[:MARGIN]"`` (stateless here: the current amax stands in for the
     history; `Quantizer` keeps the real history). ``rounding``: ``"nearest"`` (ties to even) or ``"stochastic"``
     (draws from ``generator``). ``saturate``: clamp overflow to ±max (else overflow becomes inf/NaN where the format
-    has them). ``backend``: ``auto``/``reference``/``compiled``/``triton`` (`Backend`); an explicit fast backend that
-    cannot run raises `BackendUnavailableError`. ``scale``: a precomputed per-tensor dequantization scale for
-    ``tensor``/``delayed`` scaling.
+    has them). ``backend``: ``auto``/``reference``/``compiled``/``native``/``triton`` (`Backend`); an explicit fast
+    backend that cannot run raises `BackendUnavailableError`. ``scale``: a precomputed per-tensor dequantization
+    scale for ``tensor``/``delayed`` scaling. ``out``: a tensor of ``x``'s shape, dtype and device that receives the
+    values and is returned (``x`` itself quantizes in place); reusing one saves allocating, and on the CPU
+    page-faulting, a fresh copy per call, which costs as much as the quantization itself on large tensors.
 
     Returns the tensor; with ``with_stats=True`` also its `ErrorStats` (one fused pass on the fast backends); with
     ``return_details=True`` a `QuantDetails` (values, scales, masks) computed by the reference in place of the tensor.
@@ -156,6 +171,8 @@ def quantize(
     requested = parse_backend(backend)
     if scale is not None and spec.kind not in (Scaling.TENSOR, Scaling.DELAYED):
         raise ValueError(f"scale: a precomputed scale needs tensor or delayed scaling, not {spec}")
+    if out is not None:
+        _check_out(out, x, return_details)
     if return_details:
         if requested not in (Backend.AUTO, Backend.REFERENCE):
             raise BackendUnavailableError("return_details is computed by the reference backend only")
@@ -164,13 +181,27 @@ def quantize(
             return details, reference_stats(x, details)
         return details
     values, stats = quantize_with_backend(
-        x, element, spec, rounding_mode, saturate, generator, requested, with_stats, scale
+        x, element, spec, rounding_mode, saturate, generator, requested, with_stats, scale, out
     )[:2]
     if with_stats:
         if stats is None:
             raise RuntimeError("a backend returned no statistics although they were requested")
         return values, stats
     return values
+
+
+def _check_out(out: object, x: Tensor, return_details: bool) -> None:
+    if return_details:
+        raise ValueError("out: return_details returns a QuantDetails; out is for the values alone")
+    if not isinstance(out, Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(
+            f"out: needs x's shape, dtype and device ({tuple(x.shape)}, {x.dtype}, {x.device}); "
+            f"got ({tuple(out.shape)}, {out.dtype}, {out.device})"
+        )
+    if out.requires_grad:
+        raise ValueError("out: must not require grad (quantize writes it without recording the operation)")
 
 
 def quantize_with_backend(
@@ -183,26 +214,46 @@ def quantize_with_backend(
     backend: Backend,
     with_stats: bool,
     scale: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, ErrorStats | None, Tensor, Tensor]:
-    """Run one quantization on the chosen backend: ``(values, stats or None, scale, amax)``.
+    """Run one quantization on the chosen backend: ``(values, stats or None, scale, amax)``; the values go into
+    ``out`` when given (checked by the caller: x's shape, dtype and device).
 
-    ``auto`` falls back to the reference (logging once) when a fast path fails to build.
+    ``auto`` falls back to the reference (logging once) when a fast path fails to build. The native path hands the
+    tensors it declines (NaN/±inf, see `native.quantize_native`) to the compiled path, or to the reference.
     """
-    chosen = _choose_backend(backend, x, element, spec)
-    noise = None
-    if rounding is Rounding.STOCHASTIC and x.numel() > 0:
-        noise = draw_noise(x.shape, generator, x.device)
-    if chosen is not Backend.REFERENCE and x.numel() > 0:
-        runner = triton_path.quantize_fused if chosen is Backend.TRITON else compiled.quantize_fused
+    chosen = _choose_backend(backend, x, element, spec, rounding, saturate)
+    if chosen is Backend.NATIVE and x.numel() > 0:
         try:
-            return runner(x, element, spec, rounding, saturate, noise, scale, with_stats)
+            result = native.quantize_native(x, element, spec, rounding, saturate, scale, with_stats, out)
         except BackendUnavailableError:
             if backend is not Backend.AUTO:
                 raise
+            log.warning("quantwatch.kernels: native backend unavailable; using the next", exc_info=True)
+            result = None
+        if result is not None:
+            return result
+        chosen = Backend.COMPILED if compiled.supports(x, element, spec) else Backend.REFERENCE
+    noise = None
+    if rounding is Rounding.STOCHASTIC and x.numel() > 0:
+        noise = draw_noise(x.shape, generator, x.device)
+    result = None
+    if chosen in (Backend.COMPILED, Backend.TRITON) and x.numel() > 0:
+        runner = triton_path.quantize_fused if chosen is Backend.TRITON else compiled.quantize_fused
+        try:
+            result = runner(x, element, spec, rounding, saturate, noise, scale, with_stats)
+        except BackendUnavailableError:
+            if backend not in (Backend.AUTO, Backend.NATIVE):
+                raise
             log.warning("quantwatch.kernels: %s backend unavailable; using the reference", chosen.value, exc_info=True)
-    details = quantize_reference(x, element, spec, rounding, saturate, generator, scale, noise)
-    stats = reference_stats(x, details) if with_stats else None
-    return details.values, stats, details.scale, details.amax
+    if result is None:
+        details = quantize_reference(x, element, spec, rounding, saturate, generator, scale, noise)
+        stats = reference_stats(x, details) if with_stats else None
+        result = details.values, stats, details.scale, details.amax
+    if out is not None:
+        out.copy_(result[0])
+        return out, *result[1:]
+    return result
 
 
 def reference_stats(x: Tensor, details: QuantDetails) -> ErrorStats:

@@ -38,15 +38,17 @@ class Rounding(enum.Enum):
 class Backend(enum.Enum):
     """Which implementation runs a quantization.
 
-    ``AUTO`` picks Triton for CUDA tensors when Triton is installed, the ``torch.compile`` fused path for large CPU
-    tensors, and the plain-torch reference otherwise, falling back to the reference when a fast path fails to build.
-    ``REFERENCE`` is the source of truth; ``COMPILED`` and ``TRITON`` raise `BackendUnavailableError` when they
-    cannot run.
+    ``AUTO`` picks Triton for CUDA tensors when Triton is installed; for large CPU tensors the native kernels where
+    they apply (float32, round to nearest, float formats: see `quantwatch.kernels.native`), else the
+    ``torch.compile`` fused path; and the plain-torch reference otherwise, falling back to the next when a fast path
+    fails to build. ``REFERENCE`` is the source of truth; ``NATIVE``, ``COMPILED`` and ``TRITON`` raise
+    `BackendUnavailableError` when they cannot run (``NATIVE`` hands tensors holding NaN/±inf to the compiled path).
     """
 
     AUTO = "auto"
     REFERENCE = "reference"
     COMPILED = "compiled"
+    NATIVE = "native"
     TRITON = "triton"
 
 
@@ -136,7 +138,7 @@ def parse_rounding(rounding: str | Rounding) -> Rounding:
 
 
 def parse_backend(backend: str | Backend) -> Backend:
-    """Parse a backend name; ``ValueError`` listing ``auto, reference, compiled, triton`` otherwise."""
+    """Parse a backend name; ``ValueError`` listing ``auto, reference, compiled, native, triton`` otherwise."""
     if isinstance(backend, Backend):
         return backend
     try:

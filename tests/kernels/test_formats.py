@@ -142,7 +142,7 @@ def test_unknown_names_list_the_accepted_ones() -> None:
         quantize(torch.ones(3), "fp8_e4m3", scaling="blocky")
     with pytest.raises(ValueError, match="nearest, stochastic"):
         quantize(torch.ones(3), "fp8_e4m3", rounding="up")
-    with pytest.raises(ValueError, match=r"auto, reference, compiled, triton"):
+    with pytest.raises(ValueError, match=r"auto, reference, compiled, native, triton"):
         quantize(torch.ones(3), "fp8_e4m3", backend="cuda")
     with pytest.raises(ValueError, match="block size must be an integer"):
         quantize(torch.ones(3), "fp8_e4m3", scaling="block:x")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantwatch.kernels import ErrorStats, StatsBatch, error_stats, quantize
+from quantwatch.kernels import ErrorStats, StatsBatch, error_stats, native, quantize
 from quantwatch.kernels.stats import FlushResult, _chunked_stats, comparison_fields, stats_from_masks
 
 # On the CPU, statistics of finite float32 (and narrower) tensors sum in float32 chunks combined in float64
@@ -153,8 +153,18 @@ def _adversarial_pairs() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return dict(zip(ADVERSARIAL, pairs, strict=True))
 
 
+@pytest.fixture(params=["numpy", "native"])
+def host_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """CPU statistics through NumPy's chunked passes, or through the native one-pass kernel (once it is loaded)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(native, "_LOADED", None)
+    else:
+        native.library()
+    return str(request.param)
+
+
 @pytest.mark.parametrize("case", ADVERSARIAL)
-def test_chunked_float32_sums_hold_1e6_on_adversarial_inputs(case: str) -> None:
+def test_chunked_float32_sums_hold_1e6_on_adversarial_inputs(case: str, host_path: str) -> None:
     # 4M-element tensors where float32 accumulation is hardest: wide dynamic range, cosine within 1e-7 of 1, rel_l2
     # down to 1e-10, exact and negated copies. The chunked path must take them (not fall back to float64) and stay
     # within 1e-6 relative of numpy's float64 sums.
@@ -189,7 +199,9 @@ def test_chunked_float32_sums_hold_1e6_on_adversarial_inputs(case: str) -> None:
         ("squares underflow", torch.full((4,), 1e-30), torch.full((4,), 1.5e-30)),
     ],
 )
-def test_inputs_outside_the_chunked_range_take_the_float64_path(name: str, x: torch.Tensor, q: torch.Tensor) -> None:
+def test_inputs_outside_the_chunked_range_take_the_float64_path(
+    name: str, x: torch.Tensor, q: torch.Tensor, host_path: str
+) -> None:
     # Where float32 squares could overflow, lose a sum to underflow, or meet non-finite values, the chunked path
     # declines and the masked float64 computation gives the partial sums (exact against numpy).
     assert _chunked_stats(x, q, None, None, None, None) is None, name

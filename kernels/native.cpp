@@ -1,0 +1,511 @@
+// Native CPU kernels of quantwatch.kernels (see native.py): round-to-nearest minifloat quantization with every error
+// statistic, in at most two passes over a contiguous float32 tensor, written with GCC/Clang vector extensions (16
+// floats per vector: one AVX-512 register, two AVX2 ones, four NEON ones) and OpenMP.
+//
+// The cast rounds |v| to the format's grid with one float32 addition: c = 2^(e + 23 - m) for the binade exponent e of
+// |v| (at least the format's smallest normal exponent), so the sum |v| + c keeps exactly m mantissa bits of |v| and
+// rounds the rest to nearest, ties to even, and (|v| + c) - c is the rounded magnitude. The reference computes the same
+// value as round(|v| · 2^(m - e)) · 2^(e - m). Every entry point returns 0 on success, or a positive code when the
+// tensor holds something these kernels do not handle (non-finite values, a scaled value beyond float32); the caller
+// then runs another backend, and the output holds nothing meaningful.
+//
+// Statistics: float32 products summed over runs of RUN vectors in each lane, the runs' sums added in float64 (within
+// RUN · 2^-24 of exact for each run: the compiled backend's "lane" statistics); maxima and counts exact.
+
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int L = 16;
+constexpr int RUN = 8;                 // vectors per float32 run of the statistics
+constexpr int64_t CHUNK = L * RUN * 4;  // elements a thread's range is a multiple of (whole blocks of 16 and 32)
+constexpr int MAX_THREADS = 256;
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef float vh __attribute__((vector_size(32)));
+typedef double vd __attribute__((vector_size(64)));
+
+enum Mode { PLAIN = 0, TENSOR = 1, MX_BLOCK = 2, NV_BLOCK = 3 };
+enum Status { OK = 0, NONFINITE = 1, OUT_OF_RANGE = 2, BAD_ARGUMENT = 3 };
+constexpr uint32_t EXPONENT_BITS = 0x7F800000u;
+constexpr uint32_t MAGNITUDE_BITS = 0x7FFFFFFFu;
+constexpr uint32_t SIGN_BIT = 0x80000000u;
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vf v, bool stream) {
+#if defined(__AVX512F__)
+  if (stream) {
+    _mm512_stream_ps(p, (__m512)v);
+    return;
+  }
+#endif
+  (void)stream;
+  std::memcpy(p, &v, sizeof v);
+}
+
+// x / s, correctly rounded, from the reciprocal r = RN(1/s): y = RN(x · r) is within an ulp of x / s, the residual
+// x − y · s is exact in one FMA, and RN(y + r · residual) is the correctly rounded quotient (Markstein) while x, s
+// and the quotient are normal floats; the caller keeps s >= 2^-80, so a quotient that is not (or an x below 2^-100)
+// is below 2^-20 and rounds to zero in every format here, either way. vdivps costs 16 cycles a vector on some CPUs.
+inline vf divide(vf x, vf s, vf r) {
+#if defined(__AVX512F__)
+  __m512 y = _mm512_mul_ps((__m512)x, (__m512)r);
+  __m512 residual = _mm512_fnmadd_ps(y, (__m512)s, (__m512)x);
+  return (vf)_mm512_fmadd_ps(residual, (__m512)r, y);
+#else
+  (void)r;
+  return x / s;
+#endif
+}
+
+inline vf vabs(vf v) { return (vf)((vu)v & MAGNITUDE_BITS); }
+#if defined(__AVX512F__)
+inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+inline vf vmin(vf a, vf b) { return (vf)_mm512_min_ps((__m512)a, (__m512)b); }
+#else
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+#endif
+// Lanes of `count` where `where` holds, plus one (a masked add where the target has one).
+template <typename Mask>
+inline vi count_if(vi count, Mask where) { return where ? count + 1 : count; }
+inline vf splat(float f) { return vf{} + f; }
+inline vu usplat(uint32_t u) { return vu{} + u; }
+
+inline float hmax(vf v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+// The float32 lanes of a run, added into float64 lanes (two conversions of eight floats: no horizontal sum).
+inline void spill(vd& total, vf run) {
+  vh low = __builtin_shufflevector(run, run, 0, 1, 2, 3, 4, 5, 6, 7);
+  vh high = __builtin_shufflevector(run, run, 8, 9, 10, 11, 12, 13, 14, 15);
+  total += __builtin_convertvector(low, vd) + __builtin_convertvector(high, vd);
+}
+
+inline double hsum(vd v) {
+  double s = 0;
+  for (int j = 0; j < 8; j++) s += v[j];
+  return s;
+}
+
+// One element format under round to nearest, ties to even.
+struct Format {
+  vu exponent_shift;  // (23 - m) << 23: added to |v|'s exponent bits gives c's
+  vu least_c;         // bits of 2^(emin - m + 23): c below the normal range (the subnormal spacing)
+  vf max_value;
+  vf ceiling;         // 2^(emax + 2): larger magnitudes overflow either way; clamping keeps c finite
+};
+
+Format make_format(int mantissa_bits, int emin, int emax, float max_value) {
+  Format f;
+  f.exponent_shift = usplat(uint32_t(23 - mantissa_bits) << 23);
+  f.least_c = usplat(uint32_t(emin - mantissa_bits + 23 + 127) << 23);
+  f.max_value = splat(max_value);
+  uint32_t ceiling = uint32_t(emax + 2 + 127) << 23;
+  float c;
+  std::memcpy(&c, &ceiling, sizeof c);
+  f.ceiling = splat(c);
+  return f;
+}
+
+// |v| rounded to the format's grid, before any clamp to its maximum (MAY_CLIP: |v| may be far beyond it).
+template <bool MAY_CLIP>
+inline vf round_magnitude(vf a, const Format& f) {
+  if (MAY_CLIP) a = vmin(a, f.ceiling);
+  vu e = ((vu)a & EXPONENT_BITS) + f.exponent_shift;
+  e = e > f.least_c ? e : f.least_c;
+  vf c = (vf)e;
+  return (a + c) - c;
+}
+
+// Per-thread partial statistics, in the order of ErrorStats.FIELDS after numel.
+struct Partial {
+  double sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, zeros_q, overflow, nonfinite;
+};
+
+void combine(const Partial* parts, int count, double* out) {
+  Partial total{};
+  for (int t = 0; t < count; t++) {
+    const Partial& p = parts[t];
+    total.sum_x2 += p.sum_x2;
+    total.sum_q2 += p.sum_q2;
+    total.sum_qx += p.sum_qx;
+    total.sum_err2 += p.sum_err2;
+    total.max_err = p.max_err > total.max_err ? p.max_err : total.max_err;
+    total.amax = p.amax > total.amax ? p.amax : total.amax;
+    total.nonzero += p.nonzero;
+    total.zeros_q += p.zeros_q;
+    total.overflow += p.overflow;
+    total.nonfinite += p.nonfinite;
+  }
+  std::memcpy(out, &total, sizeof total);
+}
+
+void thread_range(int64_t n, int64_t* lo, int64_t* hi) {
+  int t = omp_get_thread_num(), k = omp_get_num_threads();
+  int64_t chunks = (n + CHUNK - 1) / CHUNK;
+  int64_t per = ((chunks + k - 1) / k) * CHUNK;
+  *lo = per * t < n ? per * t : n;
+  *hi = *lo + per < n ? *lo + per : n;
+}
+
+// The last partial vector of a range, zero-padded (zeros add nothing to any statistic but the zeros of q).
+inline vf load_tail(const float* p, int64_t count) {
+  float buffer[L] = {0};
+  std::memcpy(buffer, p, count * sizeof(float));
+  return load(buffer);
+}
+
+inline void store_tail(float* p, vf v, int64_t count) {
+  float buffer[L];
+  std::memcpy(buffer, &v, sizeof v);
+  std::memcpy(p, buffer, count * sizeof(float));
+}
+
+// Accumulators of one thread: float32 runs spilled into float64 lanes, maxima and 32-bit lane counts.
+struct Sums {
+  vd x2{}, q2{}, qx{}, err2{};
+  vf run_x2{}, run_q2{}, run_qx{}, run_err2{};
+  vf max_err{}, min_err{};
+  vu amax_bits{};
+  vi nonzero{}, zeros_q{}, overflow{};
+  int in_run = 0;
+  int64_t counted = 0;  // elements since the 32-bit lane counts were last added into `total`
+  Partial total{};
+
+  __attribute__((always_inline)) inline void end_run() {
+    spill(x2, run_x2);
+    spill(q2, run_q2);
+    spill(qx, run_qx);
+    spill(err2, run_err2);
+    run_x2 = run_q2 = run_qx = run_err2 = vf{};
+    in_run = 0;
+  }
+
+  __attribute__((always_inline)) inline void count_lanes() {
+    for (int j = 0; j < L; j++) {
+      total.nonzero += nonzero[j];
+      total.zeros_q += zeros_q[j];
+      total.overflow += overflow[j];
+    }
+    nonzero = zeros_q = overflow = vi{};
+    counted = 0;
+  }
+
+  __attribute__((always_inline)) inline void next_vector() {
+    if (++in_run == RUN) {
+      end_run();
+      // Lane counts stay below 2^31: each lane counts one element per vector.
+      if ((counted += RUN) >= (int64_t(1) << 30)) count_lanes();
+    }
+  }
+
+  Partial finish() {
+    end_run();
+    count_lanes();
+    total.sum_x2 += hsum(x2);
+    total.sum_q2 += hsum(q2);
+    total.sum_qx += hsum(qx);
+    total.sum_err2 += hsum(err2);
+    total.max_err = hmax(vmax(max_err, -min_err));
+    uint32_t largest = 0;
+    for (int j = 0; j < L; j++) largest = amax_bits[j] > largest ? amax_bits[j] : largest;
+    float amax;
+    std::memcpy(&amax, &largest, sizeof amax);
+    total.amax = amax;
+    total.nonfinite = largest >= EXPONENT_BITS;  // one or more: the caller declines the tensor either way
+    return total;
+  }
+};
+
+// What the scan pass adds per vector: the largest bit pattern of |x| (the amax when below infinity's, which ordered
+// as unsigned integers the magnitudes of floats are; NaN and ±inf above it), Σx² and the non-zero count.
+inline void scan_vector(Sums& s, vf x) {
+  vu a = (vu)x & MAGNITUDE_BITS;
+  s.amax_bits = a > s.amax_bits ? a : s.amax_bits;
+  s.nonzero = count_if(s.nonzero, x != 0.0f);
+  s.run_x2 += x * x;
+}
+
+// Σq², Σqx, Σ(q−x)², and max |q − x| (cast_vector: also the zeros of q, all the cast pass adds per vector).
+inline void compare_vector(Sums& s, vf x, vf q) {
+  vf err = q - x;
+  s.run_q2 += q * q;
+  s.run_qx += q * x;
+  s.run_err2 += err * err;
+  s.max_err = vmax(s.max_err, err);  // and min: max |q − x| is the larger of max and −min
+  s.min_err = vmin(s.min_err, err);
+}
+
+inline void cast_vector(Sums& s, vf x, vf q) {
+  compare_vector(s, x, q);
+  s.zeros_q = count_if(s.zeros_q, q == 0.0f);
+}
+
+template <bool MAY_CLIP>
+inline vf cast(vf v, const Format& f, vi& overflow) {
+  vu sign = (vu)v & SIGN_BIT;
+  vf r = round_magnitude<MAY_CLIP>(vabs(v), f);
+  if (MAY_CLIP) {
+    overflow = count_if(overflow, r > f.max_value);
+    r = vmin(r, f.max_value);
+  }
+  return (vf)((vu)r | sign);
+}
+
+// OCP MX shared scales of blocks whose largest |x| are `amax` (finite, non-negative):
+// 2^clamp(floor(log2 amax) − emax, −127, 127). Zero and subnormal amaxes have exponents below -126, so -127 after the
+// clamp; 2^-127 is the subnormal 0x00400000.
+inline vf mx_scales(vf amax, int emax) {
+  vi biased = (vi)((vu)amax >> 23);
+  vi exponent = (biased == 0 ? vi{} - 127 : biased - 127) - emax;
+  exponent = exponent < -127 ? vi{} - 127 : exponent;
+  exponent = exponent > 127 ? vi{} + 127 : exponent;
+  return (vf)(exponent >= -126 ? (exponent + 127) << 23 : vi{} + 0x00400000);
+}
+
+struct Job {
+  const float* x;
+  float* q;
+  int64_t n;
+  Format fmt;
+  int mode;
+  int block;          // 16 or 32 for the block modes
+  int emax;           // the element format's emax (MX)
+  float scale;        // TENSOR: the element scale; NV_BLOCK: the FP32 tensor scale
+  const float* block_amax;  // NV_BLOCK: per block, from the scan
+  float* block_scale;       // MX_BLOCK / NV_BLOCK: per block, written
+  Format e4m3;        // NV_BLOCK: the block scales' format
+  bool stream;
+  bool may_clip;
+};
+
+template <int MODE, bool MAY_CLIP>
+void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
+  // Local copies: the stores to q could alias anything reached through a pointer, which would make the compiler
+  // write the accumulators back and reload the job's fields on every vector.
+  const Job job = job_in;
+  Sums s = sums;
+  const bool scan_here = MODE == PLAIN || MODE == MX_BLOCK;
+  const vf tensor_scale = splat(job.scale);
+  const vf tensor_inverse = splat(1.0f / job.scale);
+  int64_t i = lo;
+  if constexpr (MODE == MX_BLOCK) {  // groups of 16 blocks: their scales as one vector
+    const int per_block = job.block / L;
+    for (; i < hi; i += int64_t(job.block) * L) {
+      int64_t blocks = (hi - i) / job.block < L ? (hi - i) / job.block : L;
+      float amax[L] = {0};
+      for (int b = 0; b < blocks; b++) {
+        const float* x = job.x + i + int64_t(b) * job.block;
+        vf a = vabs(load(x));
+        for (int k = 1; k < per_block; k++) a = vmax(a, vabs(load(x + k * L)));
+        amax[b] = hmax(a);
+      }
+      vf scales = mx_scales(load(amax), job.emax);
+      vf inverses = 1.0f / scales;  // exact: powers of two from 2^-127 to 2^127
+      store_tail(job.block_scale + i / job.block, scales, blocks);
+      for (int b = 0; b < blocks; b++) {
+        vf scale = splat(scales[b]), inverse = splat(inverses[b]);
+        for (int k = 0; k < per_block; k++) {
+          int64_t at = i + int64_t(b) * job.block + k * L;
+          vf x = load(job.x + at);
+          vf q = cast<MAY_CLIP>(x * inverse, job.fmt, s.overflow) * scale;
+          store(job.q + at, q, job.stream);
+          scan_vector(s, x);
+          cast_vector(s, x, q);
+          s.next_vector();
+        }
+      }
+    }
+    sums = s;
+    return;
+  }
+  if constexpr (MODE == NV_BLOCK) {  // blocks of 16: one vector each
+    for (; i < hi; i += L * L) {
+      int64_t blocks = (hi - i) / L < L ? (hi - i) / L : L;
+      vf amax = blocks == L ? load(job.block_amax + i / L) : load_tail(job.block_amax + i / L, blocks);
+      vi ignored{};
+      vf raw = vmin(vmax(amax / job.fmt.max_value / tensor_scale, splat(0.015625f)), splat(448.0f));
+      vf block_scale = cast<false>(raw, job.e4m3, ignored);
+      vf element = tensor_scale * block_scale;
+      vf inverses = 1.0f / element;
+      if (blocks == L) {
+        store(job.block_scale + i / L, block_scale, false);
+      } else {
+        store_tail(job.block_scale + i / L, block_scale, blocks);
+      }
+      for (int k = 0; k < blocks; k++) {
+        vf x = load(job.x + i + k * L);
+        vf scale = splat(element[k]);
+        vf q = cast<MAY_CLIP>(divide(x, scale, splat(inverses[k])), job.fmt, s.overflow) * scale;
+        store(job.q + i + k * L, q, job.stream);
+        cast_vector(s, x, q);
+        s.next_vector();
+      }
+    }
+    sums = s;
+    return;
+  }
+  for (; i + L <= hi; i += L) {
+    vf x = load(job.x + i);
+    vf v = MODE == TENSOR ? divide(x, tensor_scale, tensor_inverse) : x;
+    vf q = cast<MAY_CLIP>(v, job.fmt, s.overflow);
+    if (MODE == TENSOR) q = q * tensor_scale;
+    store(job.q + i, q, job.stream);
+    if (scan_here) scan_vector(s, x);
+    cast_vector(s, x, q);
+    s.next_vector();
+  }
+  if (i < hi) {
+    int64_t count = hi - i;
+    vf x = load_tail(job.x + i, count);
+    vf v = MODE == TENSOR ? divide(x, tensor_scale, tensor_inverse) : x;
+    vf q = cast<MAY_CLIP>(v, job.fmt, s.overflow);
+    if (MODE == TENSOR) q = q * tensor_scale;
+    store_tail(job.q + i, q, count);
+    if (scan_here) scan_vector(s, x);
+    cast_vector(s, x, q);
+    s.total.zeros_q -= double(L - count);  // the padding's zeros
+  }
+  sums = s;
+}
+
+template <bool MAY_CLIP>
+void cast_any(const Job& job, int64_t lo, int64_t hi, Sums& sums) {
+  switch (job.mode) {
+    case PLAIN: cast_range<PLAIN, MAY_CLIP>(job, lo, hi, sums); break;
+    case TENSOR: cast_range<TENSOR, MAY_CLIP>(job, lo, hi, sums); break;
+    case MX_BLOCK: cast_range<MX_BLOCK, MAY_CLIP>(job, lo, hi, sums); break;
+    default: cast_range<NV_BLOCK, MAY_CLIP>(job, lo, hi, sums); break;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Pass 1: |x|'s maximum, Σx² and the non-zero count into `stats` (10 doubles, `Partial` order: the cast fields stay
+// 0; `nonfinite` is 0, or at least 1 with NONFINITE returned); with `block` 16, each block's largest |x| into
+// `block_amax` as well.
+int qw_scan(const float* x, int64_t n, int block, float* block_amax, double* stats, int threads) {
+  if (block != 0 && (block != L || n % L != 0)) return BAD_ARGUMENT;
+  Partial parts[MAX_THREADS];
+  int used = 1;
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t lo, hi;
+    thread_range(n, &lo, &hi);
+#pragma omp single
+    used = omp_get_num_threads();
+    Sums s;
+    int64_t i = lo;
+    for (; i + L <= hi; i += L) {
+      vf v = load(x + i);
+      if (block) block_amax[i / L] = hmax(vabs(v));
+      scan_vector(s, v);
+      s.next_vector();
+    }
+    if (i < hi) scan_vector(s, load_tail(x + i, hi - i));
+    parts[omp_get_thread_num()] = s.finish();
+  }
+  combine(parts, used, stats);
+  return stats[9] > 0 ? NONFINITE : OK;
+}
+
+// Pass 2 (the only pass for PLAIN and MX_BLOCK): q = cast(x / scale) · scale and the statistics into `stats`
+// (`Partial` order; PLAIN and MX_BLOCK fill the scan's fields too).
+int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, int emax, float max_value, int mode,
+            int block, float scale, const float* block_amax, float* block_scale, int may_clip, int stream,
+            double* stats, int threads) {
+  if ((mode == MX_BLOCK && (block % L != 0 || block > 64 || n % block != 0)) ||
+      (mode == NV_BLOCK && (block != L || n % L != 0)) || mode < PLAIN || mode > NV_BLOCK) {
+    return BAD_ARGUMENT;
+  }
+  Job job{x, q, n, make_format(mantissa_bits, emin, emax, max_value), mode, block, emax, scale, block_amax,
+          block_scale, make_format(3, -6, 8, 448.0f), stream != 0, may_clip != 0};
+  Partial parts[MAX_THREADS];
+  int used = 1;
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t lo, hi;
+    thread_range(n, &lo, &hi);
+#pragma omp single
+    used = omp_get_num_threads();
+    Sums s;
+    if (job.may_clip) {
+      cast_any<true>(job, lo, hi, s);
+    } else {
+      cast_any<false>(job, lo, hi, s);
+    }
+    parts[omp_get_thread_num()] = s.finish();
+  }
+#if defined(__AVX512F__)
+  if (stream) _mm_sfence();  // streaming stores are weakly ordered: make them visible before returning
+#endif
+  combine(parts, used, stats);
+  return stats[9] > 0 ? NONFINITE : OK;
+}
+
+// The statistics of q against x (both float32, finite) in one pass, for quantizations done elsewhere: `Partial` order
+// into `stats`, with the underflow count (x != 0 and q == 0) in place of the zeros of q, and the clipped inputs counted
+// from `overflow` (one byte per element, 0 or 1; null: none). Returns NONFINITE when some x or q is NaN or ±inf.
+int qw_stats(const float* x, const float* q, const uint8_t* overflow, int64_t n, double* stats, int threads) {
+  typedef uint8_t vb __attribute__((vector_size(16)));
+  Partial parts[MAX_THREADS];
+  int used = 1;
+  uint32_t q_bits[MAX_THREADS] = {0};
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t lo, hi;
+    thread_range(n, &lo, &hi);
+#pragma omp single
+    used = omp_get_num_threads();
+    Sums s;
+    vu q_largest{};
+    int64_t i = lo;
+    for (; i < hi; i += L) {
+      bool whole = i + L <= hi;
+      vf xv = whole ? load(x + i) : load_tail(x + i, hi - i);
+      vf qv = whole ? load(q + i) : load_tail(q + i, hi - i);
+      scan_vector(s, xv);
+      compare_vector(s, xv, qv);
+      s.zeros_q = count_if(s.zeros_q, (xv != 0.0f) & (qv == 0.0f));
+      vu qa = (vu)qv & MAGNITUDE_BITS;
+      q_largest = qa > q_largest ? qa : q_largest;
+      if (overflow != nullptr) {
+        vb bytes{};
+        std::memcpy(&bytes, overflow + i, whole ? L : hi - i);
+        s.overflow += __builtin_convertvector(bytes, vi);
+      }
+      s.next_vector();
+    }
+    Partial part = s.finish();
+    for (int j = 0; j < L; j++) q_bits[omp_get_thread_num()] |= q_largest[j] >= EXPONENT_BITS;
+    parts[omp_get_thread_num()] = part;
+  }
+  combine(parts, used, stats);
+  for (int t = 0; t < used; t++) stats[9] += q_bits[t];
+  return stats[9] > 0 ? NONFINITE : OK;
+}
+
+}  // extern "C"

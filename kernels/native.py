@@ -1,0 +1,361 @@
+"""The native CPU fast path: quantize and every error statistic in one or two hand-written passes (``native.cpp``).
+
+Where the ``torch.compile`` path is bound by the instructions Inductor generates (~48 AVX-512 instructions per 16
+elements), these kernels round with one float32 addition (see ``native.cpp``) and take about 20, and write the
+quantized copy with streaming stores: quantize + statistics of a large float32 tensor runs close to the speed of
+memory. The source is compiled on first use with the C++ compiler torch.compile uses as well (``$CXX``, else ``c++``)
+for this machine's CPU (``-march=native``, OpenMP), cached under ``$QUANTWATCH_CACHE_DIR`` (default
+``~/.cache/quantwatch``) by a hash of the source, the flags, the compiler and the CPU, and loaded with ctypes.
+
+What it runs: contiguous float32 CPU tensors, round to nearest, float element formats (FP8, FP6, FP4), scalings none,
+tensor, delayed, block:16/32/64 and nvblock:16 when the last dimension holds whole blocks, saturating (or a format or
+scaling that cannot overflow). Anything else — and a tensor holding NaN/±inf, or statistics outside the float32 runs'
+range — is declined (`quantize_native` returns None) and the caller runs the compiled or reference backend. Quantized
+values are bit-exact against the reference; statistics agree to 1e-6 (tests/kernels).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from array import array
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .compiled import lane_sums_in_range
+from .formats import FP4_E2M1, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
+from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
+from .reference import amax_to_scale, nvfp4_tensor_scale
+from .stats import ErrorStats
+
+SOURCE = Path(__file__).with_name("native.cpp")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+BLOCK_SIZES = (16, 32, 64)
+NVBLOCK_SIZE = 16
+# Streaming stores bypass the cache: right for outputs larger than the caches, wrong for small ones read again soon.
+STREAM_MIN_BYTES = 8 << 20
+# 32-bit lane counts and float32 runs hold for tensors below this many elements (one count per lane per vector).
+MAX_NUMEL = 1 << 40
+# The kernels divide by a scale through its reciprocal (exact for scales >= 2^-80, see divide() in native.cpp) and
+# need every x / scale well inside float32; tensors whose scales fall outside are declined.
+MIN_SCALE = 2.0**-80
+MAX_QUOTIENT = 2.0**120
+BUILD_TIMEOUT_SECONDS = 120
+
+_MODES = {Scaling.NONE: 0, Scaling.TENSOR: 1, Scaling.DELAYED: 1, Scaling.BLOCK: 2, Scaling.NVBLOCK: 3}
+_STATUS_OK = 0
+_STATUS_BAD_ARGUMENT = 3
+_PARTIAL_FIELDS = 10
+_F32 = ctypes.c_float
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_PTR = ctypes.c_void_p
+
+
+def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: Rounding, saturate: bool) -> str | None:
+    """Why the native path cannot run this quantization (whatever the values), or None when it can."""
+    if x.device.type != "cpu":
+        return f"{x.device.type} tensors (CPU only)"
+    if x.dtype != torch.float32:
+        return f"dtype {x.dtype} (float32 only)"
+    if not x.is_contiguous():
+        return "non-contiguous tensors"
+    if x.numel() >= MAX_NUMEL:
+        return f"tensors of {MAX_NUMEL} elements or more"
+    if rounding is not Rounding.NEAREST:
+        return "stochastic rounding"
+    if fmt.kind is not Kind.FLOAT:
+        return f"{fmt.kind.value} element formats (float formats only)"
+    if spec.kind is Scaling.CHANNEL:
+        return "channel scaling"
+    if spec.kind in (Scaling.BLOCK, Scaling.NVBLOCK):
+        sizes = BLOCK_SIZES if spec.kind is Scaling.BLOCK else (NVBLOCK_SIZE,)
+        if spec.block_size not in sizes:
+            return f"{spec.kind.value} size {spec.block_size} (supported: {', '.join(map(str, sizes))})"
+        last = x.shape[-1] if x.dim() else 1
+        if last % spec.block_size:
+            return f"a last dimension of {last}, not a whole number of blocks of {spec.block_size}"
+    if not saturate and fmt.special is not Special.NONE and _may_clip(fmt, spec, given_scale=True):
+        return "non-saturating casts that can overflow"
+    return None
+
+
+def supports(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: Rounding, saturate: bool) -> bool:
+    """True when the native path can run this quantization (it may still decline a tensor for its values)."""
+    return unsupported_reason(x, fmt, spec, rounding, saturate) is None
+
+
+def check_supported(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: Rounding, saturate: bool) -> None:
+    """Raise `BackendUnavailableError` naming why the native path cannot run this quantization."""
+    reason = unsupported_reason(x, fmt, spec, rounding, saturate)
+    if reason is not None:
+        raise BackendUnavailableError(f"native backend does not support {reason}")
+    library()
+
+
+def _may_clip(fmt: FormatSpec, spec: ScalingSpec, given_scale: bool) -> bool:
+    # A scale taken from the amax keeps |x / scale| within the maximum up to rounding (a larger margin or a power of
+    # two rounded up only shrinks it); an NVFP4 E2M1 block cannot clip either (see compiled._fused_lanes).
+    if spec.kind in (Scaling.TENSOR, Scaling.DELAYED):
+        return given_scale
+    if spec.kind is Scaling.NVBLOCK:
+        return fmt != FP4_E2M1
+    return True
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$QUANTWATCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/quantwatch``, else
+    ``~/.cache/quantwatch``."""
+    explicit = os.environ.get("QUANTWATCH_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "quantwatch"
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        raise BackendUnavailableError("native backend needs a C++ compiler ($CXX, c++, g++ or clang++); none found")
+    return compiler
+
+
+def _cpu_identity() -> str:
+    # -march=native builds for this CPU: a cache shared by machines of different CPUs must not mix their builds.
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        lines = []
+    wanted = ("model name", "flags", "Features", "CPU part")
+    facts = sorted({line for line in lines if line.split(":")[0].strip() in wanted})
+    return "\n".join([platform.machine(), platform.processor(), *facts])
+
+
+def build(directory: Path | None = None) -> Path:
+    """Compile ``native.cpp`` into ``directory`` (default `cache_dir`) unless an identical build is there; its path.
+
+    Raises `BackendUnavailableError` when no compiler is found or the build fails (with the compiler's message).
+    """
+    compiler = _compiler()
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_identity().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    directory = directory or cache_dir()
+    target = directory / f"native-{digest.hexdigest()[:20]}.so"
+    if target.exists():
+        return target
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=".native-", suffix=".so", dir=directory)
+        os.close(handle)
+    except OSError as error:
+        raise BackendUnavailableError(f"native backend cannot write its build to {directory}: {error}") from error
+    try:
+        result = subprocess.run(
+            [compiler, *FLAGS, "-o", temporary, str(SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_SECONDS,
+            check=False,
+        )
+        if result.returncode != 0:
+            message = (result.stderr or result.stdout).strip()[-2000:]
+            raise BackendUnavailableError(f"native backend: {compiler} failed to build {SOURCE.name}:\n{message}")
+        os.replace(temporary, target)  # atomic: a concurrent build of the same key writes the same bytes
+    except (OSError, subprocess.SubprocessError) as error:
+        raise BackendUnavailableError(f"native backend: running {compiler} failed: {error}") from error
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return target
+
+
+_LOCK = threading.Lock()
+_LOADED: ctypes.CDLL | BackendUnavailableError | None = None
+
+
+def _load() -> ctypes.CDLL | BackendUnavailableError:
+    """The library, built and loaded on first call (once per process; other threads wait for it), or why not."""
+    global _LOADED
+    with _LOCK:
+        if _LOADED is None:
+            _LOADED = _build_and_load()
+        return _LOADED
+
+
+def _build_and_load() -> ctypes.CDLL | BackendUnavailableError:
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except BackendUnavailableError as error:
+        return error
+    except OSError as error:
+        return BackendUnavailableError(f"native backend: cannot load its library: {error}")
+    lib.qw_scan.restype = _INT
+    lib.qw_scan.argtypes = [_PTR, _I64, _INT, _PTR, _PTR, _INT]
+    lib.qw_cast.restype = _INT
+    lib.qw_cast.argtypes = [_PTR, _PTR, _I64, _INT, _INT, _INT, _F32, _INT, _INT, _F32, _PTR, _PTR, _INT, _INT]
+    lib.qw_cast.argtypes += [_PTR, _INT]
+    lib.qw_stats.restype = _INT
+    lib.qw_stats.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _INT]
+    return lib
+
+
+def reset() -> None:
+    """Forget the loaded library (or the reason it could not be had): the next use builds or loads it again."""
+    global _LOADED
+    with _LOCK:
+        _LOADED = None
+
+
+def library() -> ctypes.CDLL:
+    """The loaded native library (built on first use); `BackendUnavailableError` when it cannot be had."""
+    lib = _load()
+    if isinstance(lib, BackendUnavailableError):
+        raise lib
+    return lib
+
+
+def available() -> bool:
+    """True when the native library builds and loads on this machine (building it now if it was not)."""
+    return not isinstance(_load(), BackendUnavailableError)
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The library when an earlier call has loaded it, else None; never builds, never waits."""
+    lib = _LOADED
+    return lib if isinstance(lib, ctypes.CDLL) else None
+
+
+def prepare_in_background() -> None:
+    """Build (or load) the library on a daemon thread, so that code which only uses it when `loaded` (the agent's
+    statistics) gets it without a build in its own thread."""
+    if _LOADED is None:
+        threading.Thread(target=_load, name="quantwatch-native-build", daemon=True).start()
+
+
+def quantize_native(
+    x: Tensor,
+    fmt: FormatSpec,
+    spec: ScalingSpec,
+    rounding: Rounding,
+    saturate: bool,
+    scale: Tensor | None,
+    with_stats: bool,
+    out: Tensor | None = None,
+) -> tuple[Tensor, ErrorStats | None, Tensor, Tensor] | None:
+    """``(values, stats or None, scale, amax)`` as `compiled.quantize_fused` returns them, or None when this tensor's
+    values are outside what the kernels handle (NaN/±inf, a scaled value beyond float32, statistics beyond the float32
+    runs' range): the caller then runs another backend. ``out`` (contiguous, x's shape and dtype) receives the values.
+
+    Raises `BackendUnavailableError` when the quantization is unsupported or the library cannot be built.
+    """
+    check_supported(x, fmt, spec, rounding, saturate)
+    lib = library()
+    x = x.detach()
+    values = out if out is not None and out.is_contiguous() else torch.empty_like(x)
+    n = x.numel()
+    threads = torch.get_num_threads()
+    partial = torch.zeros(_PARTIAL_FIELDS, dtype=torch.float64)
+    mode = _MODES[spec.kind]
+    block = spec.block_size if mode >= 2 else 0
+    block_count = n // block if block else 0
+    scales = torch.empty(block_count, dtype=torch.float32)
+    element_scale = 1.0
+    if mode in (1, 3):
+        status = lib.qw_scan(x.data_ptr(), n, block if mode == 3 else 0, scales.data_ptr(), partial.data_ptr(), threads)
+        if status != _STATUS_OK:
+            return None
+        amax = torch.tensor(partial[5].item(), dtype=torch.float32)
+        if mode == 1:
+            scale_tensor = (
+                scale.to(torch.float32)
+                if scale is not None
+                else amax_to_scale(amax, fmt, pow2=spec.pow2, margin=spec.margin)
+            )
+            element_scale = scale_tensor.item()
+            if not (element_scale >= MIN_SCALE and float(torch.div(amax, scale_tensor)) < MAX_QUOTIENT):
+                return None
+        else:
+            element_scale = nvfp4_tensor_scale(amax).item()
+            # The smallest element scale is the tensor scale times the smallest E4M3 block scale, 2^-6.
+            if element_scale * NVFP4_BLOCK_SCALE_MIN < MIN_SCALE:
+                return None
+    scanned = partial.clone()
+    stream = values.numel() * 4 >= STREAM_MIN_BYTES and values.data_ptr() % 64 == 0
+    status = lib.qw_cast(
+        x.data_ptr(),
+        values.data_ptr(),
+        n,
+        fmt.mantissa_bits,
+        fmt.emin,
+        fmt.emax,
+        fmt.max_value,
+        mode,
+        block,
+        element_scale,
+        scales.data_ptr(),
+        scales.data_ptr(),
+        int(_may_clip(fmt, spec, scale is not None)),
+        int(stream),
+        partial.data_ptr(),
+        threads,
+    )
+    if status == _STATUS_BAD_ARGUMENT:
+        raise BackendUnavailableError("native backend rejected its arguments")
+    if status != _STATUS_OK:
+        return None
+    if mode in (1, 3):  # the scan's fields come from the first pass
+        partial[[0, 5, 6, 9]] = scanned[[0, 5, 6, 9]]
+    amax = torch.tensor(partial[5].item(), dtype=torch.float32)
+    stats = _error_stats(partial, n) if with_stats else None
+    if stats is not None and not lane_sums_in_range(stats.as_tensor().tolist()):
+        return None
+    if out is not None and values is not out:
+        out.copy_(values)
+        values = out
+    return values, stats, _scale_out(x, spec, scales, element_scale), amax
+
+
+def _error_stats(partial: Tensor, numel: int) -> ErrorStats:
+    sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, zeros_q, overflow, nonfinite = partial.tolist()
+    row = [numel, sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, zeros_q - (numel - nonzero)]
+    return ErrorStats.from_tensor(torch.tensor([*row, overflow, nonfinite], dtype=torch.float64))
+
+
+def _scale_out(x: Tensor, spec: ScalingSpec, scales: Tensor, element_scale: float) -> Tensor:
+    if spec.kind in (Scaling.BLOCK, Scaling.NVBLOCK):
+        leading = x.shape[:-1] if x.dim() else ()
+        return scales.reshape(*leading, -1)
+    return torch.tensor(element_scale, dtype=torch.float32)
+
+
+# Below this many elements one thread computes the statistics: starting the others costs more than they save.
+STATS_THREADED_MIN_NUMEL = 1 << 18
+
+
+def stats_fields(x: Tensor, q: Tensor, overflow_mask: Tensor | None) -> tuple[float, ...] | None:
+    """The `ErrorStats` fields (host values, in ``FIELDS`` order) of contiguous float32 CPU tensors ``q`` against
+    ``x`` in one pass of the loaded library (`loaded`), ``overflow_mask`` (bool, contiguous) counting the clipped
+    inputs; None when the library is not loaded, or some value is NaN/±inf or outside the float32 runs' range."""
+    lib = loaded()
+    if lib is None:
+        return None
+    n = x.numel()
+    partial = array("d", bytes(8 * _PARTIAL_FIELDS))
+    address, _ = partial.buffer_info()
+    threads = torch.get_num_threads() if n >= STATS_THREADED_MIN_NUMEL else 1
+    mask = overflow_mask.data_ptr() if overflow_mask is not None else None
+    if lib.qw_stats(x.data_ptr(), q.data_ptr(), mask, n, address, threads) != _STATUS_OK:
+        return None
+    sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, underflow, overflow, _ = partial
+    fields = (float(n), sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, underflow, overflow, 0.0)
+    return fields if lane_sums_in_range(list(fields)) else None

@@ -1,0 +1,343 @@
+"""The native CPU kernels against the reference: values and scales bit-exact, statistics within 1e-6 relative.
+
+`native.quantize_native` is called directly where a test must know the kernels ran (it returns None when it
+declines a tensor); `quantize(backend="native")` where the fallback for declined tensors is what is checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from quantwatch.kernels import FORMATS, BackendUnavailableError, ErrorStats, error_stats, native, quantize
+from quantwatch.kernels import api as api_module
+from quantwatch.kernels.api import resolve_quantization
+from quantwatch.kernels.formats import Kind, Special
+from quantwatch.kernels.options import Rounding
+
+FLOAT_FORMATS = [name for name, spec in FORMATS.items() if spec.kind is Kind.FLOAT]
+
+
+@pytest.fixture(autouse=True)
+def _needs_native() -> None:
+    if not native.available():
+        # The dev machines and CI have a C++ compiler (torch.compile needs one too); say why if this one has not.
+        pytest.fail(f"native backend unavailable: {native._load()}")
+
+
+def run_native(x: torch.Tensor, fmt: str, scaling: str | None, saturate: bool = True, scale: Any = None) -> Any:
+    element, spec, _ = resolve_quantization(fmt, scaling, "nearest")
+    return native.quantize_native(x, element, spec, Rounding.NEAREST, saturate, scale, with_stats=True)
+
+
+def assert_bitwise_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal bit patterns (the sign of zero counts)."""
+    same = got.view(torch.int32) == expected.view(torch.int32)
+    assert bool(same.all()), (got[~same][:5], expected[~same][:5])
+
+
+def finite_rounding_cases(fmt: str) -> torch.Tensor:
+    """Every float32 binade around the format's range, each with the low-bit patterns that decide a rounding (exact,
+    one ulp, the half point and its neighbours, all ones), both signs, plus zeros and float32 subnormals."""
+    spec = FORMATS[fmt]
+    drop = 22 - spec.mantissa_bits
+    prefixes = torch.arange(1 << (spec.mantissa_bits + 1), dtype=torch.int64) << drop
+    low = torch.tensor([0, 1, 2, (1 << drop) - 1, (1 << (drop - 1)) - 1, 1 << (drop - 1), (1 << (drop - 1)) + 1])
+    mantissas = (prefixes[:, None] | low[None, :]).reshape(-1)
+    fields = torch.arange(127 + spec.emin - spec.mantissa_bits - 4, 127 + spec.emax + 4, dtype=torch.int64)
+    bits = ((fields[:, None] << 23) | mantissas[None, :]).reshape(-1)
+    positive = torch.cat([bits, torch.tensor([0, 1, 2, 0x400000, 0x7FFFFF], dtype=torch.int64)])
+    patterns = torch.cat([positive, positive | (1 << 31)])
+    return torch.where(patterns >= 1 << 31, patterns - (1 << 32), patterns).to(torch.int32).view(torch.float32)
+
+
+def finite_sample(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    exponents = torch.randint(-8, 8, shape, generator=generator).float()
+    return torch.randn(shape, generator=generator) * torch.exp2(exponents)
+
+
+@pytest.mark.parametrize("fmt", FLOAT_FORMATS)
+def test_plain_cast_matches_the_reference_on_every_rounding_case(fmt: str, backends: Any) -> None:
+    x = finite_rounding_cases(fmt)
+    modes = [True] if FORMATS[fmt].special is not Special.NONE else [True, False]
+    for saturate in modes:
+        result = run_native(x, fmt, "none", saturate)
+        assert result is not None
+        ref = quantize(x, fmt, "none", saturate=saturate, with_stats=True, backend="reference")
+        assert_bitwise_equal(result[0], ref[0])
+        backends.assert_same(result[:2], ref)
+        assert ref[1].to_dict()["overflow_count"] > 0  # the cases reach past the maximum
+
+
+@pytest.mark.parametrize("fmt", FLOAT_FORMATS)
+@pytest.mark.parametrize("scaling", ["tensor", "tensor:pow2", "delayed:4:1", "block:32", "block:16", "nvblock:16"])
+def test_scaled_casts_match_the_reference(fmt: str, scaling: str, backends: Any) -> None:
+    # Shapes: whole vectors; a tail shorter than a vector per thread range; one row of one block.
+    shapes = [(64, 96), (33, 160), (1, 64)] if "block" in scaling else [(64, 96), (33, 70), (7,)]
+    for seed, shape in enumerate(shapes):
+        x = finite_sample(shape, seed)
+        result = run_native(x, fmt, scaling)
+        assert result is not None
+        values, stats, scale, amax = result
+        ref_values, ref_stats = quantize(x, fmt, scaling, with_stats=True, backend="reference")
+        details = quantize(x, fmt, scaling, return_details=True, backend="reference")
+        assert_bitwise_equal(values, ref_values)
+        backends.assert_same((values, stats), (ref_values, ref_stats))
+        assert_bitwise_equal(scale, details.scale)
+        assert amax.item() == details.amax.item()
+
+
+def test_presets_and_odd_scales_match_the_reference(backends: Any) -> None:
+    x = finite_sample((48, 128), 7)
+    for fmt in ["mxfp8", "mxfp6", "mxfp4", "nvfp4"]:
+        for factor in [1.0, 2.0**-30, 2.0**30, 3e-5]:
+            result = run_native(x * factor, fmt, None)
+            assert result is not None, (fmt, factor)
+            backends.assert_same(result[:2], quantize(x * factor, fmt, with_stats=True, backend="reference"))
+
+
+def test_a_given_scale_clips_and_counts_overflow(backends: Any) -> None:
+    x = finite_sample((40, 64), 3)
+    for fmt in ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1"]:
+        scale = torch.tensor(x.abs().amax().item() / FORMATS[fmt].max_value / 8)  # an eighth: the top values clip
+        result = run_native(x, fmt, "delayed:4", scale=scale)
+        assert result is not None
+        ref = quantize(x, fmt, "delayed:4", scale=scale, with_stats=True, backend="reference")
+        backends.assert_same(result[:2], ref)
+        assert result[1].to_dict()["overflow_count"] == ref[1].to_dict()["overflow_count"] > 0
+
+
+def test_nvfp4_never_clips_where_block_scales_round_down(backends: Any) -> None:
+    # Block amaxes swept across whole E4M3 rounding intervals in every binade the block scales span (see the same
+    # test of the compiled path): the kernels count no NVFP4 E2M1 overflow, and the reference agrees.
+    generator = torch.Generator().manual_seed(13)
+    steps = torch.arange(256, dtype=torch.float32)
+    block_amax = (1 + steps / 256) * torch.exp2(torch.arange(-12, 9, dtype=torch.float32))[:, None]
+    blocks = torch.rand((*block_amax.shape, 16), generator=generator) * block_amax[..., None]
+    blocks[..., 3] = block_amax
+    x = blocks.reshape(-1, 64).contiguous()
+    result = run_native(x, "nvfp4", None)
+    assert result is not None
+    ref = quantize(x, "nvfp4", with_stats=True, backend="reference")
+    backends.assert_same(result[:2], ref)
+    assert ref[1].to_dict()["overflow_count"] == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_large_tensors_with_streaming_stores_and_any_thread_count(threads: int, backends: Any) -> None:
+    x = finite_sample((1024, 2064), 5)  # 8.5 MB: streaming stores; 2,064 columns: 129 NVFP4 blocks a row
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = {fmt: run_native(x, fmt, scaling) for fmt, scaling in [("fp8_e4m3", "tensor"), ("nvfp4", None)]}
+    finally:
+        torch.set_num_threads(before)
+    for fmt, scaling in [("fp8_e4m3", "tensor"), ("nvfp4", None)]:
+        result = results[fmt]
+        assert result is not None
+        backends.assert_same(result[:2], quantize(x, fmt, scaling, with_stats=True, backend="reference"))
+
+
+@pytest.mark.parametrize(
+    ("case", "x"),
+    [
+        ("NaN", torch.tensor([1.0, float("nan")] * 20)),
+        ("inf", torch.tensor([1.0, -float("inf")] * 20)),
+        ("squares below float32's range", torch.full((40,), 1e-30)),
+        ("scale below 2^-80", torch.full((40,), 2.0**-80)),
+    ],
+)
+def test_declined_tensors_fall_back_to_an_exact_backend(case: str, x: torch.Tensor, backends: Any) -> None:
+    assert run_native(x, "fp8_e4m3", "tensor") is None, case
+    fallback = quantize(x, "fp8_e4m3", "tensor", with_stats=True, backend="native")
+    backends.assert_same(fallback, quantize(x, "fp8_e4m3", "tensor", with_stats=True, backend="reference"))
+
+
+def test_out_receives_the_values_on_every_backend() -> None:
+    x = finite_sample((32, 64), 9)
+    expected = quantize(x, "fp8_e4m3", "tensor", backend="reference")
+    for backend in ["native", "reference", "compiled"]:
+        out = torch.full_like(x, math.nan)
+        values = quantize(x, "fp8_e4m3", "tensor", backend=backend, out=out)
+        assert values is out
+        assert_bitwise_equal(out, expected)
+    stats_out = torch.empty_like(x)
+    values, stats = quantize(x, "mxfp4", with_stats=True, backend="native", out=stats_out)
+    assert values is stats_out
+    assert stats.to_dict()["numel"] == x.numel()
+    in_place = x.clone()
+    quantize(in_place, "fp8_e4m3", "tensor", backend="native", out=in_place)
+    assert_bitwise_equal(in_place, expected)
+    strided = torch.empty(64, 32).T  # x's shape, not contiguous: written through a copy
+    quantize(x, "fp8_e4m3", "tensor", backend="native", out=strided)
+    assert_bitwise_equal(strided.contiguous(), expected)
+
+
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [
+        (torch.empty(32, 63), "out: needs x's shape"),
+        (torch.empty(32, 64, dtype=torch.float64), "out: needs x's shape, dtype"),
+        (torch.empty(32, 64, requires_grad=True), "out: must not require grad"),
+    ],
+)
+def test_bad_out_is_a_clear_error(out: torch.Tensor, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        quantize(torch.randn(32, 64), "fp8_e4m3", out=out)
+    with pytest.raises(ValueError, match="out: return_details"):
+        quantize(torch.randn(32, 64), "fp8_e4m3", out=torch.empty(32, 64), return_details=True)
+    with pytest.raises(TypeError, match=r"out must be a torch\.Tensor"):
+        quantize(torch.randn(32, 64), "fp8_e4m3", out=[0.0])  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "x", "reason"),
+    [
+        ({"fmt": "fp8_e4m3"}, torch.randn(8, 16).double(), "float32 only"),
+        ({"fmt": "fp8_e4m3", "rounding": "stochastic"}, torch.randn(8, 16), "stochastic rounding"),
+        ({"fmt": "int8", "scaling": "tensor"}, torch.randn(8, 16), "int element formats"),
+        ({"fmt": "fp8_e4m3", "scaling": "channel"}, torch.randn(8, 16), "channel scaling"),
+        ({"fmt": "fp8_e4m3", "scaling": "block:8"}, torch.randn(8, 16), "block size 8"),
+        ({"fmt": "mxfp4"}, torch.randn(8, 40), "not a whole number of blocks"),
+        ({"fmt": "fp8_e4m3"}, torch.randn(16, 8).T, "non-contiguous"),
+        ({"fmt": "fp8_e5m2", "saturate": False}, torch.randn(8, 16), "non-saturating"),
+    ],
+)
+def test_unsupported_quantizations_raise_clearly_and_auto_moves_on(
+    kwargs: dict[str, Any], x: torch.Tensor, reason: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(BackendUnavailableError, match=reason):
+        quantize(x, backend="native", **kwargs)
+    monkeypatch.setattr(api_module, "AUTO_COMPILE_MIN_NUMEL", 1)
+    auto = quantize(x, backend="auto", generator=torch.Generator().manual_seed(1), **kwargs)
+    reference = quantize(x, backend="reference", generator=torch.Generator().manual_seed(1), **kwargs)
+    assert torch.equal(auto, reference)
+
+
+def test_auto_runs_the_native_kernels_for_large_float32_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = native.quantize_native
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[1].name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native, "quantize_native", spy)
+    monkeypatch.setattr(api_module, "AUTO_COMPILE_MIN_NUMEL", 1000)
+    quantize(torch.randn(10, 10), "mxfp4")
+    assert calls == []
+    quantize(torch.randn(40, 64), "mxfp4")
+    assert calls == ["fp4_e2m1"]
+
+
+def test_a_failed_build_is_a_clear_error_and_auto_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("QUANTWATCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setattr(api_module, "AUTO_COMPILE_MIN_NUMEL", 1)
+    native.reset()
+    try:
+        with pytest.raises(BackendUnavailableError, match=r"false failed to build native\.cpp"):
+            quantize(torch.randn(8, 16), "fp8_e4m3", backend="native")
+        x = finite_sample((8, 16), 1)
+        with caplog.at_level(logging.WARNING):
+            values = quantize(x, "fp8_e4m3", "tensor")
+        assert_bitwise_equal(values, quantize(x, "fp8_e4m3", "tensor", backend="reference"))
+        assert list(tmp_path.iterdir()) == []  # no partial build left behind
+    finally:
+        native.reset()
+
+
+def test_builds_are_cached_by_source_flags_and_machine(tmp_path: Path) -> None:
+    first = native.build(tmp_path)
+    built = first.stat().st_mtime_ns
+    assert native.build(tmp_path) == first
+    assert first.stat().st_mtime_ns == built
+    assert first.parent == tmp_path
+    assert first.name.startswith("native-")
+
+
+def _stats_pairs() -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    generator = torch.Generator().manual_seed(21)
+    normal = torch.randn(1 << 20, generator=generator)
+    wide = normal * 10.0 ** (torch.rand(1 << 20, generator=generator) * 26 - 15)  # squares over 52 decades
+    offset = 1 + 1e-3 * normal  # same-sign values of one magnitude: where float32 running sums lose the most
+    one_ulp = normal.clone()
+    one_ulp[12345] = torch.nextafter(one_ulp[12345], torch.tensor(torch.inf))
+    clipped = quantize(normal, "fp8_e5m2", "tensor", return_details=True)
+    arbitrary = torch.randn(1001, generator=generator)  # q with zeros where x has none and the reverse
+    q_arbitrary = arbitrary.clone()
+    q_arbitrary[::3] = 0
+    arbitrary[1::7] = 0
+    return {
+        "fp8 per tensor": (normal, quantize(normal, "fp8_e4m3", "tensor"), None),
+        "nvfp4 of a wide range": (wide, quantize(wide, "nvfp4"), None),
+        "e5m2 near one": (offset, quantize(offset, "fp8_e5m2", "tensor"), None),
+        "one ulp apart": (normal, one_ulp, None),
+        "equal": (normal, normal.clone(), None),
+        "negated": (wide, -wide, None),
+        "with an overflow mask": (normal, clipped.values, clipped.overflow_mask | (normal > 2.5)),
+        "an arbitrary pair, odd length": (arbitrary, q_arbitrary, None),
+    }
+
+
+@pytest.mark.parametrize("case", list(_stats_pairs()))
+def test_one_pass_statistics_hold_1e6_against_float64(case: str) -> None:
+    x, q, overflow = _stats_pairs()[case]
+    fields = native.stats_fields(x, q, overflow)
+    assert fields is not None
+    got = dict(zip(ErrorStats.FIELDS, fields, strict=True))
+    x64, q64 = x.double().numpy(), q.double().numpy()
+    err = q64 - x64
+    expected = {"sum_x2": (x64 * x64).sum(), "sum_q2": (q64 * q64).sum(), "sum_err2": (err * err).sum()}
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(float(value), rel=1e-6, abs=0), name
+    assert abs(got["sum_qx"] - float((q64 * x64).sum())) <= 1e-6 * math.sqrt(expected["sum_x2"] * expected["sum_q2"])
+    assert got["max_abs_err"] == pytest.approx(float(abs(err).max()), rel=2**-24, abs=0)
+    assert got["amax"] == float(abs(x64).max())
+    assert got["nonzero_count"] == int((x64 != 0).sum())
+    assert got["underflow_count"] == int(((x64 != 0) & (q64 == 0)).sum())
+    assert got["overflow_count"] == (int(overflow.sum()) if overflow is not None else 0)
+    assert (got["numel"], got["nonfinite_count"]) == (x.numel(), 0)
+    if case == "equal":
+        assert ErrorStats.from_tensor(torch.tensor(fields)).to_dict()["cosine"] == 1.0
+    if case == "negated":
+        assert ErrorStats.from_tensor(torch.tensor(fields)).to_dict()["cosine"] == -1.0
+
+
+@pytest.mark.parametrize(
+    ("x", "q"),
+    [
+        (torch.tensor([1.0, float("nan"), 2.0] * 7), torch.tensor([1.0, 0.0, 2.0] * 7)),
+        (torch.tensor([1.0, 2.0] * 9), torch.tensor([1.0, float("inf")] * 9)),
+        (torch.full((40,), 1e-30), torch.full((40,), 1.5e-30)),
+    ],
+)
+def test_one_pass_statistics_decline_what_they_cannot_sum(x: torch.Tensor, q: torch.Tensor) -> None:
+    assert native.stats_fields(x, q, None) is None
+
+
+def test_error_stats_use_the_one_pass_kernel_once_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = native.stats_fields
+
+    def spy(x: torch.Tensor, q: torch.Tensor, overflow: torch.Tensor | None) -> Any:
+        calls.append(x.numel())
+        return real(x, q, overflow)
+
+    monkeypatch.setattr(native, "stats_fields", spy)
+    x = finite_sample((64, 64), 4)
+    q = quantize(x, "fp8_e4m3", "tensor", backend="reference")
+    fast = error_stats(x, q, "fp8_e4m3").as_tensor()
+    assert calls == [x.numel()]
+    monkeypatch.setattr(native, "_LOADED", None)  # not loaded: NumPy's passes, never a build in this thread
+    numpy_path = error_stats(x, q, "fp8_e4m3").as_tensor()
+    assert calls == [x.numel()]
+    assert torch.allclose(fast, numpy_path, rtol=1e-6, atol=0)
