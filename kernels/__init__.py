@@ -1,10 +1,10 @@
 """Number formats, quantizers, fused error statistics and quantized layers.
 
 The plain-torch reference (`quantwatch.kernels.reference`) is the source of truth; `quantize` picks a fused fast
-path (``torch.compile`` on CPU, Triton on CUDA) by `Backend` and falls back to the reference.
+path (native kernels or ``torch.compile`` on CPU, Triton on CUDA) by `Backend` and falls back to the reference.
 """
 
-from .api import AUTO_COMPILE_MIN_NUMEL, quantize
+from .api import AUTO_COMPILE_MIN_NUMEL, AUTO_NATIVE_MIN_NUMEL, quantize
 from .convert import QuantConfig, Recipe, quantize_model
 from .formats import FORMATS, PRESETS, FormatSpec, Preset
 from .layers import Observer, QuantLinear
@@ -15,6 +15,7 @@ from .stats import ErrorStats, StatsBatch, error_stats
 
 __all__ = [
     "AUTO_COMPILE_MIN_NUMEL",
+    "AUTO_NATIVE_MIN_NUMEL",
     "FORMATS",
     "PRESETS",
     "Backend",

@@ -19,6 +19,18 @@
 #include <immintrin.h>
 #endif
 
+// GCC before 12 has no __builtin_shufflevector; its __builtin_shuffle takes the same indices as a mask vector.
+#if defined(__has_builtin)
+#if !__has_builtin(__builtin_shufflevector)
+#define QW_SHUFFLE_BY_MASK 1
+#endif
+#endif
+#if defined(QW_SHUFFLE_BY_MASK)
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
+#else
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#endif
+
 namespace {
 
 constexpr int L = 16;
@@ -63,7 +75,8 @@ inline vf divide(vf x, vf s, vf r) {
 #if defined(__AVX512F__)
   __m512 y = _mm512_mul_ps((__m512)x, (__m512)r);
   __m512 residual = _mm512_fnmadd_ps(y, (__m512)s, (__m512)x);
-  return (vf)_mm512_fmadd_ps(residual, (__m512)r, y);
+  vf q = (vf)_mm512_fmadd_ps(residual, (__m512)r, y);
+  return (vf)((vu)q | ((vu)x & SIGN_BIT));  // -0 / s: the residual's +0 would lose the sign (s > 0)
 #else
   (void)r;
   return x / s;
@@ -85,10 +98,10 @@ inline vf splat(float f) { return vf{} + f; }
 inline vu usplat(uint32_t u) { return vu{} + u; }
 
 inline float hmax(vf v) {
-  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  v = vmax(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
   return v[0];
 }
 
@@ -98,28 +111,29 @@ inline vf maxima16(const vf* v) {
   vf half[8], quarter[4], eighth[2];
   for (int k = 0; k < 8; k++) {
     vf a = v[2 * k], b = v[2 * k + 1];
-    half[k] = vmax(__builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-                   __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
+    half[k] = vmax(SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                   SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
   }
   for (int k = 0; k < 4; k++) {
     vf a = half[2 * k], b = half[2 * k + 1];
-    quarter[k] = vmax(__builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
-                      __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31));
+    quarter[k] = vmax(SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+                      SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31));
   }
   for (int k = 0; k < 2; k++) {
     vf a = quarter[2 * k], b = quarter[2 * k + 1];
-    eighth[k] = vmax(__builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
-                     __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
+    eighth[k] = vmax(SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+                     SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
   }
   vf a = eighth[0], b = eighth[1];
-  return vmax(__builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
-              __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+  return vmax(SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+              SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
 }
 
 // The float32 lanes of a run, added into float64 lanes (two conversions of eight floats: no horizontal sum).
 inline void spill(vd& total, vf run) {
-  vh low = __builtin_shufflevector(run, run, 0, 1, 2, 3, 4, 5, 6, 7);
-  vh high = __builtin_shufflevector(run, run, 8, 9, 10, 11, 12, 13, 14, 15);
+  vh low, high;
+  std::memcpy(&low, &run, sizeof low);
+  std::memcpy(&high, reinterpret_cast<const char*>(&run) + sizeof low, sizeof high);
   total += __builtin_convertvector(low, vd) + __builtin_convertvector(high, vd);
 }
 
@@ -471,7 +485,7 @@ int qw_scan(const float* x, int64_t n, int block, float* block_amax, double* sta
 int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, int emax, float max_value, int mode,
             int block, float scale, const float* block_amax, float* block_scale, int may_clip, int stream,
             double* stats, int threads) {
-  if ((mode == MX_BLOCK && (block % L != 0 || block > 64 || n % block != 0)) ||
+  if ((mode == MX_BLOCK && ((block != 16 && block != 32 && block != 64) || n % block != 0)) ||
       (mode == NV_BLOCK && (block != L || n % L != 0)) || mode < PLAIN || mode > NV_BLOCK) {
     return BAD_ARGUMENT;
   }
@@ -492,11 +506,11 @@ int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, in
     } else {
       cast_any<false>(job, lo, hi, s);
     }
+#if defined(__AVX512F__)
+    if (stream) _mm_sfence();  // each thread's streaming stores are weakly ordered: fence them before the barrier
+#endif
     parts[omp_get_thread_num()] = s.finish();
   }
-#if defined(__AVX512F__)
-  if (stream) _mm_sfence();  // streaming stores are weakly ordered: make them visible before returning
-#endif
   combine(parts, used, stats);
   return stats[9] > 0 ? NONFINITE : OK;
 }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -27,13 +28,13 @@ import threading
 from array import array
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .compiled import lane_sums_in_range
-from .formats import FP4_E2M1, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
+from .formats import FP4_E2M1, FP8_E4M3, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
 from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
-from .reference import amax_to_scale, nvfp4_tensor_scale
 from .stats import ErrorStats
 
 SOURCE = Path(__file__).with_name("native.cpp")
@@ -49,6 +50,9 @@ MAX_NUMEL = 1 << 40
 MIN_SCALE = 2.0**-80
 MAX_QUOTIENT = 2.0**120
 BUILD_TIMEOUT_SECONDS = 120
+# Below this many elements one thread runs a call: waking the others (and, on a busy machine, waiting until each
+# gets a core at the closing barrier) costs more than they save.
+PARALLEL_MIN_NUMEL = 1 << 16
 
 _MODES = {Scaling.NONE: 0, Scaling.TENSOR: 1, Scaling.DELAYED: 1, Scaling.BLOCK: 2, Scaling.NVBLOCK: 3}
 _STATUS_OK = 0
@@ -105,7 +109,7 @@ def _may_clip(fmt: FormatSpec, spec: ScalingSpec, given_scale: bool) -> bool:
     # A scale taken from the amax keeps |x / scale| within the maximum up to rounding (a larger margin or a power of
     # two rounded up only shrinks it); an NVFP4 E2M1 block cannot clip either (see compiled._fused_lanes).
     if spec.kind in (Scaling.TENSOR, Scaling.DELAYED):
-        return given_scale
+        return given_scale or spec.margin < 0
     if spec.kind is Scaling.NVBLOCK:
         return fmt != FP4_E2M1
     return True
@@ -119,6 +123,15 @@ def cache_dir() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "quantwatch"
+
+
+def _compiler_version(compiler: str) -> str:
+    # A compiler upgraded in place must not reuse builds of the old one.
+    try:
+        result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return result.stdout
 
 
 def _compiler() -> str:
@@ -146,7 +159,8 @@ def build(directory: Path | None = None) -> Path:
     """
     compiler = _compiler()
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_identity().encode()):
+    identity = (compiler, _compiler_version(compiler), _cpu_identity())
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), *(text.encode() for text in identity)):
         digest.update(part)
         digest.update(b"\0")
     directory = directory or cache_dir()
@@ -170,6 +184,9 @@ def build(directory: Path | None = None) -> Path:
         if result.returncode != 0:
             message = (result.stderr or result.stdout).strip()[-2000:]
             raise BackendUnavailableError(f"native backend: {compiler} failed to build {SOURCE.name}:\n{message}")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o755 & ~umask)  # mkstemp made it private: a shared cache serves other users too
         os.replace(temporary, target)  # atomic: a concurrent build of the same key writes the same bytes
     except (OSError, subprocess.SubprocessError) as error:
         raise BackendUnavailableError(f"native backend: running {compiler} failed: {error}") from error
@@ -181,6 +198,17 @@ def build(directory: Path | None = None) -> Path:
 
 _LOCK = threading.Lock()
 _LOADED: ctypes.CDLL | BackendUnavailableError | None = None
+
+
+def _after_fork_in_child() -> None:
+    # A fork while another thread builds would leave the child a held lock and no builder: start over.
+    global _LOCK, _LOADED
+    _LOCK = threading.Lock()
+    if not isinstance(_LOADED, ctypes.CDLL):
+        _LOADED = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _load() -> ctypes.CDLL | BackendUnavailableError:
@@ -263,34 +291,31 @@ def quantize_native(
     x = x.detach()
     values = out if out is not None and out.is_contiguous() else torch.empty_like(x)
     n = x.numel()
-    threads = torch.get_num_threads()
-    partial = torch.zeros(_PARTIAL_FIELDS, dtype=torch.float64)
+    threads = torch.get_num_threads() if n >= PARALLEL_MIN_NUMEL else 1
     mode = _MODES[spec.kind]
     block = spec.block_size if mode >= 2 else 0
-    block_count = n // block if block else 0
-    scales = torch.empty(block_count, dtype=torch.float32)
+    scales = torch.empty(n // block, dtype=torch.float32) if block else None
+    scales_address = scales.data_ptr() if scales is not None else None
+    scanned = array("d", bytes(8 * _PARTIAL_FIELDS))
     element_scale = 1.0
     if mode in (1, 3):
-        status = lib.qw_scan(x.data_ptr(), n, block if mode == 3 else 0, scales.data_ptr(), partial.data_ptr(), threads)
+        status = lib.qw_scan(x.data_ptr(), n, block, scales_address, scanned.buffer_info()[0], threads)
         if status != _STATUS_OK:
             return None
-        amax = torch.tensor(partial[5].item(), dtype=torch.float32)
+        amax = scanned[5]
         if mode == 1:
-            scale_tensor = (
-                scale.to(torch.float32)
-                if scale is not None
-                else amax_to_scale(amax, fmt, pow2=spec.pow2, margin=spec.margin)
-            )
-            element_scale = scale_tensor.item()
-            if not (element_scale >= MIN_SCALE and float(torch.div(amax, scale_tensor)) < MAX_QUOTIENT):
+            given = float(scale.to(torch.float32)) if scale is not None else None
+            element_scale = given if given is not None else tensor_scale_value(amax, fmt, spec)
+            finite = math.isfinite(element_scale)
+            if not (finite and element_scale >= MIN_SCALE and _f32(amax) / _f32(element_scale) < MAX_QUOTIENT):
                 return None
         else:
-            element_scale = nvfp4_tensor_scale(amax).item()
+            element_scale = float(_f32(amax) / _f32(FP8_E4M3.max_value * FP4_E2M1.max_value)) or 1.0
             # The smallest element scale is the tensor scale times the smallest E4M3 block scale, 2^-6.
             if element_scale * NVFP4_BLOCK_SCALE_MIN < MIN_SCALE:
                 return None
-    scanned = partial.clone()
-    stream = values.numel() * 4 >= STREAM_MIN_BYTES and values.data_ptr() % 64 == 0
+    partial = array("d", bytes(8 * _PARTIAL_FIELDS))
+    stream = n * 4 >= STREAM_MIN_BYTES and values.data_ptr() % 64 == 0
     status = lib.qw_cast(
         x.data_ptr(),
         values.data_ptr(),
@@ -302,11 +327,11 @@ def quantize_native(
         mode,
         block,
         element_scale,
-        scales.data_ptr(),
-        scales.data_ptr(),
+        scales_address,
+        scales_address,
         int(_may_clip(fmt, spec, scale is not None)),
         int(stream),
-        partial.data_ptr(),
+        partial.buffer_info()[0],
         threads,
     )
     if status == _STATUS_BAD_ARGUMENT:
@@ -314,32 +339,50 @@ def quantize_native(
     if status != _STATUS_OK:
         return None
     if mode in (1, 3):  # the scan's fields come from the first pass
-        partial[[0, 5, 6, 9]] = scanned[[0, 5, 6, 9]]
-    amax = torch.tensor(partial[5].item(), dtype=torch.float32)
-    stats = _error_stats(partial, n) if with_stats else None
-    if stats is not None and not lane_sums_in_range(stats.as_tensor().tolist()):
-        return None
+        for index in (0, 5, 6, 9):
+            partial[index] = scanned[index]
+    stats = None
+    if with_stats:
+        fields = _fields(partial, n)
+        if not lane_sums_in_range(fields):
+            return None
+        stats = ErrorStats(*torch.frombuffer(array("d", fields), dtype=torch.float64).unbind())
     if out is not None and values is not out:
         out.copy_(values)
         values = out
-    return values, stats, _scale_out(x, spec, scales, element_scale), amax
+    amax_tensor = torch.tensor(partial[5], dtype=torch.float32)
+    return values, stats, _scale_out(x, spec, scales, element_scale), amax_tensor
 
 
-def _error_stats(partial: Tensor, numel: int) -> ErrorStats:
-    sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, zeros_q, overflow, nonfinite = partial.tolist()
-    row = [numel, sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, zeros_q - (numel - nonzero)]
-    return ErrorStats.from_tensor(torch.tensor([*row, overflow, nonfinite], dtype=torch.float64))
+def _f32(value: float) -> np.float32:
+    return np.float32(value)
 
 
-def _scale_out(x: Tensor, spec: ScalingSpec, scales: Tensor, element_scale: float) -> Tensor:
-    if spec.kind in (Scaling.BLOCK, Scaling.NVBLOCK):
+def tensor_scale_value(amax: float, fmt: FormatSpec, spec: ScalingSpec) -> float:
+    """`reference.amax_to_scale` of a float32 ``amax`` as a Python float, in float32 arithmetic like the reference
+    (tests/kernels/test_native.py holds the two equal over the whole float32 range, margins and ``pow2``)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # as the reference: a margin may overflow, 0 · inf is NaN
+        value = _f32(amax) / _f32(fmt.max_value)
+        if spec.margin:
+            value = value * _f32(2.0**spec.margin)
+    if spec.pow2:
+        mantissa, exponent = math.frexp(float(value))
+        if mantissa != 0.5:  # not a power of two: the next one up, as reference.exact_pow2 builds it (at most 2^127)
+            value = _f32(2.0 ** min(exponent, 127) if math.isfinite(mantissa) else 1.0)
+    return float(value) if value > 0 else 1.0
+
+
+def _fields(partial: array[float], numel: int) -> list[float]:
+    sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, zeros_q, overflow, nonfinite = partial
+    underflow = zeros_q - (numel - nonzero)  # a finite zero always quantizes to zero
+    return [numel, sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, underflow, overflow, nonfinite]
+
+
+def _scale_out(x: Tensor, spec: ScalingSpec, scales: Tensor | None, element_scale: float) -> Tensor:
+    if scales is not None:
         leading = x.shape[:-1] if x.dim() else ()
         return scales.reshape(*leading, -1)
     return torch.tensor(element_scale, dtype=torch.float32)
-
-
-# Below this many elements one thread computes the statistics: starting the others costs more than they save.
-STATS_THREADED_MIN_NUMEL = 1 << 18
 
 
 def stats_fields(x: Tensor, q: Tensor, overflow_mask: Tensor | None) -> tuple[float, ...] | None:
@@ -347,12 +390,12 @@ def stats_fields(x: Tensor, q: Tensor, overflow_mask: Tensor | None) -> tuple[fl
     ``x`` in one pass of the loaded library (`loaded`), ``overflow_mask`` (bool, contiguous) counting the clipped
     inputs; None when the library is not loaded, or some value is NaN/±inf or outside the float32 runs' range."""
     lib = loaded()
-    if lib is None:
-        return None
     n = x.numel()
+    if lib is None or q.numel() != n or (overflow_mask is not None and overflow_mask.numel() != n):
+        return None
     partial = array("d", bytes(8 * _PARTIAL_FIELDS))
     address, _ = partial.buffer_info()
-    threads = torch.get_num_threads() if n >= STATS_THREADED_MIN_NUMEL else 1
+    threads = torch.get_num_threads() if n >= PARALLEL_MIN_NUMEL else 1
     mask = overflow_mask.data_ptr() if overflow_mask is not None else None
     if lib.qw_stats(x.data_ptr(), q.data_ptr(), mask, n, address, threads) != _STATUS_OK:
         return None

@@ -355,7 +355,8 @@ def test_a_tensor_changed_before_its_deferred_statistics_is_reported_as_not_meas
     from quantwatch.kernels import QuantLinear, QuantSpec
 
     torch.manual_seed(4)
-    layer = QuantLinear(16, 8, weight=QuantSpec("fp8_e4m3"), input=QuantSpec("fp8_e4m3"), grad=None)
+    reference = QuantSpec("fp8_e4m3", backend="reference")  # its statistics are deferred (the native ones are not)
+    layer = QuantLinear(16, 8, weight=reference, input=reference, grad=None)
     model = nn.Sequential(layer)
     sink = qw.InMemoryExporter()
     monitor = qw.attach(model, run="stale", exporter=sink, every=1)

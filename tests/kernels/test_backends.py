@@ -77,6 +77,7 @@ def test_auto_falls_back_when_compilation_fails(
 
     monkeypatch.setattr(compiled_module, "compiled_for", broken)
     monkeypatch.setattr(api_module, "AUTO_COMPILE_MIN_NUMEL", 1)
+    monkeypatch.setattr(api_module, "AUTO_NATIVE_MIN_NUMEL", 1 << 40)  # past the native kernels, to the compiled
     x = backends.sample((8, 8), 4)
     with caplog.at_level(logging.WARNING):
         values = quantize(x, "fp8_e4m3", scaling="tensor")

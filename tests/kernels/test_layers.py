@@ -124,9 +124,15 @@ def test_observed_quantizations_collect_into_the_stats_batch() -> None:
     # With a StatsBatch the observer gets the statistics of weight and gradient before they are computed, and the
     # input's at once (a caller may change the input in place right after the forward); after flush they all equal
     # what the layer without a batch reports.
+    # The reference backend's statistics are the ones a batch defers (the fast backends compute theirs in the pass).
     torch.manual_seed(6)
-    plain = QuantLinear(16, 8, weight=QuantSpec("nvfp4"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2"))
-    batched = QuantLinear(16, 8, weight=QuantSpec("nvfp4"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2"))
+    specs = {
+        "weight": QuantSpec("nvfp4", backend="reference"),
+        "input": QuantSpec("fp8_e4m3", backend="reference"),
+        "grad": QuantSpec("fp8_e5m2", backend="reference"),
+    }
+    plain = QuantLinear(16, 8, **specs)
+    batched = QuantLinear(16, 8, **specs)
     batched.load_state_dict(plain.state_dict())
     batch = StatsBatch()
     batched.stats_batch = batch

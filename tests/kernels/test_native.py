@@ -8,17 +8,29 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from quantwatch.kernels import FORMATS, BackendUnavailableError, ErrorStats, error_stats, native, quantize
+from quantwatch.kernels import (
+    FORMATS,
+    BackendUnavailableError,
+    ErrorStats,
+    StatsBatch,
+    error_stats,
+    native,
+    quantize,
+)
 from quantwatch.kernels import api as api_module
 from quantwatch.kernels.api import resolve_quantization
 from quantwatch.kernels.formats import Kind, Special
-from quantwatch.kernels.options import Rounding
+from quantwatch.kernels.options import Rounding, Scaling, ScalingSpec
+from quantwatch.kernels.reference import amax_to_scale
+from quantwatch.kernels.stats import FlushResult
 
 FLOAT_FORMATS = [name for name, spec in FORMATS.items() if spec.kind is Kind.FLOAT]
 
@@ -57,9 +69,12 @@ def finite_rounding_cases(fmt: str) -> torch.Tensor:
 
 
 def finite_sample(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Seeded values spanning 16 binades, the first two -0.0 and +0.0 (the sign of zero must survive)."""
     generator = torch.Generator().manual_seed(seed)
     exponents = torch.randint(-8, 8, shape, generator=generator).float()
-    return torch.randn(shape, generator=generator) * torch.exp2(exponents)
+    x = torch.randn(shape, generator=generator) * torch.exp2(exponents)
+    x.view(-1)[:2] = torch.tensor([-0.0, 0.0])
+    return x
 
 
 @pytest.mark.parametrize("fmt", FLOAT_FORMATS)
@@ -100,6 +115,16 @@ def test_presets_and_odd_scales_match_the_reference(backends: Any) -> None:
             result = run_native(x * factor, fmt, None)
             assert result is not None, (fmt, factor)
             backends.assert_same(result[:2], quantize(x * factor, fmt, with_stats=True, backend="reference"))
+
+
+def test_a_negative_margin_clips_and_counts_overflow(backends: Any) -> None:
+    x = finite_sample((40, 64), 8)
+    spec = ScalingSpec(Scaling.DELAYED, history=4, margin=-2)  # a quarter of the amax scale: the top values clip
+    native_result = quantize(x, "fp8_e4m3", spec, with_stats=True, backend="native")
+    reference = quantize(x, "fp8_e4m3", spec, with_stats=True, backend="reference")
+    backends.assert_same(native_result, reference)
+    assert_bitwise_equal(native_result[0], reference[0])
+    assert native_result[1].to_dict()["overflow_count"] > 0
 
 
 def test_a_given_scale_clips_and_counts_overflow(backends: Any) -> None:
@@ -157,6 +182,31 @@ def test_declined_tensors_fall_back_to_an_exact_backend(case: str, x: torch.Tens
     assert run_native(x, "fp8_e4m3", "tensor") is None, case
     fallback = quantize(x, "fp8_e4m3", "tensor", with_stats=True, backend="native")
     backends.assert_same(fallback, quantize(x, "fp8_e4m3", "tensor", with_stats=True, backend="reference"))
+
+
+@pytest.mark.parametrize(("fmt", "scaling"), [("fp8_e4m3", "none"), ("mxfp4", None), ("fp8_e4m3", "tensor")])
+@pytest.mark.parametrize("case", ["NaN", "squares below float32's range"])
+def test_in_place_quantization_of_a_declined_tensor_is_exact(
+    fmt: str, scaling: str | None, case: str, backends: Any
+) -> None:
+    # The kernels may write the values before they decline the tensor: the fallback must still see x as it was.
+    x = finite_sample((64, 64), 2) if case == "NaN" else torch.full((64, 64), 1e-30)
+    x[0, 5] = float("nan") if case == "NaN" else x[0, 5]
+    expected = quantize(x, fmt, scaling, with_stats=True, backend="reference")
+    in_place = x.clone()
+    values, stats = quantize(in_place, fmt, scaling, with_stats=True, backend="native", out=in_place)
+    assert values is in_place
+    backends.assert_same((values, stats), expected)
+
+
+def test_in_place_statistics_deferred_to_a_batch_are_filled() -> None:
+    x = finite_sample((32, 64), 3)
+    expected = quantize(x, "fp8_e4m3", "tensor", with_stats=True, backend="reference")[1].as_tensor()
+    batch = StatsBatch()
+    with batch.collecting():
+        _, stats = quantize(x, "fp8_e4m3", "tensor", with_stats=True, backend="reference", out=x)
+    assert batch.flush() == FlushResult()
+    assert torch.allclose(stats.as_tensor(), expected, rtol=1e-6, atol=0)
 
 
 def test_out_receives_the_values_on_every_backend() -> None:
@@ -220,7 +270,7 @@ def test_unsupported_quantizations_raise_clearly_and_auto_moves_on(
     assert torch.equal(auto, reference)
 
 
-def test_auto_runs_the_native_kernels_for_large_float32_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_runs_the_native_kernels_from_its_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real = native.quantize_native
 
@@ -229,7 +279,7 @@ def test_auto_runs_the_native_kernels_for_large_float32_tensors(monkeypatch: pyt
         return real(*args, **kwargs)
 
     monkeypatch.setattr(native, "quantize_native", spy)
-    monkeypatch.setattr(api_module, "AUTO_COMPILE_MIN_NUMEL", 1000)
+    monkeypatch.setattr(api_module, "AUTO_NATIVE_MIN_NUMEL", 1000)
     quantize(torch.randn(10, 10), "mxfp4")
     assert calls == []
     quantize(torch.randn(40, 64), "mxfp4")
@@ -260,6 +310,9 @@ def test_builds_are_cached_by_source_flags_and_machine(tmp_path: Path) -> None:
     built = first.stat().st_mtime_ns
     assert native.build(tmp_path) == first
     assert first.stat().st_mtime_ns == built
+    umask = os.umask(0)
+    os.umask(umask)
+    assert first.stat().st_mode & 0o777 == 0o755 & ~umask  # readable by the other users of a shared cache
     assert first.parent == tmp_path
     assert first.name.startswith("native-")
 
@@ -315,6 +368,7 @@ def test_one_pass_statistics_hold_1e6_against_float64(case: str) -> None:
 @pytest.mark.parametrize(
     ("x", "q"),
     [
+        (torch.randn(64), torch.randn(32)),  # not the same size: never read past the shorter one
         (torch.tensor([1.0, float("nan"), 2.0] * 7), torch.tensor([1.0, 0.0, 2.0] * 7)),
         (torch.tensor([1.0, 2.0] * 9), torch.tensor([1.0, float("inf")] * 9)),
         (torch.full((40,), 1e-30), torch.full((40,), 1.5e-30)),
@@ -341,3 +395,32 @@ def test_error_stats_use_the_one_pass_kernel_once_loaded(monkeypatch: pytest.Mon
     numpy_path = error_stats(x, q, "fp8_e4m3").as_tensor()
     assert calls == [x.numel()]
     assert torch.allclose(fast, numpy_path, rtol=1e-6, atol=0)
+
+
+def test_the_tensor_scale_is_the_references_over_the_float32_range() -> None:
+    bits = torch.cat(
+        [
+            torch.randint(0, 0x7F800000, (4000,), generator=torch.Generator().manual_seed(2), dtype=torch.int32),
+            torch.tensor([0, 1, 2, 0x7FFFFF, 0x800000, 0x3F800000, 0x3F800001, 0x7F7FFFFF], dtype=torch.int32),
+        ]
+    )
+    amaxes = bits.view(torch.float32)
+    for fmt in ["fp8_e4m3", "fp8_e5m2", "fp4_e1m2"]:
+        element = FORMATS[fmt]
+        for pow2 in (False, True):
+            for margin in (0, 3, 200):
+                spec = ScalingSpec(Scaling.TENSOR, pow2=pow2, margin=margin)
+                expected = amax_to_scale(amaxes, element, pow2=pow2, margin=margin)
+                got = torch.tensor([native.tensor_scale_value(a, element, spec) for a in amaxes.tolist()])
+                assert_bitwise_equal(got, expected)
+
+
+def test_a_child_forked_while_the_library_is_being_built_can_build_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_LOADED", None)
+    with native._LOCK:  # as the agent's background build holds it
+        pid = os.fork()
+        if pid == 0:  # the child: it must not wait forever for a lock no thread of its own holds
+            signal.alarm(60)
+            os._exit(0 if native.available() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
