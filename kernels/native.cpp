@@ -268,7 +268,7 @@ struct Sums {
     float amax;
     std::memcpy(&amax, &largest, sizeof amax);
     total.amax = amax;
-    total.nonfinite = largest >= EXPONENT_BITS;  // one or more: the caller declines the tensor either way
+    total.nonfinite += largest >= EXPONENT_BITS;  // one or more: the caller declines the tensor either way
     return total;
   }
 };
@@ -435,6 +435,25 @@ void cast_any(const Job& job, int64_t lo, int64_t hi, Sums& sums) {
   }
 }
 
+// Runs body(lo, hi, sums) on each of `threads` threads' ranges and combines their partial sums into `stats`.
+template <typename Body>
+void each_thread(int64_t n, int threads, double* stats, Body body) {
+  Partial parts[MAX_THREADS];
+  int used = 1;
+  threads = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t lo, hi;
+    thread_range(n, &lo, &hi);
+#pragma omp single
+    used = omp_get_num_threads();
+    Sums s;
+    body(lo, hi, s);
+    parts[omp_get_thread_num()] = s.finish();
+  }
+  combine(parts, used, stats);
+}
+
 }  // namespace
 
 extern "C" {
@@ -444,16 +463,7 @@ extern "C" {
 // `block_amax` as well.
 int qw_scan(const float* x, int64_t n, int block, float* block_amax, double* stats, int threads) {
   if (block != 0 && (block != L || n % L != 0)) return BAD_ARGUMENT;
-  Partial parts[MAX_THREADS];
-  int used = 1;
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
-#pragma omp parallel num_threads(threads)
-  {
-    int64_t lo, hi;
-    thread_range(n, &lo, &hi);
-#pragma omp single
-    used = omp_get_num_threads();
-    Sums s;
+  each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& s) {
     int64_t i = lo;
     if (block) {  // n is a whole number of blocks of 16: one vector each, their maxima 16 at a time
       for (; i < hi; i += L * L) {
@@ -474,9 +484,7 @@ int qw_scan(const float* x, int64_t n, int block, float* block_amax, double* sta
       s.next_vector();
     }
     if (i < hi) scan_vector(s, load_tail(x + i, hi - i));
-    parts[omp_get_thread_num()] = s.finish();
-  }
-  combine(parts, used, stats);
+  });
   return stats[9] > 0 ? NONFINITE : OK;
 }
 
@@ -491,16 +499,7 @@ int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, in
   }
   Job job{x, q, n, make_format(mantissa_bits, emin, emax, max_value), mode, block, emax, scale, block_amax,
           block_scale, make_format(3, -6, 8, 448.0f), stream != 0, may_clip != 0};
-  Partial parts[MAX_THREADS];
-  int used = 1;
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
-#pragma omp parallel num_threads(threads)
-  {
-    int64_t lo, hi;
-    thread_range(n, &lo, &hi);
-#pragma omp single
-    used = omp_get_num_threads();
-    Sums s;
+  each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& s) {
     if (job.may_clip) {
       cast_any<true>(job, lo, hi, s);
     } else {
@@ -509,9 +508,7 @@ int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, in
 #if defined(__AVX512F__)
     if (stream) _mm_sfence();  // each thread's streaming stores are weakly ordered: fence them before the barrier
 #endif
-    parts[omp_get_thread_num()] = s.finish();
-  }
-  combine(parts, used, stats);
+  });
   return stats[9] > 0 ? NONFINITE : OK;
 }
 
@@ -520,20 +517,9 @@ int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, in
 // from `overflow` (one byte per element, 0 or 1; null: none). Returns NONFINITE when some x or q is NaN or ±inf.
 int qw_stats(const float* x, const float* q, const uint8_t* overflow, int64_t n, double* stats, int threads) {
   typedef uint8_t vb __attribute__((vector_size(16)));
-  Partial parts[MAX_THREADS];
-  int used = 1;
-  uint32_t q_bits[MAX_THREADS] = {0};
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
-#pragma omp parallel num_threads(threads)
-  {
-    int64_t lo, hi;
-    thread_range(n, &lo, &hi);
-#pragma omp single
-    used = omp_get_num_threads();
-    Sums s;
+  each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& s) {
     vu q_largest{};
-    int64_t i = lo;
-    for (; i < hi; i += L) {
+    for (int64_t i = lo; i < hi; i += L) {
       bool whole = i + L <= hi;
       vf xv = whole ? load(x + i) : load_tail(x + i, hi - i);
       vf qv = whole ? load(q + i) : load_tail(q + i, hi - i);
@@ -549,12 +535,8 @@ int qw_stats(const float* x, const float* q, const uint8_t* overflow, int64_t n,
       }
       s.next_vector();
     }
-    Partial part = s.finish();
-    for (int j = 0; j < L; j++) q_bits[omp_get_thread_num()] |= q_largest[j] >= EXPONENT_BITS;
-    parts[omp_get_thread_num()] = part;
-  }
-  combine(parts, used, stats);
-  for (int t = 0; t < used; t++) stats[9] += q_bits[t];
+    for (int j = 0; j < L; j++) s.total.nonfinite += q_largest[j] >= EXPONENT_BITS;
+  });
   return stats[9] > 0 ? NONFINITE : OK;
 }
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from quantwatch.kernels import ErrorStats
+from quantwatch.kernels.formats import FormatSpec
 
 # Independent oracles for the formats ml_dtypes implements (OCP OFP8 / OCP MX element and scale formats).
 ML_DTYPES = {
@@ -97,12 +98,64 @@ def assert_same(fast: tuple[torch.Tensor, ErrorStats], reference: tuple[torch.Te
     assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got, expected)
 
 
+def assert_fields_match_float64(
+    fields: list[float], x: torch.Tensor, q: torch.Tensor, overflow: torch.Tensor | None = None
+) -> None:
+    """`ErrorStats` fields (``FIELDS`` order) of finite x and q against numpy's float64: sums within 1e-6 (Σqx
+    against the norms, since it may cancel), the largest error within one float32 rounding, the rest exact."""
+    got = dict(zip(ErrorStats.FIELDS, fields, strict=True))
+    x64, q64 = x.double().numpy(), q.double().numpy()
+    err = q64 - x64
+    expected = {"sum_x2": (x64 * x64).sum(), "sum_q2": (q64 * q64).sum(), "sum_err2": (err * err).sum()}
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(float(value), rel=1e-6, abs=0), name
+    assert abs(got["sum_qx"] - float((q64 * x64).sum())) <= 1e-6 * math.sqrt(expected["sum_x2"] * expected["sum_q2"])
+    assert got["max_abs_err"] == pytest.approx(float(np.abs(err).max()), rel=2**-24, abs=0)
+    assert got["amax"] == float(np.abs(x64).max())
+    assert got["nonzero_count"] == int((x64 != 0).sum())
+    assert got["underflow_count"] == int(((x64 != 0) & (q64 == 0)).sum())
+    assert got["overflow_count"] == (int(overflow.sum()) if overflow is not None else 0)
+    assert (got["numel"], got["nonfinite_count"]) == (x.numel(), 0)
+
+
+def rounding_cases(fmt: FormatSpec, finite: bool = False) -> torch.Tensor:
+    """Every float32 binade from below the format's subnormals to above its maximum, with each mantissa prefix one
+    bit longer than the format's and every low-bit pattern that decides a rounding (zero: a tie or exact; one; all
+    ones; the half point and its neighbours), both signs; plus zeros, float32 subnormals and (unless ``finite``)
+    ±inf and NaN."""
+    drop = 22 - fmt.mantissa_bits
+    prefixes = torch.arange(1 << (fmt.mantissa_bits + 1), dtype=torch.int64) << drop
+    low = torch.tensor([0, 1, 2, (1 << drop) - 1, (1 << (drop - 1)) - 1, 1 << (drop - 1), (1 << (drop - 1)) + 1])
+    mantissas = (prefixes[:, None] | low[None, :]).reshape(-1)
+    fields = torch.arange(127 + fmt.emin - fmt.mantissa_bits - 4, 127 + fmt.emax + 4, dtype=torch.int64)
+    bits = ((fields[:, None] << 23) | mantissas[None, :]).reshape(-1)
+    subnormal = torch.tensor([0, 1, 2, 0x400000, 0x7FFFFF], dtype=torch.int64)
+    special = torch.tensor([] if finite else [0x7F800000, 0x7FC00000, 0x7F800001], dtype=torch.int64)
+    positive = torch.cat([bits, subnormal, special])
+    patterns = torch.cat([positive, positive | (1 << 31)])
+    return torch.where(patterns >= 1 << 31, patterns - (1 << 32), patterns).to(torch.int32).view(torch.float32)
+
+
+def nvfp4_block_sweep() -> torch.Tensor:
+    """NVFP4 blocks whose amaxes sweep whole E4M3 rounding intervals, from just past each tie (where the block scale
+    rounds down the most) in every binade the block scales span: where an E2M1 value would clip if any could."""
+    generator = torch.Generator().manual_seed(13)
+    steps = torch.arange(256, dtype=torch.float32)
+    block_amax = (1 + steps / 256) * torch.exp2(torch.arange(-12, 9, dtype=torch.float32))[:, None]
+    blocks = torch.rand((*block_amax.shape, 16), generator=generator) * block_amax[..., None]
+    blocks[..., 3] = block_amax
+    return blocks.reshape(-1, 64).contiguous()
+
+
 class BackendCheck:
     """Inputs and the comparison of the fast-path tests (test_backends, and triton_interpreted_checks in the
     process it starts)."""
 
     sample = staticmethod(sample)
     assert_same = staticmethod(assert_same)
+    nvfp4_block_sweep = staticmethod(nvfp4_block_sweep)
+    rounding_cases = staticmethod(rounding_cases)
+    assert_fields_match_float64 = staticmethod(assert_fields_match_float64)
 
 
 @pytest.fixture

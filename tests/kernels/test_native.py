@@ -53,21 +53,6 @@ def assert_bitwise_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert bool(same.all()), (got[~same][:5], expected[~same][:5])
 
 
-def finite_rounding_cases(fmt: str) -> torch.Tensor:
-    """Every float32 binade around the format's range, each with the low-bit patterns that decide a rounding (exact,
-    one ulp, the half point and its neighbours, all ones), both signs, plus zeros and float32 subnormals."""
-    spec = FORMATS[fmt]
-    drop = 22 - spec.mantissa_bits
-    prefixes = torch.arange(1 << (spec.mantissa_bits + 1), dtype=torch.int64) << drop
-    low = torch.tensor([0, 1, 2, (1 << drop) - 1, (1 << (drop - 1)) - 1, 1 << (drop - 1), (1 << (drop - 1)) + 1])
-    mantissas = (prefixes[:, None] | low[None, :]).reshape(-1)
-    fields = torch.arange(127 + spec.emin - spec.mantissa_bits - 4, 127 + spec.emax + 4, dtype=torch.int64)
-    bits = ((fields[:, None] << 23) | mantissas[None, :]).reshape(-1)
-    positive = torch.cat([bits, torch.tensor([0, 1, 2, 0x400000, 0x7FFFFF], dtype=torch.int64)])
-    patterns = torch.cat([positive, positive | (1 << 31)])
-    return torch.where(patterns >= 1 << 31, patterns - (1 << 32), patterns).to(torch.int32).view(torch.float32)
-
-
 def finite_sample(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """Seeded values spanning 16 binades, the first two -0.0 and +0.0 (the sign of zero must survive)."""
     generator = torch.Generator().manual_seed(seed)
@@ -79,7 +64,7 @@ def finite_sample(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", FLOAT_FORMATS)
 def test_plain_cast_matches_the_reference_on_every_rounding_case(fmt: str, backends: Any) -> None:
-    x = finite_rounding_cases(fmt)
+    x = backends.rounding_cases(FORMATS[fmt], finite=True)
     modes = [True] if FORMATS[fmt].special is not Special.NONE else [True, False]
     for saturate in modes:
         result = run_native(x, fmt, "none", saturate)
@@ -141,12 +126,7 @@ def test_a_given_scale_clips_and_counts_overflow(backends: Any) -> None:
 def test_nvfp4_never_clips_where_block_scales_round_down(backends: Any) -> None:
     # Block amaxes swept across whole E4M3 rounding intervals in every binade the block scales span (see the same
     # test of the compiled path): the kernels count no NVFP4 E2M1 overflow, and the reference agrees.
-    generator = torch.Generator().manual_seed(13)
-    steps = torch.arange(256, dtype=torch.float32)
-    block_amax = (1 + steps / 256) * torch.exp2(torch.arange(-12, 9, dtype=torch.float32))[:, None]
-    blocks = torch.rand((*block_amax.shape, 16), generator=generator) * block_amax[..., None]
-    blocks[..., 3] = block_amax
-    x = blocks.reshape(-1, 64).contiguous()
+    x = backends.nvfp4_block_sweep()
     result = run_native(x, "nvfp4", None)
     assert result is not None
     ref = quantize(x, "nvfp4", with_stats=True, backend="reference")
@@ -342,23 +322,11 @@ def _stats_pairs() -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor |
 
 
 @pytest.mark.parametrize("case", list(_stats_pairs()))
-def test_one_pass_statistics_hold_1e6_against_float64(case: str) -> None:
+def test_one_pass_statistics_hold_1e6_against_float64(case: str, backends: Any) -> None:
     x, q, overflow = _stats_pairs()[case]
     fields = native.stats_fields(x, q, overflow)
     assert fields is not None
-    got = dict(zip(ErrorStats.FIELDS, fields, strict=True))
-    x64, q64 = x.double().numpy(), q.double().numpy()
-    err = q64 - x64
-    expected = {"sum_x2": (x64 * x64).sum(), "sum_q2": (q64 * q64).sum(), "sum_err2": (err * err).sum()}
-    for name, value in expected.items():
-        assert got[name] == pytest.approx(float(value), rel=1e-6, abs=0), name
-    assert abs(got["sum_qx"] - float((q64 * x64).sum())) <= 1e-6 * math.sqrt(expected["sum_x2"] * expected["sum_q2"])
-    assert got["max_abs_err"] == pytest.approx(float(abs(err).max()), rel=2**-24, abs=0)
-    assert got["amax"] == float(abs(x64).max())
-    assert got["nonzero_count"] == int((x64 != 0).sum())
-    assert got["underflow_count"] == int(((x64 != 0) & (q64 == 0)).sum())
-    assert got["overflow_count"] == (int(overflow.sum()) if overflow is not None else 0)
-    assert (got["numel"], got["nonfinite_count"]) == (x.numel(), 0)
+    backends.assert_fields_match_float64(list(fields), x, q, overflow)
     if case == "equal":
         assert ErrorStats.from_tensor(torch.tensor(fields)).to_dict()["cosine"] == 1.0
     if case == "negated":
