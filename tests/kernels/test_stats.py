@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -385,3 +386,35 @@ def test_comparison_fields_match_numpy(error: bool) -> None:
         assert got[4] == pytest.approx(float(expected[3]), rel=1e-5)
     assert [math.isnan(v) for v in got[4:7]] == [not error, True, True]
     assert got[7:] == (0.0, 0.0, 0.0, 0.0)
+
+
+def test_comparison_fields_of_strided_and_differently_shaped_tensors_match_their_flat_values() -> None:
+    # The NumPy views are flattened, never broadcast: a transposed (non-contiguous) reference against a flat value,
+    # and a (50, 1) column against a (1, 50) row, compare element by element in storage order of each's values.
+    x, q = _pair(6, 1200)
+    strided = x.reshape(30, 40).T  # values in the order x.reshape(30, 40).T.reshape(-1)
+    got = comparison_fields(strided, q)
+    x64, q64 = strided.reshape(-1).double().numpy(), q.double().numpy()
+    assert got[1] == pytest.approx(float(x64 @ x64), rel=1e-6)
+    assert got[3] == pytest.approx(float(q64 @ x64), rel=1e-6)
+    assert got[4] == pytest.approx(float(((q64 - x64) ** 2).sum()), rel=1e-6)
+    column, row = x[:50].reshape(50, 1), q[:50].reshape(1, 50)
+    flat_err2 = float(((q[:50].double() - x[:50].double()) ** 2).sum())
+    assert comparison_fields(column, row)[4] == pytest.approx(flat_err2, rel=1e-6)  # not over 2,500 broadcast pairs
+    with pytest.raises(ValueError, match="shape"):
+        comparison_fields(x[:50], q[:49])
+
+
+def test_comparison_fields_of_non_finite_tensors_raise_no_warning() -> None:
+    # An infinity in both tensors makes q − x NaN (inf − inf), one in q alone makes it infinite: the sums say so and
+    # NumPy's floating-point warnings stay silent (they would raise in a program run with -W error).
+    x = torch.ones(1000)
+    q = x.clone()
+    x[3] = q[3] = float("inf")
+    q[5] = float("inf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        both = comparison_fields(x, q)
+        one = comparison_fields(torch.ones(1000), q.nan_to_num(posinf=1.0).index_fill(0, torch.tensor([5]), math.inf))
+    assert [math.isinf(both[1]), math.isinf(both[2]), math.isnan(both[4])] == [True, True, True]
+    assert [math.isfinite(one[1]), math.isinf(one[2]), math.isinf(one[4])] == [True, True, True]
