@@ -287,7 +287,7 @@ class Monitor:
         self._last_step_time = time.perf_counter()
         self._window_seconds = 0.0
         self._closed = False
-        self._arm_for(0)
+        self._arm(self._metrics_at(0))
         _MONITORS.add(self)
 
     # ----------------------------------------------------------------------------------------------- public API
@@ -389,20 +389,33 @@ class Monitor:
             kinds |= _METRIC_KINDS[metric]
         return frozenset(kinds)
 
-    def _arm_for(self, step: int) -> None:
-        """Arm the hooks when ``step`` is the next sampled step (the gate: one integer comparison otherwise)."""
+    def _metrics_at(self, step: int) -> frozenset[str]:
+        """The metrics measured at ``step``; empty unless it is the next sampled step (the gate: one integer
+        comparison then)."""
         if self._next_sampled is not None and self._next_sampled < step:
             self._next_sampled = self.schedule.next_step(step)
         if self._next_sampled != step:
+            return frozenset()
+        return self.schedule.metrics_at(step)
+
+    def _arm(self, metrics: frozenset[str]) -> None:
+        """Install the hooks that measuring ``metrics`` needs (none for an empty set)."""
+        if not metrics:
             return
-        self._armed = self.schedule.metrics_at(step)
-        kinds = self._kinds(self._armed)
+        self._armed = metrics
+        kinds = self._kinds(metrics)
         with self._lock:
             for adapter in self._adapters:
                 adapter.arm(kinds)
         if kinds & {KIND_WEIGHT, KIND_INPUT, KIND_GRAD}:
             self._model_hook = self._model.register_forward_hook(self._deferred.on_model_forward)
             self._optimizer_hook = register_optimizer_step_pre_hook(self._deferred.on_optimizer_step)
+
+    def _end_step(self, adapters: list[LayerAdapter]) -> None:
+        """Between two sampled steps that need the same hooks: keep them; compute the deferred statistics."""
+        for adapter in adapters:
+            adapter.end_step()
+        self._deferred.flush()
 
     def _disarm(self, adapters: list[LayerAdapter]) -> None:
         """Remove every hook; compute the deferred statistics of the step."""
@@ -438,15 +451,23 @@ class Monitor:
                     shadow_loss = self._shadow.train_step(shadow_closure)
                 except Exception as exc:
                     self.failures.record("shadow_step", f"the shadow model's step failed: {exc}", exc)
+        upcoming = self._metrics_at(current + 1)
         if self._armed:
             armed = self._armed
-            self._armed = frozenset()
             with self._lock:
                 adapters = list(self._adapters)
-            self._disarm(adapters)
+            if upcoming and self._kinds(upcoming) == self._kinds(armed):
+                # every=1 and the like: the next step needs the same hooks, so they stay (removing and installing
+                # them again costs more than a step's comparisons of a small layer).
+                self._armed = upcoming
+                self._end_step(adapters)
+                upcoming = frozenset()
+            else:
+                self._armed = frozenset()
+                self._disarm(adapters)
             self._sampled_steps += 1
             self._submit(current, armed, adapters, step_seconds, tokens, shadow_loss, scalars)
-        self._arm_for(current + 1)
+        self._arm(upcoming)
 
     def _submit(
         self,

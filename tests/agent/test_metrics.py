@@ -221,6 +221,65 @@ def test_quant_linear_update_cosine_from_its_direct_reference_gradient(monkeypat
     assert sink.value("update_cosine", "0", 0) == pytest.approx(dots / math.sqrt(qn * rn), rel=1e-5)
 
 
+def test_consecutive_sampled_steps_keep_the_hooks_and_forget_unpaired_reference_gradients() -> None:
+    # every=1: the hooks stay from one sampled step to the next (one forward hook, one weight hook, however many
+    # forwards), and a reference gradient left without its weight gradient (a backward to the input only) is
+    # forgotten at monitor.step instead of being paired with the next step's weight gradient.
+    from quantwatch.kernels import QuantLinear, QuantSpec, quantize
+
+    torch.manual_seed(4)
+    layer = QuantLinear(8, 4, weight=QuantSpec("fp8_e4m3"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2"))
+    captured: list[tuple[Tensor, Tensor]] = []
+
+    def on_output(m: nn.Module, a: tuple[Tensor, ...], o: Tensor) -> None:
+        o.register_hook(lambda g: captured.append((a[0].detach(), g.detach())))
+
+    layer.register_forward_hook(on_output)
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(nn.Sequential(layer), run="keep", exporter=sink, metrics=["update_cosine"], every=1)
+    forward_hooks = len(layer._forward_hooks)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    torch.autograd.grad(layer(x).square().mean(), x)  # output gradient, no weight gradient
+    monitor.step()
+    assert len(layer._forward_hooks) == forward_hooks
+    for _ in range(2):
+        layer(torch.randn(3, 5, 8)).square().mean().backward()
+    assert len(layer.weight._backward_hooks) == 1  # type: ignore[attr-defined]
+    monitor.step()
+    assert monitor.close(10)
+    assert len(layer._forward_hooks) == forward_hooks - 1
+    assert not layer.weight._backward_hooks  # type: ignore[attr-defined]
+    assert [sorted(r.metrics) for _, r in sink.records()] == [[], ["update_cosine"]]  # nothing measured at step 0
+    dots = qn = rn = 0.0
+    for xin, dy in captured[1:]:
+        q = quantize(dy, "fp8_e5m2", "tensor").reshape(-1, 4).T @ quantize(xin, "fp8_e4m3", "tensor").reshape(-1, 8)
+        r = dy.reshape(-1, 4).T @ xin.reshape(-1, 8)
+        dots += float((q.double() * r.double()).sum())
+        qn += float(q.double().square().sum())
+        rn += float(r.double().square().sum())
+    assert len(captured) == 3
+    assert sink.value("update_cosine", "0", 1) == pytest.approx(dots / math.sqrt(qn * rn), rel=1e-5)
+
+
+def test_hooks_follow_the_kinds_each_step_needs() -> None:
+    # output_rel_l2 every step, update_cosine every other: the weight hook is there on even steps only, and each
+    # step reports what it sampled.
+    model = _model()
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="kinds", exporter=sink, metrics={"output_rel_l2": 1, "update_cosine": 2})
+    x, y = _batch()
+    weight_hooks = []
+    for step in range(4):
+        F.mse_loss(model(x), y).backward()
+        weight_hooks.append(len(model[0].weight._backward_hooks or {}))  # type: ignore[attr-defined]
+        model.zero_grad()
+        monitor.step(step)
+    assert monitor.close(10)
+    assert weight_hooks == [1, 0, 1, 0]
+    assert [sorted(r.metrics) for _, r in sink.records()] == [["output_rel_l2", "update_cosine"], ["output_rel_l2"]] * 2
+    assert all(v is not None for _, r in sink.records() for values in r.metrics.values() for v in values)
+
+
 def test_non_finite_input_is_counted_not_raised() -> None:
     model = _model()
     sink = qw.InMemoryExporter()
