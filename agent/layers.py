@@ -214,7 +214,8 @@ class LayerAdapter:
         return None
 
     def scale(self) -> Tensor | None:
-        """The most recent scale of the activation quantizer, as a 0-dim tensor (largest value when per block)."""
+        """The most recent scale of the activation quantizer, as a 0-dim tensor of a floating dtype (largest value
+        when per block)."""
         return None
 
     def record(self, kind: int, stats: ErrorStats) -> None:
@@ -405,7 +406,7 @@ class ModuleAdapter(_ShadowedModuleAdapter):
         last = getattr(quantizer, "last_scale", None)
         if not isinstance(last, Tensor) or last.numel() == 0:
             return None
-        return last.detach().amax().to(torch.float64)
+        return last.detach().reshape(()) if last.numel() == 1 else last.detach().amax()
 
     def arm(self, kinds: frozenset[int]) -> None:
         """Also set the module's observer when quantization statistics are wanted."""

@@ -86,7 +86,8 @@ _METRIC_KINDS: dict[str, frozenset[int]] = {
 _FIELDS = ErrorStats.FIELDS
 _NF = len(_FIELDS)
 _NK = len(KIND_NAMES)
-_ROW = _NK * _NF + 1  # per layer: every kind's partial sums, then the scale
+_SUMS = _NK * _NF  # per layer: every kind's partial sums (the scales follow those of every layer)
+_ROW = _SUMS + 1  # per layer, as `_derive` takes them: the sums, then the scale
 _SCALAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -278,7 +279,7 @@ class Monitor:
         if reporting and self._device.type == "cpu":
             native_kernels.prepare_in_background()  # one-pass CPU statistics, once built; NumPy's until then
         self._nan_row = torch.full((_NF,), float("nan"), dtype=torch.float64, device=self._device)
-        self._nan = self._nan_row[0]
+        self._nan32 = torch.full((), float("nan"), device=self._device)
         self._steps_seen = 0
         self._sampled_steps = 0
         self._next_step = 0
@@ -487,13 +488,20 @@ class Monitor:
                     adapter.record(KIND_DRIFT, comparison_stats(shadow_weight, weight, batch=self._deferred.batch))
         rows: list[Tensor] = []
         present: list[list[bool]] = []
+        scales: list[Tensor] = []
+        device, nan_row, with_scale = self._device, self._nan_row, "scale" in armed
         for adapter in adapters:
             taken = adapter.take()
             present.append([s is not None for s in taken])
-            rows.extend(self._nan_row if s is None else s.as_tensor().to(self._device) for s in taken)
-            scale = adapter.scale() if "scale" in armed else None
+            for stats in taken:
+                # Few torch calls per layer: each costs several times its warm cost at the end of a step.
+                row = nan_row if stats is None else stats.as_tensor()
+                rows.append(row if row.device == device else row.to(device))
+            scale = adapter.scale() if with_scale else None
             present[-1].append(scale is not None)
-            rows.append((self._nan if scale is None else scale.to(self._device)).reshape(1))
+            scales.append(self._nan32 if scale is None else scale if scale.device == device else scale.to(device))
+        if scales:  # every layer's scale after every layer's sums: one float64 conversion for all of them
+            rows.append(torch.stack(scales).to(torch.float64))
 
         host_scalars: dict[str, float] = {"step_seconds": step_seconds}
         if self._window_seconds > 0:
@@ -539,7 +547,8 @@ class Monitor:
         def resolve() -> StepRecord:
             values = reader.read()
             n = len(layers)
-            metrics = _derive(values[: n * _ROW].reshape(n, _ROW), present, metric_names)
+            sums, scales = values[: n * _SUMS].reshape(n, _SUMS), values[n * _SUMS : n * _ROW]
+            metrics = _derive(np.concatenate([sums, scales[:, None]], axis=1), present, metric_names)
             scalars = dict(host_scalars)
             scalars.update(zip(tensor_names, values[n * _ROW :].tolist(), strict=True))
             return StepRecord(step, wall_time, metrics, scalars)
