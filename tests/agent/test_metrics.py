@@ -261,6 +261,33 @@ def test_consecutive_sampled_steps_keep_the_hooks_and_forget_unpaired_reference_
     assert sink.value("update_cosine", "0", 1) == pytest.approx(dots / math.sqrt(qn * rn), rel=1e-5)
 
 
+class _SecondOutputLinear(ProtocolLinear):
+    """ProtocolLinear whose output is the second output of a multi-output autograd node (unbind)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x)
+        return torch.stack([torch.zeros_like(y), y]).unbind(0)[1]
+
+
+def test_update_cosine_follows_the_output_of_a_multi_output_node() -> None:
+    # The output gradient is read from the output's autograd node by the output's index: for the second output of
+    # an unbind, update_cosine is the plain layer's figure (index 0 would find no gradient and report nothing).
+    figures = []
+    for layer_type in (ProtocolLinear, _SecondOutputLinear):
+        torch.manual_seed(0)
+        model = nn.Sequential(layer_type(8, 16), nn.Tanh(), layer_type(16, 4))
+        sink = qw.InMemoryExporter()
+        monitor = qw.attach(model, run="nr", exporter=sink, metrics=["update_cosine", "output_rel_l2"], every=1)
+        x, y = _batch()
+        F.mse_loss(model(x), y).backward()
+        monitor.step()
+        assert monitor.close(10)
+        figures.append([sink.value(m, layer, 0) for m in ("update_cosine", "output_rel_l2") for layer in ("0", "2")])
+    assert model[2](torch.ones(1, 16)).grad_fn.name() == "UnbindBackward0"
+    assert all(v is not None for v in figures[1])
+    assert figures[1] == pytest.approx(figures[0], rel=1e-6)
+
+
 def test_hooks_follow_the_kinds_each_step_needs() -> None:
     # output_rel_l2 every step, update_cosine every other: the weight hook is there on even steps only, and each
     # step reports what it sampled.
