@@ -279,7 +279,7 @@ class Monitor:
         if reporting and self._device.type == "cpu":
             native_kernels.prepare_in_background()  # one-pass CPU statistics, once built; NumPy's until then
         self._nan_row = torch.full((_NF,), float("nan"), dtype=torch.float64, device=self._device)
-        self._nan32 = torch.full((), float("nan"), device=self._device)
+        self._nan_scale = torch.full((), float("nan"), device=self._device)
         self._steps_seen = 0
         self._sampled_steps = 0
         self._next_step = 0
@@ -499,7 +499,7 @@ class Monitor:
                 rows.append(row if row.device == device else row.to(device))
             scale = adapter.scale() if with_scale else None
             present[-1].append(scale is not None)
-            scales.append(self._nan32 if scale is None else scale if scale.device == device else scale.to(device))
+            scales.append(self._nan_scale if scale is None else scale if scale.device == device else scale.to(device))
         if scales:  # every layer's scale after every layer's sums: one float64 conversion for all of them
             rows.append(torch.stack(scales).to(torch.float64))
 
