@@ -131,10 +131,20 @@ inline vf maxima16(const vf* v) {
 
 // The float32 lanes of a run, added into float64 lanes (two conversions of eight floats: no horizontal sum).
 inline void spill(vd& total, vf run) {
+  // Without taking run's address: a run whose address is taken lives in memory, loaded and stored every vector.
+#if defined(__AVX512F__)
+  __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)run), 1));
+  total += (vd)_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)run)) + (vd)_mm512_cvtps_pd(high);
+#elif !defined(QW_SHUFFLE_BY_MASK)
+  vh low = __builtin_shufflevector(run, run, 0, 1, 2, 3, 4, 5, 6, 7);
+  vh high = __builtin_shufflevector(run, run, 8, 9, 10, 11, 12, 13, 14, 15);
+  total += __builtin_convertvector(low, vd) + __builtin_convertvector(high, vd);
+#else
   vh low, high;
   std::memcpy(&low, &run, sizeof low);
   std::memcpy(&high, reinterpret_cast<const char*>(&run) + sizeof low, sizeof high);
   total += __builtin_convertvector(low, vd) + __builtin_convertvector(high, vd);
+#endif
 }
 
 inline double hsum(vd v) {
@@ -217,27 +227,39 @@ inline void store_tail(float* p, vf v, int64_t count) {
   std::memcpy(p, buffer, count * sizeof(float));
 }
 
-// Accumulators of one thread: float32 runs spilled into float64 lanes, maxima and 32-bit lane counts.
-struct Sums {
-  vd x2{}, q2{}, qx{}, err2{};
-  vf run_x2{}, run_q2{}, run_qx{}, run_err2{};
+// What RUN vectors add: float32 sums, maxima and 32-bit lane counts, kept in registers while they run.
+struct Run {
+  vf x2{}, q2{}, qx{}, err2{};
   vf max_err{}, min_err{};
   vu amax_bits{};
   vi nonzero{}, zeros_q{}, overflow{};
-  int in_run = 0;
-  int64_t counted = 0;  // elements since the 32-bit lane counts were last added into `total`
+};
+
+// One thread's totals: the runs' float32 sums added in float64 lanes, their maxima and counts.
+struct Sums {
+  vd x2{}, q2{}, qx{}, err2{};
+  vf max_err{}, min_err{};
+  vu amax_bits{};
+  vi nonzero{}, zeros_q{}, overflow{};
+  int64_t counted = 0;  // vectors since the 32-bit lane counts were last added into `total`
   Partial total{};
 
-  __attribute__((always_inline)) inline void end_run() {
-    spill(x2, run_x2);
-    spill(q2, run_q2);
-    spill(qx, run_qx);
-    spill(err2, run_err2);
-    run_x2 = run_q2 = run_qx = run_err2 = vf{};
-    in_run = 0;
+  __attribute__((always_inline)) inline void add(const Run& r) {
+    spill(x2, r.x2);
+    spill(q2, r.q2);
+    spill(qx, r.qx);
+    spill(err2, r.err2);
+    max_err = vmax(max_err, r.max_err);
+    min_err = vmin(min_err, r.min_err);
+    amax_bits = r.amax_bits > amax_bits ? r.amax_bits : amax_bits;
+    nonzero += r.nonzero;
+    zeros_q += r.zeros_q;
+    overflow += r.overflow;
+    // Lane counts stay below 2^31: each lane counts one element per vector.
+    if ((counted += RUN) >= (int64_t(1) << 30)) count_lanes();
   }
 
-  __attribute__((always_inline)) inline void count_lanes() {
+  void count_lanes() {
     for (int j = 0; j < L; j++) {
       total.nonzero += nonzero[j];
       total.zeros_q += zeros_q[j];
@@ -247,16 +269,7 @@ struct Sums {
     counted = 0;
   }
 
-  __attribute__((always_inline)) inline void next_vector() {
-    if (++in_run == RUN) {
-      end_run();
-      // Lane counts stay below 2^31: each lane counts one element per vector.
-      if ((counted += RUN) >= (int64_t(1) << 30)) count_lanes();
-    }
-  }
-
   Partial finish() {
-    end_run();
     count_lanes();
     total.sum_x2 += hsum(x2);
     total.sum_q2 += hsum(q2);
@@ -273,26 +286,38 @@ struct Sums {
   }
 };
 
+// body(run, k) for vectors k = 0 … count − 1, in runs of RUN vectors handed to the totals after each: an inner loop
+// without the totals in it, so that the run's accumulators, not the totals, get the registers.
+template <typename Body>
+__attribute__((always_inline)) inline void in_runs(Sums& totals, int64_t count, Body body) {
+  for (int64_t first = 0; first < count; first += RUN) {
+    Run run;
+    int64_t end = first + RUN < count ? first + RUN : count;
+    for (int64_t k = first; k < end; k++) body(run, k);
+    totals.add(run);
+  }
+}
+
 // What the scan pass adds per vector: the largest bit pattern of |x| (the amax when below infinity's, which ordered
 // as unsigned integers the magnitudes of floats are; NaN and ±inf above it), Σx² and the non-zero count.
-inline void scan_vector(Sums& s, vf x) {
+inline void scan_vector(Run& s, vf x) {
   vu a = (vu)x & MAGNITUDE_BITS;
   s.amax_bits = a > s.amax_bits ? a : s.amax_bits;
   s.nonzero = count_if(s.nonzero, x != 0.0f);
-  s.run_x2 += x * x;
+  s.x2 += x * x;
 }
 
 // Σq², Σqx, Σ(q−x)², and max |q − x| (cast_vector: also the zeros of q, all the cast pass adds per vector).
-inline void compare_vector(Sums& s, vf x, vf q) {
+inline void compare_vector(Run& s, vf x, vf q) {
   vf err = q - x;
-  s.run_q2 += q * q;
-  s.run_qx += q * x;
-  s.run_err2 += err * err;
+  s.q2 += q * q;
+  s.qx += q * x;
+  s.err2 += err * err;
   s.max_err = vmax(s.max_err, err);  // and min: max |q − x| is the larger of max and −min
   s.min_err = vmin(s.min_err, err);
 }
 
-inline void cast_vector(Sums& s, vf x, vf q) {
+inline void cast_vector(Run& s, vf x, vf q) {
   compare_vector(s, x, q);
   s.zeros_q = count_if(s.zeros_q, q == 0.0f);
 }
@@ -340,14 +365,12 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
   // Local copies: the stores to q could alias anything reached through a pointer, which would make the compiler
   // write the accumulators back and reload the job's fields on every vector.
   const Job job = job_in;
-  Sums s = sums;
-  const bool scan_here = MODE == PLAIN || MODE == MX_BLOCK;
+  Sums totals = sums;
   const vf tensor_scale = splat(job.scale);
   const vf tensor_inverse = splat(1.0f / job.scale);
-  int64_t i = lo;
   if constexpr (MODE == MX_BLOCK) {  // groups of 16 blocks: their scales as one vector
     const int per_block = job.block / L;
-    for (; i < hi; i += int64_t(job.block) * L) {
+    for (int64_t i = lo; i < hi; i += int64_t(job.block) * L) {
       int64_t blocks = (hi - i) / job.block < L ? (hi - i) / job.block : L;
       vf block_max[L] = {};
       for (int b = 0; b < blocks; b++) {
@@ -356,73 +379,64 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
         for (int k = 1; k < per_block; k++) a = vmax(a, vabs(load(x + k * L)));
         block_max[b] = a;
       }
-      vf scales = mx_scales(maxima16(block_max), job.emax);
-      vf inverses = 1.0f / scales;  // exact: powers of two from 2^-127 to 2^127
-      store_tail(job.block_scale + i / job.block, scales, blocks);
-      for (int b = 0; b < blocks; b++) {
-        vf scale = splat(scales[b]), inverse = splat(inverses[b]);
-        for (int k = 0; k < per_block; k++) {
-          int64_t at = i + int64_t(b) * job.block + k * L;
-          vf x = load(job.x + at);
-          vf q = cast<MAY_CLIP>(x * inverse, job.fmt, s.overflow) * scale;
-          store(job.q + at, q, job.stream);
-          scan_vector(s, x);
-          cast_vector(s, x, q);
-          s.next_vector();
-        }
-      }
+      float scales[L], inverses[L];
+      vf scale_vector = mx_scales(maxima16(block_max), job.emax);
+      store(scales, scale_vector, false);
+      store(inverses, 1.0f / scale_vector, false);  // exact: powers of two from 2^-127 to 2^127
+      store_tail(job.block_scale + i / job.block, scale_vector, blocks);
+      in_runs(totals, blocks * per_block, [&](Run& run, int64_t k) {
+        int64_t b = k / per_block;
+        vf x = load(job.x + i + k * L);
+        vf q = cast<MAY_CLIP>(x * splat(inverses[b]), job.fmt, run.overflow) * splat(scales[b]);
+        store(job.q + i + k * L, q, job.stream);
+        scan_vector(run, x);
+        cast_vector(run, x, q);
+      });
     }
-    sums = s;
-    return;
-  }
-  if constexpr (MODE == NV_BLOCK) {  // blocks of 16: one vector each
-    for (; i < hi; i += L * L) {
+  } else if constexpr (MODE == NV_BLOCK) {  // blocks of 16: one vector each
+    for (int64_t i = lo; i < hi; i += L * L) {
       int64_t blocks = (hi - i) / L < L ? (hi - i) / L : L;
       vf amax = blocks == L ? load(job.block_amax + i / L) : load_tail(job.block_amax + i / L, blocks);
       vi ignored{};
       vf raw = vmin(vmax(amax / job.fmt.max_value / tensor_scale, splat(0.015625f)), splat(448.0f));
       vf block_scale = cast<false>(raw, job.e4m3, ignored);
-      vf element = tensor_scale * block_scale;
-      vf inverses = 1.0f / element;
-      if (blocks == L) {
-        store(job.block_scale + i / L, block_scale, false);
-      } else {
-        store_tail(job.block_scale + i / L, block_scale, blocks);
-      }
-      for (int k = 0; k < blocks; k++) {
+      float element[L], inverses[L];
+      store(element, tensor_scale * block_scale, false);
+      store(inverses, 1.0f / (tensor_scale * block_scale), false);
+      store_tail(job.block_scale + i / L, block_scale, blocks);
+      in_runs(totals, blocks, [&](Run& run, int64_t k) {
         vf x = load(job.x + i + k * L);
         vf scale = splat(element[k]);
-        vf q = cast<MAY_CLIP>(divide(x, scale, splat(inverses[k])), job.fmt, s.overflow) * scale;
+        vf q = cast<MAY_CLIP>(divide(x, scale, splat(inverses[k])), job.fmt, run.overflow) * scale;
         store(job.q + i + k * L, q, job.stream);
-        cast_vector(s, x, q);
-        s.next_vector();
-      }
+        cast_vector(run, x, q);
+      });
     }
-    sums = s;
-    return;
+  } else {
+    auto one = [&](Run& run, int64_t i, int64_t count) {
+      vf x = count == L ? load(job.x + i) : load_tail(job.x + i, count);
+      vf v = MODE == TENSOR ? divide(x, tensor_scale, tensor_inverse) : x;
+      vf q = cast<MAY_CLIP>(v, job.fmt, run.overflow);
+      if (MODE == TENSOR) q = q * tensor_scale;
+      if (count == L) {
+        store(job.q + i, q, job.stream);
+      } else {
+        store_tail(job.q + i, q, count);
+      }
+      if (MODE == PLAIN) scan_vector(run, x);
+      cast_vector(run, x, q);
+    };
+    int64_t whole = (hi - lo) / L;
+    in_runs(totals, whole, [&](Run& run, int64_t k) { one(run, lo + k * L, L); });
+    int64_t rest = hi - lo - whole * L;
+    if (rest) {
+      Run run;
+      one(run, lo + whole * L, rest);
+      totals.add(run);
+      totals.total.zeros_q -= double(L - rest);  // the padding's zeros
+    }
   }
-  for (; i + L <= hi; i += L) {
-    vf x = load(job.x + i);
-    vf v = MODE == TENSOR ? divide(x, tensor_scale, tensor_inverse) : x;
-    vf q = cast<MAY_CLIP>(v, job.fmt, s.overflow);
-    if (MODE == TENSOR) q = q * tensor_scale;
-    store(job.q + i, q, job.stream);
-    if (scan_here) scan_vector(s, x);
-    cast_vector(s, x, q);
-    s.next_vector();
-  }
-  if (i < hi) {
-    int64_t count = hi - i;
-    vf x = load_tail(job.x + i, count);
-    vf v = MODE == TENSOR ? divide(x, tensor_scale, tensor_inverse) : x;
-    vf q = cast<MAY_CLIP>(v, job.fmt, s.overflow);
-    if (MODE == TENSOR) q = q * tensor_scale;
-    store_tail(job.q + i, q, count);
-    if (scan_here) scan_vector(s, x);
-    cast_vector(s, x, q);
-    s.total.zeros_q -= double(L - count);  // the padding's zeros
-  }
-  sums = s;
+  sums = totals;
 }
 
 template <bool MAY_CLIP>
@@ -463,27 +477,28 @@ extern "C" {
 // `block_amax` as well.
 int qw_scan(const float* x, int64_t n, int block, float* block_amax, double* stats, int threads) {
   if (block != 0 && (block != L || n % L != 0)) return BAD_ARGUMENT;
-  each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& s) {
+  each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& totals) {
     int64_t i = lo;
     if (block) {  // n is a whole number of blocks of 16: one vector each, their maxima 16 at a time
       for (; i < hi; i += L * L) {
         int64_t blocks = (hi - i) / L < L ? (hi - i) / L : L;
         vf magnitudes[L] = {};
-        for (int b = 0; b < blocks; b++) {
+        in_runs(totals, blocks, [&](Run& run, int64_t b) {
           vf v = load(x + i + b * L);
           magnitudes[b] = vabs(v);
-          scan_vector(s, v);
-          s.next_vector();
-        }
+          scan_vector(run, v);
+        });
         store_tail(block_amax + i / L, maxima16(magnitudes), blocks);
       }
+      return;
     }
-    for (; i + L <= hi; i += L) {
-      vf v = load(x + i);
-      scan_vector(s, v);
-      s.next_vector();
+    int64_t whole = (hi - lo) / L;
+    in_runs(totals, whole, [&](Run& run, int64_t k) { scan_vector(run, load(x + lo + k * L)); });
+    if (hi - lo > whole * L) {
+      Run run;
+      scan_vector(run, load_tail(x + lo + whole * L, hi - lo - whole * L));
+      totals.add(run);
     }
-    if (i < hi) scan_vector(s, load_tail(x + i, hi - i));
   });
   return stats[9] > 0 ? NONFINITE : OK;
 }
@@ -517,25 +532,25 @@ int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, in
 // from `overflow` (one byte per element, 0 or 1; null: none). Returns NONFINITE when some x or q is NaN or ±inf.
 int qw_stats(const float* x, const float* q, const uint8_t* overflow, int64_t n, double* stats, int threads) {
   typedef uint8_t vb __attribute__((vector_size(16)));
-  each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& s) {
+  each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& totals) {
     vu q_largest{};
-    for (int64_t i = lo; i < hi; i += L) {
+    in_runs(totals, (hi - lo + L - 1) / L, [&](Run& run, int64_t k) {
+      int64_t i = lo + k * L;
       bool whole = i + L <= hi;
       vf xv = whole ? load(x + i) : load_tail(x + i, hi - i);
       vf qv = whole ? load(q + i) : load_tail(q + i, hi - i);
-      scan_vector(s, xv);
-      compare_vector(s, xv, qv);
-      s.zeros_q = count_if(s.zeros_q, (xv != 0.0f) & (qv == 0.0f));
+      scan_vector(run, xv);
+      compare_vector(run, xv, qv);
+      run.zeros_q = count_if(run.zeros_q, (xv != 0.0f) & (qv == 0.0f));
       vu qa = (vu)qv & MAGNITUDE_BITS;
       q_largest = qa > q_largest ? qa : q_largest;
       if (overflow != nullptr) {
         vb bytes{};
         std::memcpy(&bytes, overflow + i, whole ? L : hi - i);
-        s.overflow += __builtin_convertvector(bytes, vi);
+        run.overflow += __builtin_convertvector(bytes, vi);
       }
-      s.next_vector();
-    }
-    for (int j = 0; j < L; j++) s.total.nonfinite += q_largest[j] >= EXPONENT_BITS;
+    });
+    for (int j = 0; j < L; j++) totals.total.nonfinite += q_largest[j] >= EXPONENT_BITS;
   });
   return stats[9] > 0 ? NONFINITE : OK;
 }
