@@ -11,7 +11,7 @@ drift of a shared machine hits all of them alike:
   thread each step (the usual "compute, .item(), add_scalar" pattern; the agent measures, the writer logs).
 
 Part 2 (outage): ``every=1`` against a real collector (a ``quantwatch.service`` app on uvicorn in a subprocess,
-SQLite file); after a normal phase the collector is killed for ``--outage-seconds`` and started again on the same
+SQLite file); after a normal phase (as long as the outage) the collector is killed for ``--outage-seconds`` and started again on the same
 port and database; step-time p99 during the outage vs the normal phase, and points lost (points the agent produced
 minus points the collector holds after recovery).
 
@@ -294,6 +294,15 @@ def overhead(args: argparse.Namespace, collector: Collector, tmp: Path, gate_sec
     return ratios
 
 
+def steps_for(trainer: Trainer, seconds: float) -> list[float]:
+    """Step times of the steps ``trainer`` makes in ``seconds``."""
+    times: list[float] = []
+    stop_at = time.monotonic() + seconds
+    while time.monotonic() < stop_at:
+        times.append(trainer.step())
+    return times
+
+
 def outage(args: argparse.Namespace, collector: Collector, tmp: Path) -> None:
     """Part 2: every=1 run with the collector killed for ``args.outage_seconds``; p99 and points lost."""
     model = make_model()
@@ -302,15 +311,13 @@ def outage(args: argparse.Namespace, collector: Collector, tmp: Path) -> None:
     trainer = Trainer(model, monitor, args.batch, args.seq, False)
     for _ in range(args.warmup):
         trainer.step()
-    normal = [trainer.step() for _ in range(args.normal_steps)]
+    # Each phase lasts as long as the outage, so that the p99s compare tails of as many steps.
+    normal = steps_for(trainer, args.outage_seconds)
     collector.stop()
-    during: list[float] = []
-    stop_at = time.monotonic() + args.outage_seconds
-    while time.monotonic() < stop_at:
-        during.append(trainer.step())
+    during = steps_for(trainer, args.outage_seconds)
     spooled = monitor.stats().get("spooled_batches", 0)
     collector.start()
-    after = [trainer.step() for _ in range(args.normal_steps)]
+    after = steps_for(trainer, args.outage_seconds)
     closed = monitor.close(120)
     stats = monitor.stats()
     held = collector.points("bench-outage")
@@ -333,7 +340,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps-per-round", type=int, default=2)
-    parser.add_argument("--normal-steps", type=int, default=8)
     parser.add_argument("--outage-seconds", type=float, default=30.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-overhead", action="store_true")
