@@ -11,9 +11,9 @@ drift of a shared machine hits all of them alike:
   thread each step (the usual "compute, .item(), add_scalar" pattern; the agent measures, the writer logs).
 
 Part 2 (outage): ``every=1`` against a real collector (a ``quantwatch.service`` app on uvicorn in a subprocess,
-SQLite file); after a normal phase (as long as the outage) the collector is killed for ``--outage-seconds`` and started again on the same
-port and database; step-time p99 during the outage vs the normal phase, and points lost (points the agent produced
-minus points the collector holds after recovery).
+SQLite file); after a normal phase (as long as the outage) the collector is killed for ``--outage-seconds`` and
+started again on the same port and database; step-time p99 during the outage vs the normal phase, and points lost
+(points the agent produced minus points the collector holds after recovery).
 
 Run: ``.venv/bin/python bench/agent_overhead.py`` (needs the ``bench`` extra for TensorBoard).
 """
