@@ -1,11 +1,12 @@
 """The native CPU fast path: quantize and every error statistic in one or two hand-written passes (``native.cpp``).
 
 Where the ``torch.compile`` path is bound by the instructions Inductor generates (~48 AVX-512 instructions per 16
-elements), these kernels round with one float32 addition (see ``native.cpp``) and take about 20, and write the
-quantized copy with streaming stores: quantize + statistics of a large float32 tensor runs close to the speed of
-memory. The source is compiled on first use with the C++ compiler torch.compile uses as well (``$CXX``, else ``c++``)
-for this machine's CPU (``-march=native``, OpenMP), cached under ``$QUANTWATCH_CACHE_DIR`` (default
-``~/.cache/quantwatch``) by a hash of the source, the flags, the compiler and the CPU, and loaded with ctypes.
+elements), these kernels round with one float32 addition (see ``native.cpp``), take 24-42 per 16 elements with every
+statistic, and write large outputs with streaming stores: quantize + statistics of a large float32 tensor costs
+about a read pass more than writing the output at all. The source is compiled on first use with the C++ compiler
+torch.compile uses as well (``$CXX``, else ``c++``) for this machine's CPU (``-march=native``, OpenMP), cached under
+``$QUANTWATCH_CACHE_DIR`` (default ``~/.cache/quantwatch``) by a hash of the source, the flags, the compiler's
+version and the CPU, and loaded with ctypes.
 
 What it runs: contiguous float32 CPU tensors, round to nearest, float element formats (FP8, FP6, FP4), scalings none,
 tensor, delayed, block:16/32/64 and nvblock:16 when the last dimension holds whole blocks, saturating (or a format or
@@ -184,9 +185,7 @@ def build(directory: Path | None = None) -> Path:
         if result.returncode != 0:
             message = (result.stderr or result.stdout).strip()[-2000:]
             raise BackendUnavailableError(f"native backend: {compiler} failed to build {SOURCE.name}:\n{message}")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o755 & ~umask)  # mkstemp made it private: a shared cache serves other users too
+        os.chmod(temporary, 0o755 & ~_umask())  # mkstemp made it private: a shared cache serves other users too
         os.replace(temporary, target)  # atomic: a concurrent build of the same key writes the same bytes
     except (OSError, subprocess.SubprocessError) as error:
         raise BackendUnavailableError(f"native backend: running {compiler} failed: {error}") from error
@@ -194,6 +193,17 @@ def build(directory: Path | None = None) -> Path:
         if os.path.exists(temporary):
             os.unlink(temporary)
     return target
+
+
+def _umask() -> int:
+    # Read, not set and restored: os.umask would change it for every thread of the process for a moment.
+    try:
+        for line in Path("/proc/self/status").read_text(encoding="ascii").splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 _LOCK = threading.Lock()
