@@ -480,8 +480,21 @@ int qw_scan(const float* x, int64_t n, int block, float* block_amax, double* sta
   each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& totals) {
     int64_t i = lo;
     if (block) {  // n is a whole number of blocks of 16: one vector each, their maxima 16 at a time
-      for (; i < hi; i += L * L) {
-        int64_t blocks = (hi - i) / L < L ? (hi - i) / L : L;
+      for (; i + L * L <= hi; i += L * L) {  // 16 blocks: unrolled, their magnitudes stay in registers
+        vf magnitudes[L];
+        Run first, second;
+#pragma GCC unroll 16
+        for (int b = 0; b < L; b++) {
+          vf v = load(x + i + b * L);
+          magnitudes[b] = vabs(v);
+          scan_vector(b < RUN ? first : second, v);
+        }
+        totals.add(first);
+        totals.add(second);
+        store(block_amax + i / L, maxima16(magnitudes), false);
+      }
+      if (i < hi) {
+        int64_t blocks = (hi - i) / L;
         vf magnitudes[L] = {};
         in_runs(totals, blocks, [&](Run& run, int64_t b) {
           vf v = load(x + i + b * L);
