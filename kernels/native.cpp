@@ -322,10 +322,11 @@ inline void cast_vector(Run& s, vf x, vf q) {
   s.zeros_q = count_if(s.zeros_q, q == 0.0f);
 }
 
-template <bool MAY_CLIP>
+// UNBOUNDED: |v| may be anywhere up to float32's maximum (else it is known to stay within 2^(emax + 2)).
+template <bool MAY_CLIP, bool UNBOUNDED = MAY_CLIP>
 inline vf cast(vf v, const Format& f, vi& overflow) {
   vu sign = (vu)v & SIGN_BIT;
-  vf r = round_magnitude<MAY_CLIP>(vabs(v), f);
+  vf r = round_magnitude<UNBOUNDED>(vabs(v), f);
   if (MAY_CLIP) {
     overflow = count_if(overflow, r > f.max_value);
     r = vmin(r, f.max_value);
@@ -360,7 +361,7 @@ struct Job {
   bool may_clip;
 };
 
-template <int MODE, bool MAY_CLIP>
+template <int MODE, bool MAY_CLIP, int PER_BLOCK = 1>
 void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
   // Local copies: the stores to q could alias anything reached through a pointer, which would make the compiler
   // write the accumulators back and reload the job's fields on every vector.
@@ -369,25 +370,31 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
   const vf tensor_scale = splat(job.scale);
   const vf tensor_inverse = splat(1.0f / job.scale);
   if constexpr (MODE == MX_BLOCK) {  // groups of 16 blocks: their scales as one vector
-    const int per_block = job.block / L;
-    for (int64_t i = lo; i < hi; i += int64_t(job.block) * L) {
-      int64_t blocks = (hi - i) / job.block < L ? (hi - i) / job.block : L;
+    constexpr int per_block = PER_BLOCK;  // vectors a block: 1, 2 or 4
+    auto block_magnitude = [&](const float* x) {
+      vf a = vabs(load(x));
+      for (int k = 1; k < per_block; k++) a = vmax(a, vabs(load(x + k * L)));
+      return a;
+    };
+    for (int64_t i = lo; i < hi; i += int64_t(per_block) * L * L) {
+      int64_t blocks = (hi - i) / (per_block * L) < L ? (hi - i) / (per_block * L) : L;
       vf block_max[L] = {};
-      for (int b = 0; b < blocks; b++) {
-        const float* x = job.x + i + int64_t(b) * job.block;
-        vf a = vabs(load(x));
-        for (int k = 1; k < per_block; k++) a = vmax(a, vabs(load(x + k * L)));
-        block_max[b] = a;
+      if (blocks == L) {  // unrolled: the 16 magnitudes stay in registers for the maxima tree
+#pragma GCC unroll 16
+        for (int b = 0; b < L; b++) block_max[b] = block_magnitude(job.x + i + b * per_block * L);
+      } else {
+        for (int b = 0; b < blocks; b++) block_max[b] = block_magnitude(job.x + i + b * per_block * L);
       }
       float scales[L], inverses[L];
       vf scale_vector = mx_scales(maxima16(block_max), job.emax);
       store(scales, scale_vector, false);
       store(inverses, 1.0f / scale_vector, false);  // exact: powers of two from 2^-127 to 2^127
-      store_tail(job.block_scale + i / job.block, scale_vector, blocks);
+      store_tail(job.block_scale + i / (per_block * L), scale_vector, blocks);
       in_runs(totals, blocks * per_block, [&](Run& run, int64_t k) {
         int64_t b = k / per_block;
         vf x = load(job.x + i + k * L);
-        vf q = cast<MAY_CLIP>(x * splat(inverses[b]), job.fmt, run.overflow) * splat(scales[b]);
+        // |x / scale| < 2^(emax + 1): past the maximum (so clipped and counted) but never far, no ceiling needed.
+        vf q = cast<MAY_CLIP, false>(x * splat(inverses[b]), job.fmt, run.overflow) * splat(scales[b]);
         store(job.q + i + k * L, q, job.stream);
         scan_vector(run, x);
         cast_vector(run, x, q);
@@ -444,7 +451,15 @@ void cast_any(const Job& job, int64_t lo, int64_t hi, Sums& sums) {
   switch (job.mode) {
     case PLAIN: cast_range<PLAIN, MAY_CLIP>(job, lo, hi, sums); break;
     case TENSOR: cast_range<TENSOR, MAY_CLIP>(job, lo, hi, sums); break;
-    case MX_BLOCK: cast_range<MX_BLOCK, MAY_CLIP>(job, lo, hi, sums); break;
+    case MX_BLOCK:
+      if (job.block == 16) {
+        cast_range<MX_BLOCK, MAY_CLIP, 1>(job, lo, hi, sums);
+      } else if (job.block == 32) {
+        cast_range<MX_BLOCK, MAY_CLIP, 2>(job, lo, hi, sums);
+      } else {
+        cast_range<MX_BLOCK, MAY_CLIP, 4>(job, lo, hi, sums);
+      }
+      break;
     default: cast_range<NV_BLOCK, MAY_CLIP>(job, lo, hi, sums); break;
   }
 }

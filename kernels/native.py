@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import math
 import os
 import platform
@@ -37,6 +38,8 @@ from .compiled import lane_sums_in_range
 from .formats import FP4_E2M1, FP8_E4M3, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
 from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
 from .stats import ErrorStats
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -233,10 +236,11 @@ def _load() -> ctypes.CDLL | BackendUnavailableError:
 def _build_and_load() -> ctypes.CDLL | BackendUnavailableError:
     try:
         lib = ctypes.CDLL(str(build()))
-    except BackendUnavailableError as error:
-        return error
-    except OSError as error:
-        return BackendUnavailableError(f"native backend: cannot load its library: {error}")
+    except (BackendUnavailableError, OSError) as error:
+        reason = error if isinstance(error, BackendUnavailableError) else f"cannot load its library: {error}"
+        # Once per process: `auto` then quietly runs CPU quantizations on the compiled path or the (slow) reference.
+        log.warning("quantwatch.kernels: native kernels unavailable, CPU quantization falls back: %s", reason)
+        return error if isinstance(error, BackendUnavailableError) else BackendUnavailableError(str(reason))
     lib.qw_scan.restype = _INT
     lib.qw_scan.argtypes = [_PTR, _I64, _INT, _PTR, _PTR, _INT]
     lib.qw_cast.restype = _INT

@@ -281,6 +281,7 @@ def test_a_failed_build_is_a_clear_error_and_auto_falls_back(
             values = quantize(x, "fp8_e4m3", "tensor")
         assert_bitwise_equal(values, quantize(x, "fp8_e4m3", "tensor", backend="reference"))
         assert list(tmp_path.iterdir()) == []  # no partial build left behind
+        assert caplog.text.count("native kernels unavailable, CPU quantization falls back") == 1
     finally:
         native.reset()
 
