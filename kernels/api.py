@@ -69,10 +69,15 @@ def _choose_backend(
         return requested
     if x.is_cuda and triton_path.supports(x, element, spec):
         return Backend.TRITON
-    numel = x.numel()
-    if numel >= AUTO_NATIVE_MIN_NUMEL and native.supports(x, element, spec, rounding, saturate) and native.available():
+    large_enough = x.numel() >= AUTO_NATIVE_MIN_NUMEL
+    if large_enough and native.supports(x, element, spec, rounding, saturate) and native.available():
         return Backend.NATIVE
-    if numel >= AUTO_COMPILE_MIN_NUMEL and compiled.supports(x, element, spec):
+    return _compiled_or_reference(x, element, spec)
+
+
+def _compiled_or_reference(x: Tensor, element: FormatSpec, spec: ScalingSpec) -> Backend:
+    """`auto`'s choice past the native kernels (and for the tensors they decline): compiled when large enough."""
+    if x.numel() >= AUTO_COMPILE_MIN_NUMEL and compiled.supports(x, element, spec):
         return Backend.COMPILED
     return Backend.REFERENCE
 
@@ -245,8 +250,7 @@ def quantize_with_backend(
             result = None
         if result is not None:
             return result
-        large = x.numel() >= AUTO_COMPILE_MIN_NUMEL
-        chosen = Backend.COMPILED if large and compiled.supports(x, element, spec) else Backend.REFERENCE
+        chosen = _compiled_or_reference(x, element, spec)
     noise = None
     if rounding is Rounding.STOCHASTIC and x.numel() > 0:
         noise = draw_noise(x.shape, generator, x.device)

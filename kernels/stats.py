@@ -476,9 +476,12 @@ def _native_applies(x: Tensor, q: Tensor, overflow_mask: Tensor | None, loaded: 
 
 
 def _host_array(t: Tensor, dtype: torch.dtype) -> np.ndarray:
-    """``t`` flattened, in ``dtype``, as a NumPy array (a view when it can be)."""
-    flat = t.detach().reshape(-1)
-    return (flat if flat.dtype == dtype else flat.to(dtype)).numpy(force=True)
+    """``t`` flattened, in ``dtype``, as a NumPy array (a view when it can be), in as few torch calls as it can."""
+    if t.dtype != dtype:
+        t = t.detach().to(dtype)
+    elif t.requires_grad:
+        t = t.detach()
+    return t.numpy().ravel()
 
 
 def comparison_fields(x: Tensor, q: Tensor, *, error: bool = True) -> tuple[float, ...]:
@@ -490,7 +493,7 @@ def comparison_fields(x: Tensor, q: Tensor, *, error: bool = True) -> tuple[floa
     # Few calls: the agent compares 32 tensors per step between passes that leave its code and data cold, where each
     # call costs several times what it costs in a loop.
     work = torch.float64 if torch.float64 in (x.dtype, q.dtype) else torch.float32
-    xn, qn = _comparison_array(x, work), _comparison_array(q, work)
+    xn, qn = _host_array(x, work), _host_array(q, work)
     x2, q2, qx = float(np.vdot(xn, xn)), float(np.vdot(qn, qn)), float(np.vdot(qn, xn))
     err2 = math.nan
     if error:
@@ -502,15 +505,6 @@ def comparison_fields(x: Tensor, q: Tensor, *, error: bool = True) -> tuple[floa
                 err = qn - xn
                 err2 = float(np.vdot(err, err))
     return (float(xn.size), x2, q2, qx, err2, math.nan, math.nan, 0.0, 0.0, 0.0, 0.0)
-
-
-def _comparison_array(t: Tensor, dtype: torch.dtype) -> np.ndarray:
-    """``t`` flattened, in ``dtype``, as a NumPy array, in as few torch calls as it can."""
-    if t.dtype != dtype:
-        t = t.detach().to(dtype)
-    elif t.requires_grad:
-        t = t.detach()
-    return t.numpy().ravel()
 
 
 def _dot_sums(pairs: tuple[tuple[np.ndarray, np.ndarray], ...], n: int) -> list[float]:
