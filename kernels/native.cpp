@@ -430,8 +430,9 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
       in_runs(totals, blocks, [&](Run& run, int64_t k) {
         vf x = load_ahead(job.x + i + k * L);
         vf scale = splat(element[k]);
-        // The block scale is the block's largest |x| / 6 (in units of the tensor scale) rounded to E4M3, down by at
-        // most 2^-4 of it, or raised to 2^-6: |x / scale| stays below 6.5, well within the ceiling.
+        // The block scale is the block's largest |x| over the format's maximum (in units of the tensor scale, amax /
+        // 2688) rounded to E4M3, down by at most 1/17, raised to 2^-6 or lowered to 448: |x / scale| stays below
+        // max(6, 1.0625 × the maximum) < 7, so c stays finite without the ceiling clamp (past the maximum: clipped).
         vf q = cast<MAY_CLIP, false>(divide(x, scale, splat(inverses[k])), x, job.fmt, run.overflow) * scale;
         store(job.q + i + k * L, q, job.stream);
         cast_vector(run, x, q);
