@@ -3,7 +3,8 @@
     .venv/bin/python bench/kernels.py [--numel 16777216] [--repeats 5] [--cpu-time]
 
 Prints GB/s (input bytes / second: the tensor is read, the quantized copy written once) for the plain-torch
-reference and the fused paths of fp8_e4m3 per-tensor, mxfp4 and nvfp4 — each ``quantize(..., with_stats=True)`` —
+reference and the fused paths of fp8_e4m3 per-tensor, mxfp4, nvfp4 and int8 with a scale per row (``channel:0``, a
+weight's output channels) — each ``quantize(..., with_stats=True)`` —
 and, in the same run, the read bandwidth of ``x.sum()`` as the physical limit. On the CPU the fused paths are
 ``compiled`` (torch.compile) and ``native`` (the hand-written kernels, what ``auto`` picks), the latter also with
 ``out=`` (one output buffer reused, as a training loop would); on CUDA, Triton. Ratios: the fastest fused path /
@@ -33,7 +34,12 @@ import torch
 
 from quantwatch.kernels import quantize
 
-CASES = [("fp8_e4m3 per-tensor", "fp8_e4m3", "tensor"), ("mxfp4", "mxfp4", None), ("nvfp4", "nvfp4", None)]
+CASES = [
+    ("fp8_e4m3 per-tensor", "fp8_e4m3", "tensor"),
+    ("mxfp4", "mxfp4", None),
+    ("nvfp4", "nvfp4", None),
+    ("int8 per-channel", "int8", "channel:0"),
+]
 
 
 def seconds_per_call(fn: Callable[[], object], repeats: int, device: torch.device, cpu_time: bool) -> float:

@@ -44,7 +44,7 @@ typedef uint32_t vu __attribute__((vector_size(64)));
 typedef float vh __attribute__((vector_size(32)));
 typedef double vd __attribute__((vector_size(64)));
 
-enum Mode { PLAIN = 0, TENSOR = 1, MX_BLOCK = 2, NV_BLOCK = 3 };
+enum Mode { PLAIN = 0, TENSOR = 1, MX_BLOCK = 2, NV_BLOCK = 3, CHANNEL = 4 };
 enum Status { OK = 0, NONFINITE = 1, OUT_OF_RANGE = 2, BAD_ARGUMENT = 3 };
 constexpr uint32_t EXPONENT_BITS = 0x7F800000u;
 constexpr uint32_t MAGNITUDE_BITS = 0x7FFFFFFFu;
@@ -223,10 +223,11 @@ void combine(const Partial* parts, int count, double* out) {
   std::memcpy(out, &total, sizeof total);
 }
 
-void thread_range(int64_t n, int64_t* lo, int64_t* hi) {
+// This thread's share of [0, n), a whole number of `granule`s long (the last share excepted).
+void thread_range(int64_t n, int64_t granule, int64_t* lo, int64_t* hi) {
   int t = omp_get_thread_num(), k = omp_get_num_threads();
-  int64_t chunks = (n + CHUNK - 1) / CHUNK;
-  int64_t per = ((chunks + k - 1) / k) * CHUNK;
+  int64_t chunks = (n + granule - 1) / granule;
+  int64_t per = ((chunks + k - 1) / k) * granule;
   *lo = per * t < n ? per * t : n;
   *hi = *lo + per < n ? *lo + per : n;
 }
@@ -367,10 +368,10 @@ struct Job {
   int64_t n;
   Format fmt;
   int mode;
-  int block;          // 16 or 32 for the block modes
+  int64_t block;      // 16, 32 or 64 for the block modes; CHANNEL: the length of a segment of one channel
   int emax;           // the element format's emax (MX)
   float scale;        // TENSOR: the element scale; NV_BLOCK: the FP32 tensor scale
-  const float* block_amax;  // NV_BLOCK: per block, from the scan
+  const float* block_in;    // NV_BLOCK: each block's largest |x|, from the scan; CHANNEL: each segment's scale
   float* block_scale;       // MX_BLOCK / NV_BLOCK: per block, written
   Format e4m3;        // NV_BLOCK: the block scales' format
   bool stream;
@@ -419,7 +420,7 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
   } else if constexpr (MODE == NV_BLOCK) {  // blocks of 16: one vector each
     for (int64_t i = lo; i < hi; i += L * L) {
       int64_t blocks = (hi - i) / L < L ? (hi - i) / L : L;
-      vf amax = blocks == L ? load(job.block_amax + i / L) : load_tail(job.block_amax + i / L, blocks);
+      vf amax = blocks == L ? load(job.block_in + i / L) : load_tail(job.block_in + i / L, blocks);
       vi ignored{};
       vf raw = vmin(vmax(amax / job.fmt.max_value / tensor_scale, splat(0.015625f)), splat(448.0f));
       vf block_scale = cast<false>(raw, raw, job.e4m3, ignored);
@@ -439,27 +440,38 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
       });
     }
   } else {
-    auto one = [&](Run& run, int64_t i, int64_t count) {
-      vf x = count == L ? load_ahead(job.x + i) : load_tail(job.x + i, count);
-      vf v = MODE == TENSOR ? divide(x, tensor_scale, tensor_inverse) : x;
-      vf q = cast<MAY_CLIP>(v, x, job.fmt, run.overflow);
-      if (MODE == TENSOR) q = q * tensor_scale;
-      if (count == L) {
-        store(job.q + i, q, job.stream);
-      } else {
-        store_tail(job.q + i, q, count);
+    // [from, to) with one scale (none for PLAIN): TENSOR's whole range, or one CHANNEL segment.
+    auto scaled_range = [&](int64_t from, int64_t to, vf scale, vf inverse) {
+      auto one = [&](Run& run, int64_t i, int64_t count) {
+        vf x = count == L ? load_ahead(job.x + i) : load_tail(job.x + i, count);
+        vf v = MODE == PLAIN ? x : divide(x, scale, inverse);
+        vf q = cast<MAY_CLIP>(v, x, job.fmt, run.overflow);
+        if (MODE != PLAIN) q = q * scale;
+        if (count == L) {
+          store(job.q + i, q, job.stream);
+        } else {
+          store_tail(job.q + i, q, count);
+        }
+        if (MODE == PLAIN) scan_vector(run, x);
+        cast_vector(run, x, q);
+      };
+      int64_t whole = (to - from) / L;
+      in_runs(totals, whole, [&](Run& run, int64_t k) { one(run, from + k * L, L); });
+      int64_t rest = to - from - whole * L;
+      if (rest) {
+        Run run;
+        one(run, from + whole * L, rest);
+        totals.add(run);
+        totals.total.zeros_q -= double(L - rest);  // the padding's zeros
       }
-      if (MODE == PLAIN) scan_vector(run, x);
-      cast_vector(run, x, q);
     };
-    int64_t whole = (hi - lo) / L;
-    in_runs(totals, whole, [&](Run& run, int64_t k) { one(run, lo + k * L, L); });
-    int64_t rest = hi - lo - whole * L;
-    if (rest) {
-      Run run;
-      one(run, lo + whole * L, rest);
-      totals.add(run);
-      totals.total.zeros_q -= double(L - rest);  // the padding's zeros
+    if constexpr (MODE == CHANNEL) {  // the thread's range is whole segments
+      for (int64_t i = lo; i < hi; i += job.block) {
+        float scale = job.block_in[i / job.block];
+        scaled_range(i, i + job.block, splat(scale), splat(1.0f / scale));
+      }
+    } else {
+      scaled_range(lo, hi, tensor_scale, tensor_inverse);
     }
   }
   sums = totals;
@@ -479,20 +491,22 @@ void cast_any(const Job& job, int64_t lo, int64_t hi, Sums& sums) {
         cast_range<MX_BLOCK, MAY_CLIP, 4>(job, lo, hi, sums);
       }
       break;
-    default: cast_range<NV_BLOCK, MAY_CLIP>(job, lo, hi, sums); break;
+    case NV_BLOCK: cast_range<NV_BLOCK, MAY_CLIP>(job, lo, hi, sums); break;
+    default: cast_range<CHANNEL, MAY_CLIP>(job, lo, hi, sums); break;
   }
 }
 
-// Runs body(lo, hi, sums) on each of `threads` threads' ranges and combines their partial sums into `stats`.
+// Runs body(lo, hi, sums) on each of `threads` threads' ranges (whole `granule`s) and combines their partial sums
+// into `stats`.
 template <typename Body>
-void each_thread(int64_t n, int threads, double* stats, Body body) {
+void each_thread(int64_t n, int threads, double* stats, Body body, int64_t granule = CHUNK) {
   Partial parts[MAX_THREADS];
   int used = 1;
   threads = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
 #pragma omp parallel num_threads(threads)
   {
     int64_t lo, hi;
-    thread_range(n, &lo, &hi);
+    thread_range(n, granule, &lo, &hi);
 #pragma omp single
     used = omp_get_num_threads();
     Sums s;
@@ -507,10 +521,36 @@ void each_thread(int64_t n, int threads, double* stats, Body body) {
 extern "C" {
 
 // Pass 1: |x|'s maximum, Σx² and the non-zero count into `stats` (10 doubles, `Partial` order: the cast fields stay
-// 0; `nonfinite` is 0, or at least 1 with NONFINITE returned); with `block` 16, each block's largest |x| into
-// `block_amax` as well.
-int qw_scan(const float* x, int64_t n, int block, float* block_amax, double* stats, int threads) {
-  if (block != 0 && (block != L || n % L != 0)) return BAD_ARGUMENT;
+// 0; `nonfinite` is 0, or at least 1 with NONFINITE returned); with a `block` length (n a whole number of them), each
+// block's largest |x| (its bit pattern's: NaN above infinity) into `block_amax` as well.
+int qw_scan(const float* x, int64_t n, int64_t block, float* block_amax, double* stats, int threads) {
+  if (block < 0 || (block > 0 && n % block != 0)) return BAD_ARGUMENT;
+  if (block > 0 && block != L) {  // any other length (CHANNEL's segments): whole blocks to each thread
+    each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& totals) {
+      for (int64_t i = lo; i < hi; i += block) {
+        vu largest{};
+        int64_t whole = block / L;
+        in_runs(totals, whole, [&](Run& run, int64_t k) {
+          vf v = load_ahead(x + i + k * L);
+          vu a = (vu)v & MAGNITUDE_BITS;
+          largest = a > largest ? a : largest;
+          scan_vector(run, v);
+        });
+        if (block > whole * L) {
+          Run run;
+          vf v = load_tail(x + i + whole * L, block - whole * L);
+          vu a = (vu)v & MAGNITUDE_BITS;
+          largest = a > largest ? a : largest;
+          scan_vector(run, v);
+          totals.add(run);
+        }
+        uint32_t top = 0;
+        for (int j = 0; j < L; j++) top = largest[j] > top ? largest[j] : top;
+        std::memcpy(block_amax + i / block, &top, sizeof top);
+      }
+    }, block);
+    return stats[9] > 0 ? NONFINITE : OK;
+  }
   each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& totals) {
     int64_t i = lo;
     if (block) {  // n is a whole number of blocks of 16: one vector each, their maxima 16 at a time
@@ -551,16 +591,20 @@ int qw_scan(const float* x, int64_t n, int block, float* block_amax, double* sta
 }
 
 // Pass 2 (the only pass for PLAIN and MX_BLOCK): q = cast(x / scale) · scale and the statistics into `stats`
-// (`Partial` order; PLAIN and MX_BLOCK fill the scan's fields too).
+// (`Partial` order; PLAIN and MX_BLOCK fill the scan's fields too). CHANNEL: x is n / block segments of `block`
+// elements, each of one channel, whose scales `block_in` holds (one a segment).
 int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, int emax, float max_value, int mode,
-            int block, float scale, const float* block_amax, float* block_scale, int may_clip, int stream,
+            int64_t block, float scale, const float* block_in, float* block_scale, int may_clip, int stream,
             double* stats, int threads) {
   if ((mode == MX_BLOCK && ((block != 16 && block != 32 && block != 64) || n % block != 0)) ||
-      (mode == NV_BLOCK && (block != L || n % L != 0)) || mode < PLAIN || mode > NV_BLOCK) {
+      (mode == NV_BLOCK && (block != L || n % L != 0)) || (mode == CHANNEL && (block < 1 || n % block != 0)) ||
+      mode < PLAIN || mode > CHANNEL) {
     return BAD_ARGUMENT;
   }
-  Job job{x, q, n, make_format(mantissa_bits, emin, emax, max_value), mode, block, emax, scale, block_amax,
-          block_scale, make_format(3, -6, 8, 448.0f), stream != 0, may_clip != 0};
+  // Streaming stores need 64-byte alignment: a CHANNEL segment of other than whole vectors leaves the next unaligned.
+  bool aligned = mode != CHANNEL || block % L == 0;
+  Job job{x, q, n, make_format(mantissa_bits, emin, emax, max_value), mode, block, emax, scale, block_in,
+          block_scale, make_format(3, -6, 8, 448.0f), stream != 0 && aligned, may_clip != 0};
   each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& s) {
     if (job.may_clip) {
       cast_any<true>(job, lo, hi, s);
@@ -568,9 +612,9 @@ int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, in
       cast_any<false>(job, lo, hi, s);
     }
 #if defined(__AVX512F__)
-    if (stream) _mm_sfence();  // each thread's streaming stores are weakly ordered: fence them before the barrier
+    if (job.stream) _mm_sfence();  // each thread's streaming stores are weakly ordered: fence them before the barrier
 #endif
-  });
+  }, mode == CHANNEL ? block : CHUNK);
   return stats[9] > 0 ? NONFINITE : OK;
 }
 

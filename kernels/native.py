@@ -8,11 +8,13 @@ torch.compile uses as well (``$CXX``, else ``c++``) for this machine's CPU (``-m
 ``$QUANTWATCH_CACHE_DIR`` (default ``~/.cache/quantwatch``) by a hash of the source, the flags, the compiler's
 version and the CPU, and loaded with ctypes.
 
-What it runs: contiguous float32 CPU tensors, round to nearest, float element formats (FP8, FP6, FP4), scalings none,
-tensor, delayed, block:16/32/64 and nvblock:16 when the last dimension holds whole blocks, saturating (or a format or
-scaling that cannot overflow). Anything else — and a tensor holding NaN/±inf, or statistics outside the float32 runs'
-range — is declined (`quantize_native` returns None) and the caller runs the compiled or reference backend. Quantized
-values are bit-exact against the reference; statistics agree to 1e-6 (tests/kernels).
+What it runs: contiguous float32 CPU tensors, round to nearest, float and integer element formats (FP8, FP6, FP4,
+INT8, INT4: an integer grid is a float grid whose spacing is 1 up to its maximum), scalings none, tensor, delayed,
+channel when each channel's elements lie in runs of 16 or more (``channel:0`` of a weight), block:16/32/64 and
+nvblock:16 when the last dimension holds whole blocks, saturating (or a format or scaling that cannot overflow).
+Anything else — and a tensor holding NaN/±inf, or statistics outside the float32 runs' range — is declined
+(`quantize_native` returns None) and the caller runs the compiled or reference backend. Quantized values are
+bit-exact against the reference; statistics agree to 1e-6 (tests/kernels).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch import Tensor
 from .compiled import lane_sums_in_range
 from .formats import FP4_E2M1, FP8_E4M3, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
 from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
+from .reference import amax_to_scale, channel_dims
 from .stats import ErrorStats
 
 log = logging.getLogger(__name__)
@@ -58,7 +61,18 @@ BUILD_TIMEOUT_SECONDS = 120
 # gets a core at the closing barrier) costs more than they save.
 PARALLEL_MIN_NUMEL = 1 << 16
 
-_MODES = {Scaling.NONE: 0, Scaling.TENSOR: 1, Scaling.DELAYED: 1, Scaling.BLOCK: 2, Scaling.NVBLOCK: 3}
+_MODES = {
+    Scaling.NONE: 0,
+    Scaling.TENSOR: 1,
+    Scaling.DELAYED: 1,
+    Scaling.BLOCK: 2,
+    Scaling.NVBLOCK: 3,
+    Scaling.CHANNEL: 4,
+}
+_TWO_PASS = (1, 3, 4)  # modes whose scales need a scan first
+# Channel scaling runs a channel's contiguous segments one by one, each with its own scale: shorter segments (the
+# channel axis last, or nearly) would spend more on each segment than on its elements.
+MIN_CHANNEL_SEGMENT = 16
 _STATUS_OK = 0
 _STATUS_BAD_ARGUMENT = 3
 _PARTIAL_FIELDS = 10
@@ -80,10 +94,15 @@ def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: 
         return f"tensors of {MAX_NUMEL} elements or more"
     if rounding is not Rounding.NEAREST:
         return "stochastic rounding"
-    if fmt.kind is not Kind.FLOAT:
-        return f"{fmt.kind.value} element formats (float formats only)"
-    if spec.kind is Scaling.CHANNEL:
-        return "channel scaling"
+    if fmt.kind not in (Kind.FLOAT, Kind.INT):
+        return f"{fmt.kind.value} element formats (float and integer formats only)"
+    if spec.kind is Scaling.CHANNEL and x.numel():
+        segment = _channel_segment(x, spec)
+        if segment < MIN_CHANNEL_SEGMENT:
+            return (
+                f"channel scaling along axis {spec.axis} of a {tuple(x.shape)} tensor: each channel's elements in runs "
+                f"of {segment} (at least {MIN_CHANNEL_SEGMENT})"
+            )
     if spec.kind in (Scaling.BLOCK, Scaling.NVBLOCK):
         sizes = BLOCK_SIZES if spec.kind is Scaling.BLOCK else (NVBLOCK_SIZE,)
         if spec.block_size not in sizes:
@@ -109,9 +128,28 @@ def check_supported(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: Rou
     library()
 
 
+def _channel_segment(x: Tensor, spec: ScalingSpec) -> int:
+    """How many consecutive elements of contiguous ``x`` share a channel: the size of the dimensions after the axis
+    (``ValueError`` for an axis out of range)."""
+    if x.dim() == 0:
+        return 1
+    channel_dims(x.dim(), spec.axis)
+    return math.prod(x.shape[spec.axis % x.dim() + 1 :])
+
+
+def _grid(fmt: FormatSpec) -> tuple[int, int, int]:
+    """(mantissa bits, emin, emax) of the kernels' rounding for ``fmt``: an integer format rounds like a float format
+    whose every binade up to its maximum has spacing 1 (2^(emax − m) with m = emin = emax)."""
+    if fmt.kind is Kind.INT:
+        return fmt.emax, fmt.emax, fmt.emax
+    return fmt.mantissa_bits, fmt.emin, fmt.emax
+
+
 def _may_clip(fmt: FormatSpec, spec: ScalingSpec, given_scale: bool) -> bool:
     # A scale taken from the amax keeps |x / scale| within the maximum up to rounding (a larger margin or a power of
     # two rounded up only shrinks it); an NVFP4 E2M1 block cannot clip either (see compiled._fused_lanes).
+    if spec.kind is Scaling.CHANNEL:
+        return False
     if spec.kind in (Scaling.TENSOR, Scaling.DELAYED):
         return given_scale or spec.margin < 0
     if spec.kind is Scaling.NVBLOCK:
@@ -242,9 +280,9 @@ def _build_and_load() -> ctypes.CDLL | BackendUnavailableError:
         log.warning("quantwatch.kernels: native kernels unavailable, CPU quantization falls back: %s", reason)
         return error if isinstance(error, BackendUnavailableError) else BackendUnavailableError(str(reason))
     lib.qw_scan.restype = _INT
-    lib.qw_scan.argtypes = [_PTR, _I64, _INT, _PTR, _PTR, _INT]
+    lib.qw_scan.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
     lib.qw_cast.restype = _INT
-    lib.qw_cast.argtypes = [_PTR, _PTR, _I64, _INT, _INT, _INT, _F32, _INT, _INT, _F32, _PTR, _PTR, _INT, _INT]
+    lib.qw_cast.argtypes = [_PTR, _PTR, _I64, _INT, _INT, _INT, _F32, _INT, _I64, _F32, _PTR, _PTR, _INT, _INT]
     lib.qw_cast.argtypes += [_PTR, _INT]
     lib.qw_stats.restype = _INT
     lib.qw_stats.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _INT]
@@ -307,12 +345,15 @@ def quantize_native(
     n = x.numel()
     threads = torch.get_num_threads() if n >= PARALLEL_MIN_NUMEL else 1
     mode = _MODES[spec.kind]
-    block = spec.block_size if mode >= 2 else 0
+    block = _channel_segment(x, spec) if mode == 4 else (spec.block_size if mode >= 2 else 0)
+    # Per block: MX and NVFP4 scales (written by the cast), a channel segment's largest |x| (written by the scan).
     scales = torch.empty(n // block, dtype=torch.float32) if block else None
     scales_address = scales.data_ptr() if scales is not None else None
+    cast_scales_address = scales_address
+    channel_scale: Tensor | None = None
     scanned = array("d", bytes(8 * _PARTIAL_FIELDS))
     element_scale = 1.0
-    if mode in (1, 3):
+    if mode in _TWO_PASS:
         status = lib.qw_scan(x.data_ptr(), n, block, scales_address, scanned.buffer_info()[0], threads)
         if status != _STATUS_OK:
             return None
@@ -323,25 +364,30 @@ def quantize_native(
             finite = math.isfinite(element_scale)
             if not (finite and element_scale >= MIN_SCALE and _f32(amax) / _f32(element_scale) < MAX_QUOTIENT):
                 return None
-        else:
+        elif mode == 3:
             element_scale = float(_f32(amax) / _f32(FP8_E4M3.max_value * FP4_E2M1.max_value)) or 1.0
             # The smallest element scale is the tensor scale times the smallest E4M3 block scale, 2^-6.
             if element_scale * NVFP4_BLOCK_SCALE_MIN < MIN_SCALE:
                 return None
+        elif scales is not None:  # CHANNEL: the scan wrote each segment's largest |x| into `scales`
+            channels = x.shape[spec.axis]
+            channel_scale = amax_to_scale(scales.view(-1, channels).amax(0), fmt)
+            if float(channel_scale.min()) < MIN_SCALE:
+                return None
+            segment_scale = channel_scale.repeat(n // (block * channels))  # one per segment, in memory order
+            cast_scales_address = segment_scale.data_ptr()
     partial = array("d", bytes(8 * _PARTIAL_FIELDS))
     stream = n * 4 >= STREAM_MIN_BYTES and values.data_ptr() % 64 == 0
     status = lib.qw_cast(
         x.data_ptr(),
         values.data_ptr(),
         n,
-        fmt.mantissa_bits,
-        fmt.emin,
-        fmt.emax,
+        *_grid(fmt),
         fmt.max_value,
         mode,
         block,
         element_scale,
-        scales_address,
+        cast_scales_address,
         scales_address,
         int(_may_clip(fmt, spec, scale is not None)),
         int(stream),
@@ -352,7 +398,7 @@ def quantize_native(
         raise BackendUnavailableError("native backend rejected its arguments")
     if status != _STATUS_OK:
         return None
-    if mode in (1, 3):  # the scan's fields come from the first pass
+    if mode in _TWO_PASS:  # the scan's fields come from the first pass
         for index in (0, 5, 6, 9):
             partial[index] = scanned[index]
     stats = None
@@ -365,7 +411,11 @@ def quantize_native(
         out.copy_(values)
         values = out
     amax_tensor = torch.tensor(partial[5], dtype=torch.float32)
-    return values, stats, _scale_out(x, spec, scales, element_scale), amax_tensor
+    if channel_scale is not None:
+        scale_out = channel_scale.reshape([-1 if d == spec.axis % x.dim() else 1 for d in range(x.dim())])
+    else:
+        scale_out = _scale_out(x, spec, scales, element_scale)
+    return values, stats, scale_out, amax_tensor
 
 
 def _f32(value: float) -> np.float32:

@@ -33,6 +33,7 @@ from quantwatch.kernels.reference import amax_to_scale
 from quantwatch.kernels.stats import FlushResult
 
 FLOAT_FORMATS = [name for name, spec in FORMATS.items() if spec.kind is Kind.FLOAT]
+ELEMENT_FORMATS = [name for name, spec in FORMATS.items() if spec.kind in (Kind.FLOAT, Kind.INT)]
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +63,7 @@ def finite_sample(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("fmt", FLOAT_FORMATS)
+@pytest.mark.parametrize("fmt", ELEMENT_FORMATS)
 def test_plain_cast_matches_the_reference_on_every_rounding_case(fmt: str, backends: Any) -> None:
     x = backends.rounding_cases(FORMATS[fmt], finite=True)
     modes = [True] if FORMATS[fmt].special is not Special.NONE else [True, False]
@@ -75,7 +76,7 @@ def test_plain_cast_matches_the_reference_on_every_rounding_case(fmt: str, backe
         assert ref[1].to_dict()["overflow_count"] > 0  # the cases reach past the maximum
 
 
-@pytest.mark.parametrize("fmt", FLOAT_FORMATS)
+@pytest.mark.parametrize("fmt", ELEMENT_FORMATS)
 @pytest.mark.parametrize("scaling", ["tensor", "tensor:pow2", "delayed:4:1", "block:32", "block:16", "nvblock:16"])
 def test_scaled_casts_match_the_reference(fmt: str, scaling: str, backends: Any) -> None:
     # Shapes: whole vectors; a tail shorter than a vector per thread range; one row of one block.
@@ -91,6 +92,31 @@ def test_scaled_casts_match_the_reference(fmt: str, scaling: str, backends: Any)
         backends.assert_same((values, stats), (ref_values, ref_stats))
         assert_bitwise_equal(scale, details.scale)
         assert amax.item() == details.amax.item()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp4_e2m1", "int8", "int4"])
+@pytest.mark.parametrize(
+    ("scaling", "shape"),
+    [
+        ("channel", (64, 96)),  # a weight's output channels: whole vectors
+        ("channel:0", (40, 17)),  # a vector and a one-element tail per channel
+        ("channel:0", (5, 16)),  # the shortest segment the kernels take
+        ("channel:1", (3, 7, 20)),  # a middle axis: segments of 20, each channel in 3 of them
+        ("channel:-2", (4, 6, 33)),
+    ],
+)
+def test_channel_scaling_matches_the_reference(fmt: str, scaling: str, shape: tuple[int, ...], backends: Any) -> None:
+    x = finite_sample(shape, len(shape))
+    x.select(-2 if len(shape) > 2 else 0, 1).zero_()  # an all-zero channel: scale 1
+    result = run_native(x, fmt, scaling)
+    assert result is not None
+    values, stats, scale, amax = result
+    details = quantize(x, fmt, scaling, return_details=True, backend="reference")
+    assert_bitwise_equal(values, details.values)
+    backends.assert_same((values, stats), quantize(x, fmt, scaling, with_stats=True, backend="reference"))
+    assert scale.shape == details.scale.shape
+    assert_bitwise_equal(scale, details.scale)
+    assert amax.item() == details.amax.item()
 
 
 def test_presets_and_odd_scales_match_the_reference(backends: Any) -> None:
@@ -134,19 +160,24 @@ def test_nvfp4_never_clips_where_block_scales_round_down(backends: Any) -> None:
     assert ref[1].to_dict()["overflow_count"] == 0
 
 
+# Each over 8 MB (streaming stores): 2,064 columns are 129 NVFP4 blocks a row; 2,063 put a partial vector at the end of
+# every channel segment.
+LARGE_CASES = [("fp8_e4m3", "tensor", (1024, 2064)), ("nvfp4", None, (1024, 2064)), ("int8", "channel:0", (1100, 2063))]
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_large_tensors_with_streaming_stores_and_any_thread_count(threads: int, backends: Any) -> None:
-    x = finite_sample((1024, 2064), 5)  # 8.5 MB: streaming stores; 2,064 columns: 129 NVFP4 blocks a row
+    inputs = {shape: finite_sample(shape, 5) for _, _, shape in LARGE_CASES}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        results = {fmt: run_native(x, fmt, scaling) for fmt, scaling in [("fp8_e4m3", "tensor"), ("nvfp4", None)]}
+        results = [run_native(inputs[shape], fmt, scaling) for fmt, scaling, shape in LARGE_CASES]
     finally:
         torch.set_num_threads(before)
-    for fmt, scaling in [("fp8_e4m3", "tensor"), ("nvfp4", None)]:
-        result = results[fmt]
+    for (fmt, scaling, shape), result in zip(LARGE_CASES, results, strict=True):
         assert result is not None
-        backends.assert_same(result[:2], quantize(x, fmt, scaling, with_stats=True, backend="reference"))
+        expected = quantize(inputs[shape], fmt, scaling, with_stats=True, backend="reference")
+        backends.assert_same(result[:2], expected)
 
 
 @pytest.mark.parametrize(
@@ -156,12 +187,14 @@ def test_large_tensors_with_streaming_stores_and_any_thread_count(threads: int, 
         ("inf", torch.tensor([1.0, -float("inf")] * 20)),
         ("squares below float32's range", torch.full((40,), 1e-30)),
         ("scale below 2^-80", torch.full((40,), 2.0**-80)),
+        ("a channel's scale below 2^-80", torch.cat([torch.ones(1, 20), torch.full((1, 20), 2.0**-80)])),
     ],
 )
 def test_declined_tensors_fall_back_to_an_exact_backend(case: str, x: torch.Tensor, backends: Any) -> None:
-    assert run_native(x, "fp8_e4m3", "tensor") is None, case
-    fallback = quantize(x, "fp8_e4m3", "tensor", with_stats=True, backend="native")
-    backends.assert_same(fallback, quantize(x, "fp8_e4m3", "tensor", with_stats=True, backend="reference"))
+    scaling = "channel" if "channel" in case else "tensor"
+    assert run_native(x, "fp8_e4m3", scaling) is None, case
+    fallback = quantize(x, "fp8_e4m3", scaling, with_stats=True, backend="native")
+    backends.assert_same(fallback, quantize(x, "fp8_e4m3", scaling, with_stats=True, backend="reference"))
 
 
 @pytest.mark.parametrize(("fmt", "scaling"), [("fp8_e4m3", "none"), ("mxfp4", None), ("fp8_e4m3", "tensor")])
@@ -231,8 +264,9 @@ def test_bad_out_is_a_clear_error(out: torch.Tensor, message: str) -> None:
     [
         ({"fmt": "fp8_e4m3"}, torch.randn(8, 16).double(), "float32 only"),
         ({"fmt": "fp8_e4m3", "rounding": "stochastic"}, torch.randn(8, 16), "stochastic rounding"),
-        ({"fmt": "int8", "scaling": "tensor"}, torch.randn(8, 16), "int element formats"),
-        ({"fmt": "fp8_e4m3", "scaling": "channel"}, torch.randn(8, 16), "channel scaling"),
+        ({"fmt": "e8m0"}, torch.rand(8, 16), "scale element formats"),
+        ({"fmt": "fp8_e4m3", "scaling": "channel:-1"}, torch.randn(8, 16), r"elements in runs of 1 \(at least 16\)"),
+        ({"fmt": "int8", "scaling": "channel:0"}, torch.randn(8, 15), "runs of 15"),
         ({"fmt": "fp8_e4m3", "scaling": "block:8"}, torch.randn(8, 16), "block size 8"),
         ({"fmt": "mxfp4"}, torch.randn(8, 40), "not a whole number of blocks"),
         ({"fmt": "fp8_e4m3"}, torch.randn(16, 8).T, "non-contiguous"),
