@@ -332,14 +332,17 @@ def quantize_native(
     with_stats: bool,
     out: Tensor | None = None,
 ) -> tuple[Tensor, ErrorStats | None, Tensor, Tensor] | None:
-    """``(values, stats or None, scale, amax)`` as `compiled.quantize_fused` returns them, or None when this tensor's
-    values are outside what the kernels handle (NaN/±inf, a scaled value beyond float32, statistics beyond the float32
-    runs' range): the caller then runs another backend. ``out`` (contiguous, x's shape and dtype) receives the values.
+    """``(values, stats or None, scale, amax)`` as `compiled.quantize_fused` returns them, or None when the tensor is
+    empty or its values are outside what the kernels handle (NaN/±inf, a scaled value beyond float32, statistics
+    beyond the float32 runs' range): the caller then runs another backend. ``out`` (contiguous, x's shape and dtype)
+    receives the values.
 
     Raises `BackendUnavailableError` when the quantization is unsupported or the library cannot be built.
     """
     check_supported(x, fmt, spec, rounding, saturate)
     lib = library()
+    if x.numel() == 0:
+        return None
     x = x.detach()
     values = out if out is not None and out.is_contiguous() else torch.empty_like(x)
     n = x.numel()

@@ -180,6 +180,15 @@ def test_large_tensors_with_streaming_stores_and_any_thread_count(threads: int, 
         backends.assert_same(result[:2], expected)
 
 
+@pytest.mark.parametrize("scaling", ["tensor", "channel", "nvblock:16"])
+def test_empty_tensors_are_declined_not_a_crash(scaling: str) -> None:
+    for shape in [(0, 32), (32, 0)]:
+        assert run_native(torch.empty(shape), "int8", scaling) is None
+        values, stats = quantize(torch.empty(shape), "int8", scaling, with_stats=True, backend="native")
+        assert values.shape == shape
+        assert stats.to_dict()["numel"] == 0
+
+
 @pytest.mark.parametrize(
     ("case", "x"),
     [
