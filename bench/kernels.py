@@ -1,6 +1,6 @@
 """Bandwidth of quantize + all error statistics: eager reference vs the fused path, against x.sum().
 
-    .venv/bin/python bench/kernels.py [--numel 16777216] [--repeats 5] [--cpu-time]
+    .venv/bin/python bench/kernels.py [--numel 16777216] [--repeats 5] [--cpu-time] [--cache cold|warm]
 
 Prints GB/s (input bytes / second: the tensor is read, the quantized copy written once) for the plain-torch
 reference and the fused paths of fp8_e4m3 per-tensor, mxfp4, nvfp4 and int8 with a scale per row (``channel:0``, a
@@ -13,6 +13,12 @@ x.sum, and the fastest fused path / reference.
 ``--cpu-time`` runs on one thread and takes the fastest call by thread CPU time instead of the median wall time:
 on a machine shared with other work that figure moves far less (it still counts memory stalls). ``x.sum()``,
 ``x * 2`` and the fused cases are called in turn, round after round, so their ratios hold under the same load.
+
+Every timed call starts from the same cache state, or the ratios compare different things: a 67 MB tensor fits in
+some CPUs' last-level cache, and ``x.sum()`` right after a call that read x ran twice as fast as after one that wrote
+a fresh output. ``--cache cold`` (the default) writes a buffer twice the size of the last-level cache before each
+call, so every call reads x from memory (as a training step mostly reads its tensors); ``--cache warm`` reads x
+(``x.sum()``) before each call, so every call finds as much of x in the caches as they hold.
 
 The line ``x * 2 read+write`` is the floor of any operation that returns a new tensor of x's size: glibc maps an
 allocation this large fresh from the kernel and unmaps it on free, so every call pays a page fault per 4 KiB of
@@ -29,6 +35,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -42,13 +49,40 @@ CASES = [
 ]
 
 
-def seconds_per_call(fn: Callable[[], object], repeats: int, device: torch.device, cpu_time: bool) -> float:
-    """Median wall time (or fastest thread CPU time) of ``repeats`` calls after one warm-up call (which compiles)."""
-    return seconds_interleaved({"fn": fn}, repeats, device, cpu_time)["fn"]
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (64 MiB when it cannot be read)."""
+    sizes = [64 << 20]
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip()
+        if text[:-1].isdigit() and text[-1] in "KM":
+            sizes.append(int(text[:-1]) << (10 if text[-1] == "K" else 20))
+    return max(sizes)
+
+
+def cache_preparation(x: torch.Tensor, cache: str) -> Callable[[], object]:
+    """What runs before each timed call: evict x (``cold``) or read it (``warm``)."""
+    if cache == "warm":
+        return lambda: x.sum().item()
+    # Twice the last-level cache on the CPU; on a GPU, 256 MB is several times any L2.
+    numel = (2 * last_level_cache_bytes() if x.device.type == "cpu" else 256 << 20) // 4
+    flush = torch.empty(numel, device=x.device)
+    return lambda: flush.fill_(1.0)
+
+
+def seconds_per_call(
+    fn: Callable[[], object], repeats: int, device: torch.device, cpu_time: bool, prepare: Callable[[], object]
+) -> float:
+    """Median wall time (or fastest thread CPU time) of ``repeats`` calls after one warm-up call (which compiles),
+    each call after ``prepare()``."""
+    return seconds_interleaved({"fn": fn}, repeats, device, cpu_time, prepare)["fn"]
 
 
 def seconds_interleaved(
-    fns: dict[str, Callable[[], object]], repeats: int, device: torch.device, cpu_time: bool
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    device: torch.device,
+    cpu_time: bool,
+    prepare: Callable[[], object],
 ) -> dict[str, float]:
     """`seconds_per_call` of several functions called in turn, round after round, so that each ratio between them
     is taken under the same load of a shared machine (one warm-up call each first)."""
@@ -58,6 +92,7 @@ def seconds_interleaved(
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            prepare()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = clock()
@@ -74,6 +109,7 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cpu-time", action="store_true", help="one thread, fastest call by thread CPU time")
+    parser.add_argument("--cache", choices=["cold", "warm"], default="cold", help="x evicted or read before each call")
     args = parser.parse_args()
     if args.cpu_time:
         torch.set_num_threads(1)
@@ -84,6 +120,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {device.type}, threads {torch.get_num_threads()}, load average {load}")
     how = "fastest thread CPU time" if args.cpu_time else "median wall time"
     print(f"x: {tuple(x.shape)} float32 = {gigabytes * 1e3:.0f} MB; {how} of {args.repeats} calls after warm-up")
+    prepare = cache_preparation(x, args.cache)
+    state = "x evicted from the caches" if args.cache == "cold" else "x read just before"
+    print(f"cache {args.cache}: every call with {state}")
     # x.sum(), x * 2 and the fused cases take turns in each round (one round per repeat, x.sum() and x * 2 four
     # times a round): the ratios compare calls made under the same load. The reference is slow and runs apart.
     fused = ["triton"] if device.type == "cuda" else ["compiled", "native", "native, out="]
@@ -99,7 +138,7 @@ def main() -> None:
             timed[f"{label} {path}"] = lambda fmt=fmt, scaling=scaling, backend=backend, reuse=reuse: quantize(
                 x, fmt, scaling, with_stats=True, backend=backend, out=out if reuse else None
             )
-    seconds = seconds_interleaved(timed, args.repeats, device, args.cpu_time)
+    seconds = seconds_interleaved(timed, args.repeats, device, args.cpu_time, prepare)
     pick = min if args.cpu_time else statistics.median
     read = gigabytes / pick(seconds[f"sum{index}"] for index in range(4))
     print(f"{'x.sum() read':<24}{read:>10.3f} GB/s")
@@ -114,6 +153,7 @@ def main() -> None:
             max(1, args.repeats // 2),
             device,
             args.cpu_time,
+            prepare,
         )
         rates = [gigabytes / seconds[f"{label} {path}"] for path in fused]
         cells = "".join(f"{rate:>14.3f}" for rate in rates)
