@@ -45,7 +45,7 @@ typedef uint32_t vu __attribute__((vector_size(64)));
 typedef float vh __attribute__((vector_size(32)));
 typedef double vd __attribute__((vector_size(64)));
 
-enum Mode { PLAIN = 0, TENSOR = 1, MX_BLOCK = 2, NV_BLOCK = 3, CHANNEL = 4 };
+enum Mode { PLAIN = 0, TENSOR = 1, MX_BLOCK = 2, NV_BLOCK = 3, CHANNEL = 4, COLUMNS = 5 };
 enum Status { OK = 0, NONFINITE = 1, OUT_OF_RANGE = 2, BAD_ARGUMENT = 3 };
 constexpr uint32_t EXPONENT_BITS = 0x7F800000u;
 constexpr uint32_t MAGNITUDE_BITS = 0x7FFFFFFFu;
@@ -371,10 +371,12 @@ struct Job {
   int64_t n;
   Format fmt;
   int mode;
-  int64_t block;      // 16, 32 or 64 for the block modes; CHANNEL: the length of a segment of one channel
+  int64_t block;      // 16, 32 or 64 for the block modes; CHANNEL: the length of a segment of one channel;
+                      // COLUMNS: the number of columns (channels) of a row
   int emax;           // the element format's emax (MX)
   float scale;        // TENSOR: the element scale; NV_BLOCK: the FP32 tensor scale
-  const float* block_in;    // NV_BLOCK: each block's largest |x|, from the scan; CHANNEL: each segment's scale
+  const float* block_in;    // NV_BLOCK: each block's largest |x|, from the scan; CHANNEL: each segment's scale;
+                            // COLUMNS: the columns' scales, then their reciprocals, each padded to whole vectors
   float* block_scale;       // MX_BLOCK / NV_BLOCK: per block, written
   Format e4m3;        // NV_BLOCK: the block scales' format
   bool stream;
@@ -443,10 +445,13 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
       });
     }
   } else {
-    // [from, to) with one scale (none for PLAIN): TENSOR's whole range, or one CHANNEL segment.
-    auto scaled_range = [&](int64_t from, int64_t to, vf scale, vf inverse) {
+    // [from, to) (none for PLAIN) with the scales and reciprocals `scales(j, scale, inverse)` gives the vector at
+    // offset j: TENSOR's whole range, a CHANNEL segment, or a row of COLUMNS.
+    auto scaled_range = [&](int64_t from, int64_t to, auto scales) {
       auto one = [&](Run& run, int64_t i, int64_t count) {
         vf x = count == L ? load_ahead(job.x + i) : load_tail(job.x + i, count);
+        vf scale, inverse;
+        scales(i - from, scale, inverse);
         vf v = MODE == PLAIN ? x : divide(x, scale, inverse);
         vf q = cast<MAY_CLIP>(v, x, job.fmt, run.overflow);
         if (MODE != PLAIN) q = q * scale;
@@ -470,11 +475,25 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
     };
     if constexpr (MODE == CHANNEL) {  // the thread's range is whole segments
       for (int64_t i = lo; i < hi; i += job.block) {
-        float scale = job.block_in[i / job.block];
-        scaled_range(i, i + job.block, splat(scale), splat(1.0f / scale));
+        const vf scale = splat(job.block_in[i / job.block]), inverse = splat(1.0f / job.block_in[i / job.block]);
+        scaled_range(i, i + job.block, [&](int64_t, vf& s, vf& r) {
+          s = scale;
+          r = inverse;
+        });
+      }
+    } else if constexpr (MODE == COLUMNS) {  // the thread's range is whole rows
+      const float* inverses = job.block_in + (job.block + L - 1) / L * L;
+      for (int64_t i = lo; i < hi; i += job.block) {
+        scaled_range(i, i + job.block, [&](int64_t j, vf& s, vf& r) {
+          s = load(job.block_in + j);
+          r = load(inverses + j);
+        });
       }
     } else {
-      scaled_range(lo, hi, tensor_scale, tensor_inverse);
+      scaled_range(lo, hi, [&](int64_t, vf& s, vf& r) {
+        s = tensor_scale;
+        r = tensor_inverse;
+      });
     }
   }
   sums = totals;
@@ -495,7 +514,8 @@ void cast_any(const Job& job, int64_t lo, int64_t hi, Sums& sums) {
       }
       break;
     case NV_BLOCK: cast_range<NV_BLOCK, MAY_CLIP>(job, lo, hi, sums); break;
-    default: cast_range<CHANNEL, MAY_CLIP>(job, lo, hi, sums); break;
+    case CHANNEL: cast_range<CHANNEL, MAY_CLIP>(job, lo, hi, sums); break;
+    default: cast_range<COLUMNS, MAY_CLIP>(job, lo, hi, sums); break;
   }
 }
 
@@ -593,19 +613,47 @@ int qw_scan(const float* x, int64_t n, int64_t block, float* block_amax, double*
   return stats[9] > 0 ? NONFINITE : OK;
 }
 
+// Pass 1 of COLUMNS: as qw_scan, with each column's largest |x| among the rows a thread read into that thread's row
+// of `column_amax` (`threads` rows of `columns` rounded up to whole vectors, zeroed by the caller).
+int qw_scan_columns(const float* x, int64_t n, int64_t columns, float* column_amax, double* stats, int threads) {
+  if (columns < 1 || n % columns != 0) return BAD_ARGUMENT;
+  const int64_t padded = (columns + L - 1) / L * L;
+  each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& totals) {
+    float* largest = column_amax + omp_get_thread_num() * padded;
+    int64_t whole = columns / L, rest = columns - whole * L;
+    for (int64_t i = lo; i < hi; i += columns) {
+      in_runs(totals, whole, [&](Run& run, int64_t k) {
+        vf v = load_ahead(x + i + k * L);
+        store(largest + k * L, vmax(load(largest + k * L), vabs(v)), false);
+        scan_vector(run, v);
+      });
+      if (rest) {
+        Run run;
+        vf v = load_tail(x + i + whole * L, rest);
+        store(largest + whole * L, vmax(load(largest + whole * L), vabs(v)), false);
+        scan_vector(run, v);
+        totals.add(run);
+      }
+    }
+  }, columns);
+  return stats[9] > 0 ? NONFINITE : OK;
+}
+
 // Pass 2 (the only pass for PLAIN and MX_BLOCK): q = cast(x / scale) · scale and the statistics into `stats`
 // (`Partial` order; PLAIN and MX_BLOCK fill the scan's fields too). CHANNEL: x is n / block segments of `block`
-// elements, each of one channel, whose scales `block_in` holds (one a segment).
+// elements, each of one channel, whose scales `block_in` holds (one a segment). COLUMNS: x is rows of `block`
+// channels; `block_in` holds their scales, then the scales' reciprocals, each padded with ones to whole vectors.
 int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, int emax, float max_value, int mode,
             int64_t block, float scale, const float* block_in, float* block_scale, int may_clip, int stream,
             double* stats, int threads) {
   if ((mode == MX_BLOCK && ((block != 16 && block != 32 && block != 64) || n % block != 0)) ||
-      (mode == NV_BLOCK && (block != L || n % L != 0)) || (mode == CHANNEL && (block < 1 || n % block != 0)) ||
-      mode < PLAIN || mode > CHANNEL) {
+      (mode == NV_BLOCK && (block != L || n % L != 0)) ||
+      ((mode == CHANNEL || mode == COLUMNS) && (block < 1 || n % block != 0)) || mode < PLAIN || mode > COLUMNS) {
     return BAD_ARGUMENT;
   }
-  // Streaming stores need 64-byte alignment: a CHANNEL segment of other than whole vectors leaves the next unaligned.
-  bool aligned = mode != CHANNEL || block % L == 0;
+  // Streaming stores need 64-byte alignment: a CHANNEL segment (a COLUMNS row) of other than whole vectors leaves the
+  // next unaligned.
+  bool aligned = (mode != CHANNEL && mode != COLUMNS) || block % L == 0;
   Job job{x, q, n, make_format(mantissa_bits, emin, emax, max_value), mode, block, emax, scale, block_in,
           block_scale, make_format(3, -6, 8, 448.0f), stream != 0 && aligned, may_clip != 0};
   each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& s) {
@@ -617,7 +665,7 @@ int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, in
 #if defined(__AVX512F__)
     if (job.stream) _mm_sfence();  // each thread's streaming stores are weakly ordered: fence them before the barrier
 #endif
-  }, mode == CHANNEL ? block : CHUNK);
+  }, mode == CHANNEL || mode == COLUMNS ? block : CHUNK);
   return stats[9] > 0 ? NONFINITE : OK;
 }
 

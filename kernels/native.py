@@ -10,7 +10,8 @@ version and the CPU, and loaded with ctypes.
 
 What it runs: contiguous float32 CPU tensors, round to nearest, float and integer element formats (FP8, FP6, FP4,
 INT8, INT4: an integer grid is a float grid whose spacing is 1 up to its maximum), scalings none, tensor, delayed,
-channel when each channel's elements lie in runs of 16 or more (``channel:0`` of a weight), block:16/32/64 and
+channel when each channel's elements lie in runs of 16 or more (``channel:0`` of a weight) or are single elements of
+16 or more channels (``channel:-1``), block:16/32/64 and
 nvblock:16 when the last dimension holds whole blocks, saturating (or a format or scaling that cannot overflow).
 Anything else — and a tensor holding NaN/±inf, or statistics outside the float32 runs' range — is declined
 (`quantize_native` returns None) and the caller runs the compiled or reference backend. Quantized values are
@@ -67,11 +68,13 @@ _MODES = {
     Scaling.DELAYED: 1,
     Scaling.BLOCK: 2,
     Scaling.NVBLOCK: 3,
-    Scaling.CHANNEL: 4,
+    Scaling.CHANNEL: 4,  # 5 where each channel's elements are single (the channel axis last): see _channel_layout
 }
-_TWO_PASS = (1, 3, 4)  # modes whose scales need a scan first
-# Channel scaling runs a channel's contiguous segments one by one, each with its own scale: shorter segments (the
-# channel axis last, or nearly) would spend more on each segment than on its elements.
+_CHANNEL, _COLUMNS = 4, 5
+_TWO_PASS = (1, 3, _CHANNEL, _COLUMNS)  # modes whose scales need a scan first
+# Channel scaling runs a channel's contiguous segments one by one, each with its own scale, or (segments of one
+# element) rows of channels with a vector of scales each: shorter segments, or rows of fewer channels, would spend
+# more on each segment or row than on its elements.
 MIN_CHANNEL_SEGMENT = 16
 _STATUS_OK = 0
 _STATUS_BAD_ARGUMENT = 3
@@ -98,10 +101,12 @@ def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: 
         return f"{fmt.kind.value} element formats (float and integer formats only)"
     if spec.kind is Scaling.CHANNEL and x.numel():
         segment = _channel_segment(x, spec)
-        if segment < MIN_CHANNEL_SEGMENT:
+        channels = x.shape[spec.axis] if x.dim() else 1
+        if segment < MIN_CHANNEL_SEGMENT and (segment > 1 or channels < MIN_CHANNEL_SEGMENT):
             return (
                 f"channel scaling along axis {spec.axis} of a {tuple(x.shape)} tensor: each channel's elements in runs "
-                f"of {segment} (at least {MIN_CHANNEL_SEGMENT})"
+                f"of {segment} among {channels} channels (runs of at least {MIN_CHANNEL_SEGMENT}, or single elements "
+                f"of at least {MIN_CHANNEL_SEGMENT} channels)"
             )
     if spec.kind in (Scaling.BLOCK, Scaling.NVBLOCK):
         sizes = BLOCK_SIZES if spec.kind is Scaling.BLOCK else (NVBLOCK_SIZE,)
@@ -135,6 +140,52 @@ def _channel_segment(x: Tensor, spec: ScalingSpec) -> int:
         return 1
     channel_dims(x.dim(), spec.axis)
     return math.prod(x.shape[spec.axis % x.dim() + 1 :])
+
+
+def _channel_layout(x: Tensor, spec: ScalingSpec) -> tuple[int, int]:
+    """(mode, block) of channel scaling: CHANNEL with segments of ``block`` elements, or, where each segment is one
+    element (the channel axis last), COLUMNS with rows of ``block`` channels."""
+    segment = _channel_segment(x, spec)
+    return (_COLUMNS, x.shape[spec.axis]) if segment == 1 else (_CHANNEL, segment)
+
+
+def _channel_scales(
+    lib: ctypes.CDLL,
+    x: Tensor,
+    fmt: FormatSpec,
+    spec: ScalingSpec,
+    mode: int,
+    block: int,
+    scanned: array[float],
+    threads: int,
+) -> tuple[Tensor, Tensor] | None:
+    """The scan of channel scaling (its statistics into ``scanned``): the channels' scales (as
+    `reference.amax_to_scale` gives them) and what the cast reads — each segment's scale (CHANNEL), or the scales
+    then their reciprocals, each padded with ones to whole vectors (COLUMNS) — or None to decline the tensor."""
+    n = x.numel()
+    channels = x.shape[spec.axis]
+    if mode == _CHANNEL:
+        segment_amax = torch.empty(n // block, dtype=torch.float32)
+        status = lib.qw_scan(x.data_ptr(), n, block, segment_amax.data_ptr(), scanned.buffer_info()[0], threads)
+        channel_amax = segment_amax.view(-1, channels).amax(0)
+    else:
+        padded = -(-channels // 16) * 16
+        column_amax = torch.zeros(threads, padded, dtype=torch.float32)
+        status = lib.qw_scan_columns(
+            x.data_ptr(), n, channels, column_amax.data_ptr(), scanned.buffer_info()[0], threads
+        )
+        channel_amax = column_amax[:, :channels].amax(0)
+    if status != _STATUS_OK:
+        return None
+    channel_scale = amax_to_scale(channel_amax, fmt)
+    if float(channel_scale.min()) < MIN_SCALE:
+        return None
+    if mode == _CHANNEL:
+        return channel_scale, channel_scale.repeat(n // (block * channels))  # one per segment, in memory order
+    cast_in = torch.ones(2, padded, dtype=torch.float32)
+    cast_in[0, :channels] = channel_scale
+    cast_in[1, :channels] = 1 / channel_scale  # float32 division: the correctly rounded reciprocal
+    return channel_scale, cast_in
 
 
 def _grid(fmt: FormatSpec) -> tuple[int, int, int]:
@@ -281,6 +332,8 @@ def _build_and_load() -> ctypes.CDLL | BackendUnavailableError:
         return error if isinstance(error, BackendUnavailableError) else BackendUnavailableError(str(reason))
     lib.qw_scan.restype = _INT
     lib.qw_scan.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
+    lib.qw_scan_columns.restype = _INT
+    lib.qw_scan_columns.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
     lib.qw_cast.restype = _INT
     lib.qw_cast.argtypes = [_PTR, _PTR, _I64, _INT, _INT, _INT, _F32, _INT, _I64, _F32, _PTR, _PTR, _INT, _INT]
     lib.qw_cast.argtypes += [_PTR, _INT]
@@ -347,17 +400,24 @@ def quantize_native(
     values = out if out is not None and out.is_contiguous() else torch.empty_like(x)
     n = x.numel()
     threads = torch.get_num_threads() if n >= PARALLEL_MIN_NUMEL else 1
-    mode = _MODES[spec.kind]
-    block = _channel_segment(x, spec) if mode == 4 else (spec.block_size if mode >= 2 else 0)
-    # Per block: MX and NVFP4 scales (written by the cast), a channel segment's largest |x| (written by the scan).
-    scales = torch.empty(n // block, dtype=torch.float32) if block else None
+    mode, block = _channel_layout(x, spec) if spec.kind is Scaling.CHANNEL else (_MODES[spec.kind], spec.block_size)
+    # MX and NVFP4: the block scales, written by the cast (NVFP4: the block amaxes by the scan before).
+    scales = torch.empty(n // block, dtype=torch.float32) if mode in (2, 3) else None
     scales_address = scales.data_ptr() if scales is not None else None
     cast_scales_address = scales_address
     channel_scale: Tensor | None = None
     scanned = array("d", bytes(8 * _PARTIAL_FIELDS))
     element_scale = 1.0
-    if mode in _TWO_PASS:
-        status = lib.qw_scan(x.data_ptr(), n, block, scales_address, scanned.buffer_info()[0], threads)
+    if mode in (_CHANNEL, _COLUMNS):
+        channel = _channel_scales(lib, x, fmt, spec, mode, block, scanned, threads)
+        if channel is None:
+            return None
+        channel_scale, cast_in = channel
+        cast_scales_address = cast_in.data_ptr()
+    elif mode in _TWO_PASS:
+        status = lib.qw_scan(
+            x.data_ptr(), n, block if mode == 3 else 0, scales_address, scanned.buffer_info()[0], threads
+        )
         if status != _STATUS_OK:
             return None
         amax = scanned[5]
@@ -372,13 +432,6 @@ def quantize_native(
             # The smallest element scale is the tensor scale times the smallest E4M3 block scale, 2^-6.
             if element_scale * NVFP4_BLOCK_SCALE_MIN < MIN_SCALE:
                 return None
-        elif scales is not None:  # CHANNEL: the scan wrote each segment's largest |x| into `scales`
-            channels = x.shape[spec.axis]
-            channel_scale = amax_to_scale(scales.view(-1, channels).amax(0), fmt)
-            if float(channel_scale.min()) < MIN_SCALE:
-                return None
-            segment_scale = channel_scale.repeat(n // (block * channels))  # one per segment, in memory order
-            cast_scales_address = segment_scale.data_ptr()
     partial = array("d", bytes(8 * _PARTIAL_FIELDS))
     stream = n * 4 >= STREAM_MIN_BYTES and values.data_ptr() % 64 == 0
     status = lib.qw_cast(
