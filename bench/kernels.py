@@ -16,7 +16,7 @@ on a machine shared with other work that figure moves far less (it still counts 
 
 Every timed call starts from the same cache state, or the ratios compare different things: a 67 MB tensor fits in
 some CPUs' last-level cache, and ``x.sum()`` right after a call that read x ran twice as fast as after one that wrote
-a fresh output. ``--cache cold`` (the default) writes a buffer twice the size of the last-level cache before each
+a fresh output. ``--cache cold`` (the default) reads a buffer twice the size of the last-level cache before each
 call, so every call reads x from memory (as a training step mostly reads its tensors); ``--cache warm`` reads x
 (``x.sum()``) before each call, so every call finds as much of x in the caches as they hold.
 
@@ -63,10 +63,11 @@ def cache_preparation(x: torch.Tensor, cache: str) -> Callable[[], object]:
     """What runs before each timed call: evict x (``cold``) or read it (``warm``)."""
     if cache == "warm":
         return lambda: x.sum().item()
-    # Twice the last-level cache on the CPU; on a GPU, 256 MB is several times any L2.
+    # Twice the last-level cache on the CPU; on a GPU, 256 MB is several times any L2. Read, not written: written,
+    # the caches would hold dirty lines that the timed call pays to write back.
     numel = (2 * last_level_cache_bytes() if x.device.type == "cpu" else 256 << 20) // 4
-    flush = torch.empty(numel, device=x.device)
-    return lambda: flush.fill_(1.0)
+    flush = torch.ones(numel, device=x.device)
+    return lambda: flush.sum().item()
 
 
 def seconds_per_call(

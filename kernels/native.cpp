@@ -10,8 +10,8 @@
 // then runs another backend, and the output holds nothing meaningful.
 //
 // Statistics: float32 products summed over runs of RUN vectors in each lane, the runs' sums added in float64 (within
-// (RUN + 1) · 2^-24 ≈ 5.4e-7 of exact for each run, see spill: the compiled backend's "lane" statistics allow
-// RUN · 2^-24); maxima and counts exact.
+// (RUN + 1) · 2^-24 ≈ 5.4e-7 of the exact sum of each run's float32 terms, see spill; q − x is itself rounded where
+// |q| < |x| / 2, which adds 2 · 2^-24 to Σ(q − x)²: 6.6e-7); maxima and counts exact.
 
 #include <cstdint>
 #include <cstring>

@@ -74,7 +74,7 @@ _CHANNEL, _COLUMNS = 4, 5
 _TWO_PASS = (1, 3, _CHANNEL, _COLUMNS)  # modes whose scales need a scan first
 # Channel scaling runs a channel's contiguous segments one by one, each with its own scale, or (segments of one
 # element) rows of channels with a vector of scales each: shorter segments, or rows of fewer channels, would spend
-# more on each segment or row than on its elements.
+# more on each segment or row than on its elements, and fewer rows more on the channels' scales than on the rows.
 MIN_CHANNEL_SEGMENT = 16
 _STATUS_OK = 0
 _STATUS_BAD_ARGUMENT = 3
@@ -102,11 +102,12 @@ def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: 
     if spec.kind is Scaling.CHANNEL and x.numel():
         segment = _channel_segment(x, spec)
         channels = x.shape[spec.axis] if x.dim() else 1
-        if segment < MIN_CHANNEL_SEGMENT and (segment > 1 or channels < MIN_CHANNEL_SEGMENT):
+        rows = x.numel() // channels
+        if segment < MIN_CHANNEL_SEGMENT and (segment > 1 or min(channels, rows) < MIN_CHANNEL_SEGMENT):
             return (
                 f"channel scaling along axis {spec.axis} of a {tuple(x.shape)} tensor: each channel's elements in runs "
                 f"of {segment} among {channels} channels (runs of at least {MIN_CHANNEL_SEGMENT}, or single elements "
-                f"of at least {MIN_CHANNEL_SEGMENT} channels)"
+                f"of at least {MIN_CHANNEL_SEGMENT} channels in at least {MIN_CHANNEL_SEGMENT} rows)"
             )
     if spec.kind in (Scaling.BLOCK, Scaling.NVBLOCK):
         sizes = BLOCK_SIZES if spec.kind is Scaling.BLOCK else (NVBLOCK_SIZE,)
@@ -170,6 +171,8 @@ def _channel_scales(
         channel_amax = segment_amax.view(-1, channels).amax(0)
     else:
         padded = -(-channels // 16) * 16
+        # A thread's column maxima per MIN_CHANNEL_SEGMENT rows at most: never more than n / 16 floats.
+        threads = max(1, min(threads, n // channels // MIN_CHANNEL_SEGMENT))
         column_amax = torch.zeros(threads, padded, dtype=torch.float32)
         status = lib.qw_scan_columns(
             x.data_ptr(), n, channels, column_amax.data_ptr(), scanned.buffer_info()[0], threads

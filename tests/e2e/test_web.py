@@ -133,6 +133,10 @@ def test_heatmap_renders_and_hover_matches_the_api(page: Page, collector: Any) -
     page.mouse.down()
     page.mouse.up()
     page.wait_for_function("() => location.hash.includes('step=')")
+    # The hash changes at once, the title on the hashchange event that follows.
+    page.wait_for_function(
+        "(layer) => document.getElementById('series-title').innerText.startsWith(layer)", arg=hole_layer
+    )
     assert page.locator("#series-title").inner_text().startswith(hole_layer)
 
     ARTIFACTS.mkdir(exist_ok=True)

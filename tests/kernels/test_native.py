@@ -104,9 +104,9 @@ def test_scaled_casts_match_the_reference(fmt: str, scaling: str, backends: Any)
         ("channel:1", (3, 7, 20)),  # a middle axis: segments of 20, each channel in 3 of them
         ("channel:-2", (4, 6, 33)),
         ("channel:-1", (50, 33)),  # single elements: rows of 33 channels, two vectors and a tail each
-        ("channel:1", (7, 64)),
-        ("channel:2", (3, 5, 16)),
-        ("channel:-1", (2, 3, 100)),
+        ("channel:1", (20, 64)),
+        ("channel:2", (4, 5, 16)),  # exactly one vector a row
+        ("channel:-1", (2, 9, 100)),
     ],
 )
 def test_channel_scaling_matches_the_reference(fmt: str, scaling: str, shape: tuple[int, ...], backends: Any) -> None:
@@ -287,6 +287,7 @@ def test_bad_out_is_a_clear_error(out: torch.Tensor, message: str) -> None:
         ({"fmt": "fp8_e4m3", "rounding": "stochastic"}, torch.randn(8, 16), "stochastic rounding"),
         ({"fmt": "e8m0"}, torch.rand(8, 16), "scale element formats"),
         ({"fmt": "fp8_e4m3", "scaling": "channel:-1"}, torch.randn(16, 8), "runs of 1 among 8 channels"),
+        ({"fmt": "int8", "scaling": "channel:-1"}, torch.randn(8, 64), "at least 16 rows"),
         ({"fmt": "int8", "scaling": "channel:0"}, torch.randn(8, 15), "runs of 15"),
         ({"fmt": "fp8_e4m3", "scaling": "block:8"}, torch.randn(8, 16), "block size 8"),
         ({"fmt": "mxfp4"}, torch.randn(8, 40), "not a whole number of blocks"),
