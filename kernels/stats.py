@@ -486,12 +486,21 @@ def _host_array(t: Tensor, dtype: torch.dtype) -> np.ndarray:
 
 def comparison_fields(x: Tensor, q: Tensor, *, error: bool = True) -> tuple[float, ...]:
     """The `ErrorStats` fields (host values, in the order of ``FIELDS``) comparing CPU tensors ``q`` and ``x``: the
-    four sums only, each one BLAS dot product over the whole tensor (float32 unless either is float64), no masking.
+    four sums only — one native pass, or one BLAS dot product each over the whole tensor (float32 unless either is
+    float64) — no masking.
 
     ``Σ(q−x)²`` is NaN ("not computed") with ``error=False``, ``max_abs_err`` and ``amax`` are NaN, the counts 0;
     non-finite values make the sums NaN."""
     # Few calls: the agent compares 32 tensors per step between passes that leave its code and data cold, where each
-    # call costs several times what it costs in a loop.
+    # call costs several times what it costs in a loop. Float32 tensors take one pass of the native kernels when an
+    # earlier call loaded them (every sum, in float32 runs added in float64); four or five NumPy passes otherwise.
+    from . import native  # native imports this module
+
+    if _native_applies(x, q, None, native.loaded() is not None):
+        fields = native.stats_fields(x, q, None)
+        if fields is not None:
+            numel, x2, q2, qx, err2 = fields[:5]
+            return (numel, x2, q2, qx, err2 if error else math.nan, math.nan, math.nan, 0.0, 0.0, 0.0, 0.0)
     work = torch.float64 if torch.float64 in (x.dtype, q.dtype) else torch.float32
     xn, qn = _host_array(x, work), _host_array(q, work)
     x2, q2, qx = float(np.vdot(xn, xn)), float(np.vdot(qn, qn)), float(np.vdot(qn, xn))

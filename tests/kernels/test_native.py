@@ -30,7 +30,7 @@ from quantwatch.kernels.api import resolve_quantization
 from quantwatch.kernels.formats import Kind, Special
 from quantwatch.kernels.options import Rounding, Scaling, ScalingSpec
 from quantwatch.kernels.reference import amax_to_scale
-from quantwatch.kernels.stats import FlushResult
+from quantwatch.kernels.stats import FlushResult, comparison_fields
 
 FLOAT_FORMATS = [name for name, spec in FORMATS.items() if spec.kind is Kind.FLOAT]
 ELEMENT_FORMATS = [name for name, spec in FORMATS.items() if spec.kind in (Kind.FLOAT, Kind.INT)]
@@ -420,6 +420,34 @@ def test_error_stats_use_the_one_pass_kernel_once_loaded(monkeypatch: pytest.Mon
     numpy_path = error_stats(x, q, "fp8_e4m3").as_tensor()
     assert calls == [x.numel()]
     assert torch.allclose(fast, numpy_path, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("error", [True, False])
+def test_comparisons_use_the_one_pass_kernel_once_loaded(error: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = native.stats_fields
+
+    def spy(x: torch.Tensor, q: torch.Tensor, overflow: torch.Tensor | None) -> Any:
+        calls.append(x.numel())
+        return real(x, q, overflow)
+
+    monkeypatch.setattr(native, "stats_fields", spy)
+    x = finite_sample((64, 96), 9)
+    q = x * 1.01 + 0.003  # a comparison of two outputs, not a quantization
+    fast = comparison_fields(x, q, error=error)
+    same = comparison_fields(x, x.clone(), error=error)
+    assert calls == [x.numel(), x.numel()]
+    assert same[1] == same[2] == same[3]  # q == x: the same products in the same order, a cosine of exactly 1
+    monkeypatch.setattr(native, "_LOADED", None)  # not loaded: NumPy's dot products
+    numpy_path = comparison_fields(x, q, error=error)
+    assert len(calls) == 2
+    assert fast[0] == numpy_path[0] == x.numel()
+    assert fast[1:4] == pytest.approx(numpy_path[1:4], rel=1e-6)
+    assert math.isnan(fast[4]) != error
+    if error:
+        assert fast[4] == pytest.approx(numpy_path[4], rel=1e-6)
+    assert [math.isnan(v) for v in fast[5:7]] == [True, True]
+    assert fast[7:] == (0.0, 0.0, 0.0, 0.0)
 
 
 def test_the_tensor_scale_is_the_references_over_the_float32_range() -> None:
