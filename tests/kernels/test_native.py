@@ -403,7 +403,9 @@ def test_one_pass_statistics_decline_what_they_cannot_sum(x: torch.Tensor, q: to
     assert native.stats_fields(x, q, None) is None
 
 
-def test_error_stats_use_the_one_pass_kernel_once_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def one_pass_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The numel of each call of `native.stats_fields` from here on (the calls go through)."""
     calls: list[int] = []
     real = native.stats_fields
 
@@ -412,6 +414,13 @@ def test_error_stats_use_the_one_pass_kernel_once_loaded(monkeypatch: pytest.Mon
         return real(x, q, overflow)
 
     monkeypatch.setattr(native, "stats_fields", spy)
+    return calls
+
+
+def test_error_stats_use_the_one_pass_kernel_once_loaded(
+    one_pass_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = one_pass_calls
     x = finite_sample((64, 64), 4)
     q = quantize(x, "fp8_e4m3", "tensor", backend="reference")
     fast = error_stats(x, q, "fp8_e4m3").as_tensor()
@@ -423,15 +432,10 @@ def test_error_stats_use_the_one_pass_kernel_once_loaded(monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize("error", [True, False])
-def test_comparisons_use_the_one_pass_kernel_once_loaded(error: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    real = native.stats_fields
-
-    def spy(x: torch.Tensor, q: torch.Tensor, overflow: torch.Tensor | None) -> Any:
-        calls.append(x.numel())
-        return real(x, q, overflow)
-
-    monkeypatch.setattr(native, "stats_fields", spy)
+def test_comparisons_use_the_one_pass_kernel_once_loaded(
+    error: bool, one_pass_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = one_pass_calls
     x = finite_sample((64, 96), 9)
     q = x * 1.01 + 0.003  # a comparison of two outputs, not a quantization
     fast = comparison_fields(x, q, error=error)
