@@ -11,8 +11,8 @@ version and the CPU, and loaded with ctypes.
 What it runs: contiguous float32 CPU tensors, round to nearest, float and integer element formats (FP8, FP6, FP4,
 INT8, INT4: an integer grid is a float grid whose spacing is 1 up to its maximum), scalings none, tensor, delayed,
 channel when each channel's elements lie in runs of 16 or more (``channel:0`` of a weight) or are single elements of
-16 or more channels (``channel:-1``), block:16/32/64 and
-nvblock:16 when the last dimension holds whole blocks, saturating (or a format or scaling that cannot overflow).
+16 or more channels (``channel:-1``), block:16/32/64 and nvblock:16 when the last dimension holds whole blocks,
+saturating (or a format or scaling that cannot overflow).
 Anything else — and a tensor holding NaN/±inf, or statistics outside the float32 runs' range — is declined
 (`quantize_native` returns None) and the caller runs the compiled or reference backend. Quantized values are
 bit-exact against the reference; statistics agree to 1e-6 (tests/kernels).
@@ -62,16 +62,17 @@ BUILD_TIMEOUT_SECONDS = 120
 # gets a core at the closing barrier) costs more than they save.
 PARALLEL_MIN_NUMEL = 1 << 16
 
+# The kernels' modes (`Mode` in native.cpp).
+_PLAIN, _TENSOR, _MX_BLOCK, _NV_BLOCK, _CHANNEL, _COLUMNS = range(6)
 _MODES = {
-    Scaling.NONE: 0,
-    Scaling.TENSOR: 1,
-    Scaling.DELAYED: 1,
-    Scaling.BLOCK: 2,
-    Scaling.NVBLOCK: 3,
-    Scaling.CHANNEL: 4,  # 5 where each channel's elements are single (the channel axis last): see _channel_layout
+    Scaling.NONE: _PLAIN,
+    Scaling.TENSOR: _TENSOR,
+    Scaling.DELAYED: _TENSOR,
+    Scaling.BLOCK: _MX_BLOCK,
+    Scaling.NVBLOCK: _NV_BLOCK,
+    Scaling.CHANNEL: _CHANNEL,  # _COLUMNS where each channel's elements are single: see _channel_layout
 }
-_CHANNEL, _COLUMNS = 4, 5
-_TWO_PASS = (1, 3, _CHANNEL, _COLUMNS)  # modes whose scales need a scan first
+_TWO_PASS = (_TENSOR, _NV_BLOCK, _CHANNEL, _COLUMNS)  # modes whose scales need a scan first
 # Channel scaling runs a channel's contiguous segments one by one, each with its own scale, or (segments of one
 # element) rows of channels with a vector of scales each: shorter segments, or rows of fewer channels, would spend
 # more on each segment or row than on its elements, and fewer rows more on the channels' scales than on the rows.
@@ -405,7 +406,7 @@ def quantize_native(
     threads = torch.get_num_threads() if n >= PARALLEL_MIN_NUMEL else 1
     mode, block = _channel_layout(x, spec) if spec.kind is Scaling.CHANNEL else (_MODES[spec.kind], spec.block_size)
     # MX and NVFP4: the block scales, written by the cast (NVFP4: the block amaxes by the scan before).
-    scales = torch.empty(n // block, dtype=torch.float32) if mode in (2, 3) else None
+    scales = torch.empty(n // block, dtype=torch.float32) if mode in (_MX_BLOCK, _NV_BLOCK) else None
     scales_address = scales.data_ptr() if scales is not None else None
     cast_scales_address = scales_address
     channel_scale: Tensor | None = None
@@ -419,18 +420,18 @@ def quantize_native(
         cast_scales_address = cast_in.data_ptr()
     elif mode in _TWO_PASS:
         status = lib.qw_scan(
-            x.data_ptr(), n, block if mode == 3 else 0, scales_address, scanned.buffer_info()[0], threads
+            x.data_ptr(), n, block if mode == _NV_BLOCK else 0, scales_address, scanned.buffer_info()[0], threads
         )
         if status != _STATUS_OK:
             return None
         amax = scanned[5]
-        if mode == 1:
+        if mode == _TENSOR:
             given = float(scale.to(torch.float32)) if scale is not None else None
             element_scale = given if given is not None else tensor_scale_value(amax, fmt, spec)
             finite = math.isfinite(element_scale)
             if not (finite and element_scale >= MIN_SCALE and _f32(amax) / _f32(element_scale) < MAX_QUOTIENT):
                 return None
-        elif mode == 3:
+        else:
             element_scale = float(_f32(amax) / _f32(FP8_E4M3.max_value * FP4_E2M1.max_value)) or 1.0
             # The smallest element scale is the tensor scale times the smallest E4M3 block scale, 2^-6.
             if element_scale * NVFP4_BLOCK_SCALE_MIN < MIN_SCALE:
