@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 import quantwatch.agent as qw
-from quantwatch.kernels import error_stats
+from quantwatch.kernels import QuantConfig, QuantLinear, QuantSpec, Recipe, error_stats, quantize, quantize_model
 
 FP8_MAX = 448.0
 
@@ -187,29 +187,22 @@ def test_update_cosine_matches_hand_computed_gradients_with_micro_batches() -> N
     assert sink.value("update_cosine", "2", 0) == pytest.approx(dots / math.sqrt(qn * rn), rel=1e-5)
 
 
-def test_quant_linear_update_cosine_from_its_direct_reference_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
-    # QuantLinear gives its FP32 reference weight gradient directly: with update_cosine alone no reference forward
-    # runs, and over two micro-batches the figure is the hand-computed cosine of both gradient pairs.
-    from quantwatch.kernels import QuantLinear, QuantSpec, quantize
-
-    torch.manual_seed(3)
+def _fp8_layer_capturing_output_grads(seed: int) -> tuple[QuantLinear, list[tuple[Tensor, Tensor]]]:
+    """An FP8 QuantLinear(8, 4) and the (input, output gradient) pairs of its forwards, as backward reaches them."""
+    torch.manual_seed(seed)
     layer = QuantLinear(8, 4, weight=QuantSpec("fp8_e4m3"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2"))
-    reference_calls: list[Tensor] = []
-    real_reference = layer.reference_forward
-    monkeypatch.setattr(layer, "reference_forward", lambda x: reference_calls.append(x) or real_reference(x))
     captured: list[tuple[Tensor, Tensor]] = []
 
     def on_output(m: nn.Module, a: tuple[Tensor, ...], o: Tensor) -> None:
         o.register_hook(lambda g: captured.append((a[0].detach(), g.detach())))
 
     layer.register_forward_hook(on_output)
-    sink = qw.InMemoryExporter()
-    monitor = qw.attach(nn.Sequential(layer), run="direct", exporter=sink, metrics=["update_cosine"], every=1)
-    for _ in range(2):
-        layer(torch.randn(3, 5, 8)).square().mean().backward()
-    monitor.step()
-    assert monitor.close(10)
-    assert reference_calls == []
+    return layer, captured
+
+
+def _fp8_update_cosine(captured: list[tuple[Tensor, Tensor]]) -> float:
+    """The cosine between the quantized path's weight gradient (E5M2 output gradients, E4M3 inputs, per-tensor) and
+    the FP32 one, summed over the captured micro-batches, computed here by hand."""
     dots = qn = rn = 0.0
     for xin, dy in captured:
         q = quantize(dy, "fp8_e5m2", "tensor").reshape(-1, 4).T @ quantize(xin, "fp8_e4m3", "tensor").reshape(-1, 8)
@@ -217,24 +210,32 @@ def test_quant_linear_update_cosine_from_its_direct_reference_gradient(monkeypat
         dots += float((q.double() * r.double()).sum())
         qn += float(q.double().square().sum())
         rn += float(r.double().square().sum())
+    return dots / math.sqrt(qn * rn)
+
+
+def test_quant_linear_update_cosine_from_its_direct_reference_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    # QuantLinear gives its FP32 reference weight gradient directly: with update_cosine alone no reference forward
+    # runs, and over two micro-batches the figure is the hand-computed cosine of both gradient pairs.
+    layer, captured = _fp8_layer_capturing_output_grads(seed=3)
+    reference_calls: list[Tensor] = []
+    real_reference = layer.reference_forward
+    monkeypatch.setattr(layer, "reference_forward", lambda x: reference_calls.append(x) or real_reference(x))
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(nn.Sequential(layer), run="direct", exporter=sink, metrics=["update_cosine"], every=1)
+    for _ in range(2):
+        layer(torch.randn(3, 5, 8)).square().mean().backward()
+    monitor.step()
+    assert monitor.close(10)
+    assert reference_calls == []
     assert len(captured) == 2
-    assert sink.value("update_cosine", "0", 0) == pytest.approx(dots / math.sqrt(qn * rn), rel=1e-5)
+    assert sink.value("update_cosine", "0", 0) == pytest.approx(_fp8_update_cosine(captured), rel=1e-5)
 
 
 def test_consecutive_sampled_steps_keep_the_hooks_and_forget_unpaired_reference_gradients() -> None:
     # every=1: the hooks stay from one sampled step to the next (one forward hook, one weight hook, however many
     # forwards), and a reference gradient left without its weight gradient (a backward to the input only) is
     # forgotten at monitor.step instead of being paired with the next step's weight gradient.
-    from quantwatch.kernels import QuantLinear, QuantSpec, quantize
-
-    torch.manual_seed(4)
-    layer = QuantLinear(8, 4, weight=QuantSpec("fp8_e4m3"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2"))
-    captured: list[tuple[Tensor, Tensor]] = []
-
-    def on_output(m: nn.Module, a: tuple[Tensor, ...], o: Tensor) -> None:
-        o.register_hook(lambda g: captured.append((a[0].detach(), g.detach())))
-
-    layer.register_forward_hook(on_output)
+    layer, captured = _fp8_layer_capturing_output_grads(seed=4)
     sink = qw.InMemoryExporter()
     monitor = qw.attach(nn.Sequential(layer), run="keep", exporter=sink, metrics=["update_cosine"], every=1)
     forward_hooks = len(layer._forward_hooks)
@@ -250,15 +251,8 @@ def test_consecutive_sampled_steps_keep_the_hooks_and_forget_unpaired_reference_
     assert len(layer._forward_hooks) == forward_hooks - 1
     assert not layer.weight._backward_hooks  # type: ignore[attr-defined]
     assert [sorted(r.metrics) for _, r in sink.records()] == [[], ["update_cosine"]]  # nothing measured at step 0
-    dots = qn = rn = 0.0
-    for xin, dy in captured[1:]:
-        q = quantize(dy, "fp8_e5m2", "tensor").reshape(-1, 4).T @ quantize(xin, "fp8_e4m3", "tensor").reshape(-1, 8)
-        r = dy.reshape(-1, 4).T @ xin.reshape(-1, 8)
-        dots += float((q.double() * r.double()).sum())
-        qn += float(q.double().square().sum())
-        rn += float(r.double().square().sum())
     assert len(captured) == 3
-    assert sink.value("update_cosine", "0", 1) == pytest.approx(dots / math.sqrt(qn * rn), rel=1e-5)
+    assert sink.value("update_cosine", "0", 1) == pytest.approx(_fp8_update_cosine(captured[1:]), rel=1e-5)
 
 
 class _SecondOutputLinear(ProtocolLinear):
@@ -362,8 +356,6 @@ def test_qat_module_measured_against_itself_with_fake_quant_off() -> None:
 
 
 def test_quant_linear_from_quantize_model_matches_an_independent_computation() -> None:
-    from quantwatch.kernels import QuantConfig, QuantLinear, QuantSpec, Recipe, quantize, quantize_model
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
     fp8_cfg = QuantConfig(weight=QuantSpec("fp8_e4m3"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2"))
@@ -416,8 +408,6 @@ def test_quant_linear_from_quantize_model_matches_an_independent_computation() -
 def test_deferred_statistics_see_the_weights_before_the_optimizer_step() -> None:
     # QuantLinear's statistics on the CPU are computed together after the model's forward (StatsBatch), so an
     # optimizer step before monitor.step must not change what weight_rel_l2 measured: the weight of the forward.
-    from quantwatch.kernels import QuantLinear, QuantSpec, quantize
-
     torch.manual_seed(3)
     model = nn.Sequential(QuantLinear(16, 8, weight=QuantSpec("nvfp4"), input=QuantSpec("fp8_e4m3"), grad=None))
     sink = qw.InMemoryExporter()
@@ -438,8 +428,6 @@ def test_deferred_statistics_see_the_weights_before_the_optimizer_step() -> None
 def test_a_tensor_changed_before_its_deferred_statistics_is_reported_as_not_measured() -> None:
     # Calling the layer directly skips the model-forward flush; the weight then changes in place before
     # monitor.step: its figure is dropped (null) and counted, never computed from the changed weight.
-    from quantwatch.kernels import QuantLinear, QuantSpec
-
     torch.manual_seed(4)
     reference = QuantSpec("fp8_e4m3", backend="reference")  # its statistics are deferred (the native ones are not)
     layer = QuantLinear(16, 8, weight=reference, input=reference, grad=None)
@@ -458,8 +446,6 @@ def test_a_tensor_changed_before_its_deferred_statistics_is_reported_as_not_meas
 
 
 def _two_quant_linears() -> nn.Sequential:
-    from quantwatch.kernels import QuantLinear, QuantSpec
-
     torch.manual_seed(5)
     return nn.Sequential(
         QuantLinear(16, 16, weight=QuantSpec("fp8_e4m3"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2")),
@@ -535,6 +521,4 @@ def test_an_input_changed_in_place_after_the_layer_keeps_its_activation_statisti
     monitor.step(0)
     assert monitor.close(10)
     assert monitor.stats()["failures"] == {}
-    from quantwatch.kernels import quantize
-
     assert sink.value("act_rel_l2", "fc", 0) == pytest.approx(_rel_l2(quantize(x, "fp8_e4m3", "tensor"), x), rel=1e-6)
