@@ -10,11 +10,17 @@ monitor.close()
 ```
 """
 
+try:
+    import torch as _torch  # noqa: F401  (the agent's one hard requirement, checked once with a clear message)
+except ImportError as _missing:
+    raise ImportError("quantwatch.agent needs PyTorch: pip install 'quantwatch[agent]'") from _missing
+
 from quantwatch.agent.errors import AgentError, ConfigError, ExportError, PermanentExportError, TransientExportError
 from quantwatch.agent.exporters import Exporter, HttpExporter, InMemoryExporter, JsonLinesExporter, RetryPolicy
 from quantwatch.agent.monitor import DEFAULT_EVERY, DEFAULT_METRICS, Monitor, attach
-from quantwatch.agent.sampling import LAYER_METRICS, Schedule
+from quantwatch.agent.sampling import Schedule
 from quantwatch.agent.wire import Batch, StepRecord, encode_batch
+from quantwatch.protocol import LAYER_METRICS
 
 __all__ = [
     "DEFAULT_EVERY",

@@ -14,7 +14,6 @@ Exporters are called from the agent's exporter thread only; ``export`` never rai
 
 from __future__ import annotations
 
-import email.utils
 import json
 import os
 import random
@@ -30,12 +29,9 @@ from quantwatch.agent.errors import PermanentExportError, TransientExportError
 from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.spool import DiskSpool
 from quantwatch.agent.wire import Batch, EncodedBatch, Encoding, StepRecord, encode_batch, to_wire_dict
+from quantwatch.protocol import INGEST_PATH, Backoff, is_transient_status, parse_retry_after
 
 __all__ = ["Exporter", "HttpExporter", "InMemoryExporter", "JsonLinesExporter", "RetryPolicy"]
-
-INGEST_PATH = "/api/v1/ingest"
-# 4xx answers that say "try again" (request timeout, too early, too many requests); every other 4xx is permanent.
-_TRANSIENT_4XX = frozenset({408, 425, 429})
 
 
 @runtime_checkable
@@ -59,8 +55,9 @@ class Exporter(Protocol):
 
 
 class RetryPolicy:
-    """Jittered exponential backoff: attempt ``n`` (0-based) waits ``initial * 2**n`` capped at ``max_seconds``,
-    scaled by a random factor in [0.5, 1); a server's ``Retry-After`` replaces the computed wait."""
+    """How many attempts a batch gets before it is spooled, and the shared backoff between them
+    (:class:`quantwatch.protocol.Backoff`: attempt ``n`` (0-based) waits ``initial * 2**n`` capped at ``max_seconds``,
+    jittered into [0.5, 1) of it, or the server's ``Retry-After`` when that is longer)."""
 
     def __init__(
         self,
@@ -76,26 +73,12 @@ class RetryPolicy:
         self.max_attempts = max_attempts
         self.initial_seconds = initial_seconds
         self.max_seconds = max_seconds
+        self._backoff = Backoff(initial_seconds, max_seconds)
         self._rng = rng or random.Random()
 
-    def backoff_seconds(self, attempt: int) -> float:
+    def backoff_seconds(self, attempt: int, retry_after_seconds: float | None = None) -> float:
         """The wait after failed attempt number ``attempt`` (0-based)."""
-        base = min(self.max_seconds, self.initial_seconds * (2.0 ** min(attempt, 62)))
-        return base * (0.5 + 0.5 * self._rng.random())
-
-
-def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date); None when absent or invalid."""
-    if value is None:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+        return self._backoff.wait_seconds(attempt + 1, self._rng, retry_after_seconds)
 
 
 class HttpExporter:
@@ -221,9 +204,7 @@ class HttpExporter:
         self._client.close()
 
     def _open_circuit(self, retry_after_seconds: float | None) -> None:
-        wait = (
-            retry_after_seconds if retry_after_seconds is not None else self.retry.backoff_seconds(self._probe_failures)
-        )
+        wait = self.retry.backoff_seconds(self._probe_failures, retry_after_seconds)
         self._probe_failures += 1
         self._not_before = time.monotonic() + wait
 
@@ -249,12 +230,10 @@ class HttpExporter:
                 last = attempt == self.retry.max_attempts - 1
                 if last or self._stopping.is_set():
                     raise
-                wait = exc.retry_after_seconds
-                if wait is None:
-                    wait = self.retry.backoff_seconds(attempt)
-                elif wait > self.retry.max_seconds:
+                if exc.retry_after_seconds is not None and exc.retry_after_seconds > self.retry.max_seconds:
                     # The server asks for a longer pause than we block for: spool and come back after it.
                     raise
+                wait = self.retry.backoff_seconds(attempt, exc.retry_after_seconds)
                 self._counts["retried_requests"] += 1
                 if self._stopping.wait(wait):
                     raise
@@ -273,7 +252,7 @@ class HttpExporter:
         if 200 <= status < 300:
             return
         detail = response.text[:500]
-        if status in _TRANSIENT_4XX or status >= 500:
+        if is_transient_status(status):
             raise TransientExportError(
                 f"HTTP {status}: {detail}", parse_retry_after(response.headers.get("Retry-After"))
             )

@@ -50,12 +50,13 @@ from quantwatch.agent.layers import (
     comparison_stats,
     is_monitorable,
 )
-from quantwatch.agent.sampling import LAYER_METRICS, Schedule
+from quantwatch.agent.sampling import Schedule
 from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel
 from quantwatch.agent.spool import DiskSpool
-from quantwatch.agent.wire import RUN_NAME_PATTERN, Encoding, StepRecord
+from quantwatch.agent.wire import Encoding, StepRecord
 from quantwatch.kernels import ErrorStats
 from quantwatch.kernels import native as native_kernels
+from quantwatch.protocol import LAYER_METRICS, RUN_NAME_PATTERN, RUN_NAME_RULE
 
 __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "Monitor", "attach"]
 
@@ -675,7 +676,7 @@ def attach(
         raise ConfigError("model", f"must be a torch.nn.Module, got {type(model).__name__}")
     run = run or os.environ.get("QUANTWATCH_RUN")
     if not isinstance(run, str) or not RUN_NAME_PATTERN.fullmatch(run):
-        raise ConfigError("run", f"must match [A-Za-z0-9._:/-]{{1,200}}, got {run!r}")
+        raise ConfigError("run", f"must match {RUN_NAME_RULE}, got {run!r}")
     if shadow not in ("layer", "model"):
         raise ConfigError("shadow", f"must be 'layer' or 'model', got {shadow!r}")
     if shadow == "model" and shadow_optimizer is None:

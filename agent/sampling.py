@@ -11,25 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from quantwatch.agent.errors import ConfigError
+from quantwatch.protocol import LAYER_METRICS
 
 __all__ = ["LAYER_METRICS", "Schedule"]
-
-#: Canonical per-layer metrics (ARCHITECTURE.md, vocabulary).
-LAYER_METRICS: tuple[str, ...] = (
-    "weight_rel_l2",
-    "act_rel_l2",
-    "grad_rel_l2",
-    "output_rel_l2",
-    "output_cosine",
-    "output_sqnr_db",
-    "update_cosine",
-    "underflow_ratio",
-    "overflow_ratio",
-    "nonfinite_count",
-    "amax",
-    "scale",
-    "weight_drift_rel_l2",
-)
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,14 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgpack
 import numpy as np
+
+from quantwatch.protocol import CONTENT_TYPES, PROTOCOL_VERSION, RUN_NAME_PATTERN
 
 __all__ = [
     "RUN_NAME_PATTERN",
@@ -34,11 +35,8 @@ __all__ = [
     "to_wire_dict",
 ]
 
-RUN_NAME_PATTERN = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
-
 Encoding = Literal["msgpack", "json"]
 
-_CONTENT_TYPES: dict[str, str] = {"msgpack": "application/msgpack", "json": "application/json"}
 _GZIP_LEVEL = 5
 
 
@@ -120,6 +118,7 @@ def to_wire_dict(batch: Batch, encoding: Encoding) -> dict[str, Any]:
             scalars = {k: float(v) for k, v in record.scalars.items()}
         steps.append({"step": record.step, "time": record.time, "metrics": metrics, "scalars": scalars})
     return {
+        "protocol": PROTOCOL_VERSION,
         "run": batch.run,
         "rank": batch.rank,
         "batch_id": batch.batch_id,
@@ -137,4 +136,4 @@ def encode_batch(batch: Batch, encoding: Encoding = "msgpack", compress: bool = 
         body = msgpack.packb(wire, use_bin_type=True)
     if compress:
         body = gzip.compress(body, compresslevel=_GZIP_LEVEL, mtime=0)
-    return EncodedBatch(batch.batch_id, body, _CONTENT_TYPES[encoding], compress, batch.point_count())
+    return EncodedBatch(batch.batch_id, body, CONTENT_TYPES[encoding], compress, batch.point_count())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+import random
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -15,6 +16,8 @@ from typing import IO, Any
 from urllib.parse import quote, urlsplit
 
 import httpx
+
+from quantwatch.protocol import INGEST_PATH, Backoff, is_transient_status, parse_retry_after
 
 __all__ = [
     "AuthError",
@@ -30,9 +33,9 @@ __all__ = [
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_PREFIX = "/api/v1"
-# Transient answers worth waiting for (the collector says so with Retry-After), as the agent's exporter does.
-TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
+# Waits between ingest attempts: the protocol's one backoff rule, as the agent's exporter and the outbox use it.
 MAX_RETRY_WAIT_SECONDS = 10.0
+INGEST_BACKOFF = Backoff(initial_seconds=0.5, max_seconds=MAX_RETRY_WAIT_SECONDS)
 
 Params = Mapping[str, str | int | float | None]
 
@@ -137,16 +140,12 @@ def _error_for(method: str, url: str, response: httpx.Response) -> CollectorErro
         kind = RejectedError
     else:
         kind = ServerError
-    return kind(message, status=status, problem=problem, retry_after_seconds=_retry_after(response))
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    # Retry-After in delta-seconds form (RFC 9110 §10.2.3); the collector does not send HTTP dates.
-    try:
-        seconds = float(response.headers.get("Retry-After", ""))
-    except ValueError:
-        return None
-    return seconds if seconds >= 0 else None
+    return kind(
+        message,
+        status=status,
+        problem=problem,
+        retry_after_seconds=parse_retry_after(response.headers.get("Retry-After")),
+    )
 
 
 def _describe_field_error(error: object) -> str:
@@ -248,20 +247,17 @@ class CollectorClient:
         """POST one JSON ingest batch as-is; wait and retry on 429/5xx transient answers (honouring Retry-After)."""
         if attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {attempts}")
-        delay_seconds = 0.5
+        rng = random.Random()
         attempt = 1
         while True:
             try:
-                response = self._send(
-                    "POST", f"{API_PREFIX}/ingest", content=body, headers={"Content-Type": "application/json"}
-                )
+                response = self._send("POST", INGEST_PATH, content=body, headers={"Content-Type": "application/json"})
                 break
             except CollectorError as exc:
-                if exc.status not in TRANSIENT_STATUSES or attempt >= attempts:
+                if exc.status is None or not is_transient_status(exc.status) or attempt >= attempts:
                     raise
-                wait = exc.retry_after_seconds if exc.retry_after_seconds is not None else delay_seconds
+                wait = INGEST_BACKOFF.wait_seconds(attempt, rng, exc.retry_after_seconds)
                 time.sleep(min(wait, MAX_RETRY_WAIT_SECONDS))
-                delay_seconds *= 2
                 attempt += 1
         result = response.json()
         if not isinstance(result, dict):

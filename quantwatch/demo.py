@@ -46,6 +46,7 @@ from torch.nn import functional
 
 import quantwatch.agent as qw
 from quantwatch.kernels import QuantConfig, QuantSpec, Recipe, quantize_model
+from quantwatch.protocol import lower_is_worse
 from quantwatch.service.alerts.rules import DEFAULT_RULES, Rule
 
 __all__ = [
@@ -605,7 +606,7 @@ def _summary(http: httpx.Client, run: str) -> dict[str, Any]:
             if finite:
                 means.append((sum(finite) / len(finite), layer))
         # Worst first: lowest for figures where high is good (cosine, SQNR), highest otherwise.
-        means.sort(reverse=not ("cosine" in metric or "sqnr" in metric))
+        means.sort(reverse=not lower_is_worse(metric))
         summary["worst"][metric] = means[:3]
     for scalar in ("loss", "loss_shadow", "agent_overhead_ratio"):
         answer = http.get(f"{path}/series", params={"scalar": scalar})

@@ -11,7 +11,7 @@ from quantwatch import __version__
 from quantwatch.service import web
 from quantwatch.service.alerts.setup import firing_counts, install_alerts
 from quantwatch.service.api import problems
-from quantwatch.service.api.routes import health, ingest, runs
+from quantwatch.service.api.routes import catalog, health, ingest, runs
 from quantwatch.service.batch import IngestObserver
 from quantwatch.service.core.config import Settings
 from quantwatch.service.core.db import make_engine, make_sessionmaker, upgrade
@@ -65,6 +65,7 @@ def create_app(
     app.include_router(health.router)
     app.include_router(ingest.router)
     app.include_router(runs.router)
+    app.include_router(catalog.router)
     alerts, _worker = install_alerts(app, settings, app.state.store)
     app.state.ingest_observers.insert(0, alerts)
     if firing_alert_counts is None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -16,18 +15,23 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import msgpack
 import numpy as np
 
+from quantwatch.protocol import (
+    MAX_BATCH_ID_LENGTH,
+    MAX_LAYER_NAME_LENGTH,
+    MAX_RANK,
+    MAX_STEP,
+    NONFINITE_TOKENS,
+    PROTOCOL_VERSION,
+    RUN_NAME_PATTERN,
+    RUN_NAME_RULE,
+    SERIES_NAME_PATTERN,
+)
 from quantwatch.service.rollups import F32, canonicalise
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from quantwatch.service.models import Run
-
-RUN_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
-SERIES_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
-MAX_LAYER_NAME = 500
-MAX_STEP = 2**62
-NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 class WireError(ValueError):
@@ -106,9 +110,9 @@ def _number(value: Any, field: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise WireError(422, field, "must be a number, null, or one of 'nan', 'inf', '-inf'")
     if isinstance(value, str):
-        if value not in NONFINITE:
+        if value not in NONFINITE_TOKENS:
             raise WireError(422, field, f"string {value[:20]!r} is not one of 'nan', 'inf', '-inf'")
-        return NONFINITE[value]
+        return NONFINITE_TOKENS[value]
     return float(value)
 
 
@@ -151,7 +155,7 @@ def _step(raw: Any, n_layers: int, field: str, seen: set[int]) -> IngestStep:
     missing: dict[str, np.ndarray] = {}
     for name, values in raw_metrics.items():
         where = f"{field}.metrics.{name}"
-        _require(isinstance(name, str) and SERIES_NAME.fullmatch(name) is not None, where, "bad metric name")
+        _require(isinstance(name, str) and SERIES_NAME_PATTERN.fullmatch(name) is not None, where, "bad metric name")
         arr, miss = _metric_values(values, n_layers, where)
         metrics[name] = arr
         if miss is not None:
@@ -161,7 +165,7 @@ def _step(raw: Any, n_layers: int, field: str, seen: set[int]) -> IngestStep:
     scalars: dict[str, float] = {}
     for name, value in raw_scalars.items():
         where = f"{field}.scalars.{name}"
-        _require(isinstance(name, str) and SERIES_NAME.fullmatch(name) is not None, where, "bad scalar name")
+        _require(isinstance(name, str) and SERIES_NAME_PATTERN.fullmatch(name) is not None, where, "bad scalar name")
         number = _number(value, where)
         if number is not None:
             scalars[name] = number
@@ -172,15 +176,25 @@ def batch_from_obj(obj: Any) -> IngestBatch:
     """Validate a decoded JSON/msgpack document into an :class:`IngestBatch` (raises :class:`WireError`)."""
     _require(isinstance(obj, dict), "", "the batch must be an object")
     run = obj.get("run")
-    _require(isinstance(run, str) and RUN_NAME.fullmatch(run) is not None, "run", "must match [A-Za-z0-9._:/-]{1,200}")
-    rank = _int(obj.get("rank", 0), "rank", 0, 2**31 - 1)
+    _require(isinstance(run, str) and RUN_NAME_PATTERN.fullmatch(run) is not None, "run", f"must match {RUN_NAME_RULE}")
+    rank = _int(obj.get("rank", 0), "rank", 0, MAX_RANK)
+    # A batch without a version is an older agent's (version 0); every version so far is read the same way.
+    _int(obj.get("protocol", 0), "protocol", 0, PROTOCOL_VERSION)
     batch_id = obj.get("batch_id")
-    _require(isinstance(batch_id, str) and 1 <= len(batch_id) <= 128, "batch_id", "must be a string of 1..128 chars")
+    _require(
+        isinstance(batch_id, str) and 1 <= len(batch_id) <= MAX_BATCH_ID_LENGTH,
+        "batch_id",
+        f"must be a string of 1..{MAX_BATCH_ID_LENGTH} chars",
+    )
     _require("\x00" not in batch_id, "batch_id", "must not contain NUL")  # PostgreSQL text cannot store it
     layers = obj.get("layers", [])
     _require(isinstance(layers, list), "layers", "must be an array of layer names")
     for i, name in enumerate(layers):
-        _require(isinstance(name, str) and 0 < len(name) <= MAX_LAYER_NAME, f"layers[{i}]", "must be 1..500 chars")
+        _require(
+            isinstance(name, str) and 0 < len(name) <= MAX_LAYER_NAME_LENGTH,
+            f"layers[{i}]",
+            f"must be 1..{MAX_LAYER_NAME_LENGTH} chars",
+        )
         _require("\x00" not in name, f"layers[{i}]", "must not contain NUL")
     _require(len(set(layers)) == len(layers), "layers", "layer names must be unique")
     raw_steps = obj.get("steps")

@@ -41,6 +41,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from quantwatch import __version__
+from quantwatch.protocol import CATALOG, lower_is_worse
 from quantwatch.service.api.deps import ReadAuth
 from quantwatch.service.float_text import float32_value_lines
 
@@ -95,35 +96,10 @@ DEFAULT_RENDER_IDLE_AFTER_SECONDS = 300.0
 
 log = logging.getLogger("quantwatch.exposition")
 
-# Canonical metric → exported gauge family. Ratios end in ``_ratio``; ``nonfinite_count`` becomes ``_values``
-# because ``_count`` is reserved for histograms and summaries in the exposition format.
-LAYER_METRIC_FAMILIES: Mapping[str, str] = {
-    "weight_rel_l2": "quantwatch_layer_weight_rel_l2_ratio",
-    "act_rel_l2": "quantwatch_layer_act_rel_l2_ratio",
-    "grad_rel_l2": "quantwatch_layer_grad_rel_l2_ratio",
-    "output_rel_l2": "quantwatch_layer_output_rel_l2_ratio",
-    "output_cosine": "quantwatch_layer_output_cosine",
-    "output_sqnr_db": "quantwatch_layer_output_sqnr_db",
-    "update_cosine": "quantwatch_layer_update_cosine",
-    "underflow_ratio": "quantwatch_layer_underflow_ratio",
-    "overflow_ratio": "quantwatch_layer_overflow_ratio",
-    "nonfinite_count": "quantwatch_layer_nonfinite_values",
-    "amax": "quantwatch_layer_amax",
-    "scale": "quantwatch_layer_scale",
-    "weight_drift_rel_l2": "quantwatch_layer_weight_drift_rel_l2_ratio",
-}
+# Canonical metric → exported gauge family, from the protocol's catalogue.
+LAYER_METRIC_FAMILIES: Mapping[str, str] = {m.name: m.family for m in CATALOG.values() if m.scope == "layer"}
 
-RUN_SCALAR_FAMILIES: Mapping[str, str] = {
-    "loss": "quantwatch_run_loss",
-    "loss_shadow": "quantwatch_run_loss_shadow",
-    "tokens_per_second": "quantwatch_run_tokens_per_second",
-    "step_seconds": "quantwatch_run_step_seconds",
-    "device_memory_bytes": "quantwatch_run_device_memory_bytes",
-    "agent_overhead_ratio": "quantwatch_run_agent_overhead_ratio",
-}
-
-# Where a smaller value is the worse one: the "worst K" of these are the lowest.
-LOWER_IS_WORSE = frozenset({"output_cosine", "update_cosine", "output_sqnr_db"})
+RUN_SCALAR_FAMILIES: Mapping[str, str] = {m.name: m.family for m in CATALOG.values() if m.scope == "run"}
 
 # A custom name that spells a canonical family (or one of the collector's own) must not merge into it.
 _CANONICAL_FAMILIES = frozenset(
@@ -370,7 +346,7 @@ class LatestValueCache:
             vals = np.concatenate([old.values[keep], values])
         omitted = 0
         if vals.size > self.top_k:
-            badness = np.where(np.isnan(vals), np.inf, -vals if metric in LOWER_IS_WORSE else vals)
+            badness = np.where(np.isnan(vals), np.inf, -vals if lower_is_worse(metric) else vals)
             chosen = np.argpartition(-badness, self.top_k - 1)[: self.top_k]
             omitted = vals.size - self.top_k
             kept = np.zeros(vals.size, dtype=np.bool_)

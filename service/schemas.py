@@ -62,3 +62,23 @@ class Health(BaseModel):
     """Liveness or readiness."""
 
     status: str
+
+
+class CatalogEntry(BaseModel):
+    """One catalogued metric or scalar (the protocol's catalogue)."""
+
+    name: str
+    scope: str = Field(description="``layer`` for a per-layer metric, ``run`` for a per-run scalar.")
+    polarity: str = Field(description="``higher_is_worse`` or ``lower_is_worse``: which direction is the bad one.")
+    unit: str = Field(description="``ratio`` for values stored as ratios (5% is 0.05), else the unit's name.")
+    is_ratio: bool
+    family: str = Field(description="The Prometheus gauge family ``/metrics`` exports it as.")
+    meaning: str
+    formula: str
+
+
+class Catalog(BaseModel):
+    """Every figure the agent measures and the collector knows by name."""
+
+    metrics: list[CatalogEntry]
+    scalars: list[CatalogEntry]

@@ -14,7 +14,6 @@ other 4xx fail at once (the receiver refuses this request; ``POST /api/v1/delive
 
 from __future__ import annotations
 
-import email.utils
 import logging
 import random
 import threading
@@ -27,6 +26,7 @@ import httpx
 from sqlalchemy import and_, exists, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
+from quantwatch.protocol import Backoff, is_transient_status, parse_retry_after
 from quantwatch.service.alerts.engine import LEASE_SECONDS, receiver_spec
 from quantwatch.service.alerts.tables import DeliveryRow, ReceiverRow
 from quantwatch.service.alerts.webhooks import signature_headers
@@ -34,22 +34,6 @@ from quantwatch.service.alerts.webhooks import signature_headers
 __all__ = ["DeliveryOutcome", "DeliveryWorker", "RetryPolicy", "parse_retry_after"]
 
 log = logging.getLogger("quantwatch.alerts")
-
-_RETRYABLE = frozenset({408, 425, 429})
-
-
-def parse_retry_after(value: str | None, now: float) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (delta-seconds or HTTP-date), or ``None``."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        moment = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, moment.timestamp() - now)
 
 
 @dataclass(frozen=True)
@@ -64,9 +48,8 @@ class RetryPolicy:
             raise ValueError("RetryPolicy: need 0 < base_seconds <= max_seconds")
 
     def delay(self, attempt: int, retry_after: float | None, rng: random.Random) -> float:
-        """Seconds before the next attempt after ``attempt`` failed ones."""
-        backoff: float = min(self.max_seconds, self.base_seconds * 2.0 ** max(0, attempt - 1)) * rng.uniform(0.5, 1.0)
-        return max(backoff, retry_after) if retry_after is not None else backoff
+        """Seconds before the next attempt after ``attempt`` failed ones (the protocol's one backoff rule)."""
+        return Backoff(self.base_seconds, self.max_seconds).wait_seconds(attempt, rng, retry_after)
 
 
 @dataclass(frozen=True)
@@ -263,7 +246,7 @@ class DeliveryWorker:
         error = f"HTTP {code}: {response.text[:300]}"
         if code == 410:
             return DeliveryOutcome(False, False, True, code, None, error)
-        retry = code >= 500 or code in _RETRYABLE
+        retry = is_transient_status(code)
         return DeliveryOutcome(False, retry, False, code, retry_after, error)
 
     def _record(

@@ -38,6 +38,9 @@ from pydantic import (
     model_validator,
 )
 
+from quantwatch.protocol import LAYER_METRICS
+from quantwatch.protocol import SCALARS as CATALOG_SCALARS
+
 __all__ = [
     "DEFAULT_RULES",
     "METRICS",
@@ -55,29 +58,11 @@ __all__ = [
     "render_template",
 ]
 
-METRICS: frozenset[str] = frozenset(
-    {
-        "weight_rel_l2",
-        "act_rel_l2",
-        "grad_rel_l2",
-        "output_rel_l2",
-        "output_cosine",
-        "output_sqnr_db",
-        "update_cosine",
-        "underflow_ratio",
-        "overflow_ratio",
-        "nonfinite_count",
-        "amax",
-        "scale",
-        "weight_drift_rel_l2",
-    }
-)
-"""Canonical per-layer metric names (ARCHITECTURE.md vocabulary)."""
+METRICS: frozenset[str] = frozenset(LAYER_METRICS)
+"""Canonical per-layer metric names (the protocol's catalogue)."""
 
-SCALARS: frozenset[str] = frozenset(
-    {"loss", "loss_shadow", "tokens_per_second", "step_seconds", "device_memory_bytes", "agent_overhead_ratio"}
-)
-"""Canonical per-run scalar names (ARCHITECTURE.md vocabulary)."""
+SCALARS: frozenset[str] = frozenset(CATALOG_SCALARS)
+"""Canonical per-run scalar names (the protocol's catalogue)."""
 
 TEMPLATE_VARIABLES: frozenset[str] = frozenset(
     {"rule", "run", "layer", "metric", "op", "threshold", "value", "step", "consecutive", "ranks", "severity"}

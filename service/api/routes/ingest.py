@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from quantwatch.protocol import ingest_json_schema
 from quantwatch.service.api.deps import IngestAuth
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.batch import IngestBatch, decode_json, decode_msgpack
@@ -19,31 +20,7 @@ from quantwatch.service.store import IngestResult, Store
 
 router = APIRouter(prefix="/api/v1", tags=["ingest"])
 
-_VALUE = {"anyOf": [{"type": "number"}, {"type": "null"}, {"enum": ["nan", "inf", "-inf"]}]}
-BATCH_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["run", "batch_id", "steps"],
-    "properties": {
-        "run": {"type": "string", "pattern": "^[A-Za-z0-9._:/-]{1,200}$"},
-        "rank": {"type": "integer", "minimum": 0, "default": 0},
-        "batch_id": {"type": "string", "minLength": 1, "maxLength": 128},
-        "layers": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 500}},
-        "steps": {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "type": "object",
-                "required": ["step"],
-                "properties": {
-                    "step": {"type": "integer", "minimum": 0},
-                    "time": {"type": ["number", "null"]},
-                    "metrics": {"type": "object", "additionalProperties": {"type": "array", "items": _VALUE}},
-                    "scalars": {"type": "object", "additionalProperties": _VALUE},
-                },
-            },
-        },
-    },
-}
+BATCH_SCHEMA: dict[str, Any] = ingest_json_schema()
 DECODERS = {
     "application/json": decode_json,
     "application/msgpack": decode_msgpack,

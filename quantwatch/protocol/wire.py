@@ -1,0 +1,89 @@
+"""The wire contract of ``POST /api/v1/ingest`` (ARCHITECTURE.md, wire format): names, limits and the JSON schema.
+
+The agent's encoder and the collector's decoder both read these; the schema the ingest route documents in OpenAPI is
+generated from them by :func:`ingest_json_schema`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from quantwatch.protocol.catalog import CATALOG
+
+__all__ = [
+    "CONTENT_TYPES",
+    "INGEST_PATH",
+    "MAX_BATCH_ID_LENGTH",
+    "MAX_LAYER_NAME_LENGTH",
+    "MAX_RANK",
+    "MAX_STEP",
+    "NONFINITE_TOKENS",
+    "PROTOCOL_VERSION",
+    "RUN_NAME_PATTERN",
+    "RUN_NAME_RULE",
+    "SERIES_NAME_PATTERN",
+    "ingest_json_schema",
+]
+
+PROTOCOL_VERSION = 1
+"""The version of the batch structure an agent sends (``"protocol"``); a batch without one is version 0 (older
+agents), which the collector keeps accepting."""
+
+INGEST_PATH = "/api/v1/ingest"
+
+RUN_NAME_RULE = "[A-Za-z0-9._:/-]{1,200}"
+RUN_NAME_PATTERN = re.compile(RUN_NAME_RULE)
+"""A run name (ARCHITECTURE.md vocabulary)."""
+
+SERIES_NAME_RULE = "[A-Za-z0-9_.:-]{1,200}"
+SERIES_NAME_PATTERN = re.compile(SERIES_NAME_RULE)
+"""A metric or scalar name on the wire (custom names included)."""
+
+MAX_LAYER_NAME_LENGTH = 500
+MAX_BATCH_ID_LENGTH = 128
+MAX_STEP = 2**62
+MAX_RANK = 2**31 - 1
+
+NONFINITE_TOKENS: dict[str, float] = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+"""How JSON carries non-finite values (signals, not errors)."""
+
+CONTENT_TYPES: dict[str, str] = {"msgpack": "application/msgpack", "json": "application/json"}
+
+
+def ingest_json_schema() -> dict[str, Any]:
+    """The JSON schema of one ingest batch (the JSON encoding; msgpack has the same structure with float32 ``bin``
+    metric arrays)."""
+    value: dict[str, Any] = {"anyOf": [{"type": "number"}, {"type": "null"}, {"enum": list(NONFINITE_TOKENS)}]}
+    values: dict[str, Any] = {"type": "array", "items": value}
+    # Catalogued names are documented one by one; any other valid name is a custom series, stored as sent.
+    metrics = {m.name: values | {"description": m.meaning} for m in CATALOG.values() if m.scope == "layer"}
+    scalars = {m.name: value | {"description": m.meaning} for m in CATALOG.values() if m.scope == "run"}
+    return {
+        "type": "object",
+        "required": ["run", "batch_id", "steps"],
+        "properties": {
+            "protocol": {"type": "integer", "minimum": 0, "default": 0},
+            "run": {"type": "string", "pattern": f"^{RUN_NAME_RULE}$"},
+            "rank": {"type": "integer", "minimum": 0, "maximum": MAX_RANK, "default": 0},
+            "batch_id": {"type": "string", "minLength": 1, "maxLength": MAX_BATCH_ID_LENGTH},
+            "layers": {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1, "maxLength": MAX_LAYER_NAME_LENGTH},
+            },
+            "steps": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["step"],
+                    "properties": {
+                        "step": {"type": "integer", "minimum": 0, "maximum": MAX_STEP},
+                        "time": {"type": ["number", "null"]},
+                        "metrics": {"type": "object", "properties": metrics, "additionalProperties": values},
+                        "scalars": {"type": "object", "properties": scalars, "additionalProperties": value},
+                    },
+                },
+            },
+        },
+    }
