@@ -325,6 +325,24 @@ class Monitor:
         except Exception as exc:
             self.failures.record("step", f"monitor.step failed: {exc}", exc)
 
+    def expect_step(self, step: int) -> None:
+        """Say that the first :meth:`step` will be for ``step`` (a run resumed from a checkpoint, or a trainer that
+        counts optimizer steps from 1): the hooks are armed for what that step samples. Raises ConfigError for a
+        negative step or once a step was made."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError("step", f"must be an integer >= 0, got {step!r}")
+        if self._steps_seen:
+            raise ConfigError("step", "expect_step() must come before the first step()")
+        if self._next_sampled is None:
+            return
+        if self._armed:
+            self._armed = frozenset()
+            with self._lock:
+                self._disarm(list(self._adapters))
+        self._next_step = step
+        self._next_sampled = self.schedule.next_step(step)
+        self._arm(self._metrics_at(step))
+
     def watch_kernel(self, fn: F, name: str) -> F:
         """Wrap a quantization kernel ``q = fn(x, ...)``; on sampled steps the error of ``q`` against ``x`` is
         recorded as layer ``name``.  Raises ConfigError for an empty or already used name."""

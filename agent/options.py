@@ -1,0 +1,41 @@
+"""Checking :func:`~quantwatch.agent.attach` options before there is a model to attach to.
+
+Integrations (the Hugging Face and Lightning callbacks) are built long before training starts; a mistake in their
+options must surface when they are constructed, not at the first step of a run.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from quantwatch.agent.errors import ConfigError
+from quantwatch.agent.monitor import DEFAULT_EVERY, _periods, _reports, attach
+from quantwatch.agent.sampling import Schedule
+from quantwatch.protocol import RUN_NAME_PATTERN, RUN_NAME_RULE
+
+__all__ = ["check_attach_options"]
+
+
+def check_attach_options(**options: Any) -> None:
+    """Raise :class:`ConfigError` naming the first option of ``options`` that :func:`attach` would refuse.
+
+    Checks every option that can be judged without a model; ``layers``, ``exporter``, ``spool_dir`` and ``rank``
+    are checked again by ``attach()`` when the model is there.
+    """
+    known = [name for name in inspect.signature(attach).parameters if name != "model"]
+    for name in options:
+        if name not in known:
+            raise ConfigError(name, f"is not an option of attach(); options: {', '.join(known)}")
+    run = options.get("run")
+    if run is not None and (not isinstance(run, str) or not RUN_NAME_PATTERN.fullmatch(run)):
+        raise ConfigError("run", f"must match {RUN_NAME_RULE}, got {run!r}")
+    shadow = options.get("shadow", "layer")
+    if shadow not in ("layer", "model"):
+        raise ConfigError("shadow", f"must be 'layer' or 'model', got {shadow!r}")
+    periods = _periods(options.get("metrics"), options.get("every", DEFAULT_EVERY), shadow)
+    Schedule(periods, start=options.get("start", 0), end=options.get("end"))
+    _reports(0, options.get("ranks", "all"))
+    url = options.get("url")
+    if url is not None and not isinstance(url, str):
+        raise ConfigError("url", f"must be a string, got {type(url).__name__}")

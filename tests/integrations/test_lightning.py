@@ -1,0 +1,63 @@
+"""The Lightning callback in a real ``lightning.Trainer`` on CPU, with gradient accumulation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import quantwatch.agent as qw
+from quantwatch.integrations.lightning import QuantWatchCallback
+from quantwatch.kernels import QuantConfig, Recipe, quantize_model
+
+lightning = pytest.importorskip("lightning")
+
+STEPS = 12
+
+
+class Regression(lightning.LightningModule):  # type: ignore[misc]
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.body(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_every_optimizer_step_arrives_with_the_modules_layer_names(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    module = Regression()
+    quantize_model(module, Recipe(default=QuantConfig()))
+    data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randn(96, 1))
+    sink = qw.InMemoryExporter()
+    callback = QuantWatchCallback(run="lightning-mlp", exporter=sink, every=1)
+    trainer = lightning.Trainer(
+        max_steps=STEPS,
+        accumulate_grad_batches=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[callback],
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    steps = [record for batch in sink.batches for record in batch.steps]
+    assert [r.step for r in steps] == list(range(1, STEPS + 1))
+    assert sink.batches[0].layers == ("body.0", "body.2")
+    for record in steps:
+        assert {"loss", "learning_rate"} <= set(record.scalars)
+        assert all(v is not None for v in record.metrics["update_cosine"]), record.step
+
+
+def test_invalid_options_fail_when_the_callback_is_built() -> None:
+    with pytest.raises(qw.ConfigError, match="ranks"):
+        QuantWatchCallback(run="pl", ranks="some")
