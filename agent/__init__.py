@@ -10,6 +10,15 @@ monitor.close()
 ```
 """
 
+from quantwatch.agent.adapters import (
+    Adapter,
+    AdapterContext,
+    AdapterHandle,
+    LayerInfo,
+    ShadowedLayer,
+    UnsupportedLayerError,
+    register_adapter,
+)
 from quantwatch.agent.errors import AgentError, ConfigError, ExportError, PermanentExportError, TransientExportError
 from quantwatch.agent.exporters import Exporter, HttpExporter, InMemoryExporter, JsonLinesExporter, RetryPolicy
 from quantwatch.agent.monitor import DEFAULT_EVERY, DEFAULT_METRICS, Monitor, attach
@@ -20,6 +29,9 @@ __all__ = [
     "DEFAULT_EVERY",
     "DEFAULT_METRICS",
     "LAYER_METRICS",
+    "Adapter",
+    "AdapterContext",
+    "AdapterHandle",
     "AgentError",
     "Batch",
     "ConfigError",
@@ -28,12 +40,16 @@ __all__ = [
     "HttpExporter",
     "InMemoryExporter",
     "JsonLinesExporter",
+    "LayerInfo",
     "Monitor",
     "PermanentExportError",
     "RetryPolicy",
     "Schedule",
+    "ShadowedLayer",
     "StepRecord",
     "TransientExportError",
+    "UnsupportedLayerError",
     "attach",
     "encode_batch",
+    "register_adapter",
 ]
