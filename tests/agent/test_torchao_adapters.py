@@ -358,3 +358,36 @@ def test_layers_that_need_a_gpu_are_recognised_with_their_formats() -> None:
         {"weight": "nvfp4", "input": "nvfp4", "grad": "nvfp4"},
     ]
     monitor.close()
+
+
+def test_a_bfloat16_reference_is_computed_in_bfloat16() -> None:
+    model = float8_model("tensorwise")
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="f8-bf16", exporter=sink, every=1, reference_dtype="bfloat16")
+    capture = one_step(model, monitor, torch.randn(8, 32))
+    c = capture["0"]
+    reference = F.linear(c["x"].bfloat16(), c["w"].bfloat16(), c["b"].bfloat16())
+    assert sink.value("output_rel_l2", "0", 0) == pytest.approx(rel_l2(c["y"], reference.float()), rel=1e-5)
+    assert monitor.stats()["failures"] == {}
+
+
+def test_prototype_mx_qat_figures_are_its_own_casts() -> None:
+    from torchao.prototype.qat import MXFakeQuantizeConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    config = MXFakeQuantizeConfig(dtype=torch.float8_e4m3fn)  # kernel_preference=EMULATED by default: runs on a CPU
+    quantize_(model, QATConfig(activation_config=config, weight_config=config, step="prepare"))
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="mx-qat", exporter=sink, every=1)
+    assert monitor.layer_formats()[0] == {"weight": "mxfp8", "input": "mxfp8", "grad": "high_precision"}
+    capture = one_step(model, monitor, torch.randn(32, 64))
+    for name in ("0", "2"):
+        c = capture[name]
+        cast = MXTensor.to_mx(c["w"], torch.float8_e4m3fn, 32, config.scaling_mode).dequantize(torch.float32)
+        assert sink.value("weight_rel_l2", name, 0) == pytest.approx(rel_l2(cast, c["w"]), rel=1e-6)
+        cast = MXTensor.to_mx(c["x"], torch.float8_e4m3fn, 32, config.scaling_mode).dequantize(torch.float32)
+        assert sink.value("act_rel_l2", name, 0) == pytest.approx(rel_l2(cast, c["x"]), rel=1e-6)
+        reference = F.linear(c["x"], c["w"], c["b"])
+        assert sink.value("output_rel_l2", name, 0) == pytest.approx(rel_l2(c["y"], reference), rel=1e-6)
+    assert monitor.stats()["failures"] == {}
