@@ -21,10 +21,14 @@ from quantwatch.agent.adapters.registry import (
     register_adapter,
     registered_adapters,
 )
+from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT
 
 __all__ = [
     "FORMAT_KINDS",
     "HIGH_PRECISION",
+    "KIND_GRAD",
+    "KIND_INPUT",
+    "KIND_WEIGHT",
     "Adapter",
     "AdapterContext",
     "AdapterHandle",

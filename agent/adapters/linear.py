@@ -26,8 +26,16 @@ from quantwatch.kernels.stats import stats_from_masks
 
 __all__ = ["Cast", "CastResult", "RecomputedCastLinear", "ShadowedLayer", "reference_dtype"]
 
-#: The public name of the base class for measurers with a reference forward (``output_*``, ``update_cosine``).
-ShadowedLayer = _ShadowedModuleAdapter
+
+class ShadowedLayer(_ShadowedModuleAdapter):
+    """Base of a measurer with a reference forward: override ``reference(x)`` (the FP32 output for input ``x``) to
+    get ``output_*`` and ``update_cosine``, optionally ``reference_weight_grad()``; extend ``arm`` with hooks that
+    ``record(KIND_WEIGHT | KIND_INPUT | KIND_GRAD, error_stats(t, q))`` for the quantization error figures (append
+    the hooks' handles to ``self._handles``: they are removed when the step is over)."""
+
+    def __init__(self, name: str, module: nn.Module, context: AdapterContext) -> None:
+        super().__init__(name, module, context.failures, context.clock, context.deferred)
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -57,7 +65,7 @@ class CastResult:
 Cast = Callable[[Tensor], CastResult]
 
 
-class RecomputedCastLinear(_ShadowedModuleAdapter):
+class RecomputedCastLinear(ShadowedLayer):
     """Measures a linear layer by recomputing its casts (``casts[kind]`` for ``KIND_WEIGHT | KIND_INPUT |
     KIND_GRAD``; a missing kind is kept in high precision: no figure).
 
@@ -74,7 +82,7 @@ class RecomputedCastLinear(_ShadowedModuleAdapter):
         unwrap: Callable[[Tensor], Tensor] | None = None,
         prepare_input: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
-        super().__init__(name, module, context.failures, context.clock, context.deferred)
+        super().__init__(name, module, context)
         self.casts = casts
         self.dtype = reference_dtype(context)
         self._unwrap: Callable[[Tensor], Tensor] = unwrap or (lambda t: t)

@@ -161,13 +161,16 @@ class Found:
     formats: dict[str, str] = field(default_factory=dict)
 
 
-def _recognising(module: nn.Module, adapters: Sequence[Adapter]) -> Adapter | None:
+def _recognising(module: nn.Module, adapters: Sequence[Adapter], broken: set[int]) -> Adapter | None:
     for adapter in adapters:
+        if id(adapter) in broken:
+            continue
         try:
             if adapter.recognises(module):
                 return adapter
         except Exception as exc:  # a broken user adapter must not break attach for every other layer
-            logger.warning("quantwatch agent: adapter %r failed to inspect a module: %s", adapter.name, exc)
+            broken.add(id(adapter))
+            logger.warning("quantwatch agent: adapter %r failed to inspect a module; skipped: %s", adapter.name, exc)
     return None
 
 
@@ -188,10 +191,11 @@ def find_layers(
     Raises :class:`ConfigError` for malformed patterns and for patterns that match no recognised module."""
     adapters = registered_adapters() if adapters is None else list(adapters)
     candidates: dict[str, tuple[nn.Module, Adapter]] = {}
+    broken: set[int] = set()
     for name, module in model.named_modules():
         if not name:
             continue
-        adapter = _recognising(module, adapters)
+        adapter = _recognising(module, adapters, broken)
         if adapter is not None:
             candidates[name] = (module, adapter)
     if layers is not None:

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from quantwatch.agent.adapters.linear import ShadowedLayer
 from quantwatch.agent.adapters.registry import HIGH_PRECISION, Adapter, AdapterContext, UnsupportedLayerError
-from quantwatch.agent.layers import KIND_INPUT, KIND_WEIGHT, LayerAdapter, _ShadowedModuleAdapter
+from quantwatch.agent.layers import KIND_INPUT, KIND_WEIGHT, LayerAdapter
 from quantwatch.kernels import error_stats
 
 __all__ = ["TorchAoQatAdapter", "fake_quantize_format"]
@@ -76,11 +77,11 @@ def _qat_classes() -> tuple[type, ...]:
     return tuple(classes)
 
 
-class TorchAoQatLayer(_ShadowedModuleAdapter):
+class TorchAoQatLayer(ShadowedLayer):
     """One torchao ``FakeQuantizedLinear`` / ``FakeQuantizedEmbedding``."""
 
     def __init__(self, name: str, module: nn.Module, context: AdapterContext) -> None:
-        super().__init__(name, module, context.failures, context.clock, context.deferred)
+        super().__init__(name, module, context)
         self.fake_quantizers: dict[int, nn.Module] = {}
         for kind, attr in ((KIND_WEIGHT, "weight_fake_quantizer"), (KIND_INPUT, "activation_fake_quantizer")):
             fq = getattr(module, attr, None)  # an embedding has no activation fake quantizer

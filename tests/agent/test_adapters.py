@@ -13,7 +13,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 import quantwatch.agent as qw
-from quantwatch.agent.adapters import AdapterContext, ShadowedLayer, find_layers
+from quantwatch.agent.adapters import KIND_WEIGHT, AdapterContext, ShadowedLayer, find_layers
 from quantwatch.kernels import QuantLinear, QuantSpec, error_stats
 
 
@@ -34,7 +34,7 @@ class HalfLinearMeasurer(ShadowedLayer):
 
     def _weight_stats(self, module: nn.Module, args: Any, out: Any) -> None:
         w = module.weight.detach()
-        self.record(0, error_stats(w, w.to(torch.bfloat16).to(w.dtype)))
+        self.record(KIND_WEIGHT, error_stats(w, w.to(torch.bfloat16).to(w.dtype)))
 
 
 class HalfLinearAdapter(qw.Adapter):
@@ -47,7 +47,7 @@ class HalfLinearAdapter(qw.Adapter):
         return {"weight": "bf16", "input": "high_precision", "grad": "high_precision"}
 
     def create(self, name: str, module: nn.Module, context: AdapterContext) -> Any:
-        return HalfLinearMeasurer(name, module, context.failures, context.clock, context.deferred)
+        return HalfLinearMeasurer(name, module, context)
 
 
 class BrokenAdapter(qw.Adapter):
@@ -159,3 +159,24 @@ def test_reference_dtype_is_validated() -> None:
     with pytest.raises(qw.ConfigError) as info:
         qw.attach(_model(), run="bad", exporter=qw.InMemoryExporter(), reference_dtype="float16")  # type: ignore[arg-type]
     assert info.value.field == "reference_dtype"
+
+
+class RaisingAdapter(qw.Adapter):
+    name = "user.raising"
+
+    def recognises(self, module: nn.Module) -> bool:
+        raise RuntimeError("bug in a user adapter")
+
+    def create(self, name: str, module: nn.Module, context: AdapterContext) -> Any:
+        raise AssertionError("never reached")
+
+
+def test_an_adapter_that_fails_to_inspect_is_skipped_with_one_warning(
+    registered: list[qw.AdapterHandle], caplog: pytest.LogCaptureFixture
+) -> None:
+    registered.append(qw.register_adapter(RaisingAdapter()))
+    with caplog.at_level(logging.WARNING, logger="quantwatch.agent"):
+        monitor = qw.attach(_model(), run="raising", exporter=qw.InMemoryExporter())
+    assert monitor.layers == ("0",)
+    assert sum("user.raising" in r.getMessage() for r in caplog.records) == 1
+    monitor.close()
