@@ -25,7 +25,14 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from quantwatch.agent.adapters import AdapterContext, Found, LayerInfo, build_layer_adapters, find_layers
+from quantwatch.agent.adapters import (
+    AdapterContext,
+    Found,
+    LayerInfo,
+    build_layer_adapters,
+    dequantize_shadow,
+    find_layers,
+)
 from quantwatch.agent.adapters.quantwatch_layers import KernelEntry
 from quantwatch.agent.adapters.registry import REFERENCE_DTYPES
 from quantwatch.agent.destination import make_exporter
@@ -520,6 +527,7 @@ def attach(
     if reporting:
         if shadow == "model" and shadow_optimizer is not None:
             shadow_model = ShadowModel(model, found, shadow_optimizer)
+            dequantize_shadow(shadow_model.model, found)
         chosen = make_exporter(
             url,
             exporter,

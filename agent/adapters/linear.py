@@ -24,7 +24,7 @@ from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, _Shadowe
 from quantwatch.kernels import ErrorStats
 from quantwatch.kernels.stats import stats_from_masks
 
-__all__ = ["Cast", "CastResult", "RecomputedCastLinear", "ShadowedLayer", "reference_dtype"]
+__all__ = ["Cast", "CastResult", "RecomputedCastLinear", "ShadowedLayer", "plain_linear_forward", "reference_dtype"]
 
 
 class ShadowedLayer(_ShadowedModuleAdapter):
@@ -43,6 +43,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def reference_dtype(context: AdapterContext) -> torch.dtype:
     """The torch dtype of the context's reference computation."""
     return _DTYPES[context.reference_dtype]
+
+
+def plain_linear_forward(module: nn.Module) -> None:
+    """Replace ``module``'s forward by ``F.linear(x, weight, bias)`` on its own parameters (for the shadow model)."""
+
+    def forward(x: Tensor) -> Tensor:
+        weight, bias = module.weight, module.bias
+        if not isinstance(weight, Tensor):
+            raise TypeError(f"{type(module).__name__} has no weight tensor")
+        return linear(x, weight, bias if isinstance(bias, Tensor) else None)
+
+    # An instance attribute: nn.Module.__call__ looks `forward` up on the instance first.
+    module.forward = forward
 
 
 @dataclass(frozen=True)

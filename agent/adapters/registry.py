@@ -36,6 +36,7 @@ __all__ = [
     "LayerInfo",
     "UnsupportedLayerError",
     "build_layer_adapters",
+    "dequantize_shadow",
     "find_layers",
     "register_adapter",
     "registered_adapters",
@@ -85,6 +86,12 @@ class Adapter(abc.ABC):
         """The module's format and scaling per tensor kind (``weight``, ``input``, ``grad``), e.g.
         ``"fp8_e4m3:tensor"``, ``"nvfp4"``, ``"int4:group32"``, ``"high_precision"``; ``"unknown"`` by default."""
         return dict.fromkeys(FORMAT_KINDS, "unknown")
+
+    def dequantize(self, module: nn.Module) -> None:
+        """Make ``module``, a layer of the FP32 shadow model's copy (``shadow="model"``), compute without
+        quantization, keeping its parameters.  Default: nothing (the shadow model de-quantizes reference-forward and
+        torch.ao QAT modules itself)."""
+        del module  # nothing to switch off by default
 
     @abc.abstractmethod
     def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
@@ -235,3 +242,14 @@ def build_layer_adapters(
         measurers.append(measurer)
         infos.append(LayerInfo(name, entry.adapter.name, entry.formats))
     return measurers, infos
+
+
+def dequantize_shadow(shadow: nn.Module, found: Mapping[str, Found]) -> None:
+    """Let each found layer's adapter de-quantize its copy in the shadow model ``shadow``; one that cannot is named
+    in a log warning and stays quantized there."""
+    modules = dict(shadow.named_modules())
+    for name, entry in found.items():
+        try:
+            entry.adapter.dequantize(modules[name])
+        except Exception as exc:
+            logger.warning("quantwatch agent: %s stays quantized in the shadow model: %s", name, exc)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear
+from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, plain_linear_forward
 from quantwatch.agent.adapters.registry import HIGH_PRECISION, Adapter, AdapterContext, UnsupportedLayerError
 from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, LayerAdapter
 
@@ -130,6 +130,10 @@ class Float8LinearAdapter(Adapter):
             fmt = float8_format(chosen[0]) if chosen is not None else None
             out[names[kind]] = fmt or HIGH_PRECISION
         return out
+
+    def dequantize(self, module: nn.Module) -> None:
+        """The shadow copy runs ``F.linear`` on the high-precision weight."""
+        plain_linear_forward(module)
 
     def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
         """A measurer recomputing the layer's casts with torchao's ``hp_tensor_to_float8_dynamic``."""

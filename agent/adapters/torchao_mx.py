@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear
+from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, plain_linear_forward
 from quantwatch.agent.adapters.registry import Adapter, AdapterContext, UnsupportedLayerError
 from quantwatch.agent.adapters.torchao_qat import fake_quantize_format
 from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, LayerAdapter
@@ -112,6 +112,10 @@ class NVFP4TrainingAdapter(Adapter):
         """NVFP4 for every kind (gradients with a random Hadamard transform and stochastic rounding)."""
         return {"weight": "nvfp4", "input": "nvfp4", "grad": "nvfp4"}
 
+    def dequantize(self, module: nn.Module) -> None:
+        """The shadow copy runs ``F.linear``."""
+        plain_linear_forward(module)
+
     def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
         """Output and update comparisons only (the casts are randomised inside the kernels)."""
         return RecomputedCastLinear(name, module, context, {})
@@ -148,6 +152,10 @@ class PrototypeQatAdapter(Adapter):
             "input": fake_quantize_format(getattr(module, "activation_config", None)),
             "grad": "high_precision",
         }
+
+    def dequantize(self, module: nn.Module) -> None:
+        """The shadow copy runs ``F.linear``."""
+        plain_linear_forward(module)
 
     def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
         """A measurer recomputing the weight and input casts."""

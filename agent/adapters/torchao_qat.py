@@ -153,6 +153,13 @@ class TorchAoQatAdapter(Adapter):
             "grad": HIGH_PRECISION,
         }
 
+    def dequantize(self, module: nn.Module) -> None:
+        """The shadow copy's fake quantizers are switched off."""
+        for attr in ("weight_fake_quantizer", "activation_fake_quantizer"):
+            fq = getattr(module, attr, None)
+            if fq is not None:
+                setattr(fq, "enabled", False)  # noqa: B010
+
     def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
         """A measurer hooking the layer's fake quantizers."""
         if not hasattr(module, "weight_fake_quantizer"):

@@ -391,3 +391,35 @@ def test_prototype_mx_qat_figures_are_its_own_casts() -> None:
         reference = F.linear(c["x"], c["w"], c["b"])
         assert sink.value("output_rel_l2", name, 0) == pytest.approx(rel_l2(c["y"], reference), rel=1e-6)
     assert monitor.stats()["failures"] == {}
+
+
+@pytest.mark.parametrize("kind", ["float8", "qat"])
+def test_the_shadow_model_runs_torchao_layers_in_high_precision(kind: str) -> None:
+    activation, weight, _ = QAT_CONFIGS["int8_token-int4_group32"]
+    model: nn.Module = float8_model("tensorwise") if kind == "float8" else qat_model(activation, weight)
+    make_input = (lambda: torch.randn(8, 32)) if kind == "float8" else (lambda: torch.randint(0, 50, (4, 8)))
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(
+        model,
+        run=f"shadow-{kind}",
+        exporter=sink,
+        every=1,
+        shadow="model",
+        shadow_optimizer=lambda params: torch.optim.SGD(params, lr=1e-2),
+        metrics=["weight_drift_rel_l2"],
+    )
+    shadow = monitor.shadow_model
+    assert shadow is not None
+    x = make_input()
+    if kind == "float8":
+        expected = F.linear(torch.relu(F.linear(x, shadow[0].weight, shadow[0].bias)), shadow[2].weight, shadow[2].bias)
+    else:
+        hidden = torch.relu(F.linear(F.embedding(x, shadow.emb.weight), shadow.fc1.weight, shadow.fc1.bias))
+        expected = F.linear(hidden, shadow.fc2.weight, shadow.fc2.bias)
+    assert torch.equal(shadow(x), expected)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    monitor.step(0, loss=loss, shadow_closure=lambda m: m(x).pow(2).mean())
+    monitor.flush()
+    assert sink.scalar("loss_shadow", 0) == pytest.approx(float(expected.pow(2).mean()), rel=1e-6)
+    assert monitor.stats()["failures"] == {}
