@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"
-	$(BIN)/python -m pip install --quiet -e ".[agent,dev,hf,lightning]"
+	$(BIN)/python -m pip install --quiet -e ".[agent,dev,torchao,hf,lightning]"
 	touch $(STAMP)
 
 demo: $(STAMP)

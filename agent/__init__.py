@@ -15,6 +15,15 @@ try:
 except ImportError as _missing:
     raise ImportError("quantwatch.agent needs PyTorch: pip install 'quantwatch[agent]'") from _missing
 
+from quantwatch.agent.adapters import (
+    Adapter,
+    AdapterContext,
+    AdapterHandle,
+    LayerInfo,
+    ShadowedLayer,
+    UnsupportedLayerError,
+    register_adapter,
+)
 from quantwatch.agent.errors import AgentError, ConfigError, ExportError, PermanentExportError, TransientExportError
 from quantwatch.agent.exporters import Exporter, HttpExporter, InMemoryExporter, JsonLinesExporter, RetryPolicy
 from quantwatch.agent.monitor import DEFAULT_EVERY, DEFAULT_METRICS, Monitor, attach
@@ -26,6 +35,9 @@ __all__ = [
     "DEFAULT_EVERY",
     "DEFAULT_METRICS",
     "LAYER_METRICS",
+    "Adapter",
+    "AdapterContext",
+    "AdapterHandle",
     "AgentError",
     "Batch",
     "ConfigError",
@@ -34,12 +46,16 @@ __all__ = [
     "HttpExporter",
     "InMemoryExporter",
     "JsonLinesExporter",
+    "LayerInfo",
     "Monitor",
     "PermanentExportError",
     "RetryPolicy",
     "Schedule",
+    "ShadowedLayer",
     "StepRecord",
     "TransientExportError",
+    "UnsupportedLayerError",
     "attach",
     "encode_batch",
+    "register_adapter",
 ]

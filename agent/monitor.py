@@ -9,8 +9,6 @@ only compares two integers and reads the clock.
 from __future__ import annotations
 
 import atexit
-import fnmatch
-import hashlib
 import logging
 import os
 import re
@@ -18,10 +16,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -29,32 +25,35 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from quantwatch.agent.adapters import (
+    AdapterContext,
+    Found,
+    LayerInfo,
+    build_layer_adapters,
+    dequantize_shadow,
+    find_layers,
+)
+from quantwatch.agent.adapters.quantwatch_layers import KernelEntry
+from quantwatch.agent.adapters.registry import REFERENCE_DTYPES
+from quantwatch.agent.destination import make_exporter
 from quantwatch.agent.engine import BatchEngine, PendingStep
 from quantwatch.agent.errors import ConfigError
-from quantwatch.agent.exporters import Exporter, HttpExporter, JsonLinesExporter, RetryPolicy
+from quantwatch.agent.exporters import Exporter, RetryPolicy
 from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.layers import (
     KIND_DRIFT,
     KIND_GRAD,
     KIND_INPUT,
-    KIND_NAMES,
-    KIND_OUTPUT,
-    KIND_UPDATE,
     KIND_WEIGHT,
     DeferredStatistics,
-    KernelAdapter,
     LayerAdapter,
-    ModuleAdapter,
     OverheadClock,
-    QatAdapter,
     comparison_stats,
-    is_monitorable,
 )
+from quantwatch.agent.readout import METRIC_KINDS, NF, ROW, SUMS, DeviceReader, derive
 from quantwatch.agent.sampling import Schedule
 from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel
-from quantwatch.agent.spool import DiskSpool
 from quantwatch.agent.wire import Encoding, StepRecord
-from quantwatch.kernels import ErrorStats
 from quantwatch.kernels import native as native_kernels
 from quantwatch.protocol import LAYER_METRICS, RUN_NAME_PATTERN, RUN_NAME_RULE
 
@@ -63,32 +62,10 @@ __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "Monitor", "attach"]
 # Sampling one step in 25 keeps the agent's cost at defaults near 3% of a step even where statistics are emulated on
 # the CPU (bench/agent_overhead.py); users who want more pass every=1..N.
 DEFAULT_EVERY = 25
-DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
 #: Measured by default; ``weight_drift_rel_l2`` joins them with ``shadow="model"``.
 DEFAULT_METRICS: tuple[str, ...] = tuple(m for m in LAYER_METRICS if m != "weight_drift_rel_l2")
 
-# Which measurements each metric needs on a sampled step.
-_METRIC_KINDS: dict[str, frozenset[int]] = {
-    "weight_rel_l2": frozenset({KIND_WEIGHT}),
-    "act_rel_l2": frozenset({KIND_INPUT}),
-    "grad_rel_l2": frozenset({KIND_GRAD}),
-    "output_rel_l2": frozenset({KIND_OUTPUT}),
-    "output_cosine": frozenset({KIND_OUTPUT}),
-    "output_sqnr_db": frozenset({KIND_OUTPUT}),
-    "update_cosine": frozenset({KIND_UPDATE}),
-    "underflow_ratio": frozenset({KIND_INPUT}),
-    "overflow_ratio": frozenset({KIND_INPUT}),
-    "nonfinite_count": frozenset({KIND_WEIGHT, KIND_INPUT, KIND_GRAD}),
-    "amax": frozenset({KIND_INPUT}),
-    "scale": frozenset({KIND_INPUT}),
-    "weight_drift_rel_l2": frozenset({KIND_DRIFT}),
-}
-_FIELDS = ErrorStats.FIELDS
-_NF = len(_FIELDS)
-_NK = len(KIND_NAMES)
-_SUMS = _NK * _NF  # per layer: every kind's partial sums (the scales follow those of every layer)
-_ROW = _SUMS + 1  # per layer, as `_derive` takes them: the sums, then the scale
 _SCALAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -148,86 +125,6 @@ def _periods(metrics: Sequence[str] | Mapping[str, int] | None, every: int, shad
     return periods
 
 
-def _spool_directory(spool_dir: str | os.PathLike[str] | None, run: str, rank: int) -> Path:
-    base = spool_dir or os.environ.get("QUANTWATCH_SPOOL_DIR") or Path.home() / ".cache" / "quantwatch" / "spool"
-    readable = re.sub(r"[^A-Za-z0-9._-]", "_", run)[:80]
-    digest = hashlib.sha256(run.encode()).hexdigest()[:12]
-    return Path(base) / f"{readable}-{digest}" / f"rank-{rank}"
-
-
-def _make_exporter(
-    url: str | None,
-    exporter: Exporter | None,
-    *,
-    token: str | None,
-    encoding: Encoding,
-    compress: bool,
-    spool_dir: str | os.PathLike[str] | None,
-    spool_max_bytes: int,
-    run: str,
-    rank: int,
-    failures: FailureLog,
-    retry: RetryPolicy | None,
-    timeout_seconds: float,
-) -> Exporter:
-    if exporter is not None:
-        if url is not None:
-            raise ConfigError("exporter", "give either url= or exporter=, not both")
-        if not isinstance(exporter, Exporter):
-            raise ConfigError("exporter", "must implement export(batch), idle(), shutdown(), close(), counters()")
-        return exporter
-    url = url or os.environ.get("QUANTWATCH_URL") or DEFAULT_URL
-    if not isinstance(url, str):
-        raise ConfigError("url", f"must be a string, got {type(url).__name__}")
-    parts = urlsplit(url)
-    if parts.scheme == "file":
-        if not parts.path:
-            raise ConfigError("url", f"a file URL needs a path, got {url!r}")
-        return JsonLinesExporter(parts.path, failures=failures)
-    try:
-        port_ok = parts.port is None or parts.port > 0
-    except ValueError:
-        port_ok = False
-    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or parts.query or parts.fragment:
-        raise ConfigError("url", f"must be http(s)://host[:port][/prefix] or file:///path.jsonl, got {url!r}")
-    if encoding not in ("msgpack", "json"):
-        raise ConfigError("encoding", f"must be 'msgpack' or 'json', got {encoding!r}")
-    if not isinstance(spool_max_bytes, int) or spool_max_bytes < 0:
-        raise ConfigError("spool_max_bytes", f"must be an integer >= 0 (0 disables the spool), got {spool_max_bytes!r}")
-    spool = None
-    if spool_max_bytes > 0:
-        directory = _spool_directory(spool_dir, run, rank)
-        try:
-            spool = DiskSpool(directory, spool_max_bytes)
-        except OSError as exc:
-            raise ConfigError("spool_dir", f"cannot use {directory}: {exc}") from exc
-    token = token or os.environ.get("QUANTWATCH_TOKEN") or None
-    return HttpExporter(
-        url,
-        token=token,
-        encoding=encoding,
-        compress=compress,
-        spool=spool,
-        failures=failures,
-        retry=retry,
-        timeout_seconds=timeout_seconds,
-    )
-
-
-def _find_layers(model: nn.Module, layers: str | Sequence[str] | None) -> dict[str, nn.Module]:
-    candidates = {name: m for name, m in model.named_modules() if name and is_monitorable(m)}
-    if layers is None:
-        return candidates
-    patterns = [layers] if isinstance(layers, str) else list(layers)
-    if not patterns or not all(isinstance(p, str) and p for p in patterns):
-        raise ConfigError("layers", f"must be a glob pattern or a list of them, got {layers!r}")
-    chosen = {n: m for n, m in candidates.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
-    if not chosen:
-        known = ", ".join(list(candidates)[:20]) or "none"
-        raise ConfigError("layers", f"no quantized layer matches {patterns}; quantized layers: {known}")
-    return chosen
-
-
 def _resident_memory_bytes() -> float | None:
     try:
         with open("/proc/self/statm", "rb") as fh:
@@ -248,7 +145,8 @@ class Monitor:
         run: str,
         rank: int,
         reporting: bool,
-        modules: Mapping[str, nn.Module],
+        found: Mapping[str, Found],
+        reference_dtype: str,
         schedule: Schedule,
         engine: BatchEngine | None,
         shadow: ShadowModel | None,
@@ -269,17 +167,13 @@ class Monitor:
         self._deferred = DeferredStatistics(failures, self._clock)
         self._model_hook: RemovableHandle | None = None
         self._optimizer_hook: RemovableHandle | None = None
-        self._adapters: list[LayerAdapter] = []
-        for name, module in modules.items():
-            if callable(getattr(module, "reference_forward", None)):
-                self._adapters.append(ModuleAdapter(name, module, failures, self._clock, self._deferred))
-            else:
-                self._adapters.append(QatAdapter(name, module, failures, self._clock, self._deferred))
+        self._context = AdapterContext(failures, self._clock, self._deferred, reference_dtype)
+        self._adapters, self._infos = build_layer_adapters(found, self._context)
         first_param = next(model.parameters(), None)
         self._device = first_param.device if first_param is not None else torch.device("cpu")
         if reporting and self._device.type == "cpu":
             native_kernels.prepare_in_background()  # one-pass CPU statistics, once built; NumPy's until then
-        self._nan_row = torch.full((_NF,), float("nan"), dtype=torch.float64, device=self._device)
+        self._nan_row = torch.full((NF,), float("nan"), dtype=torch.float64, device=self._device)
         self._nan_scale = torch.full((), float("nan"), device=self._device)
         self._steps_seen = 0
         self._sampled_steps = 0
@@ -294,9 +188,17 @@ class Monitor:
 
     # ----------------------------------------------------------------------------------------------- public API
     @property
-    def layers(self) -> tuple[str, ...]:
-        """Names of the monitored layers and kernels, in the order of the metric arrays."""
-        return tuple(a.name for a in self._adapters)
+    def layers(self) -> tuple[LayerInfo, ...]:
+        """The monitored layers and kernels, in the order of the metric arrays: each a
+        :class:`~quantwatch.agent.adapters.LayerInfo`, its qualified name (a ``str``) with ``.adapter`` (which adapter
+        measures it) and ``.formats`` (format per tensor kind: ``weight``, ``input``, ``grad``)."""
+        with self._lock:
+            return tuple(self._infos)
+
+    def layer_formats(self) -> list[dict[str, str]]:
+        """Each monitored layer's format per tensor kind (``{"weight": "fp8_e4m3:tensor", "input": ..., "grad":
+        ...}``), aligned with :attr:`layers`."""
+        return [dict(info.formats) for info in self.layers]
 
     @property
     def shadow_model(self) -> nn.Module | None:
@@ -350,9 +252,10 @@ class Monitor:
             raise ConfigError("name", "a watched kernel needs a non-empty name")
         if name in self.layers:
             raise ConfigError("name", f"{name!r} is already a monitored layer or kernel")
-        adapter = KernelAdapter(name, self.failures, self._clock)
+        adapter = KernelEntry.create(name, self._context)
         with self._lock:
             self._adapters.append(adapter)
+            self._infos.append(LayerInfo(name, KernelEntry.name, KernelEntry.formats))
             if self._armed:
                 adapter.arm(self._kinds(self._armed))
         return adapter.wrap(fn)
@@ -406,7 +309,7 @@ class Monitor:
     def _kinds(metrics: frozenset[str]) -> frozenset[int]:
         kinds: set[int] = set()
         for metric in metrics:
-            kinds |= _METRIC_KINDS[metric]
+            kinds |= METRIC_KINDS[metric]
         return frozenset(kinds)
 
     def _metrics_at(self, step: int) -> frozenset[str]:
@@ -558,7 +461,7 @@ class Monitor:
                 self.failures.record("scalar_value", f"scalar {name!r} must be a number or 1-element tensor")
 
         packed = torch.cat([*rows, *tensor_values]) if rows or tensor_values else torch.zeros(0, dtype=torch.float64)
-        reader = _DeviceReader(packed)
+        reader = DeviceReader(packed)
         layers = tuple(a.name for a in adapters)
         wall_time = time.time()
         metric_names = [m for m in LAYER_METRICS if m in armed]
@@ -566,89 +469,14 @@ class Monitor:
         def resolve() -> StepRecord:
             values = reader.read()
             n = len(layers)
-            sums, scales = values[: n * _SUMS].reshape(n, _SUMS), values[n * _SUMS : n * _ROW]
-            metrics = _derive(np.concatenate([sums, scales[:, None]], axis=1), present, metric_names)
+            sums, scales = values[: n * SUMS].reshape(n, SUMS), values[n * SUMS : n * ROW]
+            metrics = derive(np.concatenate([sums, scales[:, None]], axis=1), present, metric_names)
             scalars = dict(host_scalars)
-            scalars.update(zip(tensor_names, values[n * _ROW :].tolist(), strict=True))
+            scalars.update(zip(tensor_names, values[n * ROW :].tolist(), strict=True))
             return StepRecord(step, wall_time, metrics, scalars)
 
         if self._engine is not None:
             self._engine.submit(PendingStep(layers, resolve))
-
-
-class _DeviceReader:
-    """Gets a packed statistics tensor to the host without blocking the training thread.
-
-    On CUDA the copy goes to pinned memory with ``non_blocking=True`` and an event marks its end; the exporter thread
-    waits on the event.  On CPU the tensor already is on the host."""
-
-    def __init__(self, packed: Tensor) -> None:
-        self._event: Any = None
-        if packed.device.type == "cuda":
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record()
-            self._host = host
-        else:
-            self._host = packed.to("cpu")
-
-    def read(self) -> np.ndarray:
-        """The values as a float64 numpy array (waits for the copy)."""
-        if self._event is not None:
-            self._event.synchronize()
-        values: np.ndarray = self._host.numpy()
-        return values
-
-
-def _derive(block: np.ndarray, present: list[list[bool]], metric_names: list[str]) -> dict[str, list[float | None]]:
-    """Per-layer metric values from the packed partial sums (vectorised over layers and kinds)."""
-    n = block.shape[0]
-    sums = torch.from_numpy(np.ascontiguousarray(block[:, : _NK * _NF]).reshape(n, _NK, _NF))
-    stats = ErrorStats(**{name: sums[..., i] for i, name in enumerate(_FIELDS)})
-    mask = np.array(present, dtype=bool).reshape(n, _NK + 1)
-    # A NaN count of elements marks statistics that were never filled (a tensor changed before they were computed).
-    mask[:, :_NK] &= ~np.isnan(block[:, : _NK * _NF : _NF])
-    # Comparisons of non-finite tensors have NaN sums, which the ratio formulas report as NaN (a signal).
-    derived: dict[str, np.ndarray] = {
-        "rel_l2": stats.rel_l2.numpy(),
-        "cosine": stats.cosine.numpy(),
-        "sqnr_db": stats.sqnr_db.numpy(),
-        "underflow_ratio": stats.underflow_ratio.numpy(),
-        "overflow_ratio": stats.overflow_ratio.numpy(),
-        "amax": stats.amax.numpy(),
-        "nonfinite_count": stats.nonfinite_count.numpy(),
-    }
-    sources: dict[str, tuple[str, int]] = {
-        "weight_rel_l2": ("rel_l2", KIND_WEIGHT),
-        "act_rel_l2": ("rel_l2", KIND_INPUT),
-        "grad_rel_l2": ("rel_l2", KIND_GRAD),
-        "output_rel_l2": ("rel_l2", KIND_OUTPUT),
-        "output_cosine": ("cosine", KIND_OUTPUT),
-        "output_sqnr_db": ("sqnr_db", KIND_OUTPUT),
-        "update_cosine": ("cosine", KIND_UPDATE),
-        "underflow_ratio": ("underflow_ratio", KIND_INPUT),
-        "overflow_ratio": ("overflow_ratio", KIND_INPUT),
-        "amax": ("amax", KIND_INPUT),
-        "weight_drift_rel_l2": ("rel_l2", KIND_DRIFT),
-    }
-    out: dict[str, list[float | None]] = {}
-    have: np.ndarray
-    for metric in metric_names:
-        if metric == "scale":
-            values = block[:, _NK * _NF]
-            have = mask[:, _NK]
-        elif metric == "nonfinite_count":
-            kinds = [KIND_WEIGHT, KIND_INPUT, KIND_GRAD]
-            have = np.asarray(mask[:, kinds].any(axis=1))
-            values = np.where(mask[:, kinds], derived["nonfinite_count"][:, kinds], 0.0).sum(axis=1)
-        else:
-            field, kind = sources[metric]
-            values = derived[field][:, kind]
-            have = mask[:, kind]
-        if have.any():
-            out[metric] = [float(v) if h else None for v, h in zip(values.tolist(), have.tolist(), strict=True)]
-    return out
 
 
 def attach(
@@ -677,16 +505,19 @@ def attach(
     flush_interval_seconds: float = 2.0,
     request_timeout_seconds: float = 10.0,
     retry: RetryPolicy | None = None,
+    reference_dtype: Literal["float32", "bfloat16"] = "float32",
 ) -> Monitor:
     """Attach the agent to ``model`` and return its :class:`Monitor`.
 
-    Monitored are the modules that implement the reference-forward protocol (``QuantLinear``, everything
-    ``quantize_model`` made) and ``torch.ao`` QAT modules with fake quantizers, optionally narrowed by ``layers``
-    (glob patterns on qualified names).  ``every``/``start``/``end`` set the sampling window (``end`` exclusive);
-    ``metrics`` is a list of metric names or a mapping name → period.  Figures go to ``url`` (collector base URL, or
-    ``file:///path.jsonl`` for a JSON-lines file; env ``QUANTWATCH_URL``, default ``http://127.0.0.1:8000``) or to a
-    given ``exporter``.  ``rank`` defaults to ``torch.distributed``'s (or env ``RANK``); ``ranks`` picks which ranks
-    report.  ``shadow="model"`` also trains an FP32 copy (optimizer from ``shadow_optimizer(params)``).
+    Monitored are the modules a registered adapter recognises (:mod:`quantwatch.agent.adapters`: QuantWatch's own
+    layers, torch.ao and torchao QAT, torchao float8 / MXFP8 / NVFP4 training, and :func:`register_adapter`'s),
+    optionally narrowed by ``layers`` (glob patterns on qualified names).  ``every``/``start``/``end`` set the
+    sampling window (``end`` exclusive); ``metrics`` is a list of metric names or a mapping name → period.  Figures
+    go to ``url`` (collector base URL, or ``file:///path.jsonl`` for a JSON-lines file; env ``QUANTWATCH_URL``,
+    default ``http://127.0.0.1:8000``) or to a given ``exporter``.  ``rank`` defaults to ``torch.distributed``'s
+    (or env ``RANK``); ``ranks`` picks which ranks report.  ``shadow="model"`` also trains an FP32 copy (optimizer
+    from ``shadow_optimizer(params)``).
+    ``reference_dtype`` is the precision of the torchao adapters' reference forward and gradient (autocast off).
 
     Raises :class:`ConfigError` naming the field for configuration mistakes; nothing raises after this returns.
     """
@@ -702,8 +533,10 @@ def attach(
     if tokens_per_step is not None and (not isinstance(tokens_per_step, int | float) or tokens_per_step <= 0):
         raise ConfigError("tokens_per_step", f"must be a number > 0, got {tokens_per_step!r}")
     schedule = Schedule(_periods(metrics, every, shadow), start=start, end=end)
-    modules = _find_layers(model, layers)
-    if not modules:
+    if reference_dtype not in REFERENCE_DTYPES:
+        raise ConfigError("reference_dtype", f"must be one of {', '.join(REFERENCE_DTYPES)}, got {reference_dtype!r}")
+    found = find_layers(model, layers)
+    if not found:
         logger.warning("quantwatch agent: no quantized layer found in the model; only watched kernels will be measured")
     detected_rank = _detect_rank(rank)
     reporting = _reports(detected_rank, ranks)
@@ -712,8 +545,9 @@ def attach(
     shadow_model = None
     if reporting:
         if shadow == "model" and shadow_optimizer is not None:
-            shadow_model = ShadowModel(model, modules, shadow_optimizer)
-        chosen = _make_exporter(
+            shadow_model = ShadowModel(model, found, shadow_optimizer)
+            dequantize_shadow(shadow_model.model, found)
+        chosen = make_exporter(
             url,
             exporter,
             token=token,
@@ -744,7 +578,8 @@ def attach(
         run=run,
         rank=detected_rank,
         reporting=reporting,
-        modules=modules if reporting else {},
+        found=found if reporting else {},
+        reference_dtype=reference_dtype,
         schedule=schedule,
         engine=engine,
         shadow=shadow_model,

@@ -23,10 +23,9 @@ from typing import Any, Literal
 import msgpack
 import numpy as np
 
-from quantwatch.protocol import CONTENT_TYPES, PROTOCOL_VERSION, RUN_NAME_PATTERN
+from quantwatch.protocol import CONTENT_TYPES, PROTOCOL_VERSION
 
 __all__ = [
-    "RUN_NAME_PATTERN",
     "Batch",
     "EncodedBatch",
     "Encoding",

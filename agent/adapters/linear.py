@@ -1,0 +1,182 @@
+"""A linear layer whose casts the agent recomputes from the layer's own configuration: the common measurer of the
+torchao adapters.
+
+Dynamic scaling is deterministic, so casting the tensor the layer cast, with the layer's own settings, gives the
+very values the layer computed with.  On a sampled step a forward hook recomputes the weight cast (once per step)
+and the input cast, and a pre-hook on the output's autograd node the output-gradient cast; the statistics compare
+each dequantized cast with its high-precision tensor.  The reference is ``F.linear(x, W, b)`` in the reference
+dtype (FP32 by default) with autocast off, and its weight gradient ``grad_outputᵀ @ x`` in the same dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.functional import linear
+
+from quantwatch.agent.adapters.registry import AdapterContext
+from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, _ShadowedModuleAdapter
+from quantwatch.kernels import ErrorStats
+from quantwatch.kernels.stats import stats_from_masks
+
+__all__ = ["Cast", "CastResult", "RecomputedCastLinear", "ShadowedLayer", "plain_linear_forward", "reference_dtype"]
+
+
+class ShadowedLayer(_ShadowedModuleAdapter):
+    """Base of a measurer with a reference forward: override ``reference(x)`` (the FP32 output for input ``x``) to
+    get ``output_*`` and ``update_cosine``, optionally ``reference_weight_grad()``; extend ``arm`` with hooks that
+    ``record(KIND_WEIGHT | KIND_INPUT | KIND_GRAD, error_stats(t, q))`` for the quantization error figures (append
+    the hooks' handles to ``self._handles``: they are removed when the step is over)."""
+
+    def __init__(self, name: str, module: nn.Module, context: AdapterContext) -> None:
+        super().__init__(name, module, context.failures, context.clock, context.deferred)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def reference_dtype(context: AdapterContext) -> torch.dtype:
+    """The torch dtype of the context's reference computation."""
+    return _DTYPES[context.reference_dtype]
+
+
+def plain_linear_forward(module: nn.Module) -> None:
+    """Replace ``module``'s forward by ``F.linear(x, weight, bias)`` on its own parameters (for the shadow model)."""
+
+    def forward(x: Tensor) -> Tensor:
+        weight, bias = module.weight, module.bias
+        if not isinstance(weight, Tensor):
+            raise TypeError(f"{type(module).__name__} has no weight tensor")
+        return linear(x, weight, bias if isinstance(bias, Tensor) else None)
+
+    # An instance attribute: nn.Module.__call__ looks `forward` up on the instance first.
+    module.forward = forward
+
+
+@dataclass(frozen=True)
+class CastResult:
+    """One recomputed cast: the high-precision tensor as cast, its dequantized value (same shape), which elements
+    were clipped at the format maximum (None: none can be) and the dequantization scale (largest, 0-dim; None when
+    the cast has none to report)."""
+
+    hp: Tensor
+    dequantized: Tensor
+    overflow: Tensor | None = None
+    scale: Tensor | None = None
+
+    def stats(self) -> ErrorStats:
+        """The cast's error statistics."""
+        return stats_from_masks(self.hp, self.dequantized, self.overflow)
+
+
+#: Recomputes one of the layer's casts from the high-precision tensor.
+Cast = Callable[[Tensor], CastResult]
+
+
+class RecomputedCastLinear(ShadowedLayer):
+    """Measures a linear layer by recomputing its casts (``casts[kind]`` for ``KIND_WEIGHT | KIND_INPUT |
+    KIND_GRAD``; a missing kind is kept in high precision: no figure).
+
+    ``unwrap(t)`` gives the high-precision tensor of a parameter torchao wrapped (identity by default), for the
+    weight cast and the reference; ``prepare_input`` what the layer does to its input before casting it (autocast)."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        context: AdapterContext,
+        casts: dict[int, Cast],
+        *,
+        unwrap: Callable[[Tensor], Tensor] | None = None,
+        prepare_input: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        super().__init__(name, module, context)
+        self.casts = casts
+        self.dtype = reference_dtype(context)
+        self._unwrap: Callable[[Tensor], Tensor] = unwrap or (lambda t: t)
+        self._prepare_input: Callable[[Tensor], Tensor] = prepare_input or (lambda x: x)
+        self._weight_measured = False
+        self._last_scale: Tensor | None = None
+
+    def _hp_weight(self) -> Tensor:
+        weight = self.weight
+        if weight is None:
+            raise TypeError(f"{type(self.module).__name__} has no weight tensor")
+        return self._unwrap(weight)
+
+    def reference(self, x: Tensor) -> Tensor:
+        """``F.linear(x, W, b)`` in the reference dtype, autocast off."""
+        weight = self._hp_weight()
+        bias = getattr(self.module, "bias", None)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return linear(
+                x.to(self.dtype),
+                weight.to(self.dtype),
+                self._unwrap(bias).to(self.dtype) if isinstance(bias, Tensor) else None,
+            )
+
+    def reference_weight_grad(self) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """``grad_outputᵀ @ x`` over every leading dimension, in the reference dtype."""
+        return self._weight_grad
+
+    def _weight_grad(self, x: Tensor, grad_output: Tensor) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(self.dtype)
+        g2 = grad_output.reshape(-1, grad_output.shape[-1]).to(self.dtype)
+        return g2.T.mm(x2)
+
+    def scale(self) -> Tensor | None:
+        """The input cast's dequantization scale (largest), from the step's last forward."""
+        return self._last_scale
+
+    def arm(self, kinds: frozenset[int]) -> None:
+        """Also hook the forward when cast statistics are wanted."""
+        super().arm(kinds)
+        if kinds & {KIND_WEIGHT, KIND_INPUT, KIND_GRAD}:
+            self._handles.append(self.module.register_forward_hook(self._on_forward_casts))
+
+    def end_step(self) -> None:
+        """The weight is measured again in the next sampled step."""
+        super().end_step()
+        self._weight_measured = False
+
+    def disarm(self) -> None:
+        """Remove the hooks; forget the step's scale."""
+        super().disarm()
+        self._weight_measured = False
+        self._last_scale = None
+
+    def _on_forward_casts(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not args or not isinstance(args[0], Tensor):
+            return
+        self._guard("cast_stats", self._measure_forward, args[0], output)
+
+    def _measure_forward(self, x: Tensor, output: Any) -> None:
+        with torch.no_grad():
+            weight_cast = self.casts.get(KIND_WEIGHT)
+            if KIND_WEIGHT in self.kinds and weight_cast is not None and not self._weight_measured:
+                self.record(KIND_WEIGHT, weight_cast(self._hp_weight().detach()).stats())
+                self._weight_measured = True
+            input_cast = self.casts.get(KIND_INPUT)
+            if input_cast is not None and self.kinds & {KIND_INPUT}:
+                result = input_cast(self._prepare_input(x.detach()))
+                self.record(KIND_INPUT, result.stats())
+                self._last_scale = result.scale
+        grad_cast = self.casts.get(KIND_GRAD)
+        if KIND_GRAD in self.kinds and grad_cast is not None and isinstance(output, Tensor):
+            node = output.grad_fn
+            if node is not None:
+                node.register_prehook(functools.partial(self._on_grad_output, grad_cast, output.output_nr))
+
+    def _on_grad_output(self, cast: Cast, index: int, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        grad = grad_outputs[index]
+        if grad is not None:
+            self._guard("cast_stats", self._measure_grad, cast, grad)
+
+    def _measure_grad(self, cast: Cast, grad: Tensor) -> None:
+        with torch.no_grad():
+            self.record(KIND_GRAD, cast(grad.detach()).stats())

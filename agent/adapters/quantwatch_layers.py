@@ -1,0 +1,103 @@
+"""Adapters for what QuantWatch itself and torch.ao make: modules of the reference-forward protocol (``QuantLinear``
+and everything ``quantize_model`` produced), ``torch.ao`` eager QAT modules, and watched kernels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantwatch.agent.adapters.registry import FORMAT_KINDS, HIGH_PRECISION, Adapter, AdapterContext
+from quantwatch.agent.layers import KernelAdapter, LayerAdapter, ModuleAdapter, QatAdapter, _fake_quantizers
+from quantwatch.kernels import PRESETS
+from quantwatch.kernels.options import Scaling
+
+__all__ = ["KernelEntry", "ReferenceForwardAdapter", "TorchAoEagerQatAdapter", "quantwatch_format"]
+
+
+def quantwatch_format(spec: Any) -> str:
+    """The format string of a QuantWatch ``QuantSpec`` (``"fp8_e4m3:tensor"``, ``"mxfp4"``, ``"int8:channel"``);
+    ``high_precision`` for None."""
+    if spec is None:
+        return HIGH_PRECISION
+    element = spec.element.name
+    scaling = spec.scaling_spec
+    for preset in PRESETS.values():
+        if preset.element.name == element and preset.scaling == str(scaling):
+            return preset.name
+    if scaling.kind is Scaling.NONE:
+        return str(element)
+    if scaling.kind in (Scaling.BLOCK, Scaling.NVBLOCK):
+        return f"{element}:{scaling.kind.value}{scaling.block_size}"
+    return f"{element}:{scaling.kind.value}"
+
+
+class ReferenceForwardAdapter(Adapter):
+    """A module with ``reference_forward(input)`` (the reference-forward protocol: ``QuantLinear`` and friends)."""
+
+    name = "quantwatch"
+
+    def recognises(self, module: nn.Module) -> bool:
+        """Has a callable ``reference_forward``."""
+        return callable(getattr(module, "reference_forward", None))
+
+    def formats(self, module: nn.Module) -> dict[str, str]:
+        """From the ``weight_quantizer`` / ``input_quantizer`` / ``grad_quantizer`` specs, where the module has them."""
+        out: dict[str, str] = {}
+        for kind in FORMAT_KINDS:
+            quantizer = getattr(module, f"{kind}_quantizer", None)
+            out[kind] = quantwatch_format(getattr(quantizer, "spec")) if hasattr(quantizer, "spec") else "unknown"  # noqa: B009
+        return out
+
+    def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
+        """A :class:`~quantwatch.agent.layers.ModuleAdapter`."""
+        return ModuleAdapter(name, module, context.failures, context.clock, context.deferred)
+
+
+def _torch_ao_format(fq: Any) -> str:
+    if fq is None:
+        return HIGH_PRECISION
+    dtype: Any = getattr(fq, "dtype", None)
+    names: dict[Any, str] = {torch.qint8: "int8", torch.quint8: "uint8", torch.qint32: "int32"}
+    element = names.get(dtype, str(dtype))
+    qscheme = getattr(fq, "qscheme", None)
+    per_channel = qscheme in (torch.per_channel_symmetric, torch.per_channel_affine)
+    return f"{element}:{'channel' if per_channel else 'tensor'}"
+
+
+class TorchAoEagerQatAdapter(Adapter):
+    """``torch.ao.quantization`` eager QAT modules (``weight_fake_quant`` / ``activation_post_process``).
+
+    Their ``activation_post_process`` fake-quantizes the module's *output* activation: ``act_rel_l2`` and the
+    ``input`` format describe that tensor."""
+
+    name = "torch.ao.qat"
+
+    def recognises(self, module: nn.Module) -> bool:
+        """Carries a torch.ao ``FakeQuantizeBase`` as ``weight_fake_quant`` or ``activation_post_process``."""
+        return _fake_quantizers(module) != []
+
+    def formats(self, module: nn.Module) -> dict[str, str]:
+        """From the fake quantizers' dtype and qscheme; gradients stay in high precision."""
+        return {
+            "weight": _torch_ao_format(getattr(module, "weight_fake_quant", None)),
+            "input": _torch_ao_format(getattr(module, "activation_post_process", None)),
+            "grad": HIGH_PRECISION,
+        }
+
+    def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
+        """A :class:`~quantwatch.agent.layers.QatAdapter`."""
+        return QatAdapter(name, module, context.failures, context.clock, context.deferred)
+
+
+class KernelEntry:
+    """The registry's name for kernels wrapped with ``monitor.watch_kernel`` (they are not modules to recognise)."""
+
+    name = "kernel"
+    formats: dict[str, str] = dict.fromkeys(FORMAT_KINDS, "unknown")
+
+    @staticmethod
+    def create(name: str, context: AdapterContext) -> KernelAdapter:
+        """The measurer of a watched kernel."""
+        return KernelAdapter(name, context.failures, context.clock)

@@ -1,0 +1,121 @@
+"""From the statistics a sampled step collected to the figures of its record: which measurement kinds each metric
+needs, the packed layout the monitor reduces a step into (one tensor), its non-blocking copy to the host and the
+vectorised derivation of every layer's metrics from the partial sums (run on the exporter thread)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from quantwatch.agent.layers import (
+    KIND_DRIFT,
+    KIND_GRAD,
+    KIND_INPUT,
+    KIND_NAMES,
+    KIND_OUTPUT,
+    KIND_UPDATE,
+    KIND_WEIGHT,
+)
+from quantwatch.kernels import ErrorStats
+
+__all__ = ["METRIC_KINDS", "NF", "ROW", "SUMS", "DeviceReader", "derive"]
+
+# Which measurements each metric needs on a sampled step.
+METRIC_KINDS: dict[str, frozenset[int]] = {
+    "weight_rel_l2": frozenset({KIND_WEIGHT}),
+    "act_rel_l2": frozenset({KIND_INPUT}),
+    "grad_rel_l2": frozenset({KIND_GRAD}),
+    "output_rel_l2": frozenset({KIND_OUTPUT}),
+    "output_cosine": frozenset({KIND_OUTPUT}),
+    "output_sqnr_db": frozenset({KIND_OUTPUT}),
+    "update_cosine": frozenset({KIND_UPDATE}),
+    "underflow_ratio": frozenset({KIND_INPUT}),
+    "overflow_ratio": frozenset({KIND_INPUT}),
+    "nonfinite_count": frozenset({KIND_WEIGHT, KIND_INPUT, KIND_GRAD}),
+    "amax": frozenset({KIND_INPUT}),
+    "scale": frozenset({KIND_INPUT}),
+    "weight_drift_rel_l2": frozenset({KIND_DRIFT}),
+}
+_FIELDS = ErrorStats.FIELDS
+NF = len(_FIELDS)
+_NK = len(KIND_NAMES)
+SUMS = _NK * NF  # per layer: every kind's partial sums (the scales follow those of every layer)
+ROW = SUMS + 1  # per layer, as `derive` takes them: the sums, then the scale
+
+
+class DeviceReader:
+    """Gets a packed statistics tensor to the host without blocking the training thread.
+
+    On CUDA the copy goes to pinned memory with ``non_blocking=True`` and an event marks its end; the exporter thread
+    waits on the event.  On CPU the tensor already is on the host."""
+
+    def __init__(self, packed: Tensor) -> None:
+        self._event: Any = None
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+            self._host = host
+        else:
+            self._host = packed.to("cpu")
+
+    def read(self) -> np.ndarray:
+        """The values as a float64 numpy array (waits for the copy)."""
+        if self._event is not None:
+            self._event.synchronize()
+        values: np.ndarray = self._host.numpy()
+        return values
+
+
+def derive(block: np.ndarray, present: list[list[bool]], metric_names: list[str]) -> dict[str, list[float | None]]:
+    """Per-layer metric values from the packed partial sums (vectorised over layers and kinds)."""
+    n = block.shape[0]
+    sums = torch.from_numpy(np.ascontiguousarray(block[:, : _NK * NF]).reshape(n, _NK, NF))
+    stats = ErrorStats(**{name: sums[..., i] for i, name in enumerate(_FIELDS)})
+    mask = np.array(present, dtype=bool).reshape(n, _NK + 1)
+    # A NaN count of elements marks statistics that were never filled (a tensor changed before they were computed).
+    mask[:, :_NK] &= ~np.isnan(block[:, : _NK * NF : NF])
+    # Comparisons of non-finite tensors have NaN sums, which the ratio formulas report as NaN (a signal).
+    derived: dict[str, np.ndarray] = {
+        "rel_l2": stats.rel_l2.numpy(),
+        "cosine": stats.cosine.numpy(),
+        "sqnr_db": stats.sqnr_db.numpy(),
+        "underflow_ratio": stats.underflow_ratio.numpy(),
+        "overflow_ratio": stats.overflow_ratio.numpy(),
+        "amax": stats.amax.numpy(),
+        "nonfinite_count": stats.nonfinite_count.numpy(),
+    }
+    sources: dict[str, tuple[str, int]] = {
+        "weight_rel_l2": ("rel_l2", KIND_WEIGHT),
+        "act_rel_l2": ("rel_l2", KIND_INPUT),
+        "grad_rel_l2": ("rel_l2", KIND_GRAD),
+        "output_rel_l2": ("rel_l2", KIND_OUTPUT),
+        "output_cosine": ("cosine", KIND_OUTPUT),
+        "output_sqnr_db": ("sqnr_db", KIND_OUTPUT),
+        "update_cosine": ("cosine", KIND_UPDATE),
+        "underflow_ratio": ("underflow_ratio", KIND_INPUT),
+        "overflow_ratio": ("overflow_ratio", KIND_INPUT),
+        "amax": ("amax", KIND_INPUT),
+        "weight_drift_rel_l2": ("rel_l2", KIND_DRIFT),
+    }
+    out: dict[str, list[float | None]] = {}
+    have: np.ndarray
+    for metric in metric_names:
+        if metric == "scale":
+            values = block[:, _NK * NF]
+            have = mask[:, _NK]
+        elif metric == "nonfinite_count":
+            kinds = [KIND_WEIGHT, KIND_INPUT, KIND_GRAD]
+            have = np.asarray(mask[:, kinds].any(axis=1))
+            values = np.where(mask[:, kinds], derived["nonfinite_count"][:, kinds], 0.0).sum(axis=1)
+        else:
+            field, kind = sources[metric]
+            values = derived[field][:, kind]
+            have = mask[:, kind]
+        if have.any():
+            out[metric] = [float(v) if h else None for v, h in zip(values.tolist(), have.tolist(), strict=True)]
+    return out

@@ -1,0 +1,425 @@
+"""The torchao adapters against torchao's own quantizers, recomputed here (real torchao 0.18 on the CPU, no mocks):
+float8 training (emulated), QAT fake quantizers, MXFP8 training (emulated kernels) and the MX / NVFP4 layers that
+need a GPU to run (recognised, formats reported)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import Tensor, nn
+
+import quantwatch.agent as qw
+
+with warnings.catch_warnings():  # torchao's CUDA-only extensions warn on a CPU
+    warnings.simplefilter("ignore")
+    torchao = pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.config import CastConfig, ScalingType
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    from torchao.quantization import quantize_
+    from torchao.quantization.granularity import PerRow, PerTensor
+    from torchao.quantization.qat import Float8FakeQuantizeConfig, IntxFakeQuantizeConfig, QATConfig
+
+DEFAULT = set(qw.DEFAULT_METRICS)
+
+
+def rel_l2(q: Tensor, x: Tensor) -> float:
+    return float((q.double() - x.double()).norm() / x.double().norm())
+
+
+def cosine(a: Tensor, b: Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def one_step(model: nn.Module, monitor: qw.Monitor, inputs: Tensor, watched: type | None = None) -> dict[str, Any]:
+    """Forward, backward and optimizer step at step 0, capturing each monitored layer's input, output, output
+    gradient, weight, bias and weight gradient (before the optimizer moves them)."""
+    capture: dict[str, dict[str, Tensor]] = {}
+    handles = []
+    names = {str(n) for n in monitor.layers}
+    for name, module in model.named_modules():
+        if name in names:
+
+            def save(m: nn.Module, args: tuple[Tensor, ...], out: Tensor, name: str = name) -> None:
+                weight = getattr(m.weight, "_data", m.weight)
+                bias = getattr(m, "bias", None)
+                bias = getattr(bias, "_data", bias)
+                capture[name] = {"x": args[0].detach().clone(), "y": out.detach().clone(), "w": weight.detach().clone()}
+                if bias is not None:
+                    capture[name]["b"] = bias.detach().clone()
+                out.register_hook(lambda g: capture[name].__setitem__("dy", g.detach().clone()))
+
+            handles.append(module.register_forward_hook(save))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model(inputs).pow(2).mean().backward()
+    for name, module in model.named_modules():
+        if name in capture:
+            capture[name]["dw"] = module.weight.grad.detach().clone()
+    opt.step()
+    opt.zero_grad()
+    monitor.step(0)
+    monitor.flush()
+    for h in handles:
+        h.remove()
+    return capture
+
+
+def train(model: nn.Module, monitor: qw.Monitor, make_input: Callable[[], Tensor], steps: int = 3) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        loss = model(make_input()).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        monitor.step(step, loss=loss)
+    monitor.flush()
+
+
+def float8_model(recipe: str | Float8LinearConfig, bias: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64, bias=bias), nn.ReLU(), nn.Linear(64, 16, bias=bias))
+    config = Float8LinearConfig.from_recipe_name(recipe) if isinstance(recipe, str) else recipe
+    convert_to_float8_training(model, config=dataclasses.replace(config, emulate=True))
+    return model
+
+
+def torchao_cast(layer: Float8Linear, t: Tensor, cast: CastConfig, role: GemmInputRole, dim: int) -> Any:
+    return hp_tensor_to_float8_dynamic(
+        t,
+        cast.target_dtype,
+        layer.linear_mm_config,
+        gemm_input_role=role,
+        scaling_granularity=cast.scaling_granularity,
+        axiswise_dim=get_maybe_axiswise_dim(dim, cast.scaling_granularity),
+        round_scales_to_power_of_2=layer.config.round_scales_to_power_of_2,
+    )
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_float8_figures_are_the_layers_own_casts(recipe: str) -> None:
+    model = float8_model(recipe)
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="f8", exporter=sink, every=1)
+    capture = one_step(model, monitor, torch.randn(4, 8, 32))
+    for name in ("0", "2"):
+        layer, c = model[int(name)], capture[name]
+        config = layer.config
+        wq = torchao_cast(layer, c["w"].t(), config.cast_config_weight, GemmInputRole.WEIGHT, 0)
+        xq = torchao_cast(layer, c["x"], config.cast_config_input, GemmInputRole.INPUT, -1)
+        dy = c["dy"].reshape(-1, c["dy"].shape[-1])
+        gq = torchao_cast(layer, dy, config.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1)
+        # The recomputed casts are the layer's own: its (emulated) forward is their matmul, bit for bit.
+        assert torch.equal(c["y"], (xq.to_original_precision() @ wq.to_original_precision()) + c["b"])
+        got = {m: sink.value(m, name, 0) for m in DEFAULT}
+        assert got["weight_rel_l2"] == pytest.approx(rel_l2(wq.to_original_precision(), c["w"].t()), rel=1e-6)
+        assert got["act_rel_l2"] == pytest.approx(rel_l2(xq.to_original_precision(), c["x"]), rel=1e-6)
+        assert got["grad_rel_l2"] == pytest.approx(rel_l2(gq.to_original_precision(), dy), rel=1e-6)
+        reference = F.linear(c["x"], c["w"], c["b"])
+        assert got["output_rel_l2"] == pytest.approx(rel_l2(c["y"], reference), rel=1e-6)
+        assert got["output_cosine"] == pytest.approx(cosine(c["y"], reference), rel=1e-6)
+        reference_dw = dy.T @ c["x"].reshape(-1, 32 if name == "0" else 64)
+        assert got["update_cosine"] == pytest.approx(cosine(c["dw"], reference_dw), rel=1e-6)
+        assert got["amax"] == pytest.approx(float(c["x"].abs().max()))
+        assert got["scale"] == pytest.approx(float((1 / xq._scale).max()))
+        assert got["overflow_ratio"] == 0.0
+    assert monitor.stats()["failures"] == {}
+    if recipe == "rowwise_with_gw_hp":  # the weight-gradient GEMM is in high precision: the update is exact
+        assert sink.value("update_cosine", "0", 0) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_float8_training_finds_every_layer_with_formats_and_measures_every_metric() -> None:
+    model = float8_model("tensorwise")
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="f8-train", exporter=sink, every=1)
+    assert [(str(i), i.adapter) for i in monitor.layers] == [("0", "torchao.float8"), ("2", "torchao.float8")]
+    assert (
+        monitor.layer_formats()
+        == [{"weight": "fp8_e4m3:tensor", "input": "fp8_e4m3:tensor", "grad": "fp8_e5m2:tensor"}] * 2
+    )
+    train(model, monitor, lambda: torch.randn(8, 32))
+    for _batch, record in sink.records():
+        assert set(record.metrics) == DEFAULT
+        assert all(v is not None for values in record.metrics.values() for v in values), record.step
+    assert monitor.stats()["failures"] == {}
+    monitor.close()
+
+
+def test_float8_rowwise_formats() -> None:
+    monitor = qw.attach(float8_model("rowwise"), run="f8-row", exporter=qw.InMemoryExporter())
+    assert monitor.layer_formats()[0] == {"weight": "fp8_e4m3:row", "input": "fp8_e4m3:row", "grad": "fp8_e4m3:row"}
+    monitor.close()
+
+
+def test_float8_tensor_kept_in_high_precision_reports_no_figure() -> None:
+    def off() -> CastConfig:
+        return CastConfig(scaling_type=ScalingType.DISABLED)
+
+    config = Float8LinearConfig(
+        cast_config_input=off(),
+        cast_config_weight=off(),  # forward GEMM in high precision
+        cast_config_weight_for_grad_input=CastConfig(),
+        cast_config_input_for_grad_weight=off(),
+        cast_config_grad_output_for_grad_weight=off(),  # weight-gradient GEMM too: only the input gradient's is FP8
+    )
+    model = float8_model(config)
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="f8-hp", exporter=sink, every=1)
+    # weight and grad are reported from the casts of the input-gradient GEMM, the only ones there are
+    formats = {"weight": "fp8_e4m3:tensor", "input": "high_precision", "grad": "fp8_e5m2:tensor"}
+    assert monitor.layer_formats()[0] == formats
+    capture = one_step(model, monitor, torch.randn(8, 32))
+    layer, c = model[0], capture["0"]
+    wq = torchao_cast(layer, c["w"].t(), layer.config.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1)
+    assert sink.value("weight_rel_l2", "0", 0) == pytest.approx(rel_l2(wq.to_original_precision(), c["w"].t()))
+    assert all("act_rel_l2" not in record.metrics for _, record in sink.records())  # no layer has an input figure
+    assert sink.value("grad_rel_l2", "0", 0) is not None
+    assert sink.value("output_rel_l2", "0", 0) == pytest.approx(rel_l2(c["y"], F.linear(c["x"], c["w"], c["b"])))
+    assert monitor.stats()["failures"] == {}
+
+
+def test_float8_layer_with_an_unsupported_config_is_reported_once_and_left_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 8))
+    config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn == "0")
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=True), module_filter_fn=lambda m, f: f == "1")
+    with caplog.at_level(logging.WARNING, logger="quantwatch.agent"):
+        sink = qw.InMemoryExporter()
+        monitor = qw.attach(model, run="f8-fsdp", exporter=sink, every=1)
+        train(model, monitor, lambda: torch.randn(8, 32), steps=2)
+    messages = [r.getMessage() for r in caplog.records if "cannot be measured" in r.getMessage()]
+    assert len(messages) == 1
+    assert messages[0].startswith("quantwatch agent: 0 (Float8Linear)")
+    assert monitor.layers == ("1",)
+    assert monitor.stats()["failures"] == {}
+    with pytest.raises(qw.ConfigError):
+        qw.attach(model, run="f8-fsdp", exporter=qw.InMemoryExporter(), layers="blocks.*")
+
+
+class Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 64)
+        self.fc1 = nn.Linear(64, 64)
+        self.fc2 = nn.Linear(64, 16)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.fc2(torch.relu(self.fc1(self.emb(ids))))
+
+
+QAT_CONFIGS = {
+    "int8_token-int4_group32": (
+        IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False),
+        IntxFakeQuantizeConfig(torch.int4, group_size=32),
+        ("int8:token", "int4:group32"),
+    ),
+    "fp8_row-fp8_tensor": (
+        Float8FakeQuantizeConfig(granularity=PerRow()),
+        Float8FakeQuantizeConfig(granularity=PerTensor()),
+        ("fp8_e4m3:row", "fp8_e4m3:tensor"),
+    ),
+}
+
+
+def qat_model(activation: Any, weight: Any) -> Tokens:
+    torch.manual_seed(0)
+    model = Tokens()
+    is_linear = lambda mod, fqn: isinstance(mod, nn.Linear)  # noqa: E731
+    quantize_(model, QATConfig(activation_config=activation, weight_config=weight, step="prepare"), filter_fn=is_linear)
+    embedding_weight = IntxFakeQuantizeConfig(torch.int4, group_size=32)
+    is_embedding = lambda mod, fqn: isinstance(mod, nn.Embedding)  # noqa: E731
+    quantize_(model, QATConfig(weight_config=embedding_weight, step="prepare"), filter_fn=is_embedding)
+    return model
+
+
+@pytest.mark.parametrize("configs", list(QAT_CONFIGS))
+def test_qat_figures_are_the_fake_quantizers_errors(configs: str) -> None:
+    activation, weight, (input_format, weight_format) = QAT_CONFIGS[configs]
+    model = qat_model(activation, weight)
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="qat", exporter=sink, every=1)
+    assert [(str(i), i.adapter) for i in monitor.layers] == [(n, "torchao.qat") for n in ("emb", "fc1", "fc2")]
+    assert monitor.layer_formats() == [
+        {"weight": "int4:group32", "input": "high_precision", "grad": "high_precision"},
+        *[{"weight": weight_format, "input": input_format, "grad": "high_precision"}] * 2,
+    ]
+    capture = one_step(model, monitor, torch.randint(0, 50, (4, 8)))
+    for name in ("emb", "fc1", "fc2"):
+        layer, c = getattr(model, name), capture[name]
+        assert sink.value("weight_rel_l2", name, 0) == pytest.approx(
+            rel_l2(layer.weight_fake_quantizer(c["w"]), c["w"]), rel=1e-6
+        )
+        if name == "emb":
+            reference = F.embedding(c["x"], c["w"])
+            assert sink.value("act_rel_l2", name, 0) is None
+        else:
+            fq = layer.activation_fake_quantizer
+            assert sink.value("act_rel_l2", name, 0) == pytest.approx(rel_l2(fq(c["x"]), c["x"]), rel=1e-6)
+            reference = F.linear(c["x"], c["w"], c["b"])
+            dy = c["dy"].reshape(-1, 16 if name == "fc2" else 64)
+            reference_dw = dy.T @ c["x"].reshape(-1, 64)
+            assert sink.value("update_cosine", name, 0) == pytest.approx(cosine(c["dw"], reference_dw), rel=1e-6)
+        assert sink.value("output_rel_l2", name, 0) == pytest.approx(rel_l2(c["y"], reference), rel=1e-6)
+    assert all("grad_rel_l2" not in record.metrics for _, record in sink.records())  # QAT keeps gradients in HP
+    assert monitor.stats()["failures"] == {}
+
+
+def test_qat_training_measures_every_metric_of_its_quantized_kinds() -> None:
+    activation, weight, _ = QAT_CONFIGS["int8_token-int4_group32"]
+    model = qat_model(activation, weight)
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="qat-train", exporter=sink, every=1)
+    train(model, monitor, lambda: torch.randint(0, 50, (4, 8)))
+    no_input = {"act_rel_l2", "underflow_ratio", "overflow_ratio", "amax"}
+    for _batch, record in sink.records():
+        assert set(record.metrics) == DEFAULT - {"grad_rel_l2", "scale"}
+        for metric, (emb, fc1, fc2) in record.metrics.items():
+            assert fc1 is not None, metric
+            assert fc2 is not None, metric
+            assert (emb is None) == (metric in no_input), metric
+    assert monitor.stats()["failures"] == {}
+    monitor.close()
+
+
+def mxfp8_model(bias: bool) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=bias), nn.ReLU(), nn.Linear(64, 32, bias=bias))
+    quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL))
+    return model
+
+
+def mx_dequantized(t: Tensor) -> Tensor:
+    t2 = t.reshape(-1, t.shape[-1]).contiguous()
+    return MXTensor.to_mx(t2, torch.float8_e4m3fn, 32, MXFP8TrainingOpConfig().scale_calculation_mode).dequantize(
+        t2.dtype
+    )
+
+
+def test_mxfp8_training_is_recognised_by_its_weight_and_measured() -> None:
+    model = mxfp8_model(bias=False)
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="mx", exporter=sink, every=1)
+    assert [(str(i), i.adapter) for i in monitor.layers] == [(n, "torchao.mxfp8_training") for n in ("0", "2")]
+    assert monitor.layer_formats() == [{"weight": "mxfp8", "input": "mxfp8", "grad": "mxfp8"}] * 2
+    capture = one_step(model, monitor, torch.randn(32, 64))
+    for name in ("0", "2"):
+        c = capture[name]
+        assert sink.value("weight_rel_l2", name, 0) == pytest.approx(rel_l2(mx_dequantized(c["w"]), c["w"]), rel=1e-6)
+        assert sink.value("act_rel_l2", name, 0) == pytest.approx(rel_l2(mx_dequantized(c["x"]), c["x"]), rel=1e-6)
+        assert sink.value("grad_rel_l2", name, 0) == pytest.approx(rel_l2(mx_dequantized(c["dy"]), c["dy"]), rel=1e-6)
+        reference = F.linear(c["x"], c["w"])
+        assert sink.value("output_rel_l2", name, 0) == pytest.approx(rel_l2(c["y"], reference), rel=1e-6)
+        assert sink.value("update_cosine", name, 0) == pytest.approx(cosine(c["dw"], c["dy"].T @ c["x"]), rel=1e-6)
+    assert monitor.stats()["failures"] == {}
+
+
+def test_mxfp8_training_output_shows_that_torchao_0_18_drops_the_bias() -> None:
+    # torchao 0.18's MXFP8TrainingWeightWrapperTensor runs F.linear(x, W, b) as x @ Wᵀ: the bias is lost, and the
+    # comparison with the reference F.linear(x, W, b) says so.
+    model = mxfp8_model(bias=True)
+    with torch.no_grad():
+        model[0].bias.fill_(1.0)
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="mx-bias", exporter=sink, every=1, metrics=["output_rel_l2", "weight_rel_l2"])
+    one_step(model, monitor, torch.randn(32, 64))
+    assert sink.value("weight_rel_l2", "0", 0) < 0.05
+    assert sink.value("output_rel_l2", "0", 0) > 0.5
+
+
+def test_layers_that_need_a_gpu_are_recognised_with_their_formats() -> None:
+    from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4TrainingConfig
+    from torchao.prototype.qat import NVFP4FakeQuantizeConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
+    config = NVFP4FakeQuantizeConfig()
+    qat = QATConfig(activation_config=config, weight_config=config, step="prepare")
+    quantize_(model, qat, filter_fn=lambda m, f: f == "0")
+    quantize_(model, NVFP4TrainingConfig(), filter_fn=lambda m, f: f == "1")
+    monitor = qw.attach(model, run="gpu-only", exporter=qw.InMemoryExporter())
+    adapters = [(str(i), i.adapter) for i in monitor.layers]
+    assert adapters == [("0", "torchao.qat.prototype"), ("1", "torchao.nvfp4_training")]
+    assert monitor.layer_formats() == [
+        {"weight": "nvfp4", "input": "nvfp4", "grad": "high_precision"},
+        {"weight": "nvfp4", "input": "nvfp4", "grad": "nvfp4"},
+    ]
+    monitor.close()
+
+
+def test_a_bfloat16_reference_is_computed_in_bfloat16() -> None:
+    model = float8_model("tensorwise")
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="f8-bf16", exporter=sink, every=1, reference_dtype="bfloat16")
+    capture = one_step(model, monitor, torch.randn(8, 32))
+    c = capture["0"]
+    reference = F.linear(c["x"].bfloat16(), c["w"].bfloat16(), c["b"].bfloat16())
+    assert sink.value("output_rel_l2", "0", 0) == pytest.approx(rel_l2(c["y"], reference.float()), rel=1e-5)
+    assert monitor.stats()["failures"] == {}
+
+
+def test_prototype_mx_qat_figures_are_its_own_casts() -> None:
+    from torchao.prototype.qat import MXFakeQuantizeConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    config = MXFakeQuantizeConfig(dtype=torch.float8_e4m3fn)  # kernel_preference=EMULATED by default: runs on a CPU
+    quantize_(model, QATConfig(activation_config=config, weight_config=config, step="prepare"))
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="mx-qat", exporter=sink, every=1)
+    assert monitor.layer_formats()[0] == {"weight": "mxfp8", "input": "mxfp8", "grad": "high_precision"}
+    capture = one_step(model, monitor, torch.randn(32, 64))
+    for name in ("0", "2"):
+        c = capture[name]
+        cast = MXTensor.to_mx(c["w"], torch.float8_e4m3fn, 32, config.scaling_mode).dequantize(torch.float32)
+        assert sink.value("weight_rel_l2", name, 0) == pytest.approx(rel_l2(cast, c["w"]), rel=1e-6)
+        cast = MXTensor.to_mx(c["x"], torch.float8_e4m3fn, 32, config.scaling_mode).dequantize(torch.float32)
+        assert sink.value("act_rel_l2", name, 0) == pytest.approx(rel_l2(cast, c["x"]), rel=1e-6)
+        reference = F.linear(c["x"], c["w"], c["b"])
+        assert sink.value("output_rel_l2", name, 0) == pytest.approx(rel_l2(c["y"], reference), rel=1e-6)
+    assert monitor.stats()["failures"] == {}
+
+
+@pytest.mark.parametrize("kind", ["float8", "qat"])
+def test_the_shadow_model_runs_torchao_layers_in_high_precision(kind: str) -> None:
+    activation, weight, _ = QAT_CONFIGS["int8_token-int4_group32"]
+    model: nn.Module = float8_model("tensorwise") if kind == "float8" else qat_model(activation, weight)
+    make_input = (lambda: torch.randn(8, 32)) if kind == "float8" else (lambda: torch.randint(0, 50, (4, 8)))
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(
+        model,
+        run=f"shadow-{kind}",
+        exporter=sink,
+        every=1,
+        shadow="model",
+        shadow_optimizer=lambda params: torch.optim.SGD(params, lr=1e-2),
+        metrics=["weight_drift_rel_l2"],
+    )
+    shadow = monitor.shadow_model
+    assert shadow is not None
+    x = make_input()
+    if kind == "float8":
+        expected = F.linear(torch.relu(F.linear(x, shadow[0].weight, shadow[0].bias)), shadow[2].weight, shadow[2].bias)
+    else:
+        hidden = torch.relu(F.linear(F.embedding(x, shadow.emb.weight), shadow.fc1.weight, shadow.fc1.bias))
+        expected = F.linear(hidden, shadow.fc2.weight, shadow.fc2.bias)
+    assert torch.equal(shadow(x), expected)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    monitor.step(0, loss=loss, shadow_closure=lambda m: m(x).pow(2).mean())
+    monitor.flush()
+    assert sink.scalar("loss_shadow", 0) == pytest.approx(float(expected.pow(2).mean()), rel=1e-6)
+    assert monitor.stats()["failures"] == {}
