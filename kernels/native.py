@@ -37,13 +37,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .compiled import lane_sums_in_range
+from .backends import QuantRequest, QuantResult, raise_if_unsupported
 from .formats import FP4_E2M1, FP8_E4M3, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
-from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
+from .options import Backend, BackendUnavailableError, Rounding, Scaling, ScalingSpec
+from .partial_sums import ErrorStats, lane_sums_in_range
 from .reference import amax_to_scale, channel_dims
-from .stats import ErrorStats
 
 log = logging.getLogger(__name__)
+
+# The `backends.FastPath` protocol, implemented by this module (`unsupported_reason`, `available`, `prepare`,
+# `quantize`).
+NAME = Backend.NATIVE
 
 SOURCE = Path(__file__).with_name("native.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -120,19 +124,6 @@ def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: 
     if not saturate and fmt.special is not Special.NONE and _may_clip(fmt, spec, given_scale=True):
         return "non-saturating casts that can overflow"
     return None
-
-
-def supports(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: Rounding, saturate: bool) -> bool:
-    """True when the native path can run this quantization (it may still decline a tensor for its values)."""
-    return unsupported_reason(x, fmt, spec, rounding, saturate) is None
-
-
-def check_supported(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: Rounding, saturate: bool) -> None:
-    """Raise `BackendUnavailableError` naming why the native path cannot run this quantization."""
-    reason = unsupported_reason(x, fmt, spec, rounding, saturate)
-    if reason is not None:
-        raise BackendUnavailableError(f"native backend does not support {reason}")
-    library()
 
 
 def _channel_segment(x: Tensor, spec: ScalingSpec) -> int:
@@ -372,6 +363,17 @@ def loaded() -> ctypes.CDLL | None:
     return lib if isinstance(lib, ctypes.CDLL) else None
 
 
+def prepare() -> None:
+    """Build (or load) the library now; `BackendUnavailableError` saying why it cannot be had."""
+    library()
+
+
+def quantize(request: QuantRequest) -> QuantResult | None:
+    """`quantize_native` (round to nearest only: ``noise`` is never needed)."""
+    r = request
+    return quantize_native(r.x, r.fmt, r.spec, r.rounding, r.saturate, r.scale, r.with_stats, r.out)
+
+
 def prepare_in_background() -> None:
     """Build (or load) the library on a daemon thread, so that code which only uses it when `loaded` (the agent's
     statistics) gets it without a build in its own thread."""
@@ -388,7 +390,7 @@ def quantize_native(
     scale: Tensor | None,
     with_stats: bool,
     out: Tensor | None = None,
-) -> tuple[Tensor, ErrorStats | None, Tensor, Tensor] | None:
+) -> QuantResult | None:
     """``(values, stats or None, scale, amax)`` as `compiled.quantize_fused` returns them, or None when the tensor is
     empty or its values are outside what the kernels handle (NaN/±inf, a scaled value beyond float32, statistics
     beyond the float32 runs' range): the caller then runs another backend. ``out`` (contiguous, x's shape and dtype)
@@ -396,7 +398,7 @@ def quantize_native(
 
     Raises `BackendUnavailableError` when the quantization is unsupported or the library cannot be built.
     """
-    check_supported(x, fmt, spec, rounding, saturate)
+    raise_if_unsupported(NAME, unsupported_reason(x, fmt, spec, rounding, saturate))
     lib = library()
     if x.numel() == 0:
         return None
