@@ -1,14 +1,16 @@
 """Bandwidth of quantize + all error statistics: eager reference vs the fused path, against x.sum().
 
-    .venv/bin/python bench/kernels.py [--numel 16777216] [--repeats 5] [--cpu-time] [--cache cold|warm]
+    .venv/bin/python bench/kernels.py [--numel 16777216] [--repeats 5] [--cpu-time] [--cache cold|warm] [--march M]
 
 Prints GB/s (input bytes / second: the tensor is read, the quantized copy written once) for the plain-torch
 reference and the fused paths of fp8_e4m3 per-tensor, mxfp4, nvfp4 and int8 with a scale per row (``channel:0``, a
 weight's output channels) — each ``quantize(..., with_stats=True)`` —
 and, in the same run, the read bandwidth of ``x.sum()`` as the physical limit. On the CPU the fused paths are
 ``compiled`` (torch.compile) and ``native`` (the hand-written kernels, what ``auto`` picks), the latter also with
-``out=`` (one output buffer reused, as a training loop would); on CUDA, Triton. Ratios: the fastest fused path /
-x.sum, and the fastest fused path / reference.
+``out=`` (one output buffer reused, as a training loop would); on CUDA, Triton. Ratios: each fused path / x.sum, the
+fastest fused path / x.sum, and the fastest fused path / reference. The first lines say the CPU model, its widest
+vector unit, and what the native kernels were built for: ``--march haswell`` builds them for AVX2 (8-float vectors)
+on any AVX2 host, an AVX-512 one included (default: ``$QUANTWATCH_NATIVE_MARCH``, else ``native``, this CPU).
 
 ``--cpu-time`` runs on one thread and takes the fastest call by thread CPU time instead of the median wall time:
 on a machine shared with other work that figure moves far less (it still counts memory stalls). ``x.sum()``,
@@ -39,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from quantwatch.kernels import quantize
+from quantwatch.kernels import native, quantize
 
 CASES = [
     ("fp8_e4m3 per-tensor", "fp8_e4m3", "tensor"),
@@ -47,6 +49,18 @@ CASES = [
     ("nvfp4", "nvfp4", None),
     ("int8 per-channel", "int8", "channel:0"),
 ]
+
+
+def cpu_description() -> str:
+    """The CPU model and its widest x86 vector unit, from /proc/cpuinfo (``unknown`` where it cannot be read)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    unit = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{model}, {unit}"
 
 
 def last_level_cache_bytes() -> int:
@@ -111,7 +125,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cpu-time", action="store_true", help="one thread, fastest call by thread CPU time")
     parser.add_argument("--cache", choices=["cold", "warm"], default="cold", help="x evicted or read before each call")
+    parser.add_argument("--march", help="-march target of the native kernels (e.g. haswell: an AVX2 build)")
     args = parser.parse_args()
+    if args.march:
+        os.environ[native.MARCH_ENV] = native.march(args.march)
     if args.cpu_time:
         torch.set_num_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,6 +136,9 @@ def main() -> None:
     gigabytes = x.numel() * x.element_size() / 1e9
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     print(f"torch {torch.__version__}, {device.type}, threads {torch.get_num_threads()}, load average {load}")
+    if device.type == "cpu":
+        built = native.vector_isa() if native.available() else "unavailable"
+        print(f"cpu: {cpu_description()}; native kernels: -march={native.march()}, {built} vectors")
     how = "fastest thread CPU time" if args.cpu_time else "median wall time"
     print(f"x: {tuple(x.shape)} float32 = {gigabytes * 1e3:.0f} MB; {how} of {args.repeats} calls after warm-up")
     prepare = cache_preparation(x, args.cache)
@@ -147,7 +167,8 @@ def main() -> None:
         rate = gigabytes / pick(seconds[f"{name}{index}"] for index in range(4))
         print(f"{label:<24}{rate:>10.3f} GB/s ({rate / read:.3f} × x.sum)")
     columns = "".join(f"{path:>14}" for path in fused)
-    print(f"{'GB/s':<20}{'reference':>11}{columns}{'best/x.sum':>12}{'best/ref':>10}")
+    ratios = "".join(f"{path + '/x.sum':>20}" for path in fused)
+    print(f"{'GB/s':<20}{'reference':>11}{columns}{ratios}{'best/x.sum':>12}{'best/ref':>10}")
     for label, fmt, scaling in CASES:
         reference = gigabytes / seconds_per_call(
             lambda fmt=fmt, scaling=scaling: quantize(x, fmt, scaling, with_stats=True, backend="reference"),
@@ -158,6 +179,7 @@ def main() -> None:
         )
         rates = [gigabytes / seconds[f"{label} {path}"] for path in fused]
         cells = "".join(f"{rate:>14.3f}" for rate in rates)
+        cells += "".join(f"{rate / read:>20.3f}" for rate in rates)
         best = max(rates)
         print(f"{label:<20}{reference:>11.4f}{cells}{best / read:>12.3f}{best / reference:>10.1f}")
 

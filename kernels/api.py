@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, overload
 
 import torch
 from torch import Tensor
 
 from . import compiled, native, triton_path
+from .backends import FastPath, QuantRequest, QuantResult, check_supported
 from .formats import FormatSpec, resolve_format
 from .options import (
     Backend,
@@ -20,8 +23,9 @@ from .options import (
     parse_rounding,
     parse_scaling,
 )
+from .partial_sums import ErrorStats
 from .reference import QuantDetails, check_input, draw_noise, quantize_reference
-from .stats import ErrorStats, stats_from_masks
+from .stats import stats_from_masks
 
 log = logging.getLogger(__name__)
 
@@ -53,33 +57,61 @@ def resolve_quantization(
     return element, spec, parse_rounding(rounding)
 
 
-def _choose_backend(
+@dataclass(frozen=True)
+class Preference:
+    """One row of `AUTO_PREFERENCE`: a fast path, the devices `auto` takes it for (None: any), the fewest elements
+    worth it (read when asked: the module's thresholds), and whether a tensor it declines or fails on goes on to
+    the rows below (else straight to the reference)."""
+
+    path: FastPath
+    devices: tuple[str, ...] | None
+    min_numel: Callable[[], int]
+    falls_through: bool
+
+
+# `auto`'s fast paths, best first: the first row whose device, size, support and availability all hold runs the
+# quantization. Triton for CUDA tensors; the native kernels for the CPU tensors they support (a tensor they decline
+# for its values, or a failed build, moves on down); torch.compile for large tensors; else the reference.
+AUTO_PREFERENCE: tuple[Preference, ...] = (
+    Preference(triton_path, ("cuda",), lambda: 0, falls_through=False),
+    Preference(native, ("cpu",), lambda: AUTO_NATIVE_MIN_NUMEL, falls_through=True),
+    Preference(compiled, None, lambda: AUTO_COMPILE_MIN_NUMEL, falls_through=False),
+)
+
+
+def _plan(
     requested: Backend, x: Tensor, element: FormatSpec, spec: ScalingSpec, rounding: Rounding, saturate: bool
-) -> Backend:
-    if requested is Backend.TRITON:
-        triton_path.check_supported(x, element, spec)
-        return requested
-    if requested is Backend.NATIVE:
-        native.check_supported(x, element, spec, rounding, saturate)
-        return requested
-    if requested is Backend.COMPILED:
-        compiled.check_supported(x, element, spec)
-        return requested
+) -> list[FastPath]:
+    """The fast paths to try in turn (the reference after them). An explicit fast backend is checked here
+    (`BackendUnavailableError` when it cannot run) and leads; `auto` takes the first row of `AUTO_PREFERENCE` that
+    applies, and both continue with the rows below a row that falls through."""
     if requested is Backend.REFERENCE:
-        return requested
-    if x.is_cuda and triton_path.supports(x, element, spec):
-        return Backend.TRITON
-    large_enough = x.numel() >= AUTO_NATIVE_MIN_NUMEL
-    if large_enough and native.supports(x, element, spec, rounding, saturate) and native.available():
-        return Backend.NATIVE
-    return _compiled_or_reference(x, element, spec)
+        return []
+    rows = AUTO_PREFERENCE
+    plan: list[FastPath] = []
+    if requested is not Backend.AUTO:
+        index = next(i for i, row in enumerate(rows) if row.path.NAME is requested)
+        check_supported(rows[index].path, x, element, spec, rounding, saturate)
+        plan.append(rows[index].path)
+        rows = rows[index + 1 :] if rows[index].falls_through else ()
+    for row in rows:
+        if _applies(row, x, element, spec, rounding, saturate):
+            plan.append(row.path)
+            if not row.falls_through:
+                break
+    return plan
 
 
-def _compiled_or_reference(x: Tensor, element: FormatSpec, spec: ScalingSpec) -> Backend:
-    """`auto`'s choice past the native kernels (and for the tensors they decline): compiled when large enough."""
-    if x.numel() >= AUTO_COMPILE_MIN_NUMEL and compiled.supports(x, element, spec):
-        return Backend.COMPILED
-    return Backend.REFERENCE
+def _applies(
+    row: Preference, x: Tensor, element: FormatSpec, spec: ScalingSpec, rounding: Rounding, saturate: bool
+) -> bool:
+    # Availability last: it may build the native library.
+    return (
+        (row.devices is None or x.device.type in row.devices)
+        and x.numel() >= row.min_numel()
+        and row.path.unsupported_reason(x, element, spec, rounding, saturate) is None
+        and row.path.available()
+    )
 
 
 @overload
@@ -227,47 +259,41 @@ def quantize_with_backend(
     with_stats: bool,
     scale: Tensor | None = None,
     out: Tensor | None = None,
-) -> tuple[Tensor, ErrorStats | None, Tensor, Tensor]:
+) -> QuantResult:
     """Run one quantization on the chosen backend: ``(values, stats or None, scale, amax)``; the values go into
     ``out`` when given (checked by the caller: x's shape, dtype and device).
 
-    ``auto`` falls back to the reference (logging once) when a fast path fails to build. The native path hands the
-    tensors it declines (NaN/±inf, see `native.quantize_native`) to the compiled path when they are large enough for
-    `auto` to compile, else to the reference.
+    The fast paths of `_plan` run in turn until one returns a result; ``auto`` moves on (logging) when one fails to
+    build. The native path hands the tensors it declines (NaN/±inf, see `native.quantize_native`) to the compiled
+    path when they are large enough for `auto` to compile, else to the reference.
     """
-    chosen = _choose_backend(backend, x, element, spec, rounding, saturate)
+    plan = _plan(backend, x, element, spec, rounding, saturate)
+    if x.numel() == 0:  # checked, but nothing to run: the reference's empty result
+        plan = []
     if out is not None and _shares_memory(out, x):
         # In place: a backend may write the values before it declines (native) or defer statistics that read x
         # later (StatsBatch); both need x as it was.
         x = x.detach().clone()
-    if chosen is Backend.NATIVE and x.numel() > 0:
-        try:
-            result = native.quantize_native(x, element, spec, rounding, saturate, scale, with_stats, out)
-        except BackendUnavailableError:
-            if backend is not Backend.AUTO:
-                raise
-            log.warning("quantwatch.kernels: native backend unavailable; using the next", exc_info=True)
-            result = None
-        if result is not None:
-            return result
-        chosen = _compiled_or_reference(x, element, spec)
     noise = None
     if rounding is Rounding.STOCHASTIC and x.numel() > 0:
         noise = draw_noise(x.shape, generator, x.device)
+    request = QuantRequest(x, element, spec, rounding, saturate, noise, scale, with_stats, out)
     result = None
-    if chosen in (Backend.COMPILED, Backend.TRITON) and x.numel() > 0:
-        runner = triton_path.quantize_fused if chosen is Backend.TRITON else compiled.quantize_fused
+    for position, path in enumerate(plan):
         try:
-            result = runner(x, element, spec, rounding, saturate, noise, scale, with_stats)
+            result = path.quantize(request)
         except BackendUnavailableError:
-            if backend not in (Backend.AUTO, Backend.NATIVE):
+            if position == 0 and backend is not Backend.AUTO:
                 raise
-            log.warning("quantwatch.kernels: %s backend unavailable; using the reference", chosen.value, exc_info=True)
+            then = "the next" if position + 1 < len(plan) else "the reference"
+            log.warning("quantwatch.kernels: %s backend unavailable; using %s", path.NAME.value, then, exc_info=True)
+        if result is not None:
+            break
     if result is None:
         details = quantize_reference(x, element, spec, rounding, saturate, generator, scale, noise)
         stats = reference_stats(x, details) if with_stats else None
         result = details.values, stats, details.scale, details.amax
-    if out is not None:
+    if out is not None and result[0] is not out:
         out.copy_(result[0])
         return out, *result[1:]
     return result

@@ -1,13 +1,11 @@
 """The fused CPU fast path: quantize and every error statistic in one ``torch.compile``-generated pass.
 
-The cast here is written independently of the reference: under round-to-nearest, minifloats round in float32
-arithmetic alone (`cast_nearest`: Veltkamp splitting, a magic-number add), which Inductor vectorises; stochastic
-rounding and integers round on scaled values whose powers of two are assembled from bits (`cast_bits`). Tests hold
-both bit-exact against `reference.quantize_reference`. With statistics, the first run assumes every element finite and
-sums without masks (float32 inputs under scalar and block scalings: float32 products over runs of 8 inside the
-quantize loop, `lane_stats`); `quantize_fused` reruns the masked float64 kernels when the sums show otherwise. Each
-configuration (format, scaling, rounding, saturation, statistics on/off, finite or masked) is compiled once into its
-own function, and Dynamo marks shapes dynamic after the first change, so a training loop reuses the same kernels.
+The casts (`casts`) are written independently of the reference and tested bit-exact against it. With statistics,
+the first run assumes every element finite and sums without masks (float32 inputs under scalar and block scalings:
+float32 products over runs of 8 inside the quantize loop, `lane_stats`); `quantize_fused` reruns the masked float64
+kernels when the sums show otherwise. Each configuration (format, scaling, rounding, saturation, statistics on/off,
+finite or masked) is compiled once into its own function, and Dynamo marks shapes dynamic after the first change, so
+a training loop reuses the same kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +21,18 @@ import torch
 from torch import Tensor
 from torch.nn.functional import pad
 
+from .backends import QuantRequest, QuantResult, raise_if_unsupported
+from .casts import (
+    beyond_threshold,
+    binade_exponent,
+    cast,
+    cast_bits,
+    cast_saturating,
+    element_unsupported_reason,
+    nearest_overflow,
+    pow2_bits,
+)
+from .casts import overflow_threshold as overflow_threshold  # re-exported: the overflow tests read it here
 from .formats import (
     E8M0_EXPONENT_MAX,
     E8M0_EXPONENT_MIN,
@@ -33,11 +43,10 @@ from .formats import (
     Kind,
     Special,
 )
-from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
-from .reference import from_blocks, replace_overflow, to_blocks
-from .stats import ErrorStats
+from .options import Backend, BackendUnavailableError, Rounding, Scaling, ScalingSpec
+from .partial_sums import ErrorStats, lane_sums_in_range, masked_float64
+from .reference import from_blocks, to_blocks
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_NUMEL = 1 << 31
 
 # The all-finite statistics of scalar and block scalings sum float32 products over runs of LANE_DEPTH elements
@@ -47,8 +56,6 @@ MAX_NUMEL = 1 << 31
 # product overflows or loses much of a sum to underflow, which `lane_sums_in_range` checks on the results.
 LANE_DEPTH = 8
 LANE_WIDTH = 16  # one AVX-512 vector of float32
-LANE_MAX_MAGNITUDE = 2.0**40
-LANE_MIN_SUM_PER_ELEMENT = 2.0**-100
 # Inductor stores a pointwise value to memory (and sums it in a second loop) once it reads more than 12 inputs or
 # holds more than 50 operations; a count over LANE_DEPTH slices does both, so the lane kernels raise the limits.
 INDUCTOR_OPTIONS = {"realize_cpu_acc_reads_threshold": 64, "realize_opcount_threshold": 400}
@@ -69,140 +76,15 @@ class FusedConfig:
     lanes: bool = False
 
 
-def element_unsupported_reason(x: Tensor, fmt: FormatSpec) -> str | None:
-    """Why neither fused path (compiled, Triton) can run on this dtype and element format, or None."""
-    if x.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {x.dtype} (supported: float32, bfloat16, float16)"
-    if fmt.kind is Kind.SCALE:
-        return "the e8m0 scale format as an element format"
-    return None
-
-
-def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> str | None:
-    """Why the compiled path cannot run this quantization, or None when it can."""
+def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: Rounding, saturate: bool) -> str | None:
+    """Why the compiled path cannot run this quantization, or None when it can (every scaling, rounding and
+    saturation: only the dtype, the element format and the size decide)."""
     reason = element_unsupported_reason(x, fmt)
     if reason is not None:
         return reason
     if x.numel() >= MAX_NUMEL:
         return f"tensors of {MAX_NUMEL} elements or more (32-bit counts)"
     return None
-
-
-def supports(x: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> bool:
-    """True when the compiled path can run this quantization."""
-    return unsupported_reason(x, fmt, spec) is None
-
-
-def check_supported(x: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> None:
-    """Raise `BackendUnavailableError` naming why the compiled path cannot run this quantization."""
-    reason = unsupported_reason(x, fmt, spec)
-    if reason is not None:
-        raise BackendUnavailableError(f"compiled backend does not support {reason}")
-
-
-def pow2_bits(exponent: Tensor) -> Tensor:
-    """2**exponent (int32, -127…127) from the float32 bit pattern; 2^-127 is the one subnormal needed (E8M0's min)."""
-    normal = ((exponent.clamp(-126, 127) + 127) << 23).view(torch.float32)
-    return torch.where(exponent < -126, 2.0**-127, normal)
-
-
-def binade_exponent(a: Tensor) -> Tensor:
-    """floor(log2(a)) for non-negative float32 ``a`` from its exponent field; zero and subnormals read as -127."""
-    return (a.view(torch.int32) >> 23) - 127
-
-
-def cast_bits(v: Tensor, fmt: FormatSpec, saturate: bool, noise: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Round float32 ``v`` to ``fmt`` like `reference.cast_with_overflow`, on bit patterns: ``(q, overflow)``."""
-    finite = torch.isfinite(v)
-    if fmt.kind is Kind.INT:
-        rounded = torch.round(v) if noise is None else _stochastic(v, noise)
-        return rounded.clamp(-fmt.max_value, fmt.max_value), finite & (rounded.abs() > fmt.max_value)
-    a = torch.where(finite, v.abs(), 0.0)
-    exponent = torch.clamp(binade_exponent(a), min=fmt.emin)
-    scaled = a * pow2_bits(fmt.mantissa_bits - exponent)
-    rounded = torch.round(scaled) if noise is None else _stochastic(scaled, noise)
-    result = rounded * pow2_bits(exponent - fmt.mantissa_bits)
-    too_big = result > fmt.max_value
-    overflow = too_big | ~finite
-    result = replace_overflow(result, overflow, fmt, saturate)
-    # `v != v` is NaN; Inductor vectorises the comparison but not torch.isnan (a scalar loop, half the runtime).
-    return torch.where(v != v, torch.nan, torch.copysign(result, v)), too_big & finite
-
-
-def cast_nearest(v: Tensor, fmt: FormatSpec, saturate: bool) -> Tensor:
-    """`cast_bits` under round-to-nearest-even for minifloats, in float32 arithmetic alone (no bit casts).
-
-    Inductor's CPU code casts float32 to int32 bits one element at a time; these operations all vectorise. Normal
-    values round by Veltkamp splitting: with ``c = a·(2^(23−m) + 1)``, ``c − (c − a)`` is ``a`` rounded to m
-    mantissa bits, ties to even (exact in float32 while ``c`` does not overflow, hence the clamp to 2^(emax+2), which
-    still rounds past the maximum). Below the smallest normal the format's spacing is fixed at 2^(emin−m), and adding
-    then subtracting ``2^(emin−m+23)`` rounds to it (the sum's last place is that spacing). Overflow is decided on the
-    input, as in `nearest_overflow`.
-    """
-    threshold, ties_up = overflow_threshold(fmt)
-    a = v.abs()
-    beyond = (a >= threshold) if ties_up else (a > threshold)
-    bound = 2.0 ** (fmt.emax + 2)
-    clamped = torch.where(a > bound, bound, a)
-    split = clamped * (2.0 ** (23 - fmt.mantissa_bits) + 1)
-    normal = split - (split - clamped)
-    magic = 2.0 ** (fmt.emin - fmt.mantissa_bits + 23)
-    subnormal = (clamped + magic) - magic
-    rounded = torch.where(clamped < 2.0**fmt.emin, subnormal, normal)
-    rounded = replace_overflow(rounded, beyond, fmt, saturate)
-    # torch.copysign compiles to a library call, which makes the compiler spill every vector register around it;
-    # negating where v < 0 does not, and zero results take v's sign from v · 0 (v is finite there).
-    signed = torch.where(v < 0, -rounded, rounded)
-    signed = torch.where(rounded == 0, v * 0.0, signed)
-    return torch.where(v != v, torch.nan, signed)
-
-
-def cast_saturating(v: Tensor, fmt: FormatSpec, clamp: bool = True) -> Tensor:
-    """`cast_nearest` of finite ``v`` for a minifloat that saturates, rounding signed values (no sign masks).
-
-    Clamping to ±max first is saturation itself (a value within the range never rounds past the maximum); without
-    ``clamp`` every ``|v|`` must already round to at most the maximum (below `overflow_threshold`), as under a scale
-    taken from the amax or an NVFP4 block scale. Normal values round by Veltkamp splitting, which is symmetric in the
-    sign; below the smallest normal ``round`` (vectorised, half to even, keeps the sign of a zero) rounds to the fixed
-    spacing 2^(emin−m). NaN and ±inf are not handled: callers check the sums and rerun the masked kernels.
-    """
-    c = v.clamp(-fmt.max_value, fmt.max_value) if clamp else v
-    split = c * (2.0 ** (23 - fmt.mantissa_bits) + 1)
-    normal = split - (split - c)
-    steps_per_unit = 2.0 ** (fmt.mantissa_bits - fmt.emin)
-    subnormal = torch.round(c * steps_per_unit) * (1 / steps_per_unit)
-    return torch.where(c.abs() < 2.0**fmt.emin, subnormal, normal)
-
-
-def _cast(v: Tensor, fmt: FormatSpec, saturate: bool, noise: Tensor | None) -> Tensor:
-    if noise is None and fmt.kind is Kind.FLOAT:
-        return cast_nearest(v, fmt, saturate)
-    return cast_bits(v, fmt, saturate, noise)[0]
-
-
-def overflow_threshold(fmt: FormatSpec) -> tuple[float, bool]:
-    """(T, ties_up): round-to-nearest-even takes ``|v|`` past the maximum iff ``|v| > T`` or (``|v| == T`` and ties_up).
-
-    T is the maximum plus half its unit in the last place; the tie rounds up when the maximum's last bit is odd (all
-    formats but E4M3, whose all-ones mantissa at the top exponent is NaN).
-    """
-    if fmt.kind is Kind.INT:
-        return fmt.max_value + 0.5, int(fmt.max_value) % 2 == 1
-    ulp = 2.0 ** (fmt.emax - fmt.mantissa_bits)
-    return fmt.max_value + ulp / 2, round(fmt.max_value / ulp) % 2 == 1
-
-
-def nearest_overflow(scaled: Tensor, fmt: FormatSpec) -> Tensor:
-    """The overflow mask of `cast_bits` under round-to-nearest, from the input alone."""
-    threshold, ties_up = overflow_threshold(fmt)
-    magnitude = scaled.abs()
-    beyond = (magnitude >= threshold) if ties_up else (magnitude > threshold)
-    return beyond & torch.isfinite(scaled)
-
-
-def _stochastic(scaled: Tensor, noise: Tensor) -> Tensor:
-    low = torch.floor(scaled)
-    return low + (noise < scaled - low).to(torch.float32)
 
 
 def _tensor_scale(amax: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> Tensor:
@@ -268,7 +150,7 @@ def fused_quantize(
         element_scale, scale_out, tensor_scale = _scales(v, finite_abs, amax, block_amax, given_scale, config)
         scaled = v / element_scale
     if noise is None:
-        q = _cast(scaled, fmt, config.saturate, None)
+        q = cast(scaled, fmt, config.saturate, None)
         # The overflow mask from the input side; the cast's own mask made Inductor store it and re-read it in a
         # second pass for NVFP4.
         overflow = nearest_overflow(scaled, fmt)
@@ -365,32 +247,7 @@ def lane_stats(
     )
 
 
-def lane_sums_in_range(stats: list[float]) -> bool:
-    """Whether `lane_stats`'s float32 runs hold 1e-6 for these statistics (a list in `ErrorStats.FIELDS` order).
-
-    No product may overflow (|x|, |q − x| ≤ 2^40, so |q| ≤ 2^41 and eight squares stay below 2^85), and each of Σx²,
-    Σq², Σ(q−x)² is zero by construction or at least numel · 2^-100, so products lost to float32 underflow (under
-    2^-149 each) cost at most 2^-49 of it. NaN and ±inf fail every comparison or the magnitude bound. This also
-    excludes the subnormal scales (amax below max · 2^-126) under which a scale taken from the amax could clip.
-    """
-    numel, sum_x2, sum_q2, _, sum_err2, max_err, amax = stats[:7]
-    least = numel * LANE_MIN_SUM_PER_ELEMENT
-    return (
-        max_err <= LANE_MAX_MAGNITUDE
-        and amax <= LANE_MAX_MAGNITUDE
-        and (sum_x2 >= least or amax == 0)
-        and (sum_err2 >= least or max_err == 0)
-        and (sum_q2 >= least or max_err == amax == 0)
-    )
-
-
-def _beyond(scaled: Tensor, fmt: FormatSpec) -> Tensor:
-    threshold, ties_up = overflow_threshold(fmt)
-    magnitude = scaled.abs()
-    return (magnitude >= threshold) if ties_up else (magnitude > threshold)
-
-
-def _lane_cast(
+def _lanecast(
     scaled: list[Tensor], noise: list[Tensor] | None, config: FusedConfig, may_clip: bool
 ) -> tuple[list[Tensor], list[Tensor] | None]:
     fmt = config.fmt
@@ -399,9 +256,9 @@ def _lane_cast(
         return [q for q, _ in pairs], [over for _, over in pairs]
     if fmt.kind is Kind.FLOAT and (config.saturate or fmt.special is Special.NONE):
         return [cast_saturating(s, fmt, may_clip) for s in scaled], [
-            _beyond(s, fmt) for s in scaled
+            beyond_threshold(s, fmt) for s in scaled
         ] if may_clip else None
-    return [_cast(s, fmt, config.saturate, None) for s in scaled], [nearest_overflow(s, fmt) for s in scaled]
+    return [cast(s, fmt, config.saturate, None) for s in scaled], [nearest_overflow(s, fmt) for s in scaled]
 
 
 def _fused_lanes(
@@ -443,7 +300,7 @@ def _fused_lanes(
             # maximum, up to rounding: nothing clips, so neither clamp nor overflow count is needed.
             may_clip = given_scale is not None or spec.margin < 0
     scaled = xs if scales is None else [t / s for t, s in zip(xs, scales, strict=True)]
-    qs, overflow = _lane_cast(scaled, noise_lanes, config, may_clip)
+    qs, overflow = _lanecast(scaled, noise_lanes, config, may_clip)
     if scales is not None:
         qs = [q * s for q, s in zip(qs, scales, strict=True)]
     values_lanes = [q.to(x.dtype) for q in qs]
@@ -483,12 +340,7 @@ def _stats_vector(x: Tensor, q: Tensor, overflow: Tensor, amax: Tensor, numel: i
     # Sums accumulate in float64 like the reference. Finiteness is recomputed here rather than shared with the amax
     # pass (sharing it made Inductor materialise the mask and re-read it in an extra, slow loop), and the amax pass's
     # result is reused for the ``amax`` field.
-    finite_x = torch.isfinite(x)
-    finite_q = torch.isfinite(q)
-    valid = finite_x & finite_q
-    xv = torch.where(valid, x, 0).to(torch.float64)
-    qv = torch.where(valid, q, 0).to(torch.float64)
-    err = qv - xv
+    finite_x, finite_q, xv, qv, err = masked_float64(x, q)
     nonzero = finite_x & (x != 0)
     clipped = finite_x & (overflow | ~finite_q)
     sums = torch.stack([(xv * xv).sum(), (qv * qv).sum(), (qv * xv).sum(), (err * err).sum()])
@@ -567,21 +419,14 @@ def _fast_stats_hold(stats: Tensor, config: FusedConfig) -> bool:
     return bool(torch.isfinite(stats[1] + stats[2]))
 
 
-def quantize_fused(
-    x: Tensor,
-    fmt: FormatSpec,
-    spec: ScalingSpec,
-    rounding: Rounding,
-    saturate: bool,
-    noise: Tensor | None,
-    scale: Tensor | None,
-    with_stats: bool,
-) -> tuple[Tensor, ErrorStats | None, Tensor, Tensor]:
+def quantize_fused(request: QuantRequest) -> QuantResult:
     """Run the compiled fused quantization: ``(values, stats or None, scale, amax)``.
 
     Raises `BackendUnavailableError` when this quantization is unsupported or torch.compile cannot build it.
     """
-    check_supported(x, fmt, spec)
+    x, fmt, spec, rounding, saturate = request.x, request.fmt, request.spec, request.rounding, request.saturate
+    noise, scale, with_stats = request.noise, request.scale, request.with_stats
+    raise_if_unsupported(NAME, unsupported_reason(x, fmt, spec, rounding, saturate))
     config = FusedConfig(
         fmt,
         spec,
@@ -602,3 +447,21 @@ def quantize_fused(
     except (RuntimeError, OSError, ImportError) as error:
         raise BackendUnavailableError(f"torch.compile could not build the fused kernel: {error}") from error
     return values, ErrorStats.from_tensor(stats) if with_stats else None, scale_out, amax
+
+
+# The `backends.FastPath` protocol, implemented by this module.
+NAME = Backend.COMPILED
+
+
+def available() -> bool:
+    """Always True: torch.compile reports a failed build when it runs (`BackendUnavailableError`)."""
+    return True
+
+
+def prepare() -> None:
+    """Nothing to prepare: each configuration compiles on its first call."""
+
+
+def quantize(request: QuantRequest) -> QuantResult:
+    """`quantize_fused` (``out`` is the caller's to fill)."""
+    return quantize_fused(request)

@@ -1,6 +1,9 @@
 // Native CPU kernels of quantwatch.kernels (see native.py): round-to-nearest minifloat quantization with every error
-// statistic, in at most two passes over a contiguous float32 tensor, written with GCC/Clang vector extensions (16
-// floats per vector: one AVX-512 register, two AVX2 ones, four NEON ones) and OpenMP.
+// statistic, in at most two passes over a contiguous float32 tensor, written with GCC/Clang vector extensions and
+// OpenMP. A vector is one register of the widest unit the build targets: 16 floats with AVX-512 (__AVX512F__), 8 with
+// AVX2 (__AVX2__, one ymm register: no mask registers, no VRANGEPS, no 512-bit shuffles, so the operations that use
+// them on AVX-512 are written for AVX2 apart), else 16 (two or four registers of a narrower unit). The values are
+// bit-exact on every width; the statistics' sums run in other lanes, within the same bounds.
 //
 // The cast rounds |v| to the format's grid with one float32 addition: c = 2^(e + 23 - m) for the binade exponent e of
 // |v| (at least the format's smallest normal exponent), so the sum |v| + c keeps exactly m mantissa bits of |v| and
@@ -16,7 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <omp.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -34,16 +37,23 @@
 
 namespace {
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define QW_AVX2 1
+constexpr int L = 8;
+#else
 constexpr int L = 16;
-constexpr int RUN = 8;                 // vectors per float32 run of the statistics
-constexpr int64_t CHUNK = L * RUN * 4;  // elements a thread's range is a multiple of (whole blocks of 16 and 32)
+#endif
+constexpr int RUN = 8;          // vectors per float32 run of the statistics
+constexpr int64_t CHUNK = 512;  // elements a thread's range is a multiple of (whole blocks of 16, 32 and 64)
 constexpr int MAX_THREADS = 256;
+constexpr int NV_PER_BLOCK = 16 / L;  // vectors an NVFP4 block of 16 takes
+constexpr int64_t COLUMN_PAD = 16;    // COLUMNS: the columns' scales are padded to a multiple of this (native.py)
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef float vh __attribute__((vector_size(32)));
-typedef double vd __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
+typedef uint32_t vu __attribute__((vector_size(4 * L)));
+typedef float vh __attribute__((vector_size(2 * L)));
+typedef double vd __attribute__((vector_size(4 * L)));  // L / 2 doubles: a run's two halves added (see spill)
 
 enum Mode { PLAIN = 0, TENSOR = 1, MX_BLOCK = 2, NV_BLOCK = 3, CHANNEL = 4, COLUMNS = 5 };
 enum Status { OK = 0, NONFINITE = 1, OUT_OF_RANGE = 2, BAD_ARGUMENT = 3 };
@@ -71,6 +81,11 @@ inline void store(float* p, vf v, bool stream) {
     _mm512_stream_ps(p, (__m512)v);
     return;
   }
+#elif defined(QW_AVX2)
+  if (stream) {
+    _mm256_stream_ps(p, (__m256)v);
+    return;
+  }
 #endif
   (void)stream;
   std::memcpy(p, &v, sizeof v);
@@ -86,6 +101,10 @@ inline vf divide(vf x, vf s, vf r) {
   __m512 y = _mm512_mul_ps((__m512)x, (__m512)r);
   __m512 residual = _mm512_fnmadd_ps(y, (__m512)s, (__m512)x);
   return (vf)_mm512_fmadd_ps(residual, (__m512)r, y);
+#elif defined(QW_AVX2) && defined(__FMA__)
+  __m256 y = _mm256_mul_ps((__m256)x, (__m256)r);
+  __m256 residual = _mm256_fnmadd_ps(y, (__m256)s, (__m256)x);
+  return (vf)_mm256_fmadd_ps(residual, (__m256)r, y);
 #else
   (void)r;
   return x / s;
@@ -93,9 +112,13 @@ inline vf divide(vf x, vf s, vf r) {
 }
 
 inline vf vabs(vf v) { return (vf)((vu)v & MAGNITUDE_BITS); }
+// max/min as MAXPS/MINPS define them: a > b ? a : b (and a < b ? a : b), the second operand on ties and NaN.
 #if defined(__AVX512F__)
 inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
 inline vf vmin(vf a, vf b) { return (vf)_mm512_min_ps((__m512)a, (__m512)b); }
+#elif defined(QW_AVX2)
+inline vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+inline vf vmin(vf a, vf b) { return (vf)_mm256_min_ps((__m256)a, (__m256)b); }
 #else
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
@@ -108,24 +131,68 @@ inline vf max_magnitude(vf a, vf b) {
   return vmax(a, vabs(b));
 #endif
 }
-// Lanes of `count` where `where` holds, plus one (a masked add where the target has one).
+// The larger of two unsigned lanes (VPMAXUD on AVX2, which has no unsigned comparison to select with).
+inline vu umax(vu a, vu b) {
+#if defined(QW_AVX2)
+  return (vu)_mm256_max_epu32((__m256i)a, (__m256i)b);
+#else
+  return a > b ? a : b;
+#endif
+}
+// Lanes of `count` where `where` holds, plus one: a masked add where the target has mask registers, else the
+// comparison's all-ones lanes (-1) subtracted.
 template <typename Mask>
-inline vi count_if(vi count, Mask where) { return where ? count + 1 : count; }
-// A broadcast (vf{} + f would be an addition: 0 + -0 is +0, so the compiler cannot drop it).
+inline vi count_if(vi count, Mask where) {
+#if defined(QW_AVX2)
+  return count - (vi)where;
+#else
+  return where ? count + 1 : count;
+#endif
+}
+// A broadcast (vf{} + f would be an addition: 0 + -0 is +0, so the compiler cannot drop it). Spelled out: one
+// VBROADCASTSS from memory, where a broadcast of the bits went through a general register (twice the operations, and
+// NVFP4's two per vector cost 18% on AVX-512).
+#if defined(QW_AVX2)
+inline vf splat(float f) { return vf{f, f, f, f, f, f, f, f}; }
+#else
 inline vf splat(float f) { return vf{f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
+#endif
 inline vu usplat(uint32_t u) { return vu{} + u; }
 
+// The largest lane (once a thread: a loop, the same maximum as a tree of vmax).
 inline float hmax(vf v) {
-  v = vmax(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = vmax(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = vmax(v, SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  v = vmax(v, SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return v[0];
+  float m = v[0];
+  for (int j = 1; j < L; j++) m = v[j] > m ? v[j] : m;
+  return m;
 }
 
-// The largest lane of each of 16 vectors, as one vector (lane b: vector b's maximum): a transposing tree of 15
-// maxima and 30 shuffles, where 16 horizontal maxima take 64 operations and 16 scalar stores.
-inline vf maxima16(const vf* v) {
+inline uint32_t hmax_bits(vu v) {
+  uint32_t m = 0;
+  for (int j = 0; j < L; j++) m = v[j] > m ? v[j] : m;
+  return m;
+}
+
+// The largest lane of each of L vectors, as one vector (lane b: vector b's maximum): a transposing tree of L - 1
+// maxima and 2 (L - 1) shuffles, where L horizontal maxima take 4 L operations and L scalar stores.
+#if defined(QW_AVX2)
+inline vf maxima(const vf* v) {
+  // 128-bit halves swapped across (VPERM2F128), then pairs and single lanes within halves (VSHUFPS): the tree's
+  // outputs come out in the lane order 0, 2, 4, 6, 1, 3, 5, 7 of its inputs, so it reads them in the order below.
+  constexpr int order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  __m256 half[4], quarter[2];
+  for (int k = 0; k < 4; k++) {
+    __m256 a = (__m256)v[order[2 * k]], b = (__m256)v[order[2 * k + 1]];
+    half[k] = _mm256_max_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  for (int k = 0; k < 2; k++) {
+    __m256 a = half[2 * k], b = half[2 * k + 1];
+    quarter[k] = _mm256_max_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
+  }
+  return (vf)_mm256_max_ps(_mm256_shuffle_ps(quarter[0], quarter[1], 0x88),
+                           _mm256_shuffle_ps(quarter[0], quarter[1], 0xDD));
+}
+#else
+inline vf maxima(const vf* v) {  // 16 lanes
   vf half[8], quarter[4], eighth[2];
   for (int k = 0; k < 8; k++) {
     vf a = v[2 * k], b = v[2 * k + 1];
@@ -146,15 +213,19 @@ inline vf maxima16(const vf* v) {
   return vmax(SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
               SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
 }
+#endif
 
-// The float32 lanes of a run, added into float64 lanes: with AVX-512, its two halves added in float32 first (one more
-// rounding: RUN + 1 of them in a run, within (RUN + 1) · 2^-24) and converted once, where two conversions of eight
-// floats cost four of the vector ports' operations a statistic; else each half converted.
+// The float32 lanes of a run, added into float64 lanes: with AVX-512 and AVX2, its two halves added in float32 first
+// (one more rounding: RUN + 1 of them in a run, within (RUN + 1) · 2^-24) and converted once, where two conversions
+// cost four of the vector ports' operations a statistic; else each half converted.
 inline void spill(vd& total, vf run) {
   // Without taking run's address: a run whose address is taken lives in memory, loaded and stored every vector.
 #if defined(__AVX512F__)
   __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)run), 1));
   total += (vd)_mm512_cvtps_pd(_mm256_add_ps(_mm512_castps512_ps256((__m512)run), high));
+#elif defined(QW_AVX2)  // the same with 8 floats: four doubles
+  __m128 high = _mm256_extractf128_ps((__m256)run, 1);
+  total += (vd)_mm256_cvtps_pd(_mm_add_ps(_mm256_castps256_ps128((__m256)run), high));
 #elif !defined(QW_SHUFFLE_BY_MASK)
   vh low = __builtin_shufflevector(run, run, 0, 1, 2, 3, 4, 5, 6, 7);
   vh high = __builtin_shufflevector(run, run, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -169,7 +240,7 @@ inline void spill(vd& total, vf run) {
 
 inline double hsum(vd v) {
   double s = 0;
-  for (int j = 0; j < 8; j++) s += v[j];
+  for (int j = 0; j < L / 2; j++) s += v[j];
   return s;
 }
 
@@ -198,7 +269,7 @@ template <bool MAY_CLIP>
 inline vf round_magnitude(vf a, const Format& f) {
   if (MAY_CLIP) a = vmin(a, f.ceiling);
   vu e = ((vu)a & EXPONENT_BITS) + f.exponent_shift;
-  e = e > f.least_c ? e : f.least_c;
+  e = umax(e, f.least_c);
   vf c = (vf)e;
   return (a + c) - c;
 }
@@ -271,7 +342,7 @@ struct Sums {
     spill(qx, r.qx);
     spill(err2, r.err2);
     max_err = vmax(max_err, r.max_err);
-    amax_bits = r.amax_bits > amax_bits ? r.amax_bits : amax_bits;
+    amax_bits = umax(r.amax_bits, amax_bits);
     nonzero += r.nonzero;
     zeros_q += r.zeros_q;
     overflow += r.overflow;
@@ -296,8 +367,7 @@ struct Sums {
     total.sum_qx += hsum(qx);
     total.sum_err2 += hsum(err2);
     total.max_err = hmax(max_err);
-    uint32_t largest = 0;
-    for (int j = 0; j < L; j++) largest = amax_bits[j] > largest ? amax_bits[j] : largest;
+    uint32_t largest = hmax_bits(amax_bits);
     float amax;
     std::memcpy(&amax, &largest, sizeof amax);
     total.amax = amax;
@@ -321,8 +391,7 @@ __attribute__((always_inline)) inline void in_runs(Sums& totals, int64_t count, 
 // What the scan pass adds per vector: the largest bit pattern of |x| (the amax when below infinity's, which ordered
 // as unsigned integers the magnitudes of floats are; NaN and ±inf above it), Σx² and the non-zero count.
 inline void scan_vector(Run& s, vf x) {
-  vu a = (vu)x & MAGNITUDE_BITS;
-  s.amax_bits = a > s.amax_bits ? a : s.amax_bits;
+  s.amax_bits = umax((vu)x & MAGNITUDE_BITS, s.amax_bits);
   s.nonzero = count_if(s.nonzero, x != 0.0f);
   s.x2 += x * x;
 }
@@ -391,8 +460,8 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
   Sums totals = sums;
   const vf tensor_scale = splat(job.scale);
   const vf tensor_inverse = splat(1.0f / job.scale);
-  if constexpr (MODE == MX_BLOCK) {  // groups of 16 blocks: their scales as one vector
-    constexpr int per_block = PER_BLOCK;  // vectors a block: 1, 2 or 4
+  if constexpr (MODE == MX_BLOCK) {  // groups of L blocks: their scales as one vector
+    constexpr int per_block = PER_BLOCK;  // vectors a block: 1, 2 or 4 (16 lanes); 2, 4 or 8 (8 lanes)
     auto block_magnitude = [&](const float* x) {
       vf a = vabs(load_ahead(x));
       for (int k = 1; k < per_block; k++) a = vmax(a, vabs(load_ahead(x + k * L)));
@@ -408,7 +477,7 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
         for (int b = 0; b < blocks; b++) block_max[b] = block_magnitude(job.x + i + b * per_block * L);
       }
       float scales[L], inverses[L];
-      vf scale_vector = mx_scales(maxima16(block_max), job.emax);
+      vf scale_vector = mx_scales(maxima(block_max), job.emax);
       store(scales, scale_vector, false);
       store(inverses, 1.0f / scale_vector, false);  // exact: powers of two from 2^-127 to 2^127
       store_tail(job.block_scale + i / (per_block * L), scale_vector, blocks);
@@ -422,24 +491,25 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
         cast_vector(run, x, q);
       });
     }
-  } else if constexpr (MODE == NV_BLOCK) {  // blocks of 16: one vector each
-    for (int64_t i = lo; i < hi; i += L * L) {
-      int64_t blocks = (hi - i) / L < L ? (hi - i) / L : L;
-      vf amax = blocks == L ? load(job.block_in + i / L) : load_tail(job.block_in + i / L, blocks);
+  } else if constexpr (MODE == NV_BLOCK) {  // blocks of 16, NV_PER_BLOCK vectors each: L blocks at a time
+    for (int64_t i = lo; i < hi; i += 16 * L) {
+      int64_t blocks = (hi - i) / 16 < L ? (hi - i) / 16 : L;
+      vf amax = blocks == L ? load(job.block_in + i / 16) : load_tail(job.block_in + i / 16, blocks);
       vi ignored{};
       vf raw = vmin(vmax(amax / job.fmt.max_value / tensor_scale, splat(0.015625f)), splat(448.0f));
       vf block_scale = cast<false>(raw, raw, job.e4m3, ignored);
       float element[L], inverses[L];
       store(element, tensor_scale * block_scale, false);
       store(inverses, 1.0f / (tensor_scale * block_scale), false);
-      store_tail(job.block_scale + i / L, block_scale, blocks);
-      in_runs(totals, blocks, [&](Run& run, int64_t k) {
+      store_tail(job.block_scale + i / 16, block_scale, blocks);
+      in_runs(totals, blocks * NV_PER_BLOCK, [&](Run& run, int64_t k) {
         vf x = load_ahead(job.x + i + k * L);
-        vf scale = splat(element[k]);
+        int64_t b = k / NV_PER_BLOCK;
+        vf scale = splat(element[b]);
         // The block scale is the block's largest |x| over the format's maximum (in units of the tensor scale, amax /
         // 2688) rounded to E4M3, down by at most 1/17, raised to 2^-6 or lowered to 448: |x / scale| stays below
         // max(6, 1.0625 × the maximum) < 7, so c stays finite without the ceiling clamp (past the maximum: clipped).
-        vf q = cast<MAY_CLIP, false>(divide(x, scale, splat(inverses[k])), x, job.fmt, run.overflow) * scale;
+        vf q = cast<MAY_CLIP, false>(divide(x, scale, splat(inverses[b])), x, job.fmt, run.overflow) * scale;
         store(job.q + i + k * L, q, job.stream);
         cast_vector(run, x, q);
       });
@@ -482,7 +552,7 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
         });
       }
     } else if constexpr (MODE == COLUMNS) {  // the thread's range is whole rows
-      const float* inverses = job.block_in + (job.block + L - 1) / L * L;
+      const float* inverses = job.block_in + (job.block + COLUMN_PAD - 1) / COLUMN_PAD * COLUMN_PAD;
       for (int64_t i = lo; i < hi; i += job.block) {
         scaled_range(i, i + job.block, [&](int64_t j, vf& s, vf& r) {
           s = load(job.block_in + j);
@@ -506,11 +576,11 @@ void cast_any(const Job& job, int64_t lo, int64_t hi, Sums& sums) {
     case TENSOR: cast_range<TENSOR, MAY_CLIP>(job, lo, hi, sums); break;
     case MX_BLOCK:
       if (job.block == 16) {
-        cast_range<MX_BLOCK, MAY_CLIP, 1>(job, lo, hi, sums);
+        cast_range<MX_BLOCK, MAY_CLIP, 16 / L>(job, lo, hi, sums);
       } else if (job.block == 32) {
-        cast_range<MX_BLOCK, MAY_CLIP, 2>(job, lo, hi, sums);
+        cast_range<MX_BLOCK, MAY_CLIP, 32 / L>(job, lo, hi, sums);
       } else {
-        cast_range<MX_BLOCK, MAY_CLIP, 4>(job, lo, hi, sums);
+        cast_range<MX_BLOCK, MAY_CLIP, 64 / L>(job, lo, hi, sums);
       }
       break;
     case NV_BLOCK: cast_range<NV_BLOCK, MAY_CLIP>(job, lo, hi, sums); break;
@@ -543,32 +613,41 @@ void each_thread(int64_t n, int threads, double* stats, Body body, int64_t granu
 
 extern "C" {
 
+// The vector unit these kernels were built for (native.py's VECTOR_ISAS): 2 AVX-512, 1 AVX2, 0 another (16 floats
+// in registers of a narrower unit).
+int qw_vector_isa() {
+#if defined(__AVX512F__)
+  return 2;
+#elif defined(QW_AVX2)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 // Pass 1: |x|'s maximum, Σx² and the non-zero count into `stats` (10 doubles, `Partial` order: the cast fields stay
 // 0; `nonfinite` is 0, or at least 1 with NONFINITE returned); with a `block` length (n a whole number of them), each
 // block's largest |x| (its bit pattern's: NaN above infinity) into `block_amax` as well.
 int qw_scan(const float* x, int64_t n, int64_t block, float* block_amax, double* stats, int threads) {
   if (block < 0 || (block > 0 && n % block != 0)) return BAD_ARGUMENT;
-  if (block > 0 && block != L) {  // any other length (CHANNEL's segments): whole blocks to each thread
+  if (block > 0 && block != 16) {  // any other length (CHANNEL's segments): whole blocks to each thread
     each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& totals) {
       for (int64_t i = lo; i < hi; i += block) {
         vu largest{};
         int64_t whole = block / L;
         in_runs(totals, whole, [&](Run& run, int64_t k) {
           vf v = load_ahead(x + i + k * L);
-          vu a = (vu)v & MAGNITUDE_BITS;
-          largest = a > largest ? a : largest;
+          largest = umax((vu)v & MAGNITUDE_BITS, largest);
           scan_vector(run, v);
         });
         if (block > whole * L) {
           Run run;
           vf v = load_tail(x + i + whole * L, block - whole * L);
-          vu a = (vu)v & MAGNITUDE_BITS;
-          largest = a > largest ? a : largest;
+          largest = umax((vu)v & MAGNITUDE_BITS, largest);
           scan_vector(run, v);
           totals.add(run);
         }
-        uint32_t top = 0;
-        for (int j = 0; j < L; j++) top = largest[j] > top ? largest[j] : top;
+        uint32_t top = hmax_bits(largest);
         std::memcpy(block_amax + i / block, &top, sizeof top);
       }
     }, block);
@@ -576,29 +655,31 @@ int qw_scan(const float* x, int64_t n, int64_t block, float* block_amax, double*
   }
   each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& totals) {
     int64_t i = lo;
-    if (block) {  // n is a whole number of blocks of 16: one vector each, their maxima 16 at a time
-      for (; i + L * L <= hi; i += L * L) {  // 16 blocks: unrolled, their magnitudes stay in registers
+    if (block) {  // n is a whole number of blocks of 16, NV_PER_BLOCK vectors each: their maxima L at a time
+      for (; i + 16 * L <= hi; i += 16 * L) {  // L blocks, 16 vectors: unrolled, the magnitudes stay in registers
         vf magnitudes[L];
         Run first, second;
 #pragma GCC unroll 16
-        for (int b = 0; b < L; b++) {
-          vf v = load_ahead(x + i + b * L);
-          magnitudes[b] = vabs(v);
-          scan_vector(b < RUN ? first : second, v);
+        for (int k = 0; k < 16; k++) {
+          vf v = load_ahead(x + i + k * L);
+          int b = k / NV_PER_BLOCK;
+          magnitudes[b] = k % NV_PER_BLOCK ? vmax(magnitudes[b], vabs(v)) : vabs(v);
+          scan_vector(k < RUN ? first : second, v);
         }
         totals.add(first);
         totals.add(second);
-        store(block_amax + i / L, maxima16(magnitudes), false);
+        store(block_amax + i / 16, maxima(magnitudes), false);
       }
       if (i < hi) {
-        int64_t blocks = (hi - i) / L;
+        int64_t blocks = (hi - i) / 16;
         vf magnitudes[L] = {};
-        in_runs(totals, blocks, [&](Run& run, int64_t b) {
-          vf v = load(x + i + b * L);
-          magnitudes[b] = vabs(v);
+        in_runs(totals, blocks * NV_PER_BLOCK, [&](Run& run, int64_t k) {
+          vf v = load(x + i + k * L);
+          int64_t b = k / NV_PER_BLOCK;
+          magnitudes[b] = k % NV_PER_BLOCK ? vmax(magnitudes[b], vabs(v)) : vabs(v);
           scan_vector(run, v);
         });
-        store_tail(block_amax + i / L, maxima16(magnitudes), blocks);
+        store_tail(block_amax + i / 16, maxima(magnitudes), blocks);
       }
       return;
     }
@@ -617,7 +698,7 @@ int qw_scan(const float* x, int64_t n, int64_t block, float* block_amax, double*
 // of `column_amax` (`threads` rows of `columns` rounded up to whole vectors, zeroed by the caller).
 int qw_scan_columns(const float* x, int64_t n, int64_t columns, float* column_amax, double* stats, int threads) {
   if (columns < 1 || n % columns != 0) return BAD_ARGUMENT;
-  const int64_t padded = (columns + L - 1) / L * L;
+  const int64_t padded = (columns + COLUMN_PAD - 1) / COLUMN_PAD * COLUMN_PAD;
   each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& totals) {
     float* largest = column_amax + omp_get_thread_num() * padded;
     int64_t whole = columns / L, rest = columns - whole * L;
@@ -647,7 +728,7 @@ int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, in
             int64_t block, float scale, const float* block_in, float* block_scale, int may_clip, int stream,
             double* stats, int threads) {
   if ((mode == MX_BLOCK && ((block != 16 && block != 32 && block != 64) || n % block != 0)) ||
-      (mode == NV_BLOCK && (block != L || n % L != 0)) ||
+      (mode == NV_BLOCK && (block != 16 || n % 16 != 0)) ||
       ((mode == CHANNEL || mode == COLUMNS) && (block < 1 || n % block != 0)) || mode < PLAIN || mode > COLUMNS) {
     return BAD_ARGUMENT;
   }
@@ -662,7 +743,7 @@ int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, in
     } else {
       cast_any<false>(job, lo, hi, s);
     }
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(QW_AVX2)
     if (job.stream) _mm_sfence();  // each thread's streaming stores are weakly ordered: fence them before the barrier
 #endif
   }, mode == CHANNEL || mode == COLUMNS ? block : CHUNK);
@@ -673,7 +754,7 @@ int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, in
 // into `stats`, with the underflow count (x != 0 and q == 0) in place of the zeros of q, and the clipped inputs counted
 // from `overflow` (one byte per element, 0 or 1; null: none). Returns NONFINITE when some x or q is NaN or ±inf.
 int qw_stats(const float* x, const float* q, const uint8_t* overflow, int64_t n, double* stats, int threads) {
-  typedef uint8_t vb __attribute__((vector_size(16)));
+  typedef uint8_t vb __attribute__((vector_size(L)));
   each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& totals) {
     vu q_largest{};
     in_runs(totals, (hi - lo + L - 1) / L, [&](Run& run, int64_t k) {
@@ -684,8 +765,7 @@ int qw_stats(const float* x, const float* q, const uint8_t* overflow, int64_t n,
       scan_vector(run, xv);
       compare_vector(run, xv, qv);
       run.zeros_q = count_if(run.zeros_q, (xv != 0.0f) & (qv == 0.0f));
-      vu qa = (vu)qv & MAGNITUDE_BITS;
-      q_largest = qa > q_largest ? qa : q_largest;
+      q_largest = umax((vu)qv & MAGNITUDE_BITS, q_largest);
       if (overflow != nullptr) {
         vb bytes{};
         std::memcpy(&bytes, overflow + i, whole ? L : hi - i);

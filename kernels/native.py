@@ -4,9 +4,11 @@ Where the ``torch.compile`` path is bound by the instructions Inductor generates
 elements), these kernels round with one float32 addition (see ``native.cpp``), take 24-42 per 16 elements with every
 statistic, and write large outputs with streaming stores: quantize + statistics of a large float32 tensor costs
 about a read pass more than writing the output at all. The source is compiled on first use with the C++ compiler
-torch.compile uses as well (``$CXX``, else ``c++``) for this machine's CPU (``-march=native``, OpenMP), cached under
+torch.compile uses as well (``$CXX``, else ``c++``) for this machine's CPU (``-march=native``, OpenMP; another target
+with ``$QUANTWATCH_NATIVE_MARCH``, e.g. ``haswell`` for an AVX2 build on an AVX-512 host), cached under
 ``$QUANTWATCH_CACHE_DIR`` (default ``~/.cache/quantwatch``) by a hash of the source, the flags, the compiler's
-version and the CPU, and loaded with ctypes.
+version and the CPU, and loaded with ctypes. The kernels' vectors are one register of the widest unit the build
+targets (16 floats with AVX-512, 8 with AVX2: `vector_isa` says which).
 
 What it runs: contiguous float32 CPU tensors, round to nearest, float and integer element formats (FP8, FP6, FP4,
 INT8, INT4: an integer grid is a float grid whose spacing is 1 up to its maximum), scalings none, tensor, delayed,
@@ -26,6 +28,7 @@ import logging
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -37,16 +40,26 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .compiled import lane_sums_in_range
+from .backends import QuantRequest, QuantResult, raise_if_unsupported
 from .formats import FP4_E2M1, FP8_E4M3, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
-from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
+from .options import Backend, BackendUnavailableError, Rounding, Scaling, ScalingSpec
+from .partial_sums import ErrorStats, lane_sums_in_range
 from .reference import amax_to_scale, channel_dims
-from .stats import ErrorStats
 
 log = logging.getLogger(__name__)
 
+# The `backends.FastPath` protocol, implemented by this module (`unsupported_reason`, `available`, `prepare`,
+# `quantize`).
+NAME = Backend.NATIVE
+
 SOURCE = Path(__file__).with_name("native.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# The CPU the library is built for (GCC/Clang ``-march=``): argument > $QUANTWATCH_NATIVE_MARCH > "native".
+MARCH_ENV = "QUANTWATCH_NATIVE_MARCH"
+DEFAULT_MARCH = "native"
+_MARCH_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
+# What `qw_vector_isa` in native.cpp reports: the vector unit the build's kernels use.
+VECTOR_ISAS = {1: "avx2", 2: "avx512", 0: "generic"}
 BLOCK_SIZES = (16, 32, 64)
 NVBLOCK_SIZE = 16
 # Streaming stores bypass the cache: right for outputs larger than the caches, wrong for small ones read again soon.
@@ -120,19 +133,6 @@ def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: 
     if not saturate and fmt.special is not Special.NONE and _may_clip(fmt, spec, given_scale=True):
         return "non-saturating casts that can overflow"
     return None
-
-
-def supports(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: Rounding, saturate: bool) -> bool:
-    """True when the native path can run this quantization (it may still decline a tensor for its values)."""
-    return unsupported_reason(x, fmt, spec, rounding, saturate) is None
-
-
-def check_supported(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: Rounding, saturate: bool) -> None:
-    """Raise `BackendUnavailableError` naming why the native path cannot run this quantization."""
-    reason = unsupported_reason(x, fmt, spec, rounding, saturate)
-    if reason is not None:
-        raise BackendUnavailableError(f"native backend does not support {reason}")
-    library()
 
 
 def _channel_segment(x: Tensor, spec: ScalingSpec) -> int:
@@ -249,21 +249,39 @@ def _cpu_identity() -> str:
     return "\n".join([platform.machine(), platform.processor(), *facts])
 
 
-def build(directory: Path | None = None) -> Path:
-    """Compile ``native.cpp`` into ``directory`` (default `cache_dir`) unless an identical build is there; its path.
+def march(explicit: str | None = None) -> str:
+    """The ``-march`` target of the build: ``explicit``, else ``$QUANTWATCH_NATIVE_MARCH``, else ``"native"``.
+
+    Raises ``ValueError`` for a value that is not a plain target name (letters, digits, ``_.+-``, up to 64).
+    """
+    value = explicit if explicit is not None else (os.environ.get(MARCH_ENV) or DEFAULT_MARCH)
+    if not _MARCH_PATTERN.fullmatch(value):
+        raise ValueError(f"{MARCH_ENV}: {value!r} is not a -march target name (letters, digits, _.+-; up to 64)")
+    return value
+
+
+def flags(target: str | None = None) -> tuple[str, ...]:
+    """The compiler flags of a build for ``target`` (see `march`)."""
+    return tuple(f"-march={march(target)}" if flag.startswith("-march=") else flag for flag in FLAGS)
+
+
+def build(directory: Path | None = None, target: str | None = None) -> Path:
+    """Compile ``native.cpp`` for ``target`` (see `march`) into ``directory`` (default `cache_dir`) unless an
+    identical build is there; its path.
 
     Raises `BackendUnavailableError` when no compiler is found or the build fails (with the compiler's message).
     """
     compiler = _compiler()
+    build_flags = flags(target)
     digest = hashlib.sha256()
     identity = (compiler, _compiler_version(compiler), _cpu_identity())
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), *(text.encode() for text in identity)):
+    for part in (SOURCE.read_bytes(), " ".join(build_flags).encode(), *(text.encode() for text in identity)):
         digest.update(part)
         digest.update(b"\0")
     directory = directory or cache_dir()
-    target = directory / f"native-{digest.hexdigest()[:20]}.so"
-    if target.exists():
-        return target
+    library_path = directory / f"native-{digest.hexdigest()[:20]}.so"
+    if library_path.exists():
+        return library_path
     try:
         directory.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(prefix=".native-", suffix=".so", dir=directory)
@@ -272,7 +290,7 @@ def build(directory: Path | None = None) -> Path:
         raise BackendUnavailableError(f"native backend cannot write its build to {directory}: {error}") from error
     try:
         result = subprocess.run(
-            [compiler, *FLAGS, "-o", temporary, str(SOURCE)],
+            [compiler, *build_flags, "-o", temporary, str(SOURCE)],
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_SECONDS,
@@ -282,13 +300,13 @@ def build(directory: Path | None = None) -> Path:
             message = (result.stderr or result.stdout).strip()[-2000:]
             raise BackendUnavailableError(f"native backend: {compiler} failed to build {SOURCE.name}:\n{message}")
         os.chmod(temporary, 0o755 & ~_umask())  # mkstemp made it private: a shared cache serves other users too
-        os.replace(temporary, target)  # atomic: a concurrent build of the same key writes the same bytes
+        os.replace(temporary, library_path)  # atomic: a concurrent build of the same key writes the same bytes
     except (OSError, subprocess.SubprocessError) as error:
         raise BackendUnavailableError(f"native backend: running {compiler} failed: {error}") from error
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
-    return target
+    return library_path
 
 
 def _umask() -> int:
@@ -329,8 +347,8 @@ def _load() -> ctypes.CDLL | BackendUnavailableError:
 def _build_and_load() -> ctypes.CDLL | BackendUnavailableError:
     try:
         lib = ctypes.CDLL(str(build()))
-    except (BackendUnavailableError, OSError) as error:
-        reason = error if isinstance(error, BackendUnavailableError) else f"cannot load its library: {error}"
+    except (BackendUnavailableError, OSError, ValueError) as error:
+        reason = error if not isinstance(error, OSError) else f"cannot load its library: {error}"
         # Once per process: `auto` then quietly runs CPU quantizations on the compiled path or the (slow) reference.
         log.warning("quantwatch.kernels: native kernels unavailable, CPU quantization falls back: %s", reason)
         return error if isinstance(error, BackendUnavailableError) else BackendUnavailableError(str(reason))
@@ -343,6 +361,8 @@ def _build_and_load() -> ctypes.CDLL | BackendUnavailableError:
     lib.qw_cast.argtypes += [_PTR, _INT]
     lib.qw_stats.restype = _INT
     lib.qw_stats.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _INT]
+    lib.qw_vector_isa.restype = _INT
+    lib.qw_vector_isa.argtypes = []
     return lib
 
 
@@ -361,6 +381,12 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def vector_isa() -> str:
+    """The vector unit the loaded library's kernels use: ``"avx512"``, ``"avx2"`` or ``"generic"`` (16 floats in
+    registers of another unit); builds and loads it first (`BackendUnavailableError` when it cannot be had)."""
+    return VECTOR_ISAS[int(library().qw_vector_isa())]
+
+
 def available() -> bool:
     """True when the native library builds and loads on this machine (building it now if it was not)."""
     return not isinstance(_load(), BackendUnavailableError)
@@ -370,6 +396,17 @@ def loaded() -> ctypes.CDLL | None:
     """The library when an earlier call has loaded it, else None; never builds, never waits."""
     lib = _LOADED
     return lib if isinstance(lib, ctypes.CDLL) else None
+
+
+def prepare() -> None:
+    """Build (or load) the library now; `BackendUnavailableError` saying why it cannot be had."""
+    library()
+
+
+def quantize(request: QuantRequest) -> QuantResult | None:
+    """`quantize_native` (round to nearest only: ``noise`` is never needed)."""
+    r = request
+    return quantize_native(r.x, r.fmt, r.spec, r.rounding, r.saturate, r.scale, r.with_stats, r.out)
 
 
 def prepare_in_background() -> None:
@@ -388,7 +425,7 @@ def quantize_native(
     scale: Tensor | None,
     with_stats: bool,
     out: Tensor | None = None,
-) -> tuple[Tensor, ErrorStats | None, Tensor, Tensor] | None:
+) -> QuantResult | None:
     """``(values, stats or None, scale, amax)`` as `compiled.quantize_fused` returns them, or None when the tensor is
     empty or its values are outside what the kernels handle (NaN/±inf, a scaled value beyond float32, statistics
     beyond the float32 runs' range): the caller then runs another backend. ``out`` (contiguous, x's shape and dtype)
@@ -396,7 +433,7 @@ def quantize_native(
 
     Raises `BackendUnavailableError` when the quantization is unsupported or the library cannot be built.
     """
-    check_supported(x, fmt, spec, rounding, saturate)
+    raise_if_unsupported(NAME, unsupported_reason(x, fmt, spec, rounding, saturate))
     lib = library()
     if x.numel() == 0:
         return None

@@ -1,21 +1,8 @@
-"""Quantization error statistics as mergeable partial sums kept on the tensor's device.
+"""Quantization error statistics of CPU and device tensors: `stats_from_masks`, `error_stats`, `StatsBatch`.
 
-Every field is a 0-dim float64 tensor, so computing, combining and shipping statistics never waits for the device.
-Ratios and norms are derived from the sums on demand (ARCHITECTURE.md, "Formulas"):
-
-* ``rel_l2 = sqrt(Σ(q−x)² / Σx²)``: 0 when both sums are zero, +inf when only ``Σx²`` is;
-* ``cosine = Σqx / sqrt(Σq² · Σx²)``: 1 when both norms are zero, 0 when exactly one is;
-* ``sqnr_db = 10·log10(Σx² / Σ(q−x)²)`` (= 20·log10 of the norm ratio): +inf when ``q == x``, −inf when ``x`` is zero
-  and ``q`` is not;
-* ``underflow_ratio = underflow_count / nonzero_count`` and ``overflow_ratio = overflow_count / finite inputs``: 0 when
-  the denominator is 0.
-
-Which elements count: inputs that are NaN or ±inf are counted in ``nonfinite_count`` and left out of every sum and
-maximum; a finite input whose quantized value is not finite (non-saturating overflow) counts as an overflow and is
-left out of the sums. So an empty tensor gives ``numel == 0``, sums 0, ``rel_l2 == 0``, ``cosine == 1``,
-``sqnr_db == +inf`` and ratios 0 — no NaN. Sums that are NaN all the same (comparisons of tensors that hold NaN,
-such as the agent's output deviation, sum them unmasked) make ``rel_l2``, ``cosine`` and ``sqnr_db`` NaN rather than
-one of the degenerate values above.
+`ErrorStats` (the partial sums and the figures derived from them) lives in `partial_sums`; this module computes them
+for quantizations done elsewhere (the reference, `QuantLinear`, the agent's comparisons): one native pass when the
+kernels are loaded, BLAS dot products otherwise, the masked float64 computation where neither holds.
 """
 
 from __future__ import annotations
@@ -26,154 +13,24 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple, Unpack
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from . import native
 from .formats import FormatSpec, resolve_format
+from .partial_sums import ErrorStats, lane_sums_in_range, masked_float64
 
-_SUM_FIELDS = (
-    "numel",
-    "sum_x2",
-    "sum_q2",
-    "sum_qx",
-    "sum_err2",
-    "nonzero_count",
-    "underflow_count",
-    "overflow_count",
-    "nonfinite_count",
-)
-_MAX_FIELDS = ("max_abs_err", "amax")
-
-
-@dataclass(frozen=True, eq=False)
-class ErrorStats:
-    """Partial sums of one or more quantizations; see the module docstring for the derived figures.
-
-    ``max_abs_err`` is the largest ``|q − x|`` and ``amax`` the largest finite ``|x|``. Combine statistics of parts
-    (micro-batches, shards, ranks) with `combine`; never average derived ratios. Equality is identity (comparing
-    device tensors would wait for the device); compare ``to_dict()`` or ``as_tensor()`` instead.
-    """
-
-    numel: Tensor
-    sum_x2: Tensor
-    sum_q2: Tensor
-    sum_qx: Tensor
-    sum_err2: Tensor
-    max_abs_err: Tensor
-    amax: Tensor
-    nonzero_count: Tensor
-    underflow_count: Tensor
-    overflow_count: Tensor
-    nonfinite_count: Tensor
-
-    FIELDS: ClassVar[tuple[str, ...]] = (
-        "numel",
-        "sum_x2",
-        "sum_q2",
-        "sum_qx",
-        "sum_err2",
-        "max_abs_err",
-        "amax",
-        "nonzero_count",
-        "underflow_count",
-        "overflow_count",
-        "nonfinite_count",
-    )
-
-    @classmethod
-    def zeros(cls, device: torch.device | str | None = None) -> ErrorStats:
-        """Statistics of an empty tensor: the identity of `combine`."""
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        return cls(**dict.fromkeys(cls.FIELDS, zero))
-
-    def combine(self, other: ErrorStats) -> ErrorStats:
-        """Statistics of the union of both measured tensors: sums add, maxima take the larger."""
-        if not isinstance(other, ErrorStats):
-            raise TypeError(f"other must be ErrorStats, got {type(other).__name__}")
-        merged = {name: getattr(self, name) + getattr(other, name) for name in _SUM_FIELDS}
-        merged.update({name: torch.maximum(getattr(self, name), getattr(other, name)) for name in _MAX_FIELDS})
-        return ErrorStats(**merged)
-
-    def as_tensor(self) -> Tensor:
-        """The partial sums as one 1-D float64 tensor in the order of `FIELDS` (for all-reduce or stacking)."""
-        return torch.stack([getattr(self, name) for name in self.FIELDS])
-
-    @classmethod
-    def from_tensor(cls, t: Tensor) -> ErrorStats:
-        """Inverse of `as_tensor`; ``t`` must be 1-D with ``len(FIELDS)`` entries."""
-        if not isinstance(t, Tensor):
-            raise TypeError(f"t must be a Tensor, got {type(t).__name__}")
-        if t.shape != (len(cls.FIELDS),):
-            raise ValueError(
-                f"t must have shape ({len(cls.FIELDS)},) in the order of ErrorStats.FIELDS, got {tuple(t.shape)}"
-            )
-        t = t.to(torch.float64)
-        return cls(**{name: t[i] for i, name in enumerate(cls.FIELDS)})
-
-    @property
-    def rel_l2(self) -> Tensor:
-        """‖q − x‖₂ / ‖x‖₂ (0 when both are zero, +inf when only x is)."""
-        ratio = torch.sqrt(self.sum_err2 / torch.where(self.sum_x2 > 0, self.sum_x2, 1.0))
-        degenerate = torch.where(self.sum_err2 > 0, torch.inf, 0.0).to(torch.float64)
-        return _nan_if_any(torch.where(self.sum_x2 > 0, ratio, degenerate), self.sum_x2, self.sum_err2)
-
-    @property
-    def cosine(self) -> Tensor:
-        """⟨q, x⟩ / (‖q‖₂‖x‖₂), clamped to [−1, 1] (1 when both norms are zero, 0 when exactly one is)."""
-        denominator = torch.sqrt(self.sum_q2 * self.sum_x2)
-        value = (self.sum_qx / torch.where(denominator > 0, denominator, 1.0)).clamp(-1.0, 1.0)
-        both_zero = (self.sum_q2 == 0) & (self.sum_x2 == 0)
-        degenerate = torch.where(both_zero, 1.0, 0.0).to(torch.float64)
-        return _nan_if_any(torch.where(denominator > 0, value, degenerate), self.sum_qx, self.sum_q2, self.sum_x2)
-
-    @property
-    def sqnr_db(self) -> Tensor:
-        """20·log10(‖x‖₂ / ‖x − q‖₂) in dB (+inf when q equals x, −inf when x is zero and q is not)."""
-        value = 10.0 * torch.log10(
-            torch.where(self.sum_x2 > 0, self.sum_x2, 1.0) / torch.where(self.sum_err2 > 0, self.sum_err2, 1.0)
-        )
-        value = torch.where(self.sum_x2 > 0, value, -torch.inf)
-        return _nan_if_any(torch.where(self.sum_err2 > 0, value, torch.inf), self.sum_x2, self.sum_err2)
-
-    @property
-    def max_abs(self) -> Tensor:
-        """The largest absolute error max|q − x| (alias of ``max_abs_err``)."""
-        return self.max_abs_err
-
-    @property
-    def underflow_ratio(self) -> Tensor:
-        """Share of non-zero finite inputs that quantized to zero."""
-        return self.underflow_count / torch.where(self.nonzero_count > 0, self.nonzero_count, 1.0)
-
-    @property
-    def overflow_ratio(self) -> Tensor:
-        """Share of finite inputs clipped at (or overflowing past) the format's maximum."""
-        finite = self.numel - self.nonfinite_count
-        return self.overflow_count / torch.where(finite > 0, finite, 1.0)
-
-    def to_dict(self) -> dict[str, float]:
-        """Every partial sum and derived figure as Python floats (this waits for the device)."""
-        values = torch.cat(
-            [
-                self.as_tensor(),
-                torch.stack(
-                    [self.rel_l2, self.cosine, self.sqnr_db, self.max_abs, self.underflow_ratio, self.overflow_ratio]
-                ),
-            ]
-        ).tolist()
-        names = [*self.FIELDS, "rel_l2", "cosine", "sqnr_db", "max_abs", "underflow_ratio", "overflow_ratio"]
-        return dict(zip(names, values, strict=True))
-
-
-def _nan_if_any(value: Tensor, *sums: Tensor) -> Tensor:
-    """``value``, or NaN where any of ``sums`` is NaN (the degenerate cases would otherwise read a NaN as zero)."""
-    nan = torch.isnan(sums[0])
-    for extra in sums[1:]:
-        nan = nan | torch.isnan(extra)
-    return torch.where(nan, torch.nan, value)
+__all__ = [
+    "ErrorStats",
+    "FlushResult",
+    "StatsBatch",
+    "comparison_fields",
+    "error_stats",
+    "stats_from_masks",
+]
 
 
 def _check_pair(x: Tensor, q: Tensor) -> None:
@@ -293,17 +150,9 @@ class StatsBatch:
         except IndexError:
             return _blank_rows(1)[0]
 
-    def _defer(
-        self,
-        x: Tensor,
-        q: Tensor,
-        overflow_mask: Tensor | None,
-        underflow_mask: Tensor | None,
-        nonzero_mask: Tensor | None,
-        amax: Tensor | None,
-    ) -> ErrorStats:
+    def _defer(self, *args: Unpack[_StatsArgs]) -> ErrorStats:
         row = self._row()
-        self._pending.append(_Deferred((x, q, overflow_mask, underflow_mask, nonzero_mask, amax), row))
+        self._pending.append(_Deferred(args, row))
         return row.stats
 
 
@@ -400,19 +249,10 @@ class _Deferred:
 # the working dtype, the rows' partial sums then added in float64. Few, cheap calls: a small tensor is bound by the
 # fixed cost of each call, not by its passes.
 _CHUNK = 512
-_MAX_MAGNITUDE = 2.0**40
-_MIN_SUM_PER_ELEMENT = 2.0**-100
 
 
-def _chunked_stats(
-    x: Tensor,
-    q: Tensor,
-    overflow_mask: Tensor | None,
-    underflow_mask: Tensor | None,
-    nonzero_mask: Tensor | None,
-    amax: Tensor | None,
-) -> ErrorStats | None:
-    fields = _host_fields(x, q, overflow_mask, underflow_mask, nonzero_mask, amax)
+def _chunked_stats(*args: Unpack[_StatsArgs]) -> ErrorStats | None:
+    fields = _host_fields(*args)
     if fields is None:
         return None
     # array → tensor shares the buffer: microseconds less than torch.tensor(list).
@@ -432,8 +272,6 @@ def _host_fields(
     Float32 tensors take one pass of the native kernels when an earlier call loaded them (`native.loaded`), their
     float32 runs holding the same 1e-6 (tests/kernels/test_native.py); NumPy's passes otherwise.
     """
-    from . import native  # native imports this module
-
     if _native_applies(x, q, overflow_mask, native.loaded() is not None):
         fields = native.stats_fields(x, q, overflow_mask)
         if fields is not None:
@@ -446,14 +284,7 @@ def _host_fields(
         max_err = max(-float(err.min()), float(err.max()))
         x2, q2, qx, err2 = _dot_sums(((xn, xn), (qn, qn), (qn, xn), (err, err)), n)
     x_amax = amax.item() if amax is not None else max(-float(xn.min()), float(xn.max()))
-    least = n * _MIN_SUM_PER_ELEMENT
-    in_range = (
-        max_err <= _MAX_MAGNITUDE  # False for NaN: q − x is NaN or ±inf wherever x or q is not finite
-        and x_amax <= _MAX_MAGNITUDE
-        and (x2 >= least or x_amax == 0)
-        and (err2 >= least or max_err == 0)
-        and (q2 >= least or max_err == x_amax == 0)  # q == x + (q − x)
-    )
+    in_range = lane_sums_in_range((float(n), x2, q2, qx, err2, max_err, x_amax))
     if not in_range:
         return None
     nonzero = np.count_nonzero(xn if nonzero_mask is None else nonzero_mask.numpy())
@@ -494,8 +325,6 @@ def comparison_fields(x: Tensor, q: Tensor, *, error: bool = True) -> tuple[floa
     # Few calls: the agent compares 32 tensors per step between passes that leave its code and data cold, where each
     # call costs several times what it costs in a loop. Float32 tensors take one pass of the native kernels when an
     # earlier call loaded them (every sum, in float32 runs added in float64); four or five NumPy passes otherwise.
-    from . import native  # native imports this module
-
     if _native_applies(x, q, None, native.loaded() is not None):
         fields = native.stats_fields(x, q, None)
         if fields is not None:
@@ -535,12 +364,7 @@ def _dot_sums(pairs: tuple[tuple[np.ndarray, np.ndarray], ...], n: int) -> list[
 def _masked_stats(
     x: Tensor, q: Tensor, overflow_mask: Tensor | None, underflow_mask: Tensor | None = None
 ) -> ErrorStats:
-    finite_x = torch.isfinite(x)
-    finite_q = torch.isfinite(q)
-    valid = finite_x & finite_q
-    xv = torch.where(valid, x, 0).to(torch.float64)
-    qv = torch.where(valid, q, 0).to(torch.float64)
-    err = qv - xv
+    finite_x, finite_q, xv, qv, err = masked_float64(x, q)
     nonzero = finite_x & (x != 0)
     overflow = finite_x & ~finite_q
     if overflow_mask is not None:

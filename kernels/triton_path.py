@@ -17,11 +17,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .compiled import element_unsupported_reason
+from .backends import QuantRequest, QuantResult, raise_if_unsupported
+from .casts import element_unsupported_reason
 from .formats import FP4_E2M1, FP8_E4M3, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
-from .options import BackendUnavailableError, Rounding, Scaling, ScalingSpec
+from .options import Backend, Rounding, Scaling, ScalingSpec
+from .partial_sums import ErrorStats
 from .reference import amax_to_scale, finite_amax, from_blocks, to_blocks
-from .stats import ErrorStats
+
+# The `backends.FastPath` protocol, implemented by this module.
+NAME = Backend.TRITON
 
 _SPECIAL_CODES = {Special.NONE: 0, Special.IEEE: 1, Special.FN: 2, Special.NAN_ONLY: 2}
 _STAT_COUNT = len(ErrorStats.FIELDS)
@@ -41,8 +45,8 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> str | None:
-    """Why the Triton path cannot run this quantization, or None when it can."""
+def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: Rounding, saturate: bool) -> str | None:
+    """Why the Triton path cannot run this quantization, or None when it can (every rounding and saturation)."""
     if not triton_installed():
         return "this environment (triton is not installed)"
     if not (x.is_cuda or (interpreting() and x.device.type == "cpu")):
@@ -55,16 +59,18 @@ def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> str | N
     return None
 
 
-def supports(x: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> bool:
-    """True when the Triton path can run this quantization."""
-    return unsupported_reason(x, fmt, spec) is None
+def available() -> bool:
+    """True when Triton is installed (whether it compiles for this GPU shows when a kernel first runs)."""
+    return triton_installed()
 
 
-def check_supported(x: Tensor, fmt: FormatSpec, spec: ScalingSpec) -> None:
-    """Raise `BackendUnavailableError` naming why the Triton path cannot run this quantization."""
-    reason = unsupported_reason(x, fmt, spec)
-    if reason is not None:
-        raise BackendUnavailableError(f"triton backend does not support {reason}")
+def prepare() -> None:
+    """Nothing to prepare: Triton compiles each kernel on its first launch."""
+
+
+def quantize(request: QuantRequest) -> QuantResult:
+    """`quantize_fused` (``out`` is the caller's to fill)."""
+    return quantize_fused(request)
 
 
 def _kernels() -> Any:
@@ -92,22 +98,15 @@ def _reduce_partials(partial: Tensor, numel: int) -> Tensor:
     return totals
 
 
-def quantize_fused(
-    x: Tensor,
-    fmt: FormatSpec,
-    spec: ScalingSpec,
-    rounding: Rounding,
-    saturate: bool,
-    noise: Tensor | None,
-    scale: Tensor | None,
-    with_stats: bool,
-) -> tuple[Tensor, ErrorStats | None, Tensor, Tensor]:
+def quantize_fused(request: QuantRequest) -> QuantResult:
     """Run the Triton fused quantization: ``(values, stats or None, scale, amax)``.
 
     Raises `BackendUnavailableError` when Triton is missing, the tensor is not on CUDA (or CPU under the
     interpreter), or the quantization is unsupported (channel scaling, e8m0 elements, float64).
     """
-    check_supported(x, fmt, spec)
+    x, fmt, spec, rounding, saturate = request.x, request.fmt, request.spec, request.rounding, request.saturate
+    noise, scale, with_stats = request.noise, request.scale, request.with_stats
+    raise_if_unsupported(NAME, unsupported_reason(x, fmt, spec, rounding, saturate))
     kernels = _kernels()
     stochastic = rounding is Rounding.STOCHASTIC
     constants = _format_constants(fmt, saturate, stochastic)

@@ -18,7 +18,8 @@ import torch
 
 from quantwatch.kernels import FORMATS, ErrorStats, quantize
 from quantwatch.kernels import compiled as compiled_module
-from quantwatch.kernels.compiled import LANE_WIDTH, cast_nearest, cast_saturating
+from quantwatch.kernels.casts import cast_nearest, cast_saturating
+from quantwatch.kernels.compiled import LANE_WIDTH
 from quantwatch.kernels.formats import FormatSpec, Kind
 from quantwatch.kernels.options import Scaling, ScalingSpec
 from quantwatch.kernels.reference import cast_with_overflow

@@ -2,14 +2,21 @@
 
 `native.quantize_native` is called directly where a test must know the kernels ran (it returns None when it
 declines a tensor); `quantize(backend="native")` where the fallback for declined tensors is what is checked.
+
+Every test runs against two builds of the kernels, each where this CPU can execute it: AVX2 (``-march=haswell``: 8
+floats a vector, ymm registers) and AVX-512 (``-march=x86-64-v4``: 16 floats, zmm registers); each build is checked
+to run its own vector code (`native.vector_isa`), so neither falls back to the other or to the reference unseen.
+test_native_builds.py compiles both on any x86-64 host and checks what vector code each holds.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +43,49 @@ FLOAT_FORMATS = [name for name, spec in FORMATS.items() if spec.kind is Kind.FLO
 ELEMENT_FORMATS = [name for name, spec in FORMATS.items() if spec.kind in (Kind.FLOAT, Kind.INT)]
 
 
-@pytest.fixture(autouse=True)
-def _needs_native() -> None:
-    if not native.available():
-        # The dev machines and CI have a C++ compiler (torch.compile needs one too); say why if this one has not.
-        pytest.fail(f"native backend unavailable: {native._load()}")
+# The vector unit of each build and the -march target that builds it; the CPU flags it needs to run.
+BUILDS = {"avx2": "haswell", "avx512": "x86-64-v4"}
+CPU_FLAGS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512cd"}}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":")[1].split()}
+
+
+@pytest.fixture(scope="module")
+def libraries() -> dict[str, ctypes.CDLL]:
+    """Each build, loaded once for the module."""
+    return {}
+
+
+@pytest.fixture(autouse=True, params=list(BUILDS))
+def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, libraries: dict[str, ctypes.CDLL]) -> str:
+    """The build this test runs against (its vector unit): loaded in `native`, and named by
+    ``$QUANTWATCH_NATIVE_MARCH`` for whatever the test builds or loads itself."""
+    isa: str = request.param
+    if not CPU_FLAGS[isa] <= cpu_flags():
+        pytest.skip(f"this CPU cannot execute {isa} code (test_native_builds.py checks the build all the same)")
+    monkeypatch.setenv(native.MARCH_ENV, BUILDS[isa])
+    if isa not in libraries:
+        native.reset()
+        if not native.available():
+            # The dev machines and CI have a C++ compiler (torch.compile needs one too); say why if this one has not.
+            pytest.fail(f"native backend unavailable: {native._load()}")
+        libraries[isa] = native.library()
+    monkeypatch.setattr(native, "_LOADED", libraries[isa])
+    assert native.vector_isa() == isa  # the kernels of this build run, not another's
+    return isa
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _default_build_afterwards() -> Iterator[None]:
+    yield
+    native.reset()  # the modules after this one load the default build again
 
 
 def run_native(x: torch.Tensor, fmt: str, scaling: str | None, saturate: bool = True, scale: Any = None) -> Any:

@@ -1,0 +1,209 @@
+"""Error statistics as mergeable partial sums (`ErrorStats`), and the range in which float32 runs of them hold.
+
+Every field is a 0-dim float64 tensor, so computing, combining and shipping statistics never waits for the device.
+Ratios and norms are derived from the sums on demand (ARCHITECTURE.md, "Formulas"):
+
+* ``rel_l2 = sqrt(Σ(q−x)² / Σx²)``: 0 when both sums are zero, +inf when only ``Σx²`` is;
+* ``cosine = Σqx / sqrt(Σq² · Σx²)``: 1 when both norms are zero, 0 when exactly one is;
+* ``sqnr_db = 10·log10(Σx² / Σ(q−x)²)`` (= 20·log10 of the norm ratio): +inf when ``q == x``, −inf when ``x`` is zero
+  and ``q`` is not;
+* ``underflow_ratio = underflow_count / nonzero_count`` and ``overflow_ratio = overflow_count / finite inputs``: 0 when
+  the denominator is 0.
+
+Which elements count: inputs that are NaN or ±inf are counted in ``nonfinite_count`` and left out of every sum and
+maximum; a finite input whose quantized value is not finite (non-saturating overflow) counts as an overflow and is
+left out of the sums. So an empty tensor gives ``numel == 0``, sums 0, ``rel_l2 == 0``, ``cosine == 1``,
+``sqnr_db == +inf`` and ratios 0 — no NaN. Sums that are NaN all the same (comparisons of tensors that hold NaN,
+such as the agent's output deviation, sum them unmasked) make ``rel_l2``, ``cosine`` and ``sqnr_db`` NaN rather than
+one of the degenerate values above.
+
+
+A leaf below every backend: the reference's statistics (`stats`), the fused paths and the native kernels all build
+their results here, so none of them imports another to do so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+_SUM_FIELDS = (
+    "numel",
+    "sum_x2",
+    "sum_q2",
+    "sum_qx",
+    "sum_err2",
+    "nonzero_count",
+    "underflow_count",
+    "overflow_count",
+    "nonfinite_count",
+)
+_MAX_FIELDS = ("max_abs_err", "amax")
+
+
+@dataclass(frozen=True, eq=False)
+class ErrorStats:
+    """Partial sums of one or more quantizations; see the module docstring for the derived figures.
+
+    ``max_abs_err`` is the largest ``|q − x|`` and ``amax`` the largest finite ``|x|``. Combine statistics of parts
+    (micro-batches, shards, ranks) with `combine`; never average derived ratios. Equality is identity (comparing
+    device tensors would wait for the device); compare ``to_dict()`` or ``as_tensor()`` instead.
+    """
+
+    numel: Tensor
+    sum_x2: Tensor
+    sum_q2: Tensor
+    sum_qx: Tensor
+    sum_err2: Tensor
+    max_abs_err: Tensor
+    amax: Tensor
+    nonzero_count: Tensor
+    underflow_count: Tensor
+    overflow_count: Tensor
+    nonfinite_count: Tensor
+
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "numel",
+        "sum_x2",
+        "sum_q2",
+        "sum_qx",
+        "sum_err2",
+        "max_abs_err",
+        "amax",
+        "nonzero_count",
+        "underflow_count",
+        "overflow_count",
+        "nonfinite_count",
+    )
+
+    @classmethod
+    def zeros(cls, device: torch.device | str | None = None) -> ErrorStats:
+        """Statistics of an empty tensor: the identity of `combine`."""
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return cls(**dict.fromkeys(cls.FIELDS, zero))
+
+    def combine(self, other: ErrorStats) -> ErrorStats:
+        """Statistics of the union of both measured tensors: sums add, maxima take the larger."""
+        if not isinstance(other, ErrorStats):
+            raise TypeError(f"other must be ErrorStats, got {type(other).__name__}")
+        merged = {name: getattr(self, name) + getattr(other, name) for name in _SUM_FIELDS}
+        merged.update({name: torch.maximum(getattr(self, name), getattr(other, name)) for name in _MAX_FIELDS})
+        return ErrorStats(**merged)
+
+    def as_tensor(self) -> Tensor:
+        """The partial sums as one 1-D float64 tensor in the order of `FIELDS` (for all-reduce or stacking)."""
+        return torch.stack([getattr(self, name) for name in self.FIELDS])
+
+    @classmethod
+    def from_tensor(cls, t: Tensor) -> ErrorStats:
+        """Inverse of `as_tensor`; ``t`` must be 1-D with ``len(FIELDS)`` entries."""
+        if not isinstance(t, Tensor):
+            raise TypeError(f"t must be a Tensor, got {type(t).__name__}")
+        if t.shape != (len(cls.FIELDS),):
+            raise ValueError(
+                f"t must have shape ({len(cls.FIELDS)},) in the order of ErrorStats.FIELDS, got {tuple(t.shape)}"
+            )
+        t = t.to(torch.float64)
+        return cls(**{name: t[i] for i, name in enumerate(cls.FIELDS)})
+
+    @property
+    def rel_l2(self) -> Tensor:
+        """‖q − x‖₂ / ‖x‖₂ (0 when both are zero, +inf when only x is)."""
+        ratio = torch.sqrt(self.sum_err2 / torch.where(self.sum_x2 > 0, self.sum_x2, 1.0))
+        degenerate = torch.where(self.sum_err2 > 0, torch.inf, 0.0).to(torch.float64)
+        return _nan_if_any(torch.where(self.sum_x2 > 0, ratio, degenerate), self.sum_x2, self.sum_err2)
+
+    @property
+    def cosine(self) -> Tensor:
+        """⟨q, x⟩ / (‖q‖₂‖x‖₂), clamped to [−1, 1] (1 when both norms are zero, 0 when exactly one is)."""
+        denominator = torch.sqrt(self.sum_q2 * self.sum_x2)
+        value = (self.sum_qx / torch.where(denominator > 0, denominator, 1.0)).clamp(-1.0, 1.0)
+        both_zero = (self.sum_q2 == 0) & (self.sum_x2 == 0)
+        degenerate = torch.where(both_zero, 1.0, 0.0).to(torch.float64)
+        return _nan_if_any(torch.where(denominator > 0, value, degenerate), self.sum_qx, self.sum_q2, self.sum_x2)
+
+    @property
+    def sqnr_db(self) -> Tensor:
+        """20·log10(‖x‖₂ / ‖x − q‖₂) in dB (+inf when q equals x, −inf when x is zero and q is not)."""
+        value = 10.0 * torch.log10(
+            torch.where(self.sum_x2 > 0, self.sum_x2, 1.0) / torch.where(self.sum_err2 > 0, self.sum_err2, 1.0)
+        )
+        value = torch.where(self.sum_x2 > 0, value, -torch.inf)
+        return _nan_if_any(torch.where(self.sum_err2 > 0, value, torch.inf), self.sum_x2, self.sum_err2)
+
+    @property
+    def max_abs(self) -> Tensor:
+        """The largest absolute error max|q − x| (alias of ``max_abs_err``)."""
+        return self.max_abs_err
+
+    @property
+    def underflow_ratio(self) -> Tensor:
+        """Share of non-zero finite inputs that quantized to zero."""
+        return self.underflow_count / torch.where(self.nonzero_count > 0, self.nonzero_count, 1.0)
+
+    @property
+    def overflow_ratio(self) -> Tensor:
+        """Share of finite inputs clipped at (or overflowing past) the format's maximum."""
+        finite = self.numel - self.nonfinite_count
+        return self.overflow_count / torch.where(finite > 0, finite, 1.0)
+
+    def to_dict(self) -> dict[str, float]:
+        """Every partial sum and derived figure as Python floats (this waits for the device)."""
+        values = torch.cat(
+            [
+                self.as_tensor(),
+                torch.stack(
+                    [self.rel_l2, self.cosine, self.sqnr_db, self.max_abs, self.underflow_ratio, self.overflow_ratio]
+                ),
+            ]
+        ).tolist()
+        names = [*self.FIELDS, "rel_l2", "cosine", "sqnr_db", "max_abs", "underflow_ratio", "overflow_ratio"]
+        return dict(zip(names, values, strict=True))
+
+
+def _nan_if_any(value: Tensor, *sums: Tensor) -> Tensor:
+    """``value``, or NaN where any of ``sums`` is NaN (the degenerate cases would otherwise read a NaN as zero)."""
+    nan = torch.isnan(sums[0])
+    for extra in sums[1:]:
+        nan = nan | torch.isnan(extra)
+    return torch.where(nan, torch.nan, value)
+
+
+# Fast statistics sum float32 products over short runs and those runs' sums in float64: each run within its length ·
+# 2^-24 of its exact value (1e-6 for runs of up to 8 products, or 512 in BLAS dot products), while no float32 product
+# overflows or loses much of a sum to underflow, which `lane_sums_in_range` checks on the results.
+LANE_MAX_MAGNITUDE = 2.0**40
+LANE_MIN_SUM_PER_ELEMENT = 2.0**-100
+
+
+def lane_sums_in_range(stats: list[float] | tuple[float, ...]) -> bool:
+    """Whether float32 runs of products hold 1e-6 for these statistics (a sequence in `ErrorStats.FIELDS` order).
+
+    No product may overflow (|x|, |q − x| ≤ 2^40, so |q| ≤ 2^41 and eight squares stay below 2^85), and each of Σx²,
+    Σq², Σ(q−x)² is zero by construction or at least numel · 2^-100, so products lost to float32 underflow (under
+    2^-149 each) cost at most 2^-49 of it. NaN and ±inf fail every comparison or the magnitude bound. This also
+    excludes the subnormal scales (amax below max · 2^-126) under which a scale taken from the amax could clip.
+    """
+    numel, sum_x2, sum_q2, _, sum_err2, max_err, amax = stats[:7]
+    least = numel * LANE_MIN_SUM_PER_ELEMENT
+    return (
+        max_err <= LANE_MAX_MAGNITUDE  # False for NaN: q − x is NaN or ±inf wherever x or q is not finite
+        and amax <= LANE_MAX_MAGNITUDE
+        and (sum_x2 >= least or amax == 0)
+        and (sum_err2 >= least or max_err == 0)
+        and (sum_q2 >= least or max_err == amax == 0)  # q == x + (q − x)
+    )
+
+
+def masked_float64(x: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(finite_x, finite_q, xv, qv, err)``: the finiteness masks, and x, q and q − x in float64 with every element
+    where either is NaN or ±inf zeroed (what the exact, masked statistics sum)."""
+    finite_x = torch.isfinite(x)
+    finite_q = torch.isfinite(q)
+    valid = finite_x & finite_q
+    xv = torch.where(valid, x, 0).to(torch.float64)
+    qv = torch.where(valid, q, 0).to(torch.float64)
+    return finite_x, finite_q, xv, qv, qv - xv
