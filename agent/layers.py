@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from quantwatch.agent.failures import FailureLog
+from quantwatch.agent.wrappers import shards_after_forward
 from quantwatch.kernels import ErrorStats, StatsBatch, error_stats
 from quantwatch.kernels.stats import comparison_fields
 
@@ -288,7 +289,13 @@ class _ShadowedModuleAdapter(LayerAdapter):
         """Hook the module's forward when the output or update kinds are needed."""
         super().arm(kinds)
         if KIND_OUTPUT in kinds or KIND_UPDATE in kinds:
-            self._handles.append(self.module.register_forward_hook(self._on_forward))
+            # Under FSDP2 (fully_shard on this very module) first among its forward hooks: FSDP's post-forward hook
+            # reshards the weight to a DTensor shard; before it, `module.weight` is still the unsharded weight the
+            # forward used, which the reference then uses too (and whose local gradient the update comparison
+            # hooks, before the reduce-scatter).  Otherwise last, after hooks that are part of the layer's output
+            # (eager QAT's activation fake quantization is a forward hook).
+            prepend = shards_after_forward(self.module)
+            self._handles.append(self.module.register_forward_hook(self._on_forward, prepend=prepend))
 
     def end_step(self) -> None:
         """Forget half-finished gradient pairs."""

@@ -54,6 +54,7 @@ from quantwatch.agent.sampling import LAYER_METRICS, Schedule
 from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel
 from quantwatch.agent.spool import DiskSpool
 from quantwatch.agent.wire import RUN_NAME_PATTERN, Encoding, StepRecord
+from quantwatch.agent.wrappers import CompiledRegions, named_modules, unwrap
 from quantwatch.kernels import ErrorStats
 from quantwatch.kernels import native as native_kernels
 
@@ -214,7 +215,8 @@ def _make_exporter(
 
 
 def _find_layers(model: nn.Module, layers: str | Sequence[str] | None) -> dict[str, nn.Module]:
-    candidates = {name: m for name, m in model.named_modules() if name and is_monitorable(m)}
+    # Named as in the bare model: without the `module.` of DDP, the `_orig_mod.` of torch.compile, etc.
+    candidates = {name: m for name, m in named_modules(model) if name and is_monitorable(m)}
     if layers is None:
         return candidates
     patterns = [layers] if isinstance(layers, str) else list(layers)
@@ -267,6 +269,7 @@ class Monitor:
         self._model = model
         self._deferred = DeferredStatistics(failures, self._clock)
         self._model_hook: RemovableHandle | None = None
+        self._compiled = CompiledRegions(model)  # run eagerly while hooked: the agent never makes Dynamo recompile
         self._optimizer_hook: RemovableHandle | None = None
         self._adapters: list[LayerAdapter] = []
         for name, module in modules.items():
@@ -404,6 +407,7 @@ class Monitor:
         if not metrics:
             return
         self._armed = metrics
+        self._compiled.run_eager()
         kinds = self._kinds(metrics)
         with self._lock:
             for adapter in self._adapters:
@@ -420,6 +424,7 @@ class Monitor:
 
     def _disarm(self, adapters: list[LayerAdapter]) -> None:
         """Remove every hook; compute the deferred statistics of the step."""
+        self._compiled.run_compiled()
         if self._model_hook is not None:
             self._model_hook.remove()
             self._model_hook = None
@@ -693,7 +698,7 @@ def attach(
     shadow_model = None
     if reporting:
         if shadow == "model" and shadow_optimizer is not None:
-            shadow_model = ShadowModel(model, modules, shadow_optimizer)
+            shadow_model = ShadowModel(unwrap(model), modules, shadow_optimizer)
         chosen = _make_exporter(
             url,
             exporter,

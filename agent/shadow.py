@@ -28,8 +28,10 @@ class ShadowModel:
     def __init__(self, model: nn.Module, monitored: Iterable[str], optimizer_factory: OptimizerFactory) -> None:
         from torch.ao.quantization import disable_fake_quant, disable_observer
 
+        from quantwatch.agent.wrappers import named_modules
+
         self.model = copy.deepcopy(model)
-        modules = dict(self.model.named_modules())
+        modules = dict(named_modules(self.model))  # the monitored layers' names, as the monitor gives them
         for name in monitored:
             module = modules[name]
             reference_forward = getattr(module, "reference_forward", None)
