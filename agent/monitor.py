@@ -51,7 +51,7 @@ from quantwatch.agent.layers import (
     is_monitorable,
 )
 from quantwatch.agent.sampling import LAYER_METRICS, Schedule
-from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel
+from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel, ShadowOptions
 from quantwatch.agent.spool import DiskSpool
 from quantwatch.agent.wire import RUN_NAME_PATTERN, Encoding, StepRecord
 from quantwatch.agent.wrappers import CompiledRegions, named_modules, unwrap
@@ -68,6 +68,11 @@ DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
 #: Measured by default; ``weight_drift_rel_l2`` joins them with ``shadow="model"``.
 DEFAULT_METRICS: tuple[str, ...] = tuple(m for m in LAYER_METRICS if m != "weight_drift_rel_l2")
 
+# The metrics a kind's estimate (shadow_rows) makes estimated.
+_ESTIMATED_METRICS: dict[int, tuple[str, ...]] = {
+    KIND_OUTPUT: ("output_rel_l2", "output_cosine", "output_sqnr_db"),
+    KIND_UPDATE: ("update_cosine",),
+}
 # Which measurements each metric needs on a sampled step.
 _METRIC_KINDS: dict[str, frozenset[int]] = {
     "weight_rel_l2": frozenset({KIND_WEIGHT}),
@@ -255,6 +260,7 @@ class Monitor:
         shadow: ShadowModel | None,
         tokens_per_step: float | None,
         failures: FailureLog,
+        shadow_options: ShadowOptions | None = None,
     ) -> None:
         self.run = run
         self.rank = rank
@@ -277,6 +283,8 @@ class Monitor:
                 self._adapters.append(ModuleAdapter(name, module, failures, self._clock, self._deferred))
             else:
                 self._adapters.append(QatAdapter(name, module, failures, self._clock, self._deferred))
+        for index, adapter in enumerate(self._adapters):
+            adapter.configure(shadow_options or ShadowOptions(), index)
         first_param = next(model.parameters(), None)
         self._device = first_param.device if first_param is not None else torch.device("cpu")
         if reporting and self._device.type == "cpu":
@@ -494,8 +502,10 @@ class Monitor:
         rows: list[Tensor] = []
         present: list[list[bool]] = []
         scales: list[Tensor] = []
+        estimated_kinds: set[int] = set()
         device, nan_row, with_scale = self._device, self._nan_row, "scale" in armed
         for adapter in adapters:
+            estimated_kinds |= adapter.take_estimated()
             taken = adapter.take()
             present.append([s is not None for s in taken])
             for stats in taken:
@@ -548,6 +558,7 @@ class Monitor:
         layers = tuple(a.name for a in adapters)
         wall_time = time.time()
         metric_names = [m for m in LAYER_METRICS if m in armed]
+        estimated = frozenset(m for k in estimated_kinds for m in _ESTIMATED_METRICS.get(k, ()) if m in armed)
 
         def resolve() -> StepRecord:
             values = reader.read()
@@ -556,7 +567,7 @@ class Monitor:
             metrics = _derive(np.concatenate([sums, scales[:, None]], axis=1), present, metric_names)
             scalars = dict(host_scalars)
             scalars.update(zip(tensor_names, values[n * _ROW :].tolist(), strict=True))
-            return StepRecord(step, wall_time, metrics, scalars)
+            return StepRecord(step, wall_time, metrics, scalars, estimated & metrics.keys())
 
         if self._engine is not None:
             self._engine.submit(PendingStep(layers, resolve))
@@ -652,6 +663,8 @@ def attach(
     ranks: Literal["all", "first"] | Iterable[int] = "all",
     shadow: Literal["layer", "model"] = "layer",
     shadow_optimizer: OptimizerFactory | None = None,
+    shadow_rows: float | None = None,
+    reference_dtype: Literal["float32", "bfloat16"] = "float32",
     tokens_per_step: float | None = None,
     exporter: Exporter | None = None,
     encoding: Encoding = "msgpack",
@@ -673,6 +686,10 @@ def attach(
     ``file:///path.jsonl`` for a JSON-lines file; env ``QUANTWATCH_URL``, default ``http://127.0.0.1:8000``) or to a
     given ``exporter``.  ``rank`` defaults to ``torch.distributed``'s (or env ``RANK``); ``ranks`` picks which ranks
     report.  ``shadow="model"`` also trains an FP32 copy (optimizer from ``shadow_optimizer(params)``).
+    ``shadow_rows`` (a fraction 0 < f <= 1 or a row count >= 1; default exact) estimates ``output_*`` and
+    ``update_cosine`` of ``nn.Linear`` layers from a seeded subset of rows (:mod:`quantwatch.agent.rows`; such figures
+    are named in ``StepRecord.estimated``); ``reference_dtype`` (``"float32"``, autocast off, or ``"bfloat16"``) is
+    the precision of the layer references (:func:`quantwatch.agent.shadow.run_reference`).
 
     Raises :class:`ConfigError` naming the field for configuration mistakes; nothing raises after this returns.
     """
@@ -688,6 +705,7 @@ def attach(
     if tokens_per_step is not None and (not isinstance(tokens_per_step, int | float) or tokens_per_step <= 0):
         raise ConfigError("tokens_per_step", f"must be a number > 0, got {tokens_per_step!r}")
     schedule = Schedule(_periods(metrics, every, shadow), start=start, end=end)
+    shadow_options = ShadowOptions.parse(reference_dtype, shadow_rows)
     modules = _find_layers(model, layers)
     if not modules:
         logger.warning("quantwatch agent: no quantized layer found in the model; only watched kernels will be measured")
@@ -736,4 +754,5 @@ def attach(
         shadow=shadow_model,
         tokens_per_step=tokens_per_step,
         failures=failures,
+        shadow_options=shadow_options,
     )
