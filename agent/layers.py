@@ -24,6 +24,7 @@ Three kinds of modules are recognised:
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +35,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from quantwatch.agent.failures import FailureLog
+from quantwatch.agent.rows import SEED, RowSampler
+from quantwatch.agent.shadow import ShadowOptions, run_reference
+from quantwatch.agent.wrappers import shards_after_forward
 from quantwatch.kernels import ErrorStats, StatsBatch, error_stats
 from quantwatch.kernels.stats import comparison_fields
 
@@ -151,7 +155,7 @@ def _fake_quantizers(module: nn.Module) -> list[nn.Module]:
 
 
 def comparison_stats(
-    reference: Tensor, value: Tensor, *, error: bool = True, batch: StatsBatch | None = None
+    reference: Tensor, value: Tensor, *, error: bool = True, batch: StatsBatch | None = None, weight: float = 1.0
 ) -> ErrorStats:
     """Partial sums comparing ``value`` with ``reference`` (output deviation, update direction, weight drift).
 
@@ -160,11 +164,14 @@ def comparison_stats(
     non-finite) mean nothing for a comparison.  ``max_abs_err`` and ``amax`` are NaN (not computed), and so is
     ``Σ(q−x)²`` with ``error=False`` (for a cosine only, which then needs no ``q − x`` pass); the counts are 0.
     Non-finite values make the sums NaN, which the metrics then report as ``"nan"``.  On the CPU the sums are read
-    to the host at once (``batch`` then holds them in a row it prepared, with no torch call)."""
+    to the host at once (``batch`` then holds them in a row it prepared, with no torch call).  ``weight`` scales the
+    count and the sums: ``n/k`` for a comparison of ``k`` rows kept of ``n`` (an estimate of the full sums)."""
     if reference.numel() == 0:
         return ErrorStats.zeros(reference.device)
     if reference.device.type == "cpu" and value.device.type == "cpu":
         fields = comparison_fields(reference, value, error=error)
+        if weight != 1.0:
+            fields = (*(v * weight for v in fields[:5]), *fields[5:])
         if batch is not None:
             return batch.host_stats(fields)
         return ErrorStats.from_tensor(torch.tensor(fields, dtype=torch.float64))
@@ -177,10 +184,12 @@ def comparison_stats(
         err = q - x
         dots.append(torch.dot(err, err))
     sums = torch.stack(dots).double()
+    if weight != 1.0:
+        sums = sums * weight
     zero = sums.new_zeros(())
     nan = torch.full((), float("nan"), dtype=torch.float64, device=sums.device)
     return ErrorStats(
-        numel=torch.full((), float(x.numel()), dtype=torch.float64, device=sums.device),
+        numel=torch.full((), float(x.numel()) * weight, dtype=torch.float64, device=sums.device),
         sum_x2=sums[0],
         sum_q2=sums[1],
         sum_qx=sums[2],
@@ -198,6 +207,19 @@ def _first_tensor(args: tuple[Any, ...]) -> Tensor | None:
     return args[0] if args and isinstance(args[0], Tensor) else None
 
 
+def _token_rows(module: nn.Module, x: Tensor, output: Tensor) -> tuple[Tensor, Tensor] | None:
+    """An ``nn.Linear`` call's input and output as ``(tokens, features)`` matrices; None for any other shape."""
+    if not isinstance(module, nn.Linear) or x.dim() < 2 or x.shape[:-1] != output.shape[:-1]:
+        return None
+    if x.shape[-1] != module.in_features or output.shape[-1] != module.out_features:
+        return None
+    return x.reshape(-1, x.shape[-1]), output.detach().reshape(-1, output.shape[-1])
+
+
+def _weight_grad(grad_output: Tensor, x: Tensor) -> Tensor:
+    return grad_output.T.mm(x)
+
+
 class LayerAdapter:
     """Per-step statistics of one monitored thing, and the hooks that fill them on sampled steps."""
 
@@ -207,6 +229,7 @@ class LayerAdapter:
         self.clock = clock
         self.stats: list[list[ErrorStats]] = [[] for _ in KIND_NAMES]
         self.kinds: frozenset[int] = frozenset()
+        self.estimated: set[int] = set()  # kinds of this step some of whose statistics were estimated (shadow_rows)
 
     @property
     def weight(self) -> Tensor | None:
@@ -226,6 +249,14 @@ class LayerAdapter:
         """This step's statistics by kind (None where none were recorded), cleared for the next sampled step."""
         taken, self.stats = self.stats, [[] for _ in KIND_NAMES]
         return [functools.reduce(ErrorStats.combine, parts) if parts else None for parts in taken]
+
+    def take_estimated(self) -> set[int]:
+        """The kinds this step estimated from a subset of rows, cleared for the next sampled step."""
+        taken, self.estimated = self.estimated, set()
+        return taken
+
+    def configure(self, options: ShadowOptions, index: int) -> None:
+        """Take the monitor's reference options; ``index`` is the adapter's position in ``monitor.layers``."""
 
     def arm(self, kinds: frozenset[int]) -> None:
         """Install what measuring ``kinds`` needs for the coming step."""
@@ -263,9 +294,12 @@ class _ShadowedModuleAdapter(LayerAdapter):
         self.deferred = deferred
         self._handles: list[RemovableHandle] = []
         self._hooked_weight: Tensor | None = None
-        self._pending_reference_grads: deque[Tensor | None] = deque()
+        # (reference weight gradient, rows of it that were computed or None for all)
+        self._pending_reference_grads: deque[tuple[Tensor | None, Tensor | None]] = deque()
         self._in_reference = False
         self._computing_reference_grad = False
+        self.options = ShadowOptions()
+        self.rows: RowSampler | None = None
 
     @property
     def weight(self) -> Tensor | None:
@@ -284,11 +318,30 @@ class _ShadowedModuleAdapter(LayerAdapter):
         """``(input, grad_output) -> weight gradient`` of the FP32 reference, or None to use autograd."""
         return None
 
+    def configure(self, options: ShadowOptions, index: int) -> None:
+        """Reference precision for every comparison; a row sampler for ``nn.Linear`` layers (quantwatch.agent.rows)."""
+        self.options = options
+        linear = isinstance(self.module, nn.Linear)
+        self.rows = RowSampler(options.rows, SEED + index) if options.rows is not None and linear else None
+
+    def _run_reference(self, x: Tensor) -> Tensor:
+        self._in_reference = True
+        try:
+            return run_reference(self.reference, x, dtype=self.options.reference_dtype)
+        finally:
+            self._in_reference = False
+
     def arm(self, kinds: frozenset[int]) -> None:
         """Hook the module's forward when the output or update kinds are needed."""
         super().arm(kinds)
         if KIND_OUTPUT in kinds or KIND_UPDATE in kinds:
-            self._handles.append(self.module.register_forward_hook(self._on_forward))
+            # Under FSDP2 (fully_shard on this very module) first among its forward hooks: FSDP's post-forward hook
+            # reshards the weight to a DTensor shard; before it, `module.weight` is still the unsharded weight the
+            # forward used, which the reference then uses too (and whose local gradient the update comparison
+            # hooks, before the reduce-scatter).  Otherwise last, after hooks that are part of the layer's output
+            # (eager QAT's activation fake quantization is a forward hook).
+            prepend = shards_after_forward(self.module)
+            self._handles.append(self.module.register_forward_hook(self._on_forward, prepend=prepend))
 
     def end_step(self) -> None:
         """Forget half-finished gradient pairs."""
@@ -319,27 +372,66 @@ class _ShadowedModuleAdapter(LayerAdapter):
         # the module's direct formula or the reference graph built here (a local backward through this layer only).
         # The output gradient comes from a pre-hook on the output's autograd node, registered once per layer and
         # forward: a tensor hook costs ~25 % more to register in a sampled step (2.5 times in a loop).
+        x = x.detach()
+        tokens = _token_rows(self.module, x, output) if self.rows is not None else None
+        if tokens is not None and self.rows is not None:
+            self._compare_rows(self.rows, *tokens, node if want_update else None, weight)
+            return
         direct_grad = self.reference_weight_grad() if want_update else None
         through_graph = want_update and direct_grad is None
-        x = x.detach()
         if KIND_OUTPUT in self.kinds or through_graph:
-            self._in_reference = True
-            try:
-                with torch.set_grad_enabled(through_graph):
-                    reference = self.reference(x)
-            finally:
-                self._in_reference = False
+            with torch.set_grad_enabled(through_graph):
+                reference = self._run_reference(x)
             if KIND_OUTPUT in self.kinds:
                 self.record(KIND_OUTPUT, comparison_stats(reference, output, batch=self._batch()))
             if through_graph and node is not None and weight is not None:
                 node.register_prehook(functools.partial(self._on_output_grad, reference, weight, output.output_nr))
         if direct_grad is not None and node is not None:
             node.register_prehook(functools.partial(self._on_output_grad_direct, direct_grad, x, output.output_nr))
-        if want_update and weight is not None and weight is not self._hooked_weight:
+        if want_update and weight is not None:
+            self._hook_weight(weight)
+
+    def _hook_weight(self, weight: Tensor) -> None:
+        if weight is not self._hooked_weight:
             # One hook serves every forward until disarmed: it pairs each weight gradient with the oldest pending
             # reference gradient.
             self._handles.append(weight.register_hook(self._on_weight_grad))  # type: ignore[no-untyped-call]
             self._hooked_weight = weight
+
+    def _compare_rows(self, sampler: RowSampler, x: Tensor, output: Tensor, node: Any, weight: Tensor | None) -> None:
+        """``shadow_rows``: the comparisons of an ``nn.Linear`` call on kept rows (see quantwatch.agent.rows)."""
+        n = x.shape[0]
+        if KIND_OUTPUT in self.kinds:
+            rows = sampler.draw(n, x.device)
+            if rows is None:
+                stats = comparison_stats(self._run_reference(x), output, batch=self._batch())
+            else:
+                reference = self._run_reference(x.index_select(0, rows))
+                kept = output.index_select(0, rows)
+                stats = comparison_stats(reference, kept, batch=self._batch(), weight=n / rows.numel())
+                self.estimated.add(KIND_OUTPUT)
+            self.record(KIND_OUTPUT, stats)
+        if node is not None and weight is not None:
+            out_features = weight.shape[0]
+            kept_rows = min(out_features, max(1, math.ceil(out_features * sampler.fraction_of(n))))
+            grad_rows = sampler.draw(out_features, weight.device, kept=kept_rows)
+            node.register_prehook(functools.partial(self._on_output_grad_rows, x, grad_rows, output.output_nr))
+            self._hook_weight(weight)
+
+    def _on_output_grad_rows(
+        self, x: Tensor, grad_rows: Tensor | None, index: int, grad_outputs: tuple[Tensor | None, ...]
+    ) -> None:
+        grad_output = grad_outputs[index]
+        if grad_output is not None:
+            self._guard("reference_grad", self._reference_grad_rows, x, grad_rows, grad_output)
+
+    def _reference_grad_rows(self, x: Tensor, grad_rows: Tensor | None, grad_output: Tensor) -> None:
+        # nn.Linear's weight gradient dYᵀX, for the kept rows J of it: dY[:, J]ᵀ X.
+        dy = grad_output.detach().reshape(-1, grad_output.shape[-1])
+        if grad_rows is not None:
+            dy = dy.index_select(1, grad_rows)
+        reference_grad = run_reference(_weight_grad, dy, x, dtype=self.options.reference_dtype)
+        self._pending_reference_grads.append((reference_grad, grad_rows))
 
     def _on_output_grad(
         self, reference: Tensor, weight: Tensor, index: int, grad_outputs: tuple[Tensor | None, ...]
@@ -354,7 +446,7 @@ class _ShadowedModuleAdapter(LayerAdapter):
             (reference_grad,) = torch.autograd.grad(reference, weight, grad_output.detach(), allow_unused=True)
         finally:
             self._computing_reference_grad = False
-        self._pending_reference_grads.append(reference_grad)
+        self._pending_reference_grads.append((reference_grad, None))
 
     def _on_output_grad_direct(
         self,
@@ -370,7 +462,8 @@ class _ShadowedModuleAdapter(LayerAdapter):
     def _reference_grad_direct(
         self, direct_grad: Callable[[Tensor, Tensor], Tensor], x: Tensor, grad_output: Tensor
     ) -> None:
-        self._pending_reference_grads.append(direct_grad(x, grad_output.detach()))
+        reference_grad = run_reference(direct_grad, x, grad_output.detach(), dtype=self.options.reference_dtype)
+        self._pending_reference_grads.append((reference_grad, None))
 
     def _on_weight_grad(self, grad: Tensor) -> None:
         if self._computing_reference_grad or not self._pending_reference_grads:
@@ -380,10 +473,17 @@ class _ShadowedModuleAdapter(LayerAdapter):
         self._guard("update_compare", self._compare_update, grad)
 
     def _compare_update(self, grad: Tensor) -> None:
-        reference_grad = self._pending_reference_grads.popleft()
-        if reference_grad is not None:
-            # update_cosine reads the cosine only: no Σ(q−x)² pass over the gradient.
-            self.record(KIND_UPDATE, comparison_stats(reference_grad, grad, error=False, batch=self._batch()))
+        reference_grad, rows = self._pending_reference_grads.popleft()
+        if reference_grad is None:
+            return
+        weight = 1.0
+        if rows is not None:
+            weight = grad.shape[0] / rows.numel()
+            grad = grad.index_select(0, rows)
+            self.estimated.add(KIND_UPDATE)
+        # update_cosine reads the cosine only: no Σ(q−x)² pass over the gradient.
+        stats = comparison_stats(reference_grad, grad, error=False, batch=self._batch(), weight=weight)
+        self.record(KIND_UPDATE, stats)
 
 
 class ModuleAdapter(_ShadowedModuleAdapter):

@@ -34,7 +34,6 @@ from quantwatch.agent.adapters import (
     find_layers,
 )
 from quantwatch.agent.adapters.quantwatch_layers import KernelEntry
-from quantwatch.agent.adapters.registry import REFERENCE_DTYPES
 from quantwatch.agent.destination import make_exporter
 from quantwatch.agent.engine import BatchEngine, PendingStep
 from quantwatch.agent.errors import ConfigError
@@ -44,6 +43,8 @@ from quantwatch.agent.layers import (
     KIND_DRIFT,
     KIND_GRAD,
     KIND_INPUT,
+    KIND_OUTPUT,
+    KIND_UPDATE,
     KIND_WEIGHT,
     DeferredStatistics,
     LayerAdapter,
@@ -52,8 +53,9 @@ from quantwatch.agent.layers import (
 )
 from quantwatch.agent.readout import METRIC_KINDS, NF, ROW, SUMS, DeviceReader, derive
 from quantwatch.agent.sampling import Schedule
-from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel
+from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel, ShadowOptions
 from quantwatch.agent.wire import Encoding, StepRecord
+from quantwatch.agent.wrappers import CompiledRegions, unwrap
 from quantwatch.kernels import native as native_kernels
 from quantwatch.protocol import LAYER_METRICS, RUN_NAME_PATTERN, RUN_NAME_RULE
 
@@ -66,6 +68,11 @@ DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
 #: Measured by default; ``weight_drift_rel_l2`` joins them with ``shadow="model"``.
 DEFAULT_METRICS: tuple[str, ...] = tuple(m for m in LAYER_METRICS if m != "weight_drift_rel_l2")
 
+# The metrics a kind's estimate (shadow_rows) makes estimated.
+_ESTIMATED_METRICS: dict[int, tuple[str, ...]] = {
+    KIND_OUTPUT: ("output_rel_l2", "output_cosine", "output_sqnr_db"),
+    KIND_UPDATE: ("update_cosine",),
+}
 _SCALAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -152,6 +159,7 @@ class Monitor:
         shadow: ShadowModel | None,
         tokens_per_step: float | None,
         failures: FailureLog,
+        shadow_options: ShadowOptions | None = None,
     ) -> None:
         self.run = run
         self.rank = rank
@@ -166,9 +174,12 @@ class Monitor:
         self._model = model
         self._deferred = DeferredStatistics(failures, self._clock)
         self._model_hook: RemovableHandle | None = None
+        self._compiled = CompiledRegions(model)  # run eagerly while hooked: the agent never makes Dynamo recompile
         self._optimizer_hook: RemovableHandle | None = None
         self._context = AdapterContext(failures, self._clock, self._deferred, reference_dtype)
         self._adapters, self._infos = build_layer_adapters(found, self._context)
+        for index, adapter in enumerate(self._adapters):
+            adapter.configure(shadow_options or ShadowOptions(), index)
         first_param = next(model.parameters(), None)
         self._device = first_param.device if first_param is not None else torch.device("cpu")
         if reporting and self._device.type == "cpu":
@@ -326,6 +337,7 @@ class Monitor:
         if not metrics:
             return
         self._armed = metrics
+        self._compiled.run_eager()
         kinds = self._kinds(metrics)
         with self._lock:
             for adapter in self._adapters:
@@ -342,6 +354,7 @@ class Monitor:
 
     def _disarm(self, adapters: list[LayerAdapter]) -> None:
         """Remove every hook; compute the deferred statistics of the step."""
+        self._compiled.run_compiled()
         if self._model_hook is not None:
             self._model_hook.remove()
             self._model_hook = None
@@ -411,8 +424,10 @@ class Monitor:
         rows: list[Tensor] = []
         present: list[list[bool]] = []
         scales: list[Tensor] = []
+        estimated_kinds: set[int] = set()
         device, nan_row, with_scale = self._device, self._nan_row, "scale" in armed
         for adapter in adapters:
+            estimated_kinds |= adapter.take_estimated()
             taken = adapter.take()
             present.append([s is not None for s in taken])
             for stats in taken:
@@ -465,6 +480,7 @@ class Monitor:
         layers = tuple(a.name for a in adapters)
         wall_time = time.time()
         metric_names = [m for m in LAYER_METRICS if m in armed]
+        estimated = frozenset(m for k in estimated_kinds for m in _ESTIMATED_METRICS.get(k, ()) if m in armed)
 
         def resolve() -> StepRecord:
             values = reader.read()
@@ -473,7 +489,7 @@ class Monitor:
             metrics = derive(np.concatenate([sums, scales[:, None]], axis=1), present, metric_names)
             scalars = dict(host_scalars)
             scalars.update(zip(tensor_names, values[n * ROW :].tolist(), strict=True))
-            return StepRecord(step, wall_time, metrics, scalars)
+            return StepRecord(step, wall_time, metrics, scalars, estimated & metrics.keys())
 
         if self._engine is not None:
             self._engine.submit(PendingStep(layers, resolve))
@@ -494,6 +510,8 @@ def attach(
     ranks: Literal["all", "first"] | Iterable[int] = "all",
     shadow: Literal["layer", "model"] = "layer",
     shadow_optimizer: OptimizerFactory | None = None,
+    shadow_rows: float | None = None,
+    reference_dtype: Literal["float32", "bfloat16"] = "float32",
     tokens_per_step: float | None = None,
     exporter: Exporter | None = None,
     encoding: Encoding = "msgpack",
@@ -505,7 +523,6 @@ def attach(
     flush_interval_seconds: float = 2.0,
     request_timeout_seconds: float = 10.0,
     retry: RetryPolicy | None = None,
-    reference_dtype: Literal["float32", "bfloat16"] = "float32",
 ) -> Monitor:
     """Attach the agent to ``model`` and return its :class:`Monitor`.
 
@@ -517,7 +534,10 @@ def attach(
     default ``http://127.0.0.1:8000``) or to a given ``exporter``.  ``rank`` defaults to ``torch.distributed``'s
     (or env ``RANK``); ``ranks`` picks which ranks report.  ``shadow="model"`` also trains an FP32 copy (optimizer
     from ``shadow_optimizer(params)``).
-    ``reference_dtype`` is the precision of the torchao adapters' reference forward and gradient (autocast off).
+    ``shadow_rows`` (a fraction 0 < f <= 1 or a row count >= 1; default exact) estimates ``output_*`` and
+    ``update_cosine`` of ``nn.Linear`` layers from a seeded subset of rows (:mod:`quantwatch.agent.rows`; such figures
+    are named in ``StepRecord.estimated``); ``reference_dtype`` (``"float32"``, autocast off, or ``"bfloat16"``) is
+    the precision of the layer references (:func:`quantwatch.agent.shadow.run_reference`).
 
     Raises :class:`ConfigError` naming the field for configuration mistakes; nothing raises after this returns.
     """
@@ -533,8 +553,7 @@ def attach(
     if tokens_per_step is not None and (not isinstance(tokens_per_step, int | float) or tokens_per_step <= 0):
         raise ConfigError("tokens_per_step", f"must be a number > 0, got {tokens_per_step!r}")
     schedule = Schedule(_periods(metrics, every, shadow), start=start, end=end)
-    if reference_dtype not in REFERENCE_DTYPES:
-        raise ConfigError("reference_dtype", f"must be one of {', '.join(REFERENCE_DTYPES)}, got {reference_dtype!r}")
+    shadow_options = ShadowOptions.parse(reference_dtype, shadow_rows)
     found = find_layers(model, layers)
     if not found:
         logger.warning("quantwatch agent: no quantized layer found in the model; only watched kernels will be measured")
@@ -545,7 +564,7 @@ def attach(
     shadow_model = None
     if reporting:
         if shadow == "model" and shadow_optimizer is not None:
-            shadow_model = ShadowModel(model, found, shadow_optimizer)
+            shadow_model = ShadowModel(unwrap(model), found, shadow_optimizer)
             dequantize_shadow(shadow_model.model, found)
         chosen = make_exporter(
             url,
@@ -585,4 +604,5 @@ def attach(
         shadow=shadow_model,
         tokens_per_step=tokens_per_step,
         failures=failures,
+        shadow_options=shadow_options,
     )

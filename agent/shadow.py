@@ -5,6 +5,9 @@ protocol modules, fake quantizers switched off for QAT modules).  Each step the 
 which is trained by its own optimizer, so ``loss_shadow`` and the per-layer ``weight_drift_rel_l2`` show how far
 the quantized run has walked away from the full-precision baseline, and :meth:`ShadowModel.save` writes an FP32
 checkpoint (same state-dict keys as the model) to roll back to.
+
+The precision of every FP32-shadow computation (the layer references of ``output_*`` and ``update_cosine`` too) is
+:func:`run_reference`'s: float32 by default, with autocast switched off for it, or ``reference_dtype="bfloat16"``.
 """
 
 from __future__ import annotations
@@ -12,11 +15,53 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ShadowModel"]
+from quantwatch.agent.errors import ConfigError
+from quantwatch.agent.rows import RowSampling, parse_shadow_rows
+
+__all__ = ["REFERENCE_DTYPES", "ShadowModel", "ShadowOptions", "run_reference"]
+
+#: ``attach(reference_dtype=...)``: the precision the layer references compute in.
+REFERENCE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def run_reference(fn: Callable[..., Tensor], *inputs: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``fn(*inputs)`` in the shadow's precision: the one place that decides how a reference is computed.
+
+    ``float32`` (the default, "the FP32 shadow"): autocast is switched off for the call and floating inputs are
+    cast to float32, so a training step under ``torch.autocast(dtype=torch.bfloat16)`` is measured against a true
+    FP32 reference (its figures then hold the BF16 matmul's rounding as well as the quantization).  ``bfloat16``
+    (for users whose baseline is BF16 mixed precision): the call runs under ``torch.autocast`` to bfloat16 on the
+    inputs' device, as an autocast BF16 baseline would compute it.  Weights are used as the module holds them."""
+    device_type = inputs[0].device.type if inputs else "cpu"
+    if dtype == torch.float32:
+        cast = tuple(t.float() if t.is_floating_point() and t.dtype != torch.float32 else t for t in inputs)
+        with torch.autocast(device_type, enabled=False):
+            return fn(*cast)
+    with torch.autocast(device_type, dtype=dtype):
+        return fn(*inputs)
+
+
+@dataclass(frozen=True)
+class ShadowOptions:
+    """How the layer references are computed: ``reference_dtype`` and ``shadow_rows`` of :func:`attach`."""
+
+    reference_dtype: torch.dtype = torch.float32
+    rows: RowSampling | None = None
+
+    @classmethod
+    def parse(cls, reference_dtype: Any, shadow_rows: Any) -> ShadowOptions:
+        """Validated options; raises ConfigError naming the field."""
+        if reference_dtype not in REFERENCE_DTYPES:
+            known = ", ".join(repr(k) for k in REFERENCE_DTYPES)
+            raise ConfigError("reference_dtype", f"must be one of {known}, got {reference_dtype!r}")
+        return cls(REFERENCE_DTYPES[reference_dtype], parse_shadow_rows(shadow_rows))
+
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossClosure = Callable[[nn.Module], Tensor]
@@ -28,8 +73,10 @@ class ShadowModel:
     def __init__(self, model: nn.Module, monitored: Iterable[str], optimizer_factory: OptimizerFactory) -> None:
         from torch.ao.quantization import disable_fake_quant, disable_observer
 
+        from quantwatch.agent.wrappers import named_modules
+
         self.model = copy.deepcopy(model)
-        modules = dict(self.model.named_modules())
+        modules = dict(named_modules(self.model))  # the monitored layers' names, as the monitor gives them
         for name in monitored:
             module = modules[name]
             reference_forward = getattr(module, "reference_forward", None)

@@ -42,12 +42,14 @@ _GZIP_LEVEL = 5
 @dataclass(frozen=True)
 class StepRecord:
     """The figures of one step: per-layer ``metrics`` (aligned with the batch's layers, ``None`` = not measured)
-    and run-level ``scalars``."""
+    and run-level ``scalars``.  ``estimated`` names the metrics some layer of this step estimated from a subset of
+    rows (``attach(shadow_rows=...)``) rather than computed exactly (not on the wire yet)."""
 
     step: int
     time: float
     metrics: Mapping[str, Sequence[float | None]] = field(default_factory=dict)
     scalars: Mapping[str, float] = field(default_factory=dict)
+    estimated: frozenset[str] = frozenset()
 
     def point_count(self) -> int:
         """Number of stored points this step yields: measured metric values plus scalars."""

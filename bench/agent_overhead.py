@@ -1,14 +1,23 @@
 """Agent overhead on a small FP8/FP4 transformer trained on CPU, and step times while the collector is down.
 
-Part 1 (overhead): four copies of the same model, trained side by side, the variants interleaved round by round so
+Part 1 (overhead): copies of the same model, trained side by side, the variants interleaved round by round so
 drift of a shared machine hits all of them alike:
 
 * ``none``        no agent;
 * ``defaults``    ``attach(model, run=..., url=...)`` with every default (``every=DEFAULT_EVERY``);
 * ``every1``      ``every=1`` and every per-layer metric (all but ``weight_drift_rel_l2``, which needs a full
-  shadow model and so a second training step);
+  shadow model and so a second training step), exact;
+* ``every1_rows`` the same with ``shadow_rows=1/8`` (``output_*`` and ``update_cosine`` estimated from an eighth of
+  the rows);
 * ``tensorboard`` the same per-layer figures, written through TensorBoard's ``SummaryWriter`` on the training
   thread each step (the usual "compute, .item(), add_scalar" pattern; the agent measures, the writer logs).
+
+Each for two families of the same transformer (``--families``): ``quantlinear`` (QuantWatch's ``quantize_model``:
+FP8 attention, NVFP4 MLP) and ``float8`` (torchao's ``convert_to_float8_training`` with
+``Float8LinearConfig(emulate=True)`` on every block's linear layers: FP8 E4M3 tensor-scaled, emulated on the CPU).
+Ratios are to the family's own ``none``.  The agent measures whatever ``attach`` finds in a model: ``Float8Linear``
+layers only once the torchao adapter is registered (until then the float8 variants measure nothing, and their ratios
+show only the gate and exporter).
 
 Part 2 (outage): ``every=1`` against a real collector (a ``quantwatch.service`` app on uvicorn in a subprocess,
 SQLite file); after a normal phase (as long as the outage) the collector is killed for ``--outage-seconds`` and
@@ -84,6 +93,21 @@ def make_model() -> nn.Module:
     fp8 = QuantConfig(weight=QuantSpec("fp8_e4m3"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2"))
     fp4 = QuantConfig(weight=QuantSpec("nvfp4"), input=QuantSpec("nvfp4"), grad=QuantSpec("fp8_e5m2"))
     return quantize_model(model, Recipe(rules=[("blocks.*.attn.*", fp8), ("blocks.*.mlp.*", fp4)]))
+
+
+def make_float8_model() -> nn.Module:
+    """The same transformer with torchao's Float8Linear (emulated FP8 GEMMs) for every block's linear layers."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    convert_to_float8_training(
+        model, config=Float8LinearConfig(emulate=True), module_filter_fn=lambda _, fqn: fqn.startswith("blocks.")
+    )
+    return model
+
+
+FAMILIES = {"quantlinear": make_model, "float8": make_float8_model}
 
 
 class TensorBoardExporter:
@@ -219,9 +243,11 @@ def gate_cost(calls: int = 5000) -> float:
     return per_call
 
 
-def overhead(args: argparse.Namespace, collector: Collector, tmp: Path, gate_seconds: float) -> dict[str, float]:
-    """Part 1: interleaved step times of the four variants; returns median ratios to ``none``."""
-    base = make_model()
+def overhead(
+    args: argparse.Namespace, collector: Collector, tmp: Path, gate_seconds: float, family: str
+) -> dict[str, float]:
+    """Part 1: interleaved step times of the variants of one model family; returns median ratios to ``none``."""
+    base = FAMILIES[family]()
     every1_metrics = list(qw.DEFAULT_METRICS)
     trainers = {
         "none": Trainer(copy.deepcopy(base), None, args.batch, args.seq, False),
@@ -229,21 +255,37 @@ def overhead(args: argparse.Namespace, collector: Collector, tmp: Path, gate_sec
     model = copy.deepcopy(base)
     trainers["defaults"] = Trainer(
         model,
-        qw.attach(model, run="bench-defaults", url=collector.url, spool_dir=tmp / "s1"),
+        qw.attach(model, run=f"bench-{family}-defaults", url=collector.url, spool_dir=tmp / f"{family}-s1"),
         args.batch,
         args.seq,
         False,
     )
+    for name, shadow_rows in (("every1", None), ("every1_rows", 1 / 8)):
+        model = copy.deepcopy(base)
+        monitor = qw.attach(
+            model,
+            run=f"bench-{family}-{name}",
+            url=collector.url,
+            every=1,
+            metrics=every1_metrics,
+            shadow_rows=shadow_rows,
+            spool_dir=tmp / f"{family}-{name}",
+        )
+        trainers[name] = Trainer(model, monitor, args.batch, args.seq, False)
     model = copy.deepcopy(base)
     monitor = qw.attach(
-        model, run="bench-every1", url=collector.url, every=1, metrics=every1_metrics, spool_dir=tmp / "s2"
-    )
-    trainers["every1"] = Trainer(model, monitor, args.batch, args.seq, False)
-    model = copy.deepcopy(base)
-    monitor = qw.attach(
-        model, run="bench-tb", exporter=TensorBoardExporter(str(tmp / "tb")), every=1, metrics=every1_metrics
+        model,
+        run=f"bench-{family}-tb",
+        exporter=TensorBoardExporter(str(tmp / f"{family}-tb")),
+        every=1,
+        metrics=every1_metrics,
     )
     trainers["tensorboard"] = Trainer(model, monitor, args.batch, args.seq, True)
+    print(
+        f"\n== {family}: {len(trainers['every1'].monitor.layers) if trainers['every1'].monitor else 0} layers "
+        "found by attach ==",
+        flush=True,
+    )
     for trainer in trainers.values():
         for _ in range(args.warmup):
             trainer.step()
@@ -251,19 +293,20 @@ def overhead(args: argparse.Namespace, collector: Collector, tmp: Path, gate_sec
         trainer.cpu_times.clear()
         trainer.sampled.clear()
     names = list(trainers)
-    for round_index in range(args.rounds):
+    rounds = args.rounds if family == "quantlinear" else args.float8_rounds
+    for round_index in range(rounds):
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:
             for _ in range(args.steps_per_round):
                 trainers[name].step()
-        print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+        print(f"{family} round {round_index + 1}/{rounds} done", flush=True)
     # Wall time is what training feels; process CPU time (all threads of this process, the exporter thread
     # included) is far less disturbed by other work on a shared machine, so both are printed.
     ratios: dict[str, float] = {}
     for clock in ("wall", "cpu"):
         series = {name: (t.times if clock == "wall" else t.cpu_times) for name, t in trainers.items()}
         medians = {name: statistics.median(v) for name, v in series.items()}
-        print(f"\n== overhead ({clock} time): {args.rounds} rounds x {args.steps_per_round} steps per variant ==")
+        print(f"\n== {family} overhead ({clock} time): {rounds} rounds x {args.steps_per_round} steps per variant ==")
         print(f"{'variant':<12} {'median s':>9} {'mean s':>9} {'ratio (median)':>15} {'ratio (mean)':>13}")
         mean_none = statistics.mean(series["none"])
         for name, values in series.items():
@@ -275,7 +318,7 @@ def overhead(args: argparse.Namespace, collector: Collector, tmp: Path, gate_sec
         # is composed from steps measured side by side: the defaults copy's unsampled steps (gate closed) and the
         # every1 copy's steps (the same default metric set, sampled).
         flags = trainers["defaults"].sampled
-        unsampled = [t for t, s in zip(series["defaults"], flags, strict=True) if not s]
+        unsampled = [t for t, s in zip(series["defaults"], flags, strict=True) if not s] or series["defaults"]
         every = qw.DEFAULT_EVERY
         composed = ((every - 1) * statistics.median(unsampled) + medians["every1"]) / (every * medians["none"])
         ratios[f"defaults_composed_{clock}"] = composed
@@ -286,11 +329,12 @@ def overhead(args: argparse.Namespace, collector: Collector, tmp: Path, gate_sec
         # The same with the unsampled step taken as the unmonitored step plus the measured gate cost: an unsampled
         # step runs no hook (tests/agent/test_monitor.py checks it), so this removes copy-to-copy noise.
         from_gate = ((every - 1) * (medians["none"] + gate_seconds) + medians["every1"]) / (every * medians["none"])
+        ratios[f"defaults_from_gate_{clock}"] = from_gate
         print(f"defaults (every={every}) from none + gate: {from_gate:.3f}")
     for name, trainer in trainers.items():
         if trainer.monitor is not None:
             trainer.monitor.close(60)
-            print(f"{name}: agent stats {trainer.monitor.stats()}")
+            print(f"{family} {name}: agent stats {trainer.monitor.stats()}")
     return ratios
 
 
@@ -340,6 +384,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps-per-round", type=int, default=2)
+    parser.add_argument("--float8-rounds", type=int, default=2, help="rounds of the float8 family (slow on a CPU)")
+    parser.add_argument("--families", default="quantlinear,float8", help="comma-separated: quantlinear, float8")
     parser.add_argument("--outage-seconds", type=float, default=30.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-overhead", action="store_true")
@@ -347,7 +393,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(
-        f"torch {torch.__version__}, {args.threads} threads, batch {args.batch} x seq {args.seq}, pid {os.getpid()}",
+        f"torch {torch.__version__}, {args.threads} threads, batch {args.batch} x seq {args.seq}, pid {os.getpid()}, "
+        f"load average {', '.join(f'{v:.1f}' for v in os.getloadavg())}",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="qw-bench-") as tmpdir:
@@ -357,7 +404,16 @@ def main() -> None:
         try:
             gate_seconds = gate_cost()
             if not args.skip_overhead:
-                overhead(args, collector, tmp, gate_seconds)
+                summary = {
+                    family: overhead(args, collector, tmp, gate_seconds, family) for family in args.families.split(",")
+                }
+                print("\n== summary: median ratio to the family's unmonitored step (wall / CPU) ==")
+                for family, ratios in summary.items():
+                    cells = [
+                        f"{name} {ratios[f'{name}_wall']:.3f}/{ratios[f'{name}_cpu']:.3f}"
+                        for name in ("defaults_from_gate", "every1", "every1_rows", "tensorboard")
+                    ]
+                    print(f"{family:<12} " + "  ".join(cells))
             if not args.skip_outage:
                 outage(args, collector, tmp)
         finally:

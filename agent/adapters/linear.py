@@ -21,6 +21,7 @@ from torch.nn.functional import linear
 
 from quantwatch.agent.adapters.registry import AdapterContext
 from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, _ShadowedModuleAdapter
+from quantwatch.agent.shadow import REFERENCE_DTYPES
 from quantwatch.kernels import ErrorStats
 from quantwatch.kernels.stats import stats_from_masks
 
@@ -37,12 +38,9 @@ class ShadowedLayer(_ShadowedModuleAdapter):
         super().__init__(name, module, context.failures, context.clock, context.deferred)
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
 def reference_dtype(context: AdapterContext) -> torch.dtype:
     """The torch dtype of the context's reference computation."""
-    return _DTYPES[context.reference_dtype]
+    return REFERENCE_DTYPES[context.reference_dtype]
 
 
 def plain_linear_forward(module: nn.Module) -> None:

@@ -25,6 +25,8 @@ from torch import nn
 from quantwatch.agent.errors import ConfigError
 from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.layers import DeferredStatistics, LayerAdapter, OverheadClock
+from quantwatch.agent.wrappers import named_modules
+from quantwatch.protocol import HIGH_PRECISION, TENSOR_KINDS
 
 __all__ = [
     "FORMAT_KINDS",
@@ -44,12 +46,8 @@ __all__ = [
 
 logger = logging.getLogger("quantwatch.agent")
 
-#: The tensor kinds a layer's format is given for.
-FORMAT_KINDS: tuple[str, ...] = ("weight", "input", "grad")
-#: The format of a tensor kind kept in high precision (no quantization error to measure: no figure).
-HIGH_PRECISION = "high_precision"
-#: Reference precisions ``attach(reference_dtype=...)`` accepts.
-REFERENCE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+#: The tensor kinds a layer's format is given for (the protocol's).
+FORMAT_KINDS: tuple[str, ...] = TENSOR_KINDS
 
 
 class UnsupportedLayerError(Exception):
@@ -199,7 +197,8 @@ def find_layers(
     adapters = registered_adapters() if adapters is None else list(adapters)
     candidates: dict[str, tuple[nn.Module, Adapter]] = {}
     broken: set[int] = set()
-    for name, module in model.named_modules():
+    # Named as in the bare model: without the `module.` of DDP, the `_orig_mod.` of torch.compile, etc.
+    for name, module in named_modules(model):
         if not name:
             continue
         adapter = _recognising(module, adapters, broken)

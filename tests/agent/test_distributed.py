@@ -78,3 +78,92 @@ def test_two_gloo_ranks(tmp_path: Path, ranks: object, reporting: list[bool]) ->
             assert result["batches"] == [{"rank": rank, "steps": [0, 1]}]
         else:
             assert result["batches"] == []
+
+
+WRAPPED_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import torch, torch.distributed as dist
+    from torch import nn
+    import quantwatch.agent as qw
+    from quantwatch.kernels import QuantConfig, Recipe, quantize_model
+
+    rank, world, port, out = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    def make_model():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+        return quantize_model(model, Recipe(rules=[("*", QuantConfig())]))
+
+    def train(wrapped, params, name):
+        sink = qw.InMemoryExporter()
+        monitor = qw.attach(wrapped, run=name, exporter=sink, every=1)
+        opt = torch.optim.SGD(params, lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(2):
+            loss = wrapped(torch.randn(8, 16, generator=gen)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            monitor.step(step, loss=loss)
+        monitor.close(10)
+        return {"layers": list(monitor.layers), "failures": monitor.stats()["failures"],
+                "steps": [{"step": r.step, "metrics": dict(r.metrics)} for _, r in sink.records()]}
+
+    results = {}
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    results["ddp"] = train(ddp, ddp.parameters(), "ddp")
+
+    from torch.distributed.fsdp import fully_shard
+    model = make_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    results["fsdp2"] = train(model, model.parameters(), "fsdp2")
+
+    # The same layers and batches without any wrapper: what FSDP2's figures must equal.
+    model = make_model()
+    results["plain"] = train(model, model.parameters(), "plain")
+    with open(f"{out}/rank{rank}.json", "w") as fh:
+        json.dump(results, fh)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_ddp_and_fsdp2_report_every_metric_on_every_rank_under_the_bare_names(tmp_path: Path) -> None:
+    import quantwatch.agent as qw
+
+    script = tmp_path / "worker.py"
+    script.write_text(WRAPPED_WORKER)
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), port, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+    for rank in range(2):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for wrapper in ("ddp", "fsdp2"):
+            result = results[wrapper]
+            assert result["layers"] == ["0", "2"], wrapper  # no `module.` prefix
+            assert result["failures"] == {}, wrapper
+            assert [s["step"] for s in result["steps"]] == [0, 1]
+            for step in result["steps"]:
+                assert set(step["metrics"]) == set(qw.DEFAULT_METRICS), wrapper
+                for metric, values in step["metrics"].items():
+                    assert all(v is not None for v in values), (wrapper, metric)
+        # FSDP2's reference used the unsharded weights the forward used, and the update comparison this rank's own
+        # gradient: at step 0 (before the averaged gradients move the weights apart) the figures are the bare model's.
+        fsdp_step, plain_step = results["fsdp2"]["steps"][0], results["plain"]["steps"][0]
+        for metric in ("output_rel_l2", "output_cosine", "update_cosine", "weight_rel_l2", "grad_rel_l2"):
+            assert fsdp_step["metrics"][metric] == pytest.approx(plain_step["metrics"][metric], rel=1e-5), metric

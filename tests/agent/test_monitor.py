@@ -75,6 +75,12 @@ def _train(model: nn.Module, monitor: qw.Monitor, steps: int, **step_kwargs: Any
         ({"start": 10, "end": 5}, "end"),
         ({"spool_max_bytes": -1}, "spool_max_bytes"),
         ({"tokens_per_step": 0}, "tokens_per_step"),
+        ({"shadow_rows": 0}, "shadow_rows"),
+        ({"shadow_rows": 0.0}, "shadow_rows"),
+        ({"shadow_rows": 1.5}, "shadow_rows"),
+        ({"shadow_rows": True}, "shadow_rows"),
+        ({"shadow_rows": "1/8"}, "shadow_rows"),
+        ({"reference_dtype": "float16"}, "reference_dtype"),
     ],
 )
 def test_configuration_mistakes_raise_config_error_naming_the_field(kwargs: dict[str, Any], field: str) -> None:

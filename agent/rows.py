@@ -1,0 +1,102 @@
+"""``shadow_rows=``: the FP32 shadow comparisons on a seeded random subset of rows, an estimate at less cost.
+
+``output_*`` and ``update_cosine`` are defined by an FP32 reference forward and an FP32 reference weight gradient of
+every layer: two extra matmuls per layer per sampled step.  With ``shadow_rows`` they are estimated from a subset, for
+``nn.Linear`` layers (``QuantLinear``, torch.ao QAT ``Linear``; other layers stay exact):
+
+* **Which rows.** The rows of a call are its tokens: the input and output flattened over every leading dimension
+  (``(batch, seq, features)`` → ``batch·seq`` rows).  ``shadow_rows=f`` (0 < f ≤ 1) keeps ``k = ceil(f·n)`` of the
+  ``n`` rows, ``shadow_rows=c`` (int ≥ 1) keeps ``k = min(c, n)``.  The draw is *stratified*: the ``n`` rows are cut
+  into ``k`` consecutive strata of (nearly) equal size and one row is drawn uniformly from each, so every row is kept
+  with probability ``k/n``, no row twice, and the kept rows spread over the whole batch (every sequence, every
+  position range) at the cost of ``k`` random numbers.  With ``k = n`` the figures are exact and not marked.
+* **Seeded how.** Each layer draws from its own ``torch.Generator`` on the layer's device, seeded with
+  ``SEED + layer index`` (the position in ``monitor.layers``) when the monitor is made; draws advance it call by
+  call, so a run's subsets are the same every time it is repeated, on every rank, and independent across layers.
+* **output_*.** The reference runs on the kept rows only (``reference_forward(x[rows])``, ``k/n`` of its cost) and is
+  compared with the same rows of the quantized output.  Each sum (Σx², Σq², Σqx, Σ(q−x)², and the count) is scaled
+  by ``n/k`` (Horvitz–Thompson), so sums from calls of different sizes combine as estimates of the full sums; the
+  figures are the usual ratios of those sums (``rel_l2 = √(Σ(q−x)²/Σx²)``, ``cosine = Σqx/√(Σq²Σx²)``), ratio
+  estimators: the scale cancels within one call.
+* **update_cosine.** A weight gradient is a sum over *all* tokens (``dYᵀX``), so a token subset of the reference
+  could only be compared with the quantized path's gradient of the same tokens, which the training never computes.
+  The gradient is sampled by its *rows* (output features) instead: the same fraction of them, drawn the same way;
+  the reference computes ``dY[:, J]ᵀ X`` (``k/n`` of its cost) and is compared with the same rows ``J`` of the
+  quantized path's gradient, which the training computed in full anyway; sums scaled by ``out/|J|`` as above.
+
+Figures computed so are marked: :attr:`quantwatch.agent.StepRecord.estimated` names every metric of the step that
+some layer estimated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from quantwatch.agent.errors import ConfigError
+
+__all__ = ["SEED", "RowSampler", "RowSampling", "parse_shadow_rows"]
+
+#: Base seed of the row draws (a layer's generator starts at ``SEED + its index``).
+SEED = 0x5EED_0F_2025
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How many rows ``shadow_rows`` keeps: a ``fraction`` (0 < f < 1) or a ``count`` (≥ 1), exactly one set."""
+
+    fraction: float | None = None
+    count: int | None = None
+
+    def kept(self, n: int) -> int:
+        """Rows kept of ``n`` (``n`` when all are)."""
+        if self.count is not None:
+            return min(self.count, n)
+        fraction = 1.0 if self.fraction is None else self.fraction
+        return min(n, max(1, math.ceil(fraction * n)))
+
+
+def parse_shadow_rows(value: float | int | None) -> RowSampling | None:
+    """``attach(shadow_rows=...)`` validated: None (or 1.0) = exact; raises ConfigError("shadow_rows") otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError("shadow_rows", f"must be a fraction 0 < f <= 1 or a row count >= 1, got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError("shadow_rows", f"a row count must be >= 1, got {value!r}")
+        return RowSampling(count=value)
+    if not (0.0 < value <= 1.0):
+        raise ConfigError("shadow_rows", f"a fraction must be in (0, 1], got {value!r}")
+    return None if value == 1.0 else RowSampling(fraction=float(value))
+
+
+class RowSampler:
+    """One layer's seeded stratified draws (one generator per device)."""
+
+    def __init__(self, sampling: RowSampling, seed: int) -> None:
+        self.sampling = sampling
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def draw(self, n: int, device: torch.device, kept: int | None = None) -> Tensor | None:
+        """Sorted indices of the kept rows of ``n`` (``kept`` of them if given), on ``device``; None = all rows."""
+        k = self.sampling.kept(n) if kept is None else min(kept, n)
+        if k >= n:
+            return None
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._generators[device] = generator
+        # Stratum j is rows [floor(j·n/k), floor((j+1)·n/k)); one uniform row of each.
+        bounds = torch.arange(k + 1, device=device, dtype=torch.int64).mul_(n).div_(k, rounding_mode="floor")
+        sizes = bounds[1:] - bounds[:-1]
+        offsets = (torch.rand(k, generator=generator, device=device) * sizes).long().clamp_(max=sizes - 1)
+        return bounds[:-1] + offsets
+
+    def fraction_of(self, n: int) -> float:
+        """The kept share of ``n`` rows (for the gradient's rows: the same share as the tokens')."""
+        return self.sampling.kept(n) / n
