@@ -420,3 +420,77 @@ def _compiles(pattern: str) -> bool:
     except re.error:
         return False
     return True
+
+
+def test_the_page_serves_its_modules_as_javascript(collector: Any) -> None:
+    """Browsers refuse a module script served under any other content type; pyproject's ``static/*`` ships them."""
+    static = Path(__file__).resolve().parents[2] / "service" / "static"
+    page = httpx.get(f"{collector.url}/").text
+    assert '<script type="module" src="static/main.js">' in page
+    modules = sorted(p.name for p in static.glob("*.js"))
+    assert "main.js" in modules
+    assert len(modules) > 5
+    for name in modules:
+        answer = httpx.get(f"{collector.url}/static/{name}")
+        assert answer.status_code == 200, name
+        assert answer.headers["content-type"].startswith("text/javascript"), name
+    pyproject = (static.parents[1] / "pyproject.toml").read_text()
+    assert '"static/*"' in pyproject
+    assert not [p for p in static.iterdir() if p.is_dir()]  # a subfolder would escape the static/* glob
+
+
+def _catalog_view(page: Page, collector: Any, metric: str) -> tuple[str, list[tuple[int, int, int]], str]:
+    """Open ``metric`` of the short run: the heatmap request's URL, the last column's colours, a tooltip's text."""
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url) if "/heatmap?" in r.url else None)
+    page.goto("about:blank")  # a fresh load of the page, which reads the catalogue again
+    page.goto(f"{collector.url}/#run={quote(collector.run, safe='')}&metric={metric}")
+    page.wait_for_selector("#heatmap[data-rows]")
+    row = 1  # underflow_ratio 0.001, output_rel_l2 about 0.008 there
+    shown = _hover_cell(page, row, collector.steps - 1)
+    return requests[-1], _cell_colours(page), shown["text"] or ""
+
+
+def test_polarity_ratio_and_meaning_come_from_the_catalog(page: Page, collector: Any) -> None:
+    """The page asks the collector's catalogue which direction is bad and which figures are ratios: served a
+    catalogue that says otherwise, it follows it; a metric the catalogue does not name is higher-is-worse, no ratio."""
+    catalog_requests: list[str] = []
+    page.on("request", lambda r: catalog_requests.append(r.url) if r.url.endswith("/api/v1/catalog") else None)
+    catalog = httpx.get(f"{collector.url}/api/v1/catalog").json()
+    underflow = next(m for m in catalog["metrics"] if m["name"] == "underflow_ratio")
+
+    # The real catalogue: underflow_ratio is higher-is-worse and a ratio. No rule watches it: a sequential scale,
+    # its highest values (0.002, rows 2, 5, …) yellow at the hot end.
+    heatmap, colours, text = _catalog_view(page, collector, "underflow_ratio")
+    assert catalog_requests
+    assert "agg=max" in heatmap
+    assert "(0.100%)" in text
+    assert colours[2][0] > 200
+    assert colours[2][2] < 100
+    title = page.locator('#metric option[value="underflow_ratio"]').get_attribute("title")
+    assert title == f"{underflow['meaning']} ({underflow['formula']})"
+
+    # A catalogue that calls it lower-is-worse and not a ratio, without output_rel_l2: the scale turns round (its
+    # highest values at the cold end), buckets show their minimum, values lose their percentage.
+    flipped = {
+        "metrics": [
+            {**m, "polarity": "lower_is_worse", "is_ratio": False, "unit": "share"} if m is underflow else m
+            for m in catalog["metrics"]
+            if m["name"] != "output_rel_l2"
+        ],
+        "scalars": catalog["scalars"],
+    }
+    page.route("**/api/v1/catalog", lambda route: route.fulfill(json=flipped))
+    heatmap, colours, text = _catalog_view(page, collector, "underflow_ratio")
+    assert "agg=min" in heatmap
+    assert "0.001" in text
+    assert "%" not in text
+    assert colours[2][0] < 100
+    assert colours[2][2] > 60
+
+    # output_rel_l2, unknown to that catalogue, falls back to higher-is-worse and non-ratio, and no meaning.
+    heatmap, _, text = _catalog_view(page, collector, "output_rel_l2")
+    assert "agg=max" in heatmap
+    assert "output_rel_l2" in text
+    assert "%" not in text.split("output_rel_l2", 1)[1].split("\n", 1)[0]
+    assert page.locator('#metric option[value="output_rel_l2"]').get_attribute("title") == ""
