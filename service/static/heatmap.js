@@ -34,22 +34,40 @@ function heatmapColumns() {
   return Math.max(20, Math.min(MAX_HEATMAP_COLUMNS, Math.floor(wrap.clientWidth - 200)));
 }
 
+// The columns a heatmap draws: those where at least one layer was measured. A run sampled every 10 steps answers
+// with a column per step while nothing was measured at 9 of 10: those columns are not holes, they were never
+// expected, so they are left out; a cell is hatched only where its layer is missing from a column others measured.
+function measuredColumns(raw, rows, cols) {
+  const keep = [];
+  for (let c = 0; c < cols; c++) {
+    for (let r = 0; r < rows; r++) {
+      const v = raw[r] ? raw[r][c] : undefined;
+      if (v !== null && v !== undefined) {
+        keep.push(c);
+        break;
+      }
+    }
+  }
+  return keep;
+}
+
 function prepareHeatmap(body, metric) {
   const layers = body.layers || [];
-  const steps = body.steps || [];
   const rows = layers.length;
+  const keep = measuredColumns(body.values || [], rows, (body.steps || []).length);
+  const steps = keep.map((c) => body.steps[c]);
+  const raw = layers.map((_, r) => keep.map((c) => ((body.values && body.values[r]) || [])[c] ?? null));
   const cols = steps.length;
   const values = new Array(rows * cols);
   const flat = [];
   for (let r = 0; r < rows; r++) {
-    const row = (body.values && body.values[r]) || [];
     for (let c = 0; c < cols; c++) {
-      const v = toNumber(row[c] === undefined ? null : row[c]);
+      const v = toNumber(raw[r][c]);
       values[r * cols + c] = v;
       if (v !== null) flat.push(v);
     }
   }
-  // Each row against its own rule bound; the legend lists the distinct bounds, the most common first.
+  // Each row against its own rule bound; the legend draws one bar per distinct bound, the most common first.
   const bounds = layers.map((layer) => rowBound(metric, layer));
   const tally = new Map();
   for (const b of bounds) {
@@ -59,7 +77,8 @@ function prepareHeatmap(body, metric) {
     if (seen) seen.rows++;
     else tally.set(key, { bound: b, rows: 1 });
   }
-  const distinct = [...tally.values()].sort((a, b) => b.rows - a.rows).map((entry) => entry.bound);
+  const legend = [...tally.values()].sort((a, b) => b.rows - a.rows);
+  const distinct = legend.map((entry) => entry.bound);
   const scale = makeScale(metric, flat, distinct);
   // Pre-computed RGB per cell; kind 0 = value, 1 = not measured, 2 = non-finite.
   const rgb = new Uint8ClampedArray(rows * cols * 3);
@@ -81,7 +100,7 @@ function prepareHeatmap(body, metric) {
     }
   }
   const unwatched = distinct.length > 0 && bounds.includes(null);
-  return { layers, steps, rows, cols, raw: body.values || [], values, scale, bounds, unwatched, rgb, kind, metric };
+  return { layers, steps, rows, cols, raw, values, scale, bounds, legend, unwatched, rgb, kind, metric };
 }
 
 export function drawHeatmap() {
@@ -96,11 +115,16 @@ export function drawHeatmap() {
   const { ctx, dpr } = setupCanvas(canvas, geo.width, geo.height);
   ctx.clearRect(0, 0, geo.width, geo.height);
 
-  // Left gutter sized to the layer names (ellipsized from the left: the end of a qualified name says the most).
+  // Left gutter sized to the layer names (ellipsized from the left: the end of a qualified name says the most), then
+  // one for the bound each row is coloured against, so that a row held to 25% says so next to one held to 5%.
   ctx.font = "11px ui-monospace, Menlo, Consolas, monospace";
   let labelWidth = 0;
   for (const name of hm.layers) labelWidth = Math.max(labelWidth, ctx.measureText(name).width);
-  const left = Math.round(Math.min(240, Math.max(60, labelWidth + 12)));
+  const boundTexts = hm.bounds.map((b) => (b ? formatBound(b, hm.metric) : ""));
+  let boundWidth = 0;
+  for (const text of boundTexts) boundWidth = Math.max(boundWidth, ctx.measureText(text).width);
+  const nameGutter = Math.round(Math.min(240, Math.max(60, labelWidth + 12)));
+  const left = nameGutter + (boundWidth > 0 ? Math.round(boundWidth + 10) : 0);
   const plotW = geo.width - left - HM.right;
   const plotH = geo.plotH;
   hm.plot = { x: left, y: HM.top, w: plotW, h: plotH };
@@ -141,7 +165,10 @@ export function drawHeatmap() {
   ctx.textBaseline = "middle";
   for (let r = 0; r < hm.rows; r += every) {
     const y = HM.top + (r + 0.5) * rowH;
-    ctx.fillText(ellipsizeLeft(ctx, hm.layers[r], left - 8), left - 6, y);
+    ctx.fillStyle = "#344054";
+    ctx.fillText(ellipsizeLeft(ctx, hm.layers[r], nameGutter - 8), nameGutter - 6, y);
+    ctx.fillStyle = "#667085";
+    if (boundTexts[r]) ctx.fillText(boundTexts[r], left - 4, y);
   }
 
   // Step axis: round step numbers, placed inside the column (bucket) that holds them.
@@ -158,6 +185,7 @@ export function drawHeatmap() {
     const c = columnOfStep(hm, t);
     if (c < 0) continue;
     const [first, last] = stepRangeOfColumn(hm, c);
+    if (t > last) continue; // a step no column holds (not sampled)
     const x = left + (c + (t - first + 0.5) / (last - first + 1)) * colW;
     ctx.beginPath();
     ctx.moveTo(x, HM.top + plotH);
@@ -180,7 +208,8 @@ export function drawHeatmap() {
   canvas.dataset.rows = String(hm.rows);
   canvas.dataset.cols = String(hm.cols);
   canvas.dataset.plot = JSON.stringify(hm.plot);
-  drawLegend(hm.scale, hm.metric, hm.unwatched);
+  canvas.dataset.rowBounds = JSON.stringify(boundTexts);
+  drawLegend(hm.scale, hm.metric, hm.legend, hm.unwatched);
 }
 
 function columnOfStep(hm, step) {

@@ -11,13 +11,18 @@ export async function loadRuns() {
   try {
     body = await api("/runs");
   } catch (err) {
-    if (!(err instanceof ApiError && (err.status === 401 || err.status === 403))) {
+    if (err instanceof ApiError && (err.status === 401 || err.status === 403)) {
+      state.authNeeded = true;
+      renderRuns();
+    } else {
       showBanner(`Could not list runs: ${describeError(err)}`, "runs");
     }
     return false;
   }
+  state.authNeeded = false;
   clearBanner("runs");
   clearBanner("auth");
+  state.runsLoaded = true;
   // Most recently active first.
   state.runs = listOf(body, "runs")
     .slice()
@@ -33,7 +38,9 @@ export function runName(run) {
 export function renderRuns() {
   const list = $("runs-list");
   list.innerHTML = "";
-  $("runs-empty").hidden = state.runs.length > 0;
+  // "No runs yet" only once the collector has answered: a collector that wants a token has not said so.
+  $("runs-empty").hidden = !state.runsLoaded || state.runs.length > 0;
+  $("runs-locked").hidden = state.runsLoaded || !state.authNeeded;
   for (const run of state.runs) {
     const name = runName(run);
     const li = document.createElement("li");
@@ -125,7 +132,11 @@ function renderRunHead() {
   add("layers", layers !== null ? String(layers) : null);
   add("metrics", String(metricsOf(d).length));
   const ranks = pick(d, "ranks");
-  if (Array.isArray(ranks)) add("ranks", ranks.join(", "));
+  // A count, with the ranks' numbers where they are not just rank 0: "1 rank", "4 ranks (0, 1, 2, 3)".
+  if (Array.isArray(ranks)) {
+    const count = `${ranks.length} rank${ranks.length === 1 ? "" : "s"}`;
+    add("ranks", ranks.length === 1 && ranks[0] === 0 ? count : `${count} (${ranks.join(", ")})`);
+  }
   // A rank picker only when there is more than one rank to pick from.
   const rankSelect = $("rank");
   rankSelect.innerHTML = "";

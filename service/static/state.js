@@ -2,6 +2,8 @@
 // &end=...&agg=...), so every view can be linked to and the browser's back button works.
 export const state = {
   runs: [],
+  runsLoaded: false, // whether the collector has listed the runs (an unanswered list is not an empty one)
+  authNeeded: false, // the last answer was 401 or 403: the page waits for a token
   run: null, // selected run name
   detail: null, // GET /runs/{run}
   metric: null,

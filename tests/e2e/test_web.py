@@ -188,11 +188,16 @@ def test_token_prompt_on_a_secured_collector(page: Page, secured_collector: Any)
     page.goto(f"{secured_collector.url}/")
     page.locator("#token-form").wait_for(state="visible")
     assert "401" in page.locator("#banner").inner_text()
+    # Without a token the runs list asks for one: it does not say there are no runs.
+    page.locator("#runs-locked").wait_for(state="visible")
+    assert "token" in page.locator("#runs-locked").inner_text()
+    assert page.locator("#runs-empty").is_hidden()
     page.fill("#token-input", secured_collector.read_token)
     page.click("#token-form button")
     page.locator(f'#runs-list a[data-run="{secured_collector.run}"]').wait_for()
     page.wait_for_selector("#heatmap[data-rows]")
     assert page.locator("#banner").is_hidden()
+    assert page.locator("#runs-locked").is_hidden()
 
 
 def test_empty_collector_says_how_to_get_runs(page: Page, tmp_path: Path) -> None:
@@ -494,3 +499,81 @@ def test_polarity_ratio_and_meaning_come_from_the_catalog(page: Page, collector:
     assert "output_rel_l2" in text
     assert "%" not in text.split("output_rel_l2", 1)[1].split("\n", 1)[0]
     assert page.locator('#metric option[value="output_rel_l2"]').get_attribute("title") == ""
+
+
+def test_each_row_and_legend_bar_shows_its_own_bound(
+    page: Page, tmp_path: Path, short_run: list[dict[str, Any]]
+) -> None:
+    """Rows held to 25% and rows held to 5% each get a legend bar of their own bound and show it next to their name;
+    the run's facts count its ranks."""
+    run, layers = short_run[0]["run"], short_run[0]["layers"]
+    output = {"metric": "output_rel_l2", "op": ">", "consecutive": 3}
+    rules_file = tmp_path / "rules.yaml"
+    rules = [
+        {**output, "name": "quantwatch_output_deviation", "threshold": 0.05, "layers": ["blocks.0.*", "blocks.2.*"]},
+        {**output, "name": "fp4_output_deviation", "threshold": 0.25, "layers": "blocks.1.*"},
+    ]
+    rules_file.write_text(json.dumps({"default_rules": True, "rules": rules}))
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'bounds.db'}", rules_file=rules_file)
+    with BackgroundServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        for batch in short_run:
+            http.post("/api/v1/ingest", json=batch).raise_for_status()
+        page.goto(f"{server.url}/#run={quote(run, safe='')}&metric=output_rel_l2")
+        page.wait_for_selector("#heatmap[data-rows]")
+        assert json.loads(page.locator("#legend").get_attribute("data-bars") or "[]") == [
+            "> 5% · 8 layers",
+            "> 25% · 4 layers",
+        ]
+        row_bounds = json.loads(page.locator("#heatmap").get_attribute("data-row-bounds") or "[]")
+        assert row_bounds == ["> 25%" if layer.startswith("blocks.1.") else "> 5%" for layer in layers]
+        # The drifting layer (6-12%) is past 5% but within its own 25%: coloured within, as its row says.
+        assert _kind_of(_cell_colours(page)[layers.index("blocks.1.mlp.fc1")]) == "within"
+        facts = page.locator("#run-facts").inner_text()
+        assert "1 rank" in facts
+
+
+def test_a_sampled_run_draws_the_sampled_steps(page: Page, tmp_path: Path) -> None:
+    """A run the agent sampled every 10 steps: one column per sampled step, hatched only where a layer is missing
+    from a step the others were measured at; the layer chart draws the same steps."""
+    run, layers, every, last = "e2e/sampled", ["l0", "l1", "l2", "l3"], 10, 90
+    hole = (2, 40)
+    steps = [
+        {
+            "step": step,
+            "metrics": {"output_rel_l2": [None if (i, step) == hole else 0.01 * (i + 1) for i in range(len(layers))]},
+        }
+        for step in range(0, last + 1, every)
+    ]
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'sampled.db'}")
+    with BackgroundServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        batch = {"run": run, "batch_id": "s", "layers": layers, "steps": steps}
+        http.post("/api/v1/ingest", json=batch).raise_for_status()
+        page.goto(f"{server.url}/#run={quote(run, safe='')}&metric=output_rel_l2&layer=l0")
+        page.wait_for_selector("#heatmap[data-rows]")
+        hatched = page.evaluate(
+            """() => {
+                const c = document.getElementById('heatmap');
+                const plot = JSON.parse(c.dataset.plot);
+                const rows = Number(c.dataset.rows);
+                const cols = Number(c.dataset.cols);
+                const dpr = window.devicePixelRatio || 1;
+                const ctx = c.getContext('2d');
+                const hatch = new Set(['205,210,218', '238,240,243']);
+                let count = 0;
+                for (let r = 0; r < rows; r++) for (let col = 0; col < cols; col++) {
+                    const x = Math.floor((plot.x + (col + 0.5) * plot.w / cols) * dpr);
+                    const y = Math.floor((plot.y + (r + 0.5) * plot.h / rows) * dpr);
+                    if (hatch.has(Array.from(ctx.getImageData(x, y, 1, 1).data.slice(0, 3)).join(','))) count++;
+                }
+                return {count, cells: rows * cols, cols};
+            }"""
+        )
+        sampled = last // every + 1
+        assert hatched["cols"] == sampled
+        assert hatched["count"] / hatched["cells"] <= 1 / (len(layers) * sampled)
+        shown = _hover_cell(page, hole[0], hole[1] // every)
+        assert shown["step"] == str(hole[1])
+        assert "not measured" in (shown["text"] or "")
+        page.wait_for_function("() => document.getElementById('series')._chart")
+        drawn = page.evaluate("() => document.getElementById('series')._chart.spec.lines[0].steps")
+        assert drawn == list(range(0, last + 1, every))
