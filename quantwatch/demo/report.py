@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -147,9 +148,16 @@ def print_summary(console: Console, options: DemoOptions, result: DemoResult) ->
     with httpx.Client(timeout=5) as http:
         if http.get(f"{base}/metrics").status_code == 200:
             console.print(f"Prometheus {base}/metrics")
-    if not options.keep_serving and options.url is None:
-        console.print(
-            f"History kept in {options.database}; see it again with [bold]quantwatch serve --database-url "
-            f"sqlite:///{options.database} --rules {kept_rules_path(options.database)}[/]",
-            soft_wrap=True,  # one line, to copy and paste
-        )
+
+
+def print_stopped(console: Console, url: str, database: Path, port: int) -> None:
+    """Say that the demo's collector at ``url`` has stopped, and print the one command that serves its history again
+    from any directory: absolute paths, the port it used, the demo's rules (without them the collector would retire
+    the demo's rules and their alerts)."""
+    database = database.resolve()
+    command = f"quantwatch serve --database-url sqlite:///{database} --rules {kept_rules_path(database)} --port {port}"
+    console.print(f"The demo's collector at {url} has stopped. History kept in {database}.")
+    console.print(
+        f"See the run again with [bold]{command}[/] and open {url}/#run=demo",
+        soft_wrap=True,  # one line, to copy and paste
+    )

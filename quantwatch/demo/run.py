@@ -21,7 +21,7 @@ import quantwatch.agent as qw
 from quantwatch.demo.model import BATCH, SEQUENCE, MarkovTask, TinyTransformer, next_token_loss
 from quantwatch.demo.options import DemoOptions, DemoResult
 from quantwatch.demo.recipes import demo_rules, kept_rules_path, make_recipe
-from quantwatch.demo.report import collect_summary, print_notification, print_summary
+from quantwatch.demo.report import collect_summary, print_notification, print_stopped, print_summary
 from quantwatch.demo.webhooks import WebhookReceiver
 from quantwatch.kernels import quantize_model
 
@@ -29,18 +29,64 @@ LEARNING_RATE = 6e-3
 RUN_NAME = "demo"
 
 
-def _port_to_use(preferred: int) -> int:
-    """``preferred`` when it is free on loopback (0: any), else a free one."""
+PORTS_TRIED = 100
+"""How many ports from the one asked for the demo tries, one after the other, before it takes any free one."""
+
+
+def next_free_port(preferred: int) -> int:
+    """``preferred`` when it is free on loopback, else the next free one above it (0: any free port)."""
     from quantwatch.service.server import free_port
 
     if preferred == 0:
         return free_port()
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", preferred))
-        except OSError:
-            return free_port()
-    return preferred
+    for port in range(preferred, min(preferred + PORTS_TRIED, 65536)):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
+
+
+DEMO_SCOPES = ("read", "ingest")
+"""What the demo's token needs on an existing collector: ingest for the agent, read for the summary."""
+
+
+def check_scopes(url: str, token: str | None) -> None:
+    """Before any training: ask the collector at ``url`` whether ``token`` may read and ingest.
+
+    Raises :class:`~quantwatch.client.AuthError` (exit 5) naming the missing scope, or
+    :class:`~quantwatch.client.UnreachableError` (exit 3). The ingest probe posts an empty body: the collector checks
+    the token before the body, so a token with the scope gets a 4xx about the body and nothing is stored.
+    """
+    from quantwatch.client import AuthError, UnreachableError
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
+            answers = {
+                "read": http.get("/api/v1/runs"),
+                "ingest": http.post("/api/v1/ingest", content=b"", headers={"Content-Type": "application/json"}),
+            }
+    except httpx.TransportError as exc:
+        raise UnreachableError(f"cannot reach the collector at {url}: {exc}") from exc
+    refused = {scope: answer for scope, answer in answers.items() if answer.status_code in (401, 403)}
+    if not refused:
+        return
+    needs = f"the demo needs a token with the {' and '.join(DEMO_SCOPES)} scopes (--token or QUANTWATCH_TOKEN)"
+    reasons = "; ".join(f"{scope}: {answer.status_code} {_problem_detail(answer)}" for scope, answer in refused.items())
+    raise AuthError(
+        f"{needs}; the collector at {url} refused {reasons}", status=next(iter(refused.values())).status_code
+    )
+
+
+def _problem_detail(answer: httpx.Response) -> str:
+    try:
+        problem = answer.json()
+    except ValueError:
+        return answer.reason_phrase
+    return str(problem.get("detail") or problem.get("title")) if isinstance(problem, dict) else answer.reason_phrase
 
 
 @contextmanager
@@ -70,6 +116,7 @@ def run_demo(
     console = console or Console()
     with tempfile.TemporaryDirectory(prefix="quantwatch-demo-") as scratch:
         if options.url is not None:
+            check_scopes(options.url, options.token)
             run = f"{RUN_NAME}-{options.recipe}-seed{options.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
             result = _train_and_report(options, console, options.url, run, receiver=None)
             if while_serving is not None:
@@ -83,7 +130,7 @@ def run_demo(
         rules_file.write_text(json.dumps(rules))
         kept = {key: value for key, value in rules.items() if key != "receivers"}
         kept_rules_path(options.database).write_text(json.dumps(kept, indent=2) + "\n")
-        port = _port_to_use(options.port)
+        port = next_free_port(options.port)
         if port != options.port and options.port != 0:
             console.print(f"[yellow]port {options.port} is busy; the demo collector uses {port}[/]")
         try:
@@ -98,6 +145,7 @@ def run_demo(
                             time.sleep(3600)
                     except KeyboardInterrupt:
                         console.print("stopped")
+            print_stopped(console, url, options.database, port)
         finally:
             receiver.stop()
     return result

@@ -6,7 +6,9 @@ import csv
 import inspect
 import io
 import re
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,10 +34,11 @@ from quantwatch.demo import (
     make_recipe,
     run_demo,
 )
+from quantwatch.demo.run import next_free_port
 from quantwatch.kernels import QuantLinear, quantize_model
 from quantwatch.service import Settings, create_app
 from quantwatch.service.alerts.rules import RulesFile
-from quantwatch.service.server import BackgroundServer
+from quantwatch.service.server import BackgroundServer, free_port, wait_until_ready
 
 # The demo's own length: the per-tensor FP4 layer's update direction drifts past 5% around step 50 with the default seed
 # (48 or 51 depending on the CPU's matmul rounding), well inside it.
@@ -237,3 +240,57 @@ def test_demo_rules_hold_fp8_layers_to_5_percent_and_fp4_layers_to_their_own_bou
         assert fp8_rule.matches_layer(name) == is_fp8, name
         assert (fp4_rule is not None and fp4_rule.matches_layer(name)) == (not is_fp8), name
     assert by_name[UPDATE_RULE].matches_layer(PER_TENSOR_FP4_LAYER)
+
+
+def test_the_demo_says_its_collector_stopped_and_the_printed_command_works_from_anywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The demo run from one directory with the default relative database name; its command run from another.
+    (tmp_path / "here").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    out = io.StringIO()
+    run_demo(DemoOptions(steps=3, port=0, database=Path("quantwatch-demo.db")), Console(file=out, width=200))
+    printed = out.getvalue()
+    stopped = re.search(r"The demo's collector at (http://127\.0\.0\.1:(\d+)) has stopped", printed)
+    assert stopped is not None, printed
+    again = re.search(r"See the run again with (quantwatch serve .+?) and open (\S+)", printed)
+    assert again is not None, printed
+    argv = shlex.split(again.group(1))
+    assert Path(argv[argv.index("--rules") + 1]).is_absolute()
+    assert argv[argv.index("--port") + 1] == stopped.group(2)
+    assert again.group(2) == f"{stopped.group(1)}/#run=demo"
+    command = [sys.executable, "-m", "quantwatch.cli", *argv[1:], "--log-level", "warning"]
+    process = subprocess.Popen(command, cwd=tmp_path / "elsewhere", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until_ready(process, f"{stopped.group(1)}/readyz", 60, "the demo's printed serve command")
+        assert httpx.get(f"{stopped.group(1)}/api/v1/runs/demo").json()["last_step"] == 2
+        assert "QuantWatch" in httpx.get(stopped.group(1) + "/").text
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert not list((tmp_path / "elsewhere").iterdir())  # it served the demo's files, created none here
+
+
+def test_the_demo_takes_the_next_free_port_when_its_port_is_taken() -> None:
+    taken = free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        chosen = next_free_port(taken)
+    assert chosen > taken
+    assert chosen - taken < 100  # the next free one, not one picked at random
+
+
+def test_demo_url_with_a_token_lacking_a_scope_exits_5_before_training(secured_collector: Any) -> None:
+    result = CliRunner().invoke(
+        cli.app, ["demo", "--url", secured_collector.url, "--token", secured_collector.ingest_token, "--steps", "3"]
+    )
+    assert result.exit_code == 5, result.output
+    assert "read and ingest scopes" in result.stderr
+    assert "read: 403" in result.stderr
+    assert "Traceback" not in result.output
+    assert "training" not in result.stdout  # no progress bar: it stopped before the first step
+    headers = {"Authorization": f"Bearer {secured_collector.read_token}"}
+    runs = httpx.get(f"{secured_collector.url}/api/v1/runs", headers=headers).json()
+    assert not [r for r in runs if r["name"].startswith("demo-")]
