@@ -294,3 +294,32 @@ def test_demo_url_with_a_token_lacking_a_scope_exits_5_before_training(secured_c
     headers = {"Authorization": f"Bearer {secured_collector.read_token}"}
     runs = httpx.get(f"{secured_collector.url}/api/v1/runs", headers=headers).json()
     assert not [r for r in runs if r["name"].startswith("demo-")]
+
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+README_TOLERANCE = 0.10
+"""How far (relative) the demo's figures may be from those the README states: the CPU's matmul rounding moves them."""
+
+
+def test_the_readme_states_the_demos_figures(first_run: Run) -> None:
+    """The README's "What it shows" figures are the default demo's, as its summary reports them."""
+    result, _, _ = first_run
+    shows = re.search(r"^What it shows\.(.*?)\n\n", README, flags=re.MULTILINE | re.DOTALL)
+    assert shows is not None
+    text = " ".join(shows.group(1).split())
+    assert "within 10%" in text  # the tolerance the README states is this test's
+    tops = re.search(r"tops the summary on activation error \(≈(\d+)%\), underflow \(≈(\d+)%.*?\(≈(\d+)%\)", text)
+    assert tops is not None, text
+    for metric, stated in zip(("act_rel_l2", "underflow_ratio", "weight_drift_rel_l2"), tops.groups(), strict=True):
+        value, layer = result.summary["worst"][metric][0]
+        assert layer == PER_TENSOR_FP4_LAYER, metric
+        assert abs(value * 100 - int(stated)) <= README_TOLERANCE * int(stated), (metric, value, stated)
+    around = re.search(r"fires once, around step (\d+)", text)
+    assert around is not None
+    assert abs(result.alerts[0]["firing"]["step"] - int(around.group(1))) <= README_TOLERANCE * int(around.group(1))
+    loss = re.search(r"the final loss stays within (\d+)% of the shadow's \(\+([\d.]+)%", " ".join(README.split()))
+    assert loss is not None
+    scalars = result.summary["scalars"]
+    gap = scalars["loss"]["mean"][-1] / scalars["loss_shadow"]["mean"][-1] - 1
+    assert abs(gap) < int(loss.group(1)) / 100
+    assert abs(gap * 100 - float(loss.group(2))) <= README_TOLERANCE * float(loss.group(2)), gap
