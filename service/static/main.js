@@ -62,13 +62,14 @@ async function refresh(force) {
   const before = state.runs.find((r) => runName(r) === state.run);
   const beforeKey = before ? JSON.stringify([pick(before, "last_seen_at"), pick(before, "points"), pick(before, "firing_alerts")]) : null;
   if (!(await loadRuns())) return;
+  // The catalogue and the rules before any run opens: a token entered just now may be the first that reads them.
+  const [rulesChanged, catalogLoaded] = await Promise.all([loadRules(), loadCatalog()]);
   if (!state.run) {
     openLatestRun();
     return;
   }
   const after = state.runs.find((r) => runName(r) === state.run);
   const afterKey = after ? JSON.stringify([pick(after, "last_seen_at"), pick(after, "points"), pick(after, "firing_alerts")]) : null;
-  const [rulesChanged, catalogLoaded] = await Promise.all([loadRules(), loadCatalog()]);
   if (force || catalogLoaded || beforeKey !== afterKey) {
     if (!(await loadRunDetail())) return;
     loadHeatmap();
