@@ -34,6 +34,7 @@ from quantwatch.demo import (
     make_recipe,
     run_demo,
 )
+from quantwatch.demo.report import print_stopped
 from quantwatch.demo.run import next_free_port
 from quantwatch.kernels import QuantLinear, quantize_model
 from quantwatch.service import Settings, create_app
@@ -242,34 +243,46 @@ def test_demo_rules_hold_fp8_layers_to_5_percent_and_fp4_layers_to_their_own_bou
     assert by_name[UPDATE_RULE].matches_layer(PER_TENSOR_FP4_LAYER)
 
 
-def test_the_demo_says_its_collector_stopped_and_the_printed_command_works_from_anywhere(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The demo run from one directory with the default relative database name; its command run from another.
-    (tmp_path / "here").mkdir()
-    (tmp_path / "elsewhere").mkdir()
-    monkeypatch.chdir(tmp_path / "here")
-    out = io.StringIO()
-    run_demo(DemoOptions(steps=3, port=0, database=Path("quantwatch-demo.db")), Console(file=out, width=200))
-    printed = out.getvalue()
+def _serve_command(printed: str) -> tuple[str, str, list[str]]:
+    """From the demo's output: the URL its collector had, the port, and the printed serve command's words."""
     stopped = re.search(r"The demo's collector at (http://127\.0\.0\.1:(\d+)) has stopped", printed)
     assert stopped is not None, printed
     again = re.search(r"See the run again with (quantwatch serve .+?) and open (\S+)", printed)
     assert again is not None, printed
-    argv = shlex.split(again.group(1))
-    assert Path(argv[argv.index("--rules") + 1]).is_absolute()
-    assert argv[argv.index("--port") + 1] == stopped.group(2)
     assert again.group(2) == f"{stopped.group(1)}/#run=demo"
+    return stopped.group(1), stopped.group(2), shlex.split(again.group(1))
+
+
+def test_the_demo_says_its_collector_stopped_and_its_command_serves_the_run_from_anywhere(
+    first_run: Run, tmp_path: Path
+) -> None:
+    result, _, printed = first_run
+    url, port, argv = _serve_command(printed)
+    assert url == result.url
+    assert argv[argv.index("--port") + 1] == port
     command = [sys.executable, "-m", "quantwatch.cli", *argv[1:], "--log-level", "warning"]
-    process = subprocess.Popen(command, cwd=tmp_path / "elsewhere", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_until_ready(process, f"{stopped.group(1)}/readyz", 60, "the demo's printed serve command")
-        assert httpx.get(f"{stopped.group(1)}/api/v1/runs/demo").json()["last_step"] == 2
-        assert "QuantWatch" in httpx.get(stopped.group(1) + "/").text
+        wait_until_ready(process, f"{url}/readyz", 60, "the demo's printed serve command")
+        assert httpx.get(f"{url}/api/v1/runs/demo").json()["last_step"] == STEPS - 1
+        alerts = httpx.get(f"{url}/api/v1/alerts", params={"run": "demo"}).json()
+        assert [(a["rule"], a["state"]) for a in alerts] == [(UPDATE_RULE, "firing")]
     finally:
         process.terminate()
         process.wait(timeout=30)
-    assert not list((tmp_path / "elsewhere").iterdir())  # it served the demo's files, created none here
+    assert not list(tmp_path.iterdir())  # it served the demo's files, created none where it ran
+
+
+def test_the_printed_command_names_absolute_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default database is relative (./quantwatch-demo.db): the command must work from another directory too.
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    print_stopped(Console(file=out, width=300), "http://127.0.0.1:8123", Path("quantwatch-demo.db"), 8123)
+    _, port, argv = _serve_command(out.getvalue())
+    assert port == "8123"
+    assert argv[argv.index("--database-url") + 1] == f"sqlite:///{tmp_path / 'quantwatch-demo.db'}"
+    assert argv[argv.index("--rules") + 1] == str(tmp_path / "quantwatch-demo.rules.yaml")
+    assert argv[argv.index("--port") + 1] == "8123"
 
 
 def test_the_demo_takes_the_next_free_port_when_its_port_is_taken() -> None:
