@@ -6,6 +6,7 @@ import { formatTime, formatValue, toNumber } from "./format.js";
 import { metricsOf } from "./runs.js";
 import { hashFor, state } from "./state.js";
 
+// Each load counts up; an answer that arrives after a newer request started is dropped.
 let alertsSeq = 0;
 
 // The step an alert is about: where it fired (or went pending), else its latest transition.

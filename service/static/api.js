@@ -1,5 +1,6 @@
 // The REST client: GET requests to the collector's public API (/api/v1/...) with the token the user entered, errors
 // as ApiError from RFC 9457 problem+json.
+
 const API = "api/v1";
 export const TOKEN_KEY = "quantwatch.token";
 

@@ -2,7 +2,6 @@
 import { ApiError } from "./api.js";
 import { $ } from "./dom.js";
 
-
 // `source` says which loader raised the banner, so a later success of that loader (and only that one) clears it.
 export function showBanner(text, source) {
   $("banner-text").textContent = text;

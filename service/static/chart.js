@@ -2,7 +2,6 @@
 import { $, placeTooltip, setupCanvas } from "./dom.js";
 import { formatBound, formatTick, formatValue, niceTicks, toNumber } from "./format.js";
 
-
 const CHART = { left: 58, right: 14, top: 10, bottom: 26 };
 
 export function drawChart(canvas, spec) {

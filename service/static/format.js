@@ -13,7 +13,6 @@ export function toNumber(v) {
   return Number.isNaN(n) ? null : n;
 }
 
-
 export function formatValue(v, metric) {
   if (v === null) return "not measured";
   if (Number.isNaN(v)) return "NaN";

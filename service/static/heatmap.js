@@ -17,6 +17,7 @@ function bucketAggregate(metric) {
   if (state.agg !== "worst") return state.agg;
   return lowerIsWorse(metric) ? "min" : "max";
 }
+
 // Heatmap: one ImageData fill per draw (fast for 512 layers × 500 columns), null cells hatched, non-finite magenta.
 
 const HM = { left: 0, top: 6, right: 10, bottom: 24 };
@@ -324,6 +325,7 @@ export function installHeatmapEvents() {
     }
   });
 }
+// Each load counts up; an answer that arrives after a newer request started is dropped.
 let heatmapSeq = 0;
 export async function loadHeatmap() {
   const seq = ++heatmapSeq;

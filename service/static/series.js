@@ -7,8 +7,10 @@ import { $, setupCanvas, showOverlay } from "./dom.js";
 import { ruleBounds } from "./rules.js";
 import { state } from "./state.js";
 
+// Each load counts up; an answer that arrives after a newer request started is dropped.
 let seriesSeq = 0;
 let lossSeq = 0;
+
 export async function loadSeries() {
   const seq = ++seriesSeq;
   const canvas = $("series");

@@ -1,5 +1,6 @@
 // What the page shows, in one object, and its mirror in the URL hash (#run=...&metric=...&layer=...&step=...&start=...
 // &end=...&agg=...), so every view can be linked to and the browser's back button works.
+
 export const state = {
   runs: [],
   runsLoaded: false, // whether the collector has listed the runs (an unanswered list is not an empty one)
