@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo test system-packages lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,10 +26,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+# The Debian binaries the suite runs for real: installed when missing (as root with apt-get), else make stops here
+# and prints the command that installs them.
+system-packages:
+	.ci/system-packages
+
+pytest: system-packages $(STAMP)
 	$(BIN)/python -m pytest
 
-test: lint typecheck pytest
+test: system-packages lint typecheck pytest
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -181,7 +181,12 @@ def demo(
         bool, typer.Option("--keep-serving", help="Leave the collector and web view up afterwards (Ctrl-C stops).")
     ] = False,
     url: Annotated[
-        str | None, typer.Option("--url", help="Send to this existing collector instead of starting one.")
+        str | None,
+        typer.Option(
+            "--url",
+            help="Send to this existing collector instead of starting one (its own rules apply; --token needs the "
+            "read and ingest scopes).",
+        ),
     ] = None,
     token: TokenOption = None,
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port of the demo collector.")] = 8000,
@@ -208,8 +213,13 @@ def demo(
         _usage(str(exc))
     from rich.console import Console
 
+    from quantwatch.client import CollectorError
+
     # Into a pipe or a log, do not wrap at 80 columns: URLs and table rows stay whole.
-    run_demo(options, Console(width=None if sys.stdout.isatty() else 160))
+    try:
+        run_demo(options, Console(width=None if sys.stdout.isatty() else 160))
+    except CollectorError as exc:  # with --url: a token without the read and ingest scopes, an unreachable collector
+        _fail(exc)
 
 
 @app.command()

@@ -6,7 +6,9 @@ import csv
 import inspect
 import io
 import re
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,10 +34,12 @@ from quantwatch.demo import (
     make_recipe,
     run_demo,
 )
+from quantwatch.demo.report import print_stopped
+from quantwatch.demo.run import next_free_port
 from quantwatch.kernels import QuantLinear, quantize_model
 from quantwatch.service import Settings, create_app
 from quantwatch.service.alerts.rules import RulesFile
-from quantwatch.service.server import BackgroundServer
+from quantwatch.service.server import BackgroundServer, free_port, wait_until_ready
 
 # The demo's own length: the per-tensor FP4 layer's update direction drifts past 5% around step 50 with the default seed
 # (48 or 51 depending on the CPU's matmul rounding), well inside it.
@@ -237,3 +241,98 @@ def test_demo_rules_hold_fp8_layers_to_5_percent_and_fp4_layers_to_their_own_bou
         assert fp8_rule.matches_layer(name) == is_fp8, name
         assert (fp4_rule is not None and fp4_rule.matches_layer(name)) == (not is_fp8), name
     assert by_name[UPDATE_RULE].matches_layer(PER_TENSOR_FP4_LAYER)
+
+
+def _serve_command(printed: str) -> tuple[str, str, list[str]]:
+    """From the demo's output: the URL its collector had, the port, and the printed serve command's words."""
+    stopped = re.search(r"The demo's collector at (http://127\.0\.0\.1:(\d+)) has stopped", printed)
+    assert stopped is not None, printed
+    again = re.search(r"See the run again with (quantwatch serve .+?) and open (\S+)", printed)
+    assert again is not None, printed
+    assert again.group(2) == f"{stopped.group(1)}/#run=demo"
+    return stopped.group(1), stopped.group(2), shlex.split(again.group(1))
+
+
+def test_the_demo_says_its_collector_stopped_and_its_command_serves_the_run_from_anywhere(
+    first_run: Run, tmp_path: Path
+) -> None:
+    result, _, printed = first_run
+    url, port, argv = _serve_command(printed)
+    assert url == result.url
+    assert argv[argv.index("--port") + 1] == port
+    command = [sys.executable, "-m", "quantwatch.cli", *argv[1:], "--log-level", "warning"]
+    process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until_ready(process, f"{url}/readyz", 60, "the demo's printed serve command")
+        assert httpx.get(f"{url}/api/v1/runs/demo").json()["last_step"] == STEPS - 1
+        alerts = httpx.get(f"{url}/api/v1/alerts", params={"run": "demo"}).json()
+        assert [(a["rule"], a["state"]) for a in alerts] == [(UPDATE_RULE, "firing")]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert not list(tmp_path.iterdir())  # it served the demo's files, created none where it ran
+
+
+def test_the_printed_command_names_absolute_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default database is relative (./quantwatch-demo.db): the command must work from another directory too.
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    print_stopped(Console(file=out, width=300), "http://127.0.0.1:8123", Path("quantwatch-demo.db"), 8123)
+    _, port, argv = _serve_command(out.getvalue())
+    assert port == "8123"
+    assert argv[argv.index("--database-url") + 1] == f"sqlite:///{tmp_path / 'quantwatch-demo.db'}"
+    assert argv[argv.index("--rules") + 1] == str(tmp_path / "quantwatch-demo.rules.yaml")
+    assert argv[argv.index("--port") + 1] == "8123"
+
+
+def test_the_demo_takes_the_next_free_port_when_its_port_is_taken() -> None:
+    taken = free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        chosen = next_free_port(taken)
+    assert chosen > taken
+    assert chosen - taken < 100  # the next free one, not one picked at random
+
+
+def test_demo_url_with_a_token_lacking_a_scope_exits_5_before_training(secured_collector: Any) -> None:
+    result = CliRunner().invoke(
+        cli.app, ["demo", "--url", secured_collector.url, "--token", secured_collector.ingest_token, "--steps", "3"]
+    )
+    assert result.exit_code == 5, result.output
+    assert "read and ingest scopes" in result.stderr
+    assert "read: 403" in result.stderr
+    assert "Traceback" not in result.output
+    assert "training" not in result.stdout  # no progress bar: it stopped before the first step
+    headers = {"Authorization": f"Bearer {secured_collector.read_token}"}
+    runs = httpx.get(f"{secured_collector.url}/api/v1/runs", headers=headers).json()
+    assert not [r for r in runs if r["name"].startswith("demo-")]
+
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+README_TOLERANCE = 0.10
+"""How far (relative) the demo's figures may be from those the README states: the CPU's matmul rounding moves them."""
+
+
+def test_the_readme_states_the_demos_figures(first_run: Run) -> None:
+    """The README's "What it shows" figures are the default demo's, as its summary reports them."""
+    result, _, _ = first_run
+    shows = re.search(r"^What it shows\.(.*?)\n\n", README, flags=re.MULTILINE | re.DOTALL)
+    assert shows is not None
+    text = " ".join(shows.group(1).split())
+    assert "within 10%" in text  # the tolerance the README states is this test's
+    tops = re.search(r"tops the summary on activation error \(≈(\d+)%\), underflow \(≈(\d+)%.*?\(≈(\d+)%\)", text)
+    assert tops is not None, text
+    for metric, stated in zip(("act_rel_l2", "underflow_ratio", "weight_drift_rel_l2"), tops.groups(), strict=True):
+        value, layer = result.summary["worst"][metric][0]
+        assert layer == PER_TENSOR_FP4_LAYER, metric
+        assert abs(value * 100 - int(stated)) <= README_TOLERANCE * int(stated), (metric, value, stated)
+    around = re.search(r"fires once, around step (\d+)", text)
+    assert around is not None
+    assert abs(result.alerts[0]["firing"]["step"] - int(around.group(1))) <= README_TOLERANCE * int(around.group(1))
+    loss = re.search(r"the final loss stays within (\d+)% of the shadow's \(\+([\d.]+)%", " ".join(README.split()))
+    assert loss is not None
+    scalars = result.summary["scalars"]
+    gap = scalars["loss"]["mean"][-1] / scalars["loss_shadow"]["mean"][-1] - 1
+    assert abs(gap) < int(loss.group(1)) / 100
+    assert abs(gap * 100 - float(loss.group(2))) <= README_TOLERANCE * float(loss.group(2)), gap

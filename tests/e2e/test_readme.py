@@ -33,7 +33,7 @@ README = (REPO / "README.md").read_text()
 # How each README command is exercised: by a test of this file, or (Docker cannot run here) validated elsewhere.
 COVERAGE = {
     "make demo": "test_make_targets_run_the_readme_commands (and tests/e2e/test_demo.py runs the demo itself)",
-    "make test": "test_make_targets_run_the_readme_commands (and .ci/run runs it on every push)",
+    "make test": "test_make_test_installs_the_debian_packages_it_needs_or_says_how (and .ci/run runs it on every push)",
     "quantwatch runs": "test_readme_client_commands",
     "quantwatch series": "test_readme_client_commands",
     "quantwatch alerts": "test_readme_client_commands",
@@ -88,6 +88,45 @@ def test_make_targets_run_the_readme_commands() -> None:
         assert tool in test, test
     ci = (REPO / ".ci" / "run").read_text()
     assert re.search(r"^make test$", ci, flags=re.MULTILINE)
+    # make test sets up the system itself, before anything else runs; CI then runs nothing but make test.
+    assert test.splitlines()[0] == ".ci/system-packages", test
+    assert [line for line in ci.splitlines() if line and not line.startswith(("#", "set ", "cd ", "export "))] == [
+        "make test"
+    ]
+
+
+def _fake_bin(folder: Path, programs: dict[str, str]) -> dict[str, str]:
+    """A PATH of only ``programs`` (name: shell body), so the script sees exactly the binaries a test gives it."""
+    folder.mkdir()
+    for name, body in programs.items():
+        (folder / name).write_text(f"#!/bin/sh\n{body}\n")
+        (folder / name).chmod(0o755)
+    return {"PATH": str(folder)}
+
+
+def test_make_test_installs_the_debian_packages_it_needs_or_says_how(tmp_path: Path) -> None:
+    script = ["/bin/bash", str(REPO / ".ci" / "system-packages")]
+    needed = "prometheus prometheus-alertmanager chromium"
+    log = tmp_path / "apt.log"
+    apt = {"apt-get": f'echo "$@" >> {log}'}
+
+    # As root with apt-get: installs what is missing.
+    root = subprocess.run(script, env=_fake_bin(tmp_path / "root", {**apt, "id": "echo 0"}), capture_output=True)
+    assert root.returncode == 0, root.stderr
+    assert log.read_text().splitlines() == ["update", f"install -y {needed}"]
+    log.unlink()
+
+    # Not root: stops (before any test) with the one command to run.
+    user = subprocess.run(script, env=_fake_bin(tmp_path / "user", {**apt, "id": "echo 1000"}), capture_output=True)
+    assert user.returncode == 1
+    assert f"sudo apt-get install -y {needed}" in user.stderr.decode()
+    assert not log.exists()
+
+    # Everything there: nothing to do.
+    present = dict.fromkeys(("prometheus", "promtool", "amtool", "prometheus-alertmanager", "chromium"), "exit 0")
+    done = subprocess.run(script, env=_fake_bin(tmp_path / "done", {**apt, **present, "id": "echo 0"}))
+    assert done.returncode == 0
+    assert not log.exists()
 
 
 def test_readme_client_commands(collector: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -195,6 +195,18 @@ def test_token_prompt_on_a_secured_collector(page: Page, secured_collector: Any)
     assert page.locator("#banner").is_hidden()
 
 
+def test_without_a_token_the_runs_list_asks_for_one(page: Page, secured_collector: Any) -> None:
+    """A collector that wants a token has not said it holds no runs: the list asks for the token instead."""
+    page.goto(f"{secured_collector.url}/")
+    page.locator("#runs-locked").wait_for(state="visible")
+    assert "token" in page.locator("#runs-locked").inner_text()
+    assert page.locator("#runs-empty").is_hidden()
+    page.fill("#token-input", secured_collector.read_token)
+    page.click("#token-form button")
+    page.locator(f'#runs-list a[data-run="{secured_collector.run}"]').wait_for()
+    assert page.locator("#runs-locked").is_hidden()
+
+
 def test_empty_collector_says_how_to_get_runs(page: Page, tmp_path: Path) -> None:
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'empty.db'}")
     with BackgroundServer(create_app(settings)) as server:
@@ -206,9 +218,9 @@ def test_empty_collector_says_how_to_get_runs(page: Page, tmp_path: Path) -> Non
         assert page.locator("#banner").is_hidden()
 
 
-def _cell_colours(page: Page) -> list[tuple[int, int, int]]:
-    """The colour drawn at the centre of the last column's cell of every heatmap row."""
-    colours: list[list[int]] = page.evaluate(
+def _grid_colours(page: Page) -> list[list[tuple[int, int, int]]]:
+    """The colour drawn at the centre of every heatmap cell, row by row."""
+    grid: list[list[list[int]]] = page.evaluate(
         """() => {
             const c = document.getElementById('heatmap');
             const plot = JSON.parse(c.dataset.plot);
@@ -216,16 +228,20 @@ def _cell_colours(page: Page) -> list[tuple[int, int, int]]:
             const cols = Number(c.dataset.cols);
             const dpr = window.devicePixelRatio || 1;
             const ctx = c.getContext('2d');
-            const out = [];
-            for (let r = 0; r < rows; r++) {
-                const x = (plot.x + (cols - 0.5) * plot.w / cols) * dpr;
+            const at = (r, col) => {
+                const x = (plot.x + (col + 0.5) * plot.w / cols) * dpr;
                 const y = (plot.y + (r + 0.5) * plot.h / rows) * dpr;
-                out.push(Array.from(ctx.getImageData(Math.floor(x), Math.floor(y), 1, 1).data.slice(0, 3)));
-            }
-            return out;
+                return Array.from(ctx.getImageData(Math.floor(x), Math.floor(y), 1, 1).data.slice(0, 3));
+            };
+            return Array.from({length: rows}, (_, r) => Array.from({length: cols}, (_, col) => at(r, col)));
         }"""
     )
-    return [(r, g, b) for r, g, b in colours]
+    return [[(r, g, b) for r, g, b in row] for row in grid]
+
+
+def _cell_colours(page: Page) -> list[tuple[int, int, int]]:
+    """The colour drawn at the centre of the last column's cell of every heatmap row."""
+    return [row[-1] for row in _grid_colours(page)]
 
 
 def _kind_of(colour: tuple[int, int, int]) -> str:
@@ -420,3 +436,142 @@ def _compiles(pattern: str) -> bool:
     except re.error:
         return False
     return True
+
+
+def test_the_page_serves_its_modules_as_javascript(collector: Any) -> None:
+    """Browsers refuse a module script served under any other content type; pyproject's ``static/*`` ships them."""
+    static = Path(__file__).resolve().parents[2] / "service" / "static"
+    page = httpx.get(f"{collector.url}/").text
+    assert '<script type="module" src="static/main.js">' in page
+    modules = sorted(p.name for p in static.glob("*.js"))
+    assert "main.js" in modules
+    assert len(modules) > 5
+    for name in modules:
+        answer = httpx.get(f"{collector.url}/static/{name}")
+        assert answer.status_code == 200, name
+        assert answer.headers["content-type"].startswith("text/javascript"), name
+    pyproject = (static.parents[1] / "pyproject.toml").read_text()
+    assert '"static/*"' in pyproject
+    assert not [p for p in static.iterdir() if p.is_dir()]  # a subfolder would escape the static/* glob
+
+
+def _catalog_view(page: Page, collector: Any, metric: str) -> tuple[str, list[tuple[int, int, int]], str]:
+    """Open ``metric`` of the short run: the heatmap request's URL, the last column's colours, a tooltip's text."""
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url) if "/heatmap?" in r.url else None)
+    page.goto("about:blank")  # a fresh load of the page, which reads the catalogue again
+    page.goto(f"{collector.url}/#run={quote(collector.run, safe='')}&metric={metric}")
+    page.wait_for_selector("#heatmap[data-rows]")
+    row = 1  # underflow_ratio 0.001, output_rel_l2 about 0.008 there
+    shown = _hover_cell(page, row, collector.steps - 1)
+    return requests[-1], _cell_colours(page), shown["text"] or ""
+
+
+def test_polarity_ratio_and_meaning_come_from_the_catalog(page: Page, collector: Any) -> None:
+    """The page asks the collector's catalogue which direction is bad and which figures are ratios: served a
+    catalogue that says otherwise, it follows it; a metric the catalogue does not name is higher-is-worse, no ratio."""
+    catalog_requests: list[str] = []
+    page.on("request", lambda r: catalog_requests.append(r.url) if r.url.endswith("/api/v1/catalog") else None)
+    catalog = httpx.get(f"{collector.url}/api/v1/catalog").json()
+    underflow = next(m for m in catalog["metrics"] if m["name"] == "underflow_ratio")
+
+    # The real catalogue: underflow_ratio is higher-is-worse and a ratio. No rule watches it: a sequential scale,
+    # its highest values (0.002, rows 2, 5, …) yellow at the hot end.
+    heatmap, colours, text = _catalog_view(page, collector, "underflow_ratio")
+    assert catalog_requests
+    assert "agg=max" in heatmap
+    assert "(0.100%)" in text
+    assert colours[2][0] > 200
+    assert colours[2][2] < 100
+    title = page.locator('#metric option[value="underflow_ratio"]').get_attribute("title")
+    assert title == f"{underflow['meaning']} ({underflow['formula']})"
+
+    # A catalogue that calls it lower-is-worse and not a ratio, without output_rel_l2: the scale turns round (its
+    # highest values at the cold end), buckets show their minimum, values lose their percentage.
+    flipped = {
+        "metrics": [
+            {**m, "polarity": "lower_is_worse", "is_ratio": False, "unit": "share"} if m is underflow else m
+            for m in catalog["metrics"]
+            if m["name"] != "output_rel_l2"
+        ],
+        "scalars": catalog["scalars"],
+    }
+    page.route("**/api/v1/catalog", lambda route: route.fulfill(json=flipped))
+    heatmap, colours, text = _catalog_view(page, collector, "underflow_ratio")
+    assert "agg=min" in heatmap
+    assert "0.001" in text
+    assert "%" not in text
+    assert colours[2][0] < 100
+    assert colours[2][2] > 60
+
+    # output_rel_l2, unknown to that catalogue, falls back to higher-is-worse and non-ratio, and no meaning.
+    heatmap, _, text = _catalog_view(page, collector, "output_rel_l2")
+    assert "agg=max" in heatmap
+    assert "output_rel_l2" in text
+    assert "%" not in text.split("output_rel_l2", 1)[1].split("\n", 1)[0]
+    assert page.locator('#metric option[value="output_rel_l2"]').get_attribute("title") == ""
+
+
+def test_each_row_and_legend_bar_shows_its_own_bound(
+    page: Page, tmp_path: Path, short_run: list[dict[str, Any]]
+) -> None:
+    """Rows held to 25% and rows held to 5% each get a legend bar of their own bound and show it next to their name;
+    the run's facts count its ranks."""
+    run, layers = short_run[0]["run"], short_run[0]["layers"]
+    output = {"metric": "output_rel_l2", "op": ">", "consecutive": 3}
+    rules_file = tmp_path / "rules.yaml"
+    rules = [
+        {**output, "name": "quantwatch_output_deviation", "threshold": 0.05, "layers": ["blocks.0.*", "blocks.2.*"]},
+        {**output, "name": "fp4_output_deviation", "threshold": 0.25, "layers": "blocks.1.*"},
+    ]
+    rules_file.write_text(json.dumps({"default_rules": True, "rules": rules}))
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'bounds.db'}", rules_file=rules_file)
+    with BackgroundServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        for batch in short_run:
+            http.post("/api/v1/ingest", json=batch).raise_for_status()
+        page.goto(f"{server.url}/#run={quote(run, safe='')}&metric=output_rel_l2")
+        page.wait_for_selector("#heatmap[data-rows]")
+        assert json.loads(page.locator("#legend").get_attribute("data-bars") or "[]") == [
+            "> 5% · 8 layers",
+            "> 25% · 4 layers",
+        ]
+        row_bounds = json.loads(page.locator("#heatmap").get_attribute("data-row-bounds") or "[]")
+        assert row_bounds == ["> 25%" if layer.startswith("blocks.1.") else "> 5%" for layer in layers]
+        # The drifting layer (6-12%) is past 5% but within its own 25%: coloured within, as its row says.
+        assert _kind_of(_cell_colours(page)[layers.index("blocks.1.mlp.fc1")]) == "within"
+        facts = page.locator("#run-facts").inner_text()
+        assert "1 rank" in facts
+
+
+def test_a_sampled_run_draws_the_sampled_steps(page: Page, tmp_path: Path) -> None:
+    """A run the agent sampled every 10 steps: one column per sampled step, hatched only where a layer is missing
+    from a step the others were measured at; the layer chart draws the same steps."""
+    run, layers, every, last = "e2e/sampled", ["l0", "l1", "l2", "l3"], 10, 90
+    hole = (2, 40)
+    steps = [
+        {
+            "step": step,
+            "metrics": {"output_rel_l2": [None if (i, step) == hole else 0.01 * (i + 1) for i in range(len(layers))]},
+        }
+        for step in range(0, last + 1, every)
+    ]
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'sampled.db'}")
+    with BackgroundServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        batch = {"run": run, "batch_id": "s", "layers": layers, "steps": steps}
+        http.post("/api/v1/ingest", json=batch).raise_for_status()
+        page.goto(f"{server.url}/#run={quote(run, safe='')}&metric=output_rel_l2&layer=l0")
+        page.wait_for_selector("#heatmap[data-rows]")
+        grid = _grid_colours(page)
+        hatch = {(205, 210, 218), (238, 240, 243)}  # HATCH_DARK, HATCH_LIGHT of colour.js
+        hatched = sum(colour in hatch for row in grid for colour in row)
+        sampled = last // every + 1
+        assert page.locator("#heatmap").get_attribute("data-cols") == str(sampled)
+        assert len(grid[0]) == sampled
+        assert hatched >= 1  # the hole itself
+        assert hatched / (len(grid) * len(grid[0])) <= 1 / (len(layers) * sampled)
+        shown = _hover_cell(page, hole[0], hole[1] // every)
+        assert shown["step"] == str(hole[1])
+        assert "not measured" in (shown["text"] or "")
+        page.wait_for_function("() => document.getElementById('series')._chart")
+        drawn = page.evaluate("() => document.getElementById('series')._chart.spec.lines[0].steps")
+        assert drawn == list(range(0, last + 1, every))
