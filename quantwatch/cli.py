@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 # "\b" keeps click from re-wrapping the table.
 EXIT_CODES_HELP = """\b
-Exit codes of the client commands (runs, alerts, series, export, import):
+Exit codes of the client commands (runs, alerts, series, export, import, replay):
   0  success
   1  the collector failed (5xx) or answered something that is not the API
   2  bad arguments, or an unreadable input file
@@ -473,6 +473,63 @@ def _import_stopped(file: Path, number: int, reason: str, stored: int) -> NoRetu
     typer.echo(f"error: {file}:{number}: {reason}", err=True)
     typer.echo(_resume_hint(stored), err=True)
     raise typer.Exit(code=int(ExitCode.USAGE))
+
+
+@app.command()
+def replay(
+    spool_dir: Annotated[
+        Path,
+        typer.Argument(
+            metavar="SPOOL_DIR",
+            help="A job's spool directory, or a folder above several (every spool below it is replayed).",
+        ),
+    ],
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+    timeout: TimeoutOption = 30.0,
+) -> None:
+    """Deliver what a finished job left in its disk spool, oldest first. Each batch is deleted once the collector
+    stored it (or already had it), so the replay is safe to repeat or to resume."""
+    from quantwatch.client import CollectorError
+
+    if not spool_dir.is_dir():
+        _usage(f"SPOOL_DIR: {spool_dir} is not a directory")
+    try:
+        from quantwatch.agent.spool import DiskSpool, spool_directories
+    except ImportError as exc:
+        _usage(f"replay reads the agent's spool: {exc}")
+    batches = stored = duplicates = points = 0
+    with _client(url, token, timeout) as client:
+        for directory in spool_directories(spool_dir):
+            spool = DiskSpool(directory, max_bytes=1 << 62)  # never appended to here: the cap does not apply
+            while (entry := spool.oldest()) is not None:
+                batch = entry.batch
+                try:
+                    answer = client.ingest(batch.body, content_type=batch.content_type, gzipped=batch.gzip)
+                except CollectorError as exc:
+                    typer.echo(f"error: {entry.path}: {exc}", err=True)
+                    typer.echo(
+                        f"  {batches} batches before it were delivered and removed from the spool; the rest stay. "
+                        "Re-running the replay is safe (the collector recognises batches by batch_id).",
+                        err=True,
+                    )
+                    raise typer.Exit(code=int(exc.exit_code)) from exc
+                spool.remove(entry)
+                batches += 1
+                if answer.get("duplicate"):
+                    duplicates += 1
+                else:
+                    stored += 1
+                    points += int(answer.get("points") or 0)
+    summary = {"batches": batches, "stored": stored, "duplicates": duplicates, "points": points}
+    if as_json:
+        _print_json(summary)
+    else:
+        typer.echo(
+            f"Replayed {batches} batches from {spool_dir} into {client.url}: {stored} stored ({points} points), "
+            f"{duplicates} already there."
+        )
 
 
 register_service(app)

@@ -104,7 +104,7 @@ def test_close_interrupts_retries_and_spools(tmp_path: Any) -> None:
     engine = BatchEngine(exporter, run="r", rank=0, max_batch_steps=1, max_delay_seconds=60)
     for step in range(3):
         engine.submit(_pending(step))
-    assert engine.close(10)  # does not sit through 100 retries of 30 s
+    assert engine.close(1)  # does not sit through 100 retries of 30 s
     assert len(spool) == 3
     assert engine.submitted_steps == 3
 
@@ -156,3 +156,34 @@ def test_fork_child_gets_its_own_queue_and_thread() -> None:
     assert engine.flush(5)
     assert _steps(exporter) == [0, 1]
     assert engine.close(5)
+
+
+def test_flush_and_close_deliver_the_spool_to_a_collector_that_comes_back(tmp_path: Any) -> None:
+    """The exporter thread retries the spool until the timeout: a collector starting up late still gets it all."""
+    import time
+
+    from quantwatch.agent.spool import DiskSpool
+
+    back_at = [float("inf")]
+    stored: list[bytes] = []
+
+    def collector(request: httpx.Request) -> httpx.Response:
+        if time.monotonic() < back_at[0]:
+            raise httpx.ConnectError("down")
+        stored.append(request.read())
+        return httpx.Response(200, json={"points": 0})
+
+    spool = DiskSpool(tmp_path, 1 << 20)
+    fast = RetryPolicy(max_attempts=1, initial_seconds=0.01, max_seconds=0.05)
+    exporter = HttpExporter("http://c.test", transport=httpx.MockTransport(collector), retry=fast, spool=spool)
+    engine = BatchEngine(exporter, run="r", rank=0, max_batch_steps=1, max_delay_seconds=60)
+    for step in range(3):
+        engine.submit(_pending(step))
+    assert engine.flush(0.2)  # down: every step is spooled, the spool retried for the rest of the time
+    assert engine.spooled_batches() == 3
+    back_at[0] = time.monotonic() + 0.3
+    engine.submit(_pending(3))
+    assert engine.close(30)
+    assert engine.spooled_batches() == 0
+    assert len(stored) == 4
+    assert exporter.counters()["replayed_batches"] == 4

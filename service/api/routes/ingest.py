@@ -8,7 +8,7 @@ import time
 import zlib
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from quantwatch.protocol import ingest_json_schema
@@ -77,6 +77,18 @@ def _gunzip(body: bytes, limit: int) -> bytes:
     if not inflater.eof:
         raise ProblemError(400, "malformed gzip body: truncated")
     return out
+
+
+@router.head(
+    "/ingest",
+    status_code=204,
+    dependencies=[IngestAuth],
+    responses={204: {"description": "The token may ingest"}},
+)
+async def ingest_allowed() -> Response:
+    """Whether the request's token may ingest: 204 when it may, 401/403 when not (the agent asks at ``attach()``,
+    so a refused token is a configuration error there instead of a surprise at the first batch)."""
+    return Response(status_code=204)
 
 
 @router.post(
