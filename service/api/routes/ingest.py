@@ -111,7 +111,10 @@ async def ingest_allowed() -> Response:
         415: {"description": "Unsupported content type or encoding"},
         422: {"description": "Schema violation (the problem's errors name the field)"},
         429: {"description": "Too many ingest requests in progress; retry after Retry-After"},
-        503: {"description": "Database busy; retry"},
+        503: {
+            "description": "The database cannot store it now (disk full, read-only, locked, unreachable: the "
+            "detail says which); nothing was stored; retry after Retry-After"
+        },
     },
 )
 async def ingest(request: Request) -> IngestAnswer:
@@ -155,6 +158,7 @@ async def ingest(request: Request) -> IngestAnswer:
             return store.ingest(batch, observers)
 
         result = await run_in_threadpool(work)
+        request.app.state.write_health.succeeded()
         gate.record(time.perf_counter() - started)
     finally:
         gate.pending -= 1
