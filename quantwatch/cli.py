@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -423,7 +424,7 @@ def import_(
 
     if str(file) != "-" and not file.is_file():
         _usage(f"FILE: {file} is not a readable file")
-    batches = stored = duplicates = points = 0
+    sent = _Delivery()
     with _client(url, token, timeout) as client:
         try:
             for number, line in _batch_lines(file):
@@ -433,30 +434,51 @@ def import_(
                 try:
                     batch = json.loads(text)
                 except ValueError as exc:
-                    _import_stopped(file, number, f"not valid JSON ({exc})", stored)
+                    _import_stopped(file, number, f"not valid JSON ({exc})", sent.stored)
                 if not isinstance(batch, dict) or not isinstance(batch.get("batch_id"), str):
-                    _import_stopped(file, number, "not an ingest batch (a JSON object with a string batch_id)", stored)
+                    _import_stopped(
+                        file, number, "not an ingest batch (a JSON object with a string batch_id)", sent.stored
+                    )
                 try:
                     answer = client.ingest(text)
                 except CollectorError as exc:
                     typer.echo(f"error: {file}:{number}: {exc}", err=True)
-                    typer.echo(_resume_hint(stored), err=True)
+                    typer.echo(_resume_hint(sent.stored), err=True)
                     raise typer.Exit(code=int(exc.exit_code)) from exc
-                batches += 1
-                if answer.get("duplicate"):
-                    duplicates += 1
-                else:
-                    stored += 1
-                    points += int(answer.get("points") or 0)
+                sent.count(answer)
         except OSError as exc:
             _usage(f"FILE: cannot read {file}: {exc}")
-    summary = {"batches": batches, "stored": stored, "duplicates": duplicates, "points": points}
-    if as_json:
-        _print_json(summary)
-    else:
+    sent.report("Imported", f"into {client.url}", as_json)
+
+
+@dataclass
+class _Delivery:
+    """What ``import`` or ``replay`` sent: batches, those the collector stored (and their points), those it had."""
+
+    batches: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    points: int = 0
+
+    def count(self, answer: dict[str, Any]) -> None:
+        """Count one ingest answer."""
+        self.batches += 1
+        if answer.get("duplicate"):
+            self.duplicates += 1
+        else:
+            self.stored += 1
+            self.points += int(answer.get("points") or 0)
+
+    def report(self, verb: str, where: str, as_json: bool) -> None:
+        """Print the summary ("<verb> N batches <where>: …"), or the counts as JSON."""
+        if as_json:
+            _print_json(
+                {"batches": self.batches, "stored": self.stored, "duplicates": self.duplicates, "points": self.points}
+            )
+            return
         typer.echo(
-            f"Imported {batches} batches into {client.url}: {stored} stored ({points} points), "
-            f"{duplicates} already there."
+            f"{verb} {self.batches} batches {where}: {self.stored} stored ({self.points} points), "
+            f"{self.duplicates} already there."
         )
 
 
@@ -499,7 +521,7 @@ def replay(
         from quantwatch.agent.spool import DiskSpool, spool_directories
     except ImportError as exc:
         _usage(f"replay reads the agent's spool: {exc}")
-    batches = stored = duplicates = points = 0
+    sent = _Delivery()
     with _client(url, token, timeout) as client:
         for directory in spool_directories(spool_dir):
             spool = DiskSpool(directory, max_bytes=1 << 62)  # never appended to here: the cap does not apply
@@ -510,26 +532,14 @@ def replay(
                 except CollectorError as exc:
                     typer.echo(f"error: {entry.path}: {exc}", err=True)
                     typer.echo(
-                        f"  {batches} batches before it were delivered and removed from the spool; the rest stay. "
-                        "Re-running the replay is safe (the collector recognises batches by batch_id).",
+                        f"  {sent.batches} batches before it were delivered and removed from the spool; the rest "
+                        "stay. Re-running the replay is safe (the collector recognises batches by batch_id).",
                         err=True,
                     )
                     raise typer.Exit(code=int(exc.exit_code)) from exc
                 spool.remove(entry)
-                batches += 1
-                if answer.get("duplicate"):
-                    duplicates += 1
-                else:
-                    stored += 1
-                    points += int(answer.get("points") or 0)
-    summary = {"batches": batches, "stored": stored, "duplicates": duplicates, "points": points}
-    if as_json:
-        _print_json(summary)
-    else:
-        typer.echo(
-            f"Replayed {batches} batches from {spool_dir} into {client.url}: {stored} stored ({points} points), "
-            f"{duplicates} already there."
-        )
+                sent.count(answer)
+    sent.report("Replayed", f"from {spool_dir} into {client.url}", as_json)
 
 
 register_service(app)
