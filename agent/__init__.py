@@ -15,7 +15,15 @@ try:
 except ImportError as _missing:
     raise ImportError("quantwatch.agent needs PyTorch: pip install 'quantwatch[agent]'") from _missing
 
-from quantwatch.agent.errors import AgentError, ConfigError, ExportError, PermanentExportError, TransientExportError
+from quantwatch.agent.engine import FlushResult
+from quantwatch.agent.errors import (
+    AgentError,
+    ConfigError,
+    CredentialExportError,
+    ExportError,
+    PermanentExportError,
+    TransientExportError,
+)
 from quantwatch.agent.exporters import Exporter, HttpExporter, InMemoryExporter, JsonLinesExporter, RetryPolicy
 from quantwatch.agent.monitor import DEFAULT_EVERY, DEFAULT_METRICS, Monitor, attach
 from quantwatch.agent.sampling import Schedule
@@ -29,8 +37,10 @@ __all__ = [
     "AgentError",
     "Batch",
     "ConfigError",
+    "CredentialExportError",
     "ExportError",
     "Exporter",
+    "FlushResult",
     "HttpExporter",
     "InMemoryExporter",
     "JsonLinesExporter",
