@@ -15,7 +15,7 @@ try:
 except ImportError as _missing:
     raise ImportError("quantwatch.agent needs PyTorch: pip install 'quantwatch[agent]'") from _missing
 
-from quantwatch.agent.engine import FlushResult
+from quantwatch.agent.engine import DeliveryResult
 from quantwatch.agent.errors import (
     AgentError,
     ConfigError,
@@ -38,9 +38,9 @@ __all__ = [
     "Batch",
     "ConfigError",
     "CredentialExportError",
+    "DeliveryResult",
     "ExportError",
     "Exporter",
-    "FlushResult",
     "HttpExporter",
     "InMemoryExporter",
     "JsonLinesExporter",

@@ -5,8 +5,8 @@ The training thread only appends to the queue (``submit``); when the queue is fu
 and counted.  Everything slow — waiting for device copies, building records, encoding, HTTP, spooling, probing a
 collector that was down — happens on the exporter thread.  ``flush(timeout)`` and ``close(timeout)`` wait at most
 ``timeout`` seconds: they have the queue exported, then let a spooling exporter deliver its spool (retrying transient
-failures) for the rest of that time, and say what they achieved in a :class:`FlushResult`.  After ``fork()`` the child
-starts with an empty queue and its own thread (lazily), never the parent's.
+failures) for the rest of that time (the monitor reports the outcome as a :class:`DeliveryResult`).  After ``fork()``
+the child starts with an empty queue and its own thread (lazily), never the parent's.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from quantwatch.agent.exporters import Exporter, SpoolingExporter
 from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.wire import Batch, StepRecord
 
-__all__ = ["BatchEngine", "FlushResult", "PendingStep"]
+__all__ = ["BatchEngine", "DeliveryResult", "PendingStep"]
 
 
 @dataclass(frozen=True)
-class FlushResult:
+class DeliveryResult:
     """What ``Monitor.flush(timeout)`` or ``Monitor.close(timeout)`` achieved within its timeout.
 
     ``finished``: every step recorded before the call was exported or spooled (nothing is left only in memory).

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from quantwatch.agent.engine import BatchEngine, FlushResult, PendingStep
+from quantwatch.agent.engine import BatchEngine, DeliveryResult, PendingStep
 from quantwatch.agent.errors import ConfigError
 from quantwatch.agent.exporters import Exporter, HttpExporter, JsonLinesExporter, RetryPolicy
 from quantwatch.agent.failures import FailureLog
@@ -360,26 +360,26 @@ class Monitor:
             raise ConfigError("shadow", "save_shadow() needs attach(..., shadow='model')")
         self._shadow.save(path)
 
-    def flush(self, timeout_seconds: float = 10.0) -> FlushResult:
+    def flush(self, timeout_seconds: float = 10.0) -> DeliveryResult:
         """Send everything recorded so far, then the spool, retrying transient failures for up to
-        ``timeout_seconds``.  The :class:`FlushResult` is true when nothing is left only in memory; its ``delivered``
+        ``timeout_seconds``.  The :class:`DeliveryResult` is true when nothing is left only in memory; its ``delivered``
         says whether the collector has it all (``spool_batches`` counts what waits on disk)."""
         if self._engine is None:
-            return FlushResult(True)
-        return FlushResult(self._engine.flush(timeout_seconds), self._engine.spooled_batches())
+            return DeliveryResult(True)
+        return DeliveryResult(self._engine.flush(timeout_seconds), self._engine.spooled_batches())
 
-    def close(self, timeout_seconds: float = 10.0) -> FlushResult:
+    def close(self, timeout_seconds: float = 10.0) -> DeliveryResult:
         """Remove every hook, flush (the spool included, retrying a collector that is restarting) and stop the
-        exporter, within ``timeout_seconds``.  Returns a :class:`FlushResult` as :meth:`flush` and logs once whether
+        exporter, within ``timeout_seconds``.  Returns a :class:`DeliveryResult` as :meth:`flush` and logs once whether
         the spool is empty; what stays in it is delivered by the next process of this run or by
         ``quantwatch replay SPOOL_DIR``."""
         if self._closed:
-            return FlushResult(True)
+            return DeliveryResult(True)
         self._closed = True
         self._disarm(list(self._adapters))
         if self._engine is None:
-            return FlushResult(True)
-        result = FlushResult(self._engine.close(timeout_seconds), self._engine.spooled_batches())
+            return DeliveryResult(True)
+        result = DeliveryResult(self._engine.close(timeout_seconds), self._engine.spooled_batches())
         spool = getattr(self._engine.exporter, "spool", None)
         if result.spool_batches:
             logger.warning(
