@@ -184,9 +184,12 @@ def describe_database_error(exc: BaseException) -> DatabaseProblem | None:
 
 def probe_writes(engine: Engine) -> DatabaseProblem | None:
     """A cheap check that the database takes writes, all rolled back: on SQLite a no-op update of the schema
-    version (fails on a read-only or locked file; it waits at most a second for the lock), the pages left under
-    ``max_page_count`` and the bytes left on the file's filesystem; on PostgreSQL a transaction id (fails on a
-    read-only server or a standby).  None when fine."""
+    version (fails on a read-only file), the pages left under ``max_page_count`` and the bytes left on the file's
+    filesystem; on PostgreSQL a transaction id (fails on a read-only server or a standby).  None when fine.
+
+    A write lock held past the probe's one-second wait is not reported: the collector's own ingest holds it for as
+    long as a large batch takes, and a lock that outlasts the writers' minute reaches ``/readyz`` through
+    :class:`WriteHealth` instead."""
     try:
         with engine.connect() as conn:
             transaction = conn.begin()
@@ -195,7 +198,8 @@ def probe_writes(engine: Engine) -> DatabaseProblem | None:
             finally:
                 transaction.rollback()
     except (SQLAlchemyError, OSError) as exc:
-        return describe_database_error(exc) or DatabaseProblem("unavailable", _first_line(exc))
+        problem = describe_database_error(exc) or DatabaseProblem("unavailable", _first_line(exc))
+        return None if problem.cause == "locked" else problem
 
 
 def _probe(engine: Engine, conn: Connection) -> DatabaseProblem | None:
