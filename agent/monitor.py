@@ -374,7 +374,7 @@ class Monitor:
         the spool is empty; what stays in it is delivered by the next process of this run or by
         ``quantwatch replay SPOOL_DIR``."""
         if self._closed:
-            return DeliveryResult(True)
+            return DeliveryResult(True, self._engine.spooled_batches() if self._engine is not None else 0)
         self._closed = True
         self._disarm(list(self._adapters))
         if self._engine is None:
