@@ -24,7 +24,15 @@ from quantwatch.agent.adapters import (
     UnsupportedLayerError,
     register_adapter,
 )
-from quantwatch.agent.errors import AgentError, ConfigError, ExportError, PermanentExportError, TransientExportError
+from quantwatch.agent.engine import DeliveryResult
+from quantwatch.agent.errors import (
+    AgentError,
+    ConfigError,
+    CredentialExportError,
+    ExportError,
+    PermanentExportError,
+    TransientExportError,
+)
 from quantwatch.agent.exporters import Exporter, HttpExporter, InMemoryExporter, JsonLinesExporter, RetryPolicy
 from quantwatch.agent.monitor import DEFAULT_EVERY, DEFAULT_METRICS, Monitor, attach
 from quantwatch.agent.sampling import Schedule
@@ -41,6 +49,8 @@ __all__ = [
     "AgentError",
     "Batch",
     "ConfigError",
+    "CredentialExportError",
+    "DeliveryResult",
     "ExportError",
     "Exporter",
     "HttpExporter",

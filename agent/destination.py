@@ -75,8 +75,9 @@ def make_exporter(
             spool = DiskSpool(directory, spool_max_bytes)
         except OSError as exc:
             raise ConfigError("spool_dir", f"cannot use {directory}: {exc}") from exc
+    source = "token" if token else "QUANTWATCH_TOKEN"
     token = token or os.environ.get("QUANTWATCH_TOKEN") or None
-    return HttpExporter(
+    http = HttpExporter(
         url,
         token=token,
         encoding=encoding,
@@ -86,3 +87,9 @@ def make_exporter(
         retry=retry,
         timeout_seconds=timeout_seconds,
     )
+    try:
+        http.check_token(source, timeout_seconds=min(2.0, timeout_seconds))
+    except ConfigError:
+        http.close()
+        raise
+    return http

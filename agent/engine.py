@@ -2,9 +2,11 @@
 thread that resolves them, groups them into batches by size and time, and hands the batches to an exporter.
 
 The training thread only appends to the queue (``submit``); when the queue is full the oldest pending step is dropped
-and counted.  Everything slow — waiting for device copies, building records, encoding, HTTP, spooling — happens on
-the exporter thread.  ``flush(timeout)`` and ``close(timeout)`` wait at most ``timeout`` seconds.  After ``fork()`` the
-child starts with an empty queue and its own thread (lazily), never the parent's.
+and counted.  Everything slow — waiting for device copies, building records, encoding, HTTP, spooling, probing a
+collector that was down — happens on the exporter thread.  ``flush(timeout)`` and ``close(timeout)`` wait at most
+``timeout`` seconds: they have the queue exported, then let a spooling exporter deliver its spool (retrying transient
+failures) for the rest of that time (the monitor reports the outcome as a :class:`DeliveryResult`).  After ``fork()``
+the child starts with an empty queue and its own thread (lazily), never the parent's.
 """
 
 from __future__ import annotations
@@ -18,11 +20,32 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from quantwatch.agent.exporters import Exporter
+from quantwatch.agent.exporters import Exporter, SpoolingExporter
 from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.wire import Batch, StepRecord
 
-__all__ = ["BatchEngine", "PendingStep"]
+__all__ = ["BatchEngine", "DeliveryResult", "PendingStep"]
+
+
+@dataclass(frozen=True)
+class DeliveryResult:
+    """What ``Monitor.flush(timeout)`` or ``Monitor.close(timeout)`` achieved within its timeout.
+
+    ``finished``: every step recorded before the call was exported or spooled (nothing is left only in memory).
+    ``spool_batches``: batches still waiting in the disk spool afterwards (0: the collector has everything).
+    Its truth value is ``finished``, as the plain bool these methods used to return; ``delivered`` says whether the
+    collector has it all."""
+
+    finished: bool
+    spool_batches: int = 0
+
+    @property
+    def delivered(self) -> bool:
+        """Everything recorded reached the collector: finished, and the spool is empty."""
+        return self.finished and self.spool_batches == 0
+
+    def __bool__(self) -> bool:
+        return self.finished
 
 
 @dataclass(frozen=True)
@@ -32,6 +55,14 @@ class PendingStep:
 
     layers: tuple[str, ...]
     resolve: Callable[[], StepRecord]
+
+
+@dataclass(frozen=True)
+class _Drain:
+    """A request of flush/close to the exporter thread: deliver the spool until ``deadline`` (monotonic)."""
+
+    number: int
+    deadline: float
 
 
 _ENGINES: weakref.WeakSet[BatchEngine] = weakref.WeakSet()
@@ -84,6 +115,9 @@ class BatchEngine:
         self._handled = 0
         self._enqueued = 0
         self._flush_target = 0
+        self._drain_requested = 0  # flush/close calls that asked for the spool to be delivered ...
+        self._drain_done = 0  # ... and how many of them the exporter thread has served
+        self._drain_deadline = 0.0
         self._closing = False
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -118,71 +152,102 @@ class BatchEngine:
             return len(self._queue)
 
     def flush(self, timeout_seconds: float = 10.0) -> bool:
-        """Export everything queued so far and replay a due spool; True when done within ``timeout_seconds``."""
+        """Export everything queued so far, then let a spooling exporter deliver its spool (retrying transient
+        failures) for the rest of ``timeout_seconds``; True when every step queued before the call was exported or
+        spooled in time (:meth:`spooled_batches` tells what waits on disk)."""
         deadline = time.monotonic() + timeout_seconds
         with self._cond:
-            if self._thread is None:
+            if self._closed:
                 return True
+            thread = self._thread
+            if thread is None:
+                if not isinstance(self.exporter, SpoolingExporter):
+                    return True
+                thread = self._start_thread()  # a spool left by an earlier process of this run is worth delivering
             target = self._enqueued
             self._flush_target = max(self._flush_target, target)
-            self._cond.notify_all()
-            while self._handled < target:
+            request = self._request_drain(deadline)
+            while self._handled < target or self._drain_done < request:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._thread.is_alive():
-                    return False
+                if remaining <= 0 or not thread.is_alive():
+                    break
                 self._cond.wait(remaining)
-        return True
+            return self._handled >= target
 
     def close(self, timeout_seconds: float = 10.0) -> bool:
-        """Flush, stop the thread and release the exporter; True when everything was handled within the timeout.
+        """Flush (the spool included, as :meth:`flush`), stop the thread and release the exporter, all within
+        ``timeout_seconds``; True when every queued step was exported or spooled in time.
 
-        Transient export failures during close go straight to the spool instead of being retried."""
+        Transient failures of batches still queued spool them at once instead of waiting between retries; the spool
+        then gets the rest of the timeout, in order."""
+        deadline = time.monotonic() + timeout_seconds
         with self._cond:
             if self._closed:
                 return True
             self._closing = True
+            if self._thread is None and isinstance(self.exporter, SpoolingExporter):
+                self._start_thread()
             thread = self._thread
-            self._cond.notify_all()
+            target = self._enqueued
+            self._request_drain(deadline)
         self.exporter.shutdown()
-        finished = True
         if thread is not None:
-            thread.join(timeout_seconds)
-            finished = not thread.is_alive()
+            thread.join(max(0.0, deadline - time.monotonic()))
         with self._cond:
             self._closed = True
-        if finished:
+            finished = self._handled >= target
+        if thread is None or not thread.is_alive():
             try:
                 self.exporter.close()
             except Exception as exc:
                 self.failures.record("exporter_close", str(exc), exc)
         return finished
 
-    def _start_thread(self) -> None:
+    def _request_drain(self, deadline: float) -> int:
+        """Ask the exporter thread to deliver the spool until ``deadline`` (under the lock); the request's number."""
+        self._drain_requested += 1
+        self._drain_deadline = max(self._drain_deadline, deadline)
+        self._cond.notify_all()
+        return self._drain_requested
+
+    def spooled_batches(self) -> int:
+        """Batches waiting in the exporter's disk spool (0 for an exporter without one)."""
+        try:
+            return int(self.exporter.counters().get("spool_batches", 0))
+        except Exception as exc:
+            self.failures.record("exporter_counters", str(exc), exc)
+            return 0
+
+    def _start_thread(self) -> threading.Thread:
         self._thread = threading.Thread(target=self._worker, name="quantwatch-exporter", daemon=True)
         self._thread.start()
+        return self._thread
 
-    def _take(self) -> list[PendingStep] | None:
-        """Wait until a batch is due (size, age, flush or close) and take it; None means exit."""
+    def _take(self) -> list[PendingStep] | _Drain | None:
+        """Wait until a batch is due (size, age, flush or close) and take it, or a drain a flush/close asked for
+        once nothing is due; ``[]`` means idle, None means exit."""
         with self._cond:
             while True:
+                due = self._first_pending_at + self.max_delay_seconds
+                if self._queue and (
+                    len(self._queue) >= self.max_batch_steps
+                    or self._closing
+                    or self._flush_target > self._handled
+                    or time.monotonic() >= due
+                ):
+                    count = min(len(self._queue), self.max_batch_steps)
+                    taken = [self._queue.popleft() for _ in range(count)]
+                    self._first_pending_at = time.monotonic()
+                    return taken
+                if self._drain_done < self._drain_requested:
+                    return _Drain(self._drain_requested, self._drain_deadline)
                 if self._queue:
-                    due = self._first_pending_at + self.max_delay_seconds
-                    if (
-                        len(self._queue) >= self.max_batch_steps
-                        or self._closing
-                        or self._flush_target > self._handled
-                        or time.monotonic() >= due
-                    ):
-                        count = min(len(self._queue), self.max_batch_steps)
-                        taken = [self._queue.popleft() for _ in range(count)]
-                        self._first_pending_at = time.monotonic()
-                        return taken
                     self._cond.wait(max(0.0, due - time.monotonic()))
                 elif self._closing:
                     return None
                 else:
                     self._cond.wait(self.max_delay_seconds)
-                    if not self._queue and not self._closing:
+                    if not self._queue and not self._closing and self._drain_done >= self._drain_requested:
                         return []
 
     def _worker(self) -> None:
@@ -191,6 +256,9 @@ class BatchEngine:
             if taken is None:
                 self._idle()
                 return
+            if isinstance(taken, _Drain):
+                self._drain(taken)
+                continue
             if not taken:
                 self._idle()
                 continue
@@ -198,6 +266,16 @@ class BatchEngine:
             with self._cond:
                 self._handled += len(taken)
                 self._cond.notify_all()
+
+    def _drain(self, request: _Drain) -> None:
+        if isinstance(self.exporter, SpoolingExporter):
+            try:
+                self.exporter.drain(max(0.0, request.deadline - time.monotonic()))
+            except Exception as exc:
+                self.failures.record("exporter_drain", str(exc), exc)
+        with self._cond:
+            self._drain_done = max(self._drain_done, request.number)
+            self._cond.notify_all()
 
     def _idle(self) -> None:
         try:

@@ -8,7 +8,14 @@ once and counts it.
 
 from __future__ import annotations
 
-__all__ = ["AgentError", "ConfigError", "ExportError", "PermanentExportError", "TransientExportError"]
+__all__ = [
+    "AgentError",
+    "ConfigError",
+    "CredentialExportError",
+    "ExportError",
+    "PermanentExportError",
+    "TransientExportError",
+]
 
 
 class AgentError(Exception):
@@ -40,7 +47,16 @@ class TransientExportError(ExportError):
 
 
 class PermanentExportError(ExportError):
-    """A failure that retrying cannot fix: HTTP 4xx other than 429 (bad payload, auth, size)."""
+    """A failure that retrying cannot fix: HTTP 4xx other than 401, 403, 408, 425 and 429 (bad payload, size)."""
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class CredentialExportError(ExportError):
+    """HTTP 401/403: the collector refuses the token, not the batch. The batch is kept (spooled) for a process with
+    the right token (or ``quantwatch replay``), never dropped."""
 
     def __init__(self, message: str, status_code: int) -> None:
         super().__init__(message)

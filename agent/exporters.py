@@ -1,10 +1,12 @@
 """Exporters: where finished batches go.
 
 * :class:`HttpExporter` posts to a collector's ``/api/v1/ingest`` over one keep-alive ``httpx.Client``.  Connection
-  errors, 408, 425, 429 and 5xx are retried with jittered exponential backoff, honouring ``Retry-After``; other 4xx
-  are permanent (logged once, counted, not retried).  When retries run out, or while the collector is known to be
-  down, batches go to a bounded :class:`~quantwatch.agent.spool.DiskSpool` and are replayed oldest first as soon as
-  it answers again.
+  errors, 408, 425, 429 and 5xx are retried with jittered exponential backoff, honouring ``Retry-After``; 401/403
+  refuse the token, not the batch: the batch is spooled (logged loudly, once); other 4xx are permanent (logged once,
+  counted, not retried).  When retries run out, or while the collector is known to be down, batches go to a bounded
+  :class:`~quantwatch.agent.spool.DiskSpool` and are replayed oldest first as soon as it answers again: the
+  collector is probed at most :data:`MAX_PROBE_INTERVAL_SECONDS` apart, on the exporter thread, and
+  :meth:`HttpExporter.drain` (what ``flush``/``close`` call) keeps retrying until its timeout.
 * :class:`InMemoryExporter` keeps batches in a list (tests, notebooks).
 * :class:`JsonLinesExporter` appends each batch as one line of the JSON wire format, so a file can be posted to a
   collector later, line by line.
@@ -25,13 +27,32 @@ from typing import Protocol, runtime_checkable
 
 import httpx
 
-from quantwatch.agent.errors import PermanentExportError, TransientExportError
+from quantwatch.agent.errors import (
+    ConfigError,
+    CredentialExportError,
+    ExportError,
+    PermanentExportError,
+    TransientExportError,
+)
 from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.spool import DiskSpool
 from quantwatch.agent.wire import Batch, EncodedBatch, Encoding, StepRecord, encode_batch, to_wire_dict
 from quantwatch.protocol import INGEST_PATH, Backoff, is_transient_status, parse_retry_after
 
-__all__ = ["Exporter", "HttpExporter", "InMemoryExporter", "JsonLinesExporter", "RetryPolicy"]
+__all__ = [
+    "MAX_PROBE_INTERVAL_SECONDS",
+    "Exporter",
+    "HttpExporter",
+    "InMemoryExporter",
+    "JsonLinesExporter",
+    "RetryPolicy",
+    "SpoolingExporter",
+]
+
+#: The longest pause between two probes of a collector that failed (the circuit's exponential backoff stops here,
+#: unless the collector's own ``Retry-After`` asks for longer): a collector that is back is noticed within this, or
+#: by the engine's next flush when that comes later.
+MAX_PROBE_INTERVAL_SECONDS = 5.0
 
 
 @runtime_checkable
@@ -52,6 +73,15 @@ class Exporter(Protocol):
 
     def counters(self) -> dict[str, int]:
         """Counters of what was sent, retried, spooled and dropped."""
+
+
+@runtime_checkable
+class SpoolingExporter(Protocol):
+    """An exporter that keeps back what it could not deliver; ``flush``/``close`` give it time to deliver that."""
+
+    def drain(self, timeout_seconds: float) -> int:
+        """Deliver what was kept back, retrying transient failures for up to ``timeout_seconds``; return how many
+        batches are still kept back."""
 
 
 class RetryPolicy:
@@ -104,6 +134,7 @@ class HttpExporter:
         self.spool = spool
         self.failures = failures or FailureLog()
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout_seconds = timeout_seconds
         self._timeout = httpx.Timeout(timeout_seconds)
         self._transport = transport
         self._pid = os.getpid()
@@ -159,24 +190,32 @@ class HttpExporter:
             self.failures.record("export_unavailable", f"collector unavailable, spooling: {exc}")
             self._open_circuit(exc.retry_after_seconds)
             self._to_spool(encoded)
+        except CredentialExportError as exc:
+            self._refused(exc)
+            self._to_spool(encoded)
         except PermanentExportError as exc:
             self._counts["rejected_batches"] += 1
             self.failures.record(f"export_rejected_{exc.status_code}", str(exc))
 
-    def drain_spool(self) -> None:
-        """Replay spooled batches oldest first until the spool is empty or the collector fails again (also while
-        closing: a healthy collector gets the backlog before the process ends; one failure stops the replay)."""
+    def drain_spool(self, deadline: float | None = None) -> ExportError | None:
+        """Replay spooled batches oldest first while the circuit lets it, until the spool is empty or the collector
+        fails again; return the failure that stopped the replay (the circuit is open then), else None.
+
+        ``deadline`` (``time.monotonic()``) bounds each request's timeout."""
         if self.spool is None:
-            return
+            return None
         while len(self.spool) > 0 and time.monotonic() >= self._not_before:
             entry = self.spool.oldest()
             if entry is None:
-                return
+                return None
             try:
-                self._post(entry.batch)
+                self._post(entry.batch, deadline)
             except TransientExportError as exc:
                 self._open_circuit(exc.retry_after_seconds)
-                return
+                return exc
+            except CredentialExportError as exc:
+                self._refused(exc)
+                return exc
             except PermanentExportError as exc:
                 self._counts["rejected_batches"] += 1
                 self.failures.record(f"export_rejected_{exc.status_code}", f"spooled batch rejected: {exc}")
@@ -187,15 +226,48 @@ class HttpExporter:
             self._counts["replayed_batches"] += 1
             self._counts["sent_batches"] += 1
             self._counts["sent_points"] += entry.batch.points
+        return None
+
+    def drain(self, timeout_seconds: float) -> int:
+        """Deliver the spool oldest first, retrying transient failures (connection refused while a collector
+        restarts, 503, 429 with its ``Retry-After``) until it is empty or ``timeout_seconds`` pass; return the batches
+        left in it.  A refused token (401/403) ends the drain at once: waiting does not heal it, and the spooled
+        batches stay for ``quantwatch replay`` or the next process with the right token."""
+        if self.spool is None:
+            return 0
+        deadline = time.monotonic() + timeout_seconds
+        self._not_before = 0.0  # whatever the circuit said: the collector may be back since its last probe
+        while len(self.spool) > 0:
+            stopped = self.drain_spool(deadline)
+            remaining = deadline - time.monotonic()
+            if stopped is None or isinstance(stopped, CredentialExportError) or remaining <= 0:
+                break
+            time.sleep(min(max(0.0, self._not_before - time.monotonic()), remaining))
+            self._not_before = 0.0
+        return len(self.spool)
+
+    def check_token(self, source: str, timeout_seconds: float = 2.0) -> None:
+        """Ask the collector whether this exporter's token may ingest (an authenticated ``HEAD`` on the ingest
+        route); raise :class:`ConfigError` for field ``source`` (where the token came from) when the collector
+        refuses it (401) or it lacks the ``ingest`` scope (403).  Says nothing when the collector cannot tell right
+        now (unreachable, an older collector without the probe, an error answer): the retries and the spool cover
+        those."""
+        try:
+            response = self._client.head(self.endpoint, timeout=timeout_seconds)
+        except httpx.HTTPError:
+            return
+        if response.status_code == 401:
+            raise ConfigError(source, f"the collector at {self.endpoint} refuses this token (401: missing or unknown)")
+        if response.status_code == 403:
+            raise ConfigError(source, f"this token lacks the 'ingest' scope at {self.endpoint} (403)")
 
     def idle(self) -> None:
         """Replay the spool when it is due."""
         self.drain_spool()
 
     def shutdown(self) -> None:
-        """Stop waiting between retries; from now on a transient failure spools at once. The spool gets one more
-        replay attempt whatever the circuit says: a collector that came back since the last failed probe gets the
-        backlog before the process ends, instead of the next process."""
+        """Stop waiting between the retries of a new batch; from now on a transient failure spools it at once (and
+        :meth:`drain`, which the engine calls next, retries the spool in order until the close's timeout)."""
         self._stopping.set()
         self._not_before = 0.0
 
@@ -204,9 +276,22 @@ class HttpExporter:
         self._client.close()
 
     def _open_circuit(self, retry_after_seconds: float | None) -> None:
-        wait = self.retry.backoff_seconds(self._probe_failures, retry_after_seconds)
+        wait = min(self.retry.backoff_seconds(self._probe_failures), MAX_PROBE_INTERVAL_SECONDS)
+        if retry_after_seconds is not None:
+            wait = max(wait, retry_after_seconds)
         self._probe_failures += 1
         self._not_before = time.monotonic() + wait
+
+    def _refused(self, exc: CredentialExportError) -> None:
+        where = f"kept in the spool at {self.spool.directory}" if self.spool is not None else "dropped (no spool)"
+        self.failures.record(
+            f"export_refused_{exc.status_code}",
+            f"the collector refuses this job's token ({exc}); batches are {where}, and the collector is probed "
+            "again. Fix the token (attach(token=...) or QUANTWATCH_TOKEN); the next process of this run, or "
+            "`quantwatch replay SPOOL_DIR --token ...`, delivers what was kept",
+            loud=True,
+        )
+        self._open_circuit(None)
 
     def _to_spool(self, encoded: EncodedBatch) -> None:
         if self.spool is None:
@@ -243,9 +328,14 @@ class HttpExporter:
                 self._probe_failures = 0
                 return
 
-    def _post(self, encoded: EncodedBatch) -> None:
+    def _post(self, encoded: EncodedBatch, deadline: float | None = None) -> None:
+        timeout: httpx.Timeout | float = self._timeout
+        if deadline is not None:
+            timeout = max(0.05, min(self._timeout_seconds, deadline - time.monotonic()))
         try:
-            response = self._client.post(self.endpoint, content=encoded.body, headers=encoded.headers())
+            response = self._client.post(
+                self.endpoint, content=encoded.body, headers=encoded.headers(), timeout=timeout
+            )
         except httpx.TransportError as exc:
             raise TransientExportError(f"{type(exc).__name__}: {exc}") from exc
         status = response.status_code
@@ -256,7 +346,18 @@ class HttpExporter:
             raise TransientExportError(
                 f"HTTP {status}: {detail}", parse_retry_after(response.headers.get("Retry-After"))
             )
+        if status in (401, 403):
+            raise CredentialExportError(f"HTTP {status} from {self.endpoint}: {_problem_detail(response)}", status)
         raise PermanentExportError(f"HTTP {status} from {self.endpoint}: {detail}", status)
+
+
+def _problem_detail(response: httpx.Response) -> str:
+    """The ``detail`` of a problem+json answer, else the start of its body."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return str(detail) if detail else response.text[:200]
 
 
 class InMemoryExporter:

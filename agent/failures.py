@@ -18,13 +18,15 @@ class FailureLog:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
 
-    def record(self, kind: str, message: str, exc: BaseException | None = None) -> None:
-        """Count a failure of ``kind``; log it when it is the first of its kind."""
+    def record(self, kind: str, message: str, exc: BaseException | None = None, *, loud: bool = False) -> None:
+        """Count a failure of ``kind``; log it when it is the first of its kind (at ERROR level when ``loud``: a
+        failure the user has to act on, such as a refused token)."""
         with self._lock:
             self._counts[kind] += 1
             first = self._counts[kind] == 1
         if first:
-            logger.warning(
+            logger.log(
+                logging.ERROR if loud else logging.WARNING,
                 "quantwatch agent: %s: %s (further failures of this kind are counted, not logged)",
                 kind,
                 message,

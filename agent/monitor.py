@@ -35,7 +35,7 @@ from quantwatch.agent.adapters import (
 )
 from quantwatch.agent.adapters.quantwatch_layers import KernelEntry
 from quantwatch.agent.destination import make_exporter
-from quantwatch.agent.engine import BatchEngine, PendingStep
+from quantwatch.agent.engine import BatchEngine, DeliveryResult, PendingStep
 from quantwatch.agent.errors import ConfigError
 from quantwatch.agent.exporters import Exporter, RetryPolicy
 from quantwatch.agent.failures import FailureLog
@@ -285,17 +285,39 @@ class Monitor:
             raise ConfigError("shadow", "save_shadow() needs attach(..., shadow='model')")
         self._shadow.save(path)
 
-    def flush(self, timeout_seconds: float = 10.0) -> bool:
-        """Send everything recorded so far; True when done within ``timeout_seconds``."""
-        return self._engine.flush(timeout_seconds) if self._engine is not None else True
+    def flush(self, timeout_seconds: float = 10.0) -> DeliveryResult:
+        """Send everything recorded so far, then the spool, retrying transient failures for up to
+        ``timeout_seconds``.  The :class:`DeliveryResult` is true when nothing is left only in memory; its ``delivered``
+        says whether the collector has it all (``spool_batches`` counts what waits on disk)."""
+        if self._engine is None:
+            return DeliveryResult(True)
+        return DeliveryResult(self._engine.flush(timeout_seconds), self._engine.spooled_batches())
 
-    def close(self, timeout_seconds: float = 10.0) -> bool:
-        """Remove every hook, flush and stop the exporter (what cannot be sent in time is spooled when possible)."""
+    def close(self, timeout_seconds: float = 10.0) -> DeliveryResult:
+        """Remove every hook, flush (the spool included, retrying a collector that is restarting) and stop the
+        exporter, within ``timeout_seconds``.  Returns a :class:`DeliveryResult` as :meth:`flush` and logs once whether
+        the spool is empty; what stays in it is delivered by the next process of this run or by
+        ``quantwatch replay SPOOL_DIR``."""
         if self._closed:
-            return True
+            return DeliveryResult(True, self._engine.spooled_batches() if self._engine is not None else 0)
         self._closed = True
         self._disarm(list(self._adapters))
-        return self._engine.close(timeout_seconds) if self._engine is not None else True
+        if self._engine is None:
+            return DeliveryResult(True)
+        result = DeliveryResult(self._engine.close(timeout_seconds), self._engine.spooled_batches())
+        spool = getattr(self._engine.exporter, "spool", None)
+        if result.spool_batches:
+            logger.warning(
+                "quantwatch agent: closed with %d batches in the spool at %s; the next process of run %r delivers "
+                "them, or `quantwatch replay %s`",
+                result.spool_batches,
+                getattr(spool, "directory", "?"),
+                self.run,
+                getattr(spool, "directory", "SPOOL_DIR"),
+            )
+        elif spool is not None:
+            logger.info("quantwatch agent: closed; the spool is empty (the collector has every batch)")
+        return result
 
     def stats(self) -> dict[str, Any]:
         """Local counters: steps seen and sampled, steps queued/dropped, exporter counters, failures by kind."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from quantwatch.agent.wire import EncodedBatch
 
-__all__ = ["DiskSpool", "SpoolEntry"]
+__all__ = ["DiskSpool", "SpoolEntry", "spool_directories"]
 
 _SUFFIX = ".qwb"
 _ENCODING_BY_TAG = {"m": "application/msgpack", "j": "application/json"}
@@ -44,6 +44,12 @@ def _parse_name(name: str) -> tuple[int, str, bool] | None:
     if len(parts) != 5 or not parts[3].isdigit() or not parts[4] or parts[4][0] not in _ENCODING_BY_TAG:
         return None
     return int(parts[3]), _ENCODING_BY_TAG[parts[4][0]], parts[4].endswith("z")
+
+
+def spool_directories(root: str | os.PathLike[str]) -> list[Path]:
+    """``root`` and every directory below it that holds spooled entries, sorted (a job's spool lives in
+    ``<spool_dir>/<run>-<digest>/rank-<n>``, so a whole spool folder can be replayed at once)."""
+    return sorted({path.parent for path in Path(root).rglob(f"*{_SUFFIX}") if _parse_name(path.name) is not None})
 
 
 class DiskSpool:

@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 # "\b" keeps click from re-wrapping the table.
 EXIT_CODES_HELP = """\b
-Exit codes of the client commands (runs, alerts, series, export, import):
+Exit codes of the client commands (runs, alerts, series, export, import, replay):
   0  success
   1  the collector failed (5xx) or answered something that is not the API
   2  bad arguments, or an unreadable input file
@@ -433,7 +434,7 @@ def import_(
 
     if str(file) != "-" and not file.is_file():
         _usage(f"FILE: {file} is not a readable file")
-    batches = stored = duplicates = points = 0
+    sent = _Delivery()
     with _client(url, token, timeout) as client:
         try:
             for number, line in _batch_lines(file):
@@ -443,30 +444,51 @@ def import_(
                 try:
                     batch = json.loads(text)
                 except ValueError as exc:
-                    _import_stopped(file, number, f"not valid JSON ({exc})", stored)
+                    _import_stopped(file, number, f"not valid JSON ({exc})", sent.stored)
                 if not isinstance(batch, dict) or not isinstance(batch.get("batch_id"), str):
-                    _import_stopped(file, number, "not an ingest batch (a JSON object with a string batch_id)", stored)
+                    _import_stopped(
+                        file, number, "not an ingest batch (a JSON object with a string batch_id)", sent.stored
+                    )
                 try:
                     answer = client.ingest(text)
                 except CollectorError as exc:
                     typer.echo(f"error: {file}:{number}: {exc}", err=True)
-                    typer.echo(_resume_hint(stored), err=True)
+                    typer.echo(_resume_hint(sent.stored), err=True)
                     raise typer.Exit(code=int(exc.exit_code)) from exc
-                batches += 1
-                if answer.get("duplicate"):
-                    duplicates += 1
-                else:
-                    stored += 1
-                    points += int(answer.get("points") or 0)
+                sent.count(answer)
         except OSError as exc:
             _usage(f"FILE: cannot read {file}: {exc}")
-    summary = {"batches": batches, "stored": stored, "duplicates": duplicates, "points": points}
-    if as_json:
-        _print_json(summary)
-    else:
+    sent.report("Imported", f"into {client.url}", as_json)
+
+
+@dataclass
+class _Delivery:
+    """What ``import`` or ``replay`` sent: batches, those the collector stored (and their points), those it had."""
+
+    batches: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    points: int = 0
+
+    def count(self, answer: dict[str, Any]) -> None:
+        """Count one ingest answer."""
+        self.batches += 1
+        if answer.get("duplicate"):
+            self.duplicates += 1
+        else:
+            self.stored += 1
+            self.points += int(answer.get("points") or 0)
+
+    def report(self, verb: str, where: str, as_json: bool) -> None:
+        """Print the summary ("<verb> N batches <where>: …"), or the counts as JSON."""
+        if as_json:
+            _print_json(
+                {"batches": self.batches, "stored": self.stored, "duplicates": self.duplicates, "points": self.points}
+            )
+            return
         typer.echo(
-            f"Imported {batches} batches into {client.url}: {stored} stored ({points} points), "
-            f"{duplicates} already there."
+            f"{verb} {self.batches} batches {where}: {self.stored} stored ({self.points} points), "
+            f"{self.duplicates} already there."
         )
 
 
@@ -483,6 +505,51 @@ def _import_stopped(file: Path, number: int, reason: str, stored: int) -> NoRetu
     typer.echo(f"error: {file}:{number}: {reason}", err=True)
     typer.echo(_resume_hint(stored), err=True)
     raise typer.Exit(code=int(ExitCode.USAGE))
+
+
+@app.command()
+def replay(
+    spool_dir: Annotated[
+        Path,
+        typer.Argument(
+            metavar="SPOOL_DIR",
+            help="A job's spool directory, or a folder above several (every spool below it is replayed).",
+        ),
+    ],
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+    timeout: TimeoutOption = 30.0,
+) -> None:
+    """Deliver what a finished job left in its disk spool, oldest first. Each batch is deleted once the collector
+    stored it (or already had it), so the replay is safe to repeat or to resume."""
+    from quantwatch.client import CollectorError
+
+    if not spool_dir.is_dir():
+        _usage(f"SPOOL_DIR: {spool_dir} is not a directory")
+    try:
+        from quantwatch.agent.spool import DiskSpool, spool_directories
+    except ImportError as exc:
+        _usage(f"replay reads the agent's spool: {exc}")
+    sent = _Delivery()
+    with _client(url, token, timeout) as client:
+        for directory in spool_directories(spool_dir):
+            spool = DiskSpool(directory, max_bytes=1 << 62)  # never appended to here: the cap does not apply
+            while (entry := spool.oldest()) is not None:
+                batch = entry.batch
+                try:
+                    answer = client.ingest(batch.body, content_type=batch.content_type, gzipped=batch.gzip)
+                except CollectorError as exc:
+                    typer.echo(f"error: {entry.path}: {exc}", err=True)
+                    typer.echo(
+                        f"  {sent.batches} batches before it were delivered and removed from the spool; the rest "
+                        "stay. Re-running the replay is safe (the collector recognises batches by batch_id).",
+                        err=True,
+                    )
+                    raise typer.Exit(code=int(exc.exit_code)) from exc
+                spool.remove(entry)
+                sent.count(answer)
+    sent.report("Replayed", f"from {spool_dir} into {client.url}", as_json)
 
 
 register_service(app)

@@ -243,15 +243,26 @@ class CollectorClient:
                 written += len(chunk)
         return written
 
-    def ingest(self, body: bytes, *, attempts: int = 4) -> dict[str, Any]:
-        """POST one JSON ingest batch as-is; wait and retry on 429/5xx transient answers (honouring Retry-After)."""
+    def ingest(
+        self,
+        body: bytes,
+        *,
+        attempts: int = 4,
+        content_type: str = "application/json",
+        gzipped: bool = False,
+    ) -> dict[str, Any]:
+        """POST one ingest batch as-is (JSON, or the agent's msgpack; ``gzipped`` bodies say so); wait and retry on
+        transient answers (429, 5xx; honouring Retry-After)."""
         if attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {attempts}")
+        headers = {"Content-Type": content_type}
+        if gzipped:
+            headers["Content-Encoding"] = "gzip"
         rng = random.Random()
         attempt = 1
         while True:
             try:
-                response = self._send("POST", INGEST_PATH, content=body, headers={"Content-Type": "application/json"})
+                response = self._send("POST", INGEST_PATH, content=body, headers=headers)
                 break
             except CollectorError as exc:
                 if exc.status is None or not is_transient_status(exc.status) or attempt >= attempts:

@@ -14,7 +14,7 @@ from quantwatch.service.api import problems
 from quantwatch.service.api.routes import catalog, health, ingest, runs
 from quantwatch.service.batch import IngestObserver
 from quantwatch.service.core.config import Settings
-from quantwatch.service.core.db import make_engine, make_sessionmaker, upgrade
+from quantwatch.service.core.db import WriteHealth, make_engine, make_sessionmaker, upgrade
 from quantwatch.service.exposition import alert_series_source, delivery_counts, install_exposition
 from quantwatch.service.store import Store
 
@@ -57,6 +57,7 @@ def create_app(
     app.state.settings = settings
     app.state.engine = engine
     app.state.store = Store(engine, make_sessionmaker(engine))
+    app.state.write_health = WriteHealth()
     app.state.ingest_observers = list(observers)
     app.state.ingest_gate = ingest.IngestGate(settings.max_pending_ingest)
     app.state.firing_alert_counts = firing_alert_counts

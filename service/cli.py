@@ -14,6 +14,11 @@ from quantwatch.service.core.config import Settings
 
 db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
 
+#: Exit status of ``quantwatch serve`` and ``quantwatch db upgrade`` when they cannot start (one line on stderr says
+#: why): 2 for a bad option, setting, rules or token file; 3 when the database cannot be opened or migrated.
+EXIT_USAGE = 2
+EXIT_DATABASE = 3
+
 
 def _settings(**overrides: Any) -> Settings:
     """Settings from the given options (None = not given) over the environment over the defaults."""
@@ -23,7 +28,23 @@ def _settings(**overrides: Any) -> Settings:
         for err in exc.errors():
             field = ".".join(str(p) for p in err["loc"]) or "settings"
             typer.echo(f"error: {field}: {err['msg']}", err=True)
-        raise typer.Exit(code=2) from None
+        raise typer.Exit(code=EXIT_USAGE) from None
+    except OSError as exc:  # the token file, read while the settings validate
+        typer.echo(f"error: cannot read {exc.filename or 'a settings file'}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(code=EXIT_USAGE) from None
+
+
+def _database_failed(settings: Settings, action: str, exc: Exception) -> typer.Exit:
+    """Say in one line why the database cannot be used (disk full, read-only, locked, unreachable)."""
+    from sqlalchemy.engine import make_url
+
+    from quantwatch.service.core.db import describe_database_error
+
+    problem = describe_database_error(exc)
+    why = problem.detail if problem is not None else f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    where = make_url(settings.database_url).render_as_string(hide_password=True)
+    typer.echo(f"error: cannot {action} the database at {where}: {why}", err=True)
+    return typer.Exit(code=EXIT_DATABASE)
 
 
 def serve(
@@ -37,8 +58,12 @@ def serve(
     ] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
-    """Run the collector on uvicorn (upgrades the database schema first)."""
+    """Run the collector on uvicorn (upgrades the database schema first).
+
+    Exits 2 for a bad option, setting, or a missing or invalid --rules or --token-file, and 3 when the database
+    cannot be opened or migrated; one line on stderr names the cause (disk full, read-only, locked, unreachable)."""
     import uvicorn
+    from sqlalchemy.exc import SQLAlchemyError
 
     from quantwatch.service.app import create_app
 
@@ -50,11 +75,19 @@ def serve(
         token_file=token_file,
         insecure=True if insecure else None,
     )
+    if settings.rules_file is not None and not settings.rules_file.is_file():
+        typer.echo(f"error: --rules: {settings.rules_file} is not a readable file", err=True)
+        raise typer.Exit(code=EXIT_USAGE)
     try:
         app = create_app(settings)
     except RulesFileError as exc:
         typer.echo(f"error: invalid rules file:\n{exc.format()}", err=True)
-        raise typer.Exit(code=2) from None
+        raise typer.Exit(code=EXIT_USAGE) from None
+    except OSError as exc:
+        typer.echo(f"error: cannot read {exc.filename or 'a file'}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(code=EXIT_USAGE) from None
+    except SQLAlchemyError as exc:
+        raise _database_failed(settings, "open or migrate", exc) from None
     # What exists now (libraries, routes, the ORM's metadata: ~135k objects) lives as long as the process. Frozen, a
     # full garbage collection no longer walks it: ~50 ms each time otherwise, a pause that lands on whichever request
     # is being served, /metrics included (BENCHMARKS.md, issue 6).
@@ -68,13 +101,19 @@ def db_upgrade(
     database_url: Annotated[str | None, typer.Option(help="sqlite:///… or postgresql+psycopg://…")] = None,
     revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
 ) -> None:
-    """Apply the schema migrations to the database."""
+    """Apply the schema migrations to the database (exit codes as ``serve``)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
     from quantwatch.service.core.db import make_engine, upgrade
 
     settings = _settings(database_url=database_url, auto_upgrade=False)
     engine = make_engine(settings)
-    upgrade(engine, revision)
-    engine.dispose()
+    try:
+        upgrade(engine, revision)
+    except SQLAlchemyError as exc:
+        raise _database_failed(settings, "migrate", exc) from None
+    finally:
+        engine.dispose()
     typer.echo(f"database at {engine.url.render_as_string(hide_password=True)} is at {revision}")
 
 

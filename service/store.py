@@ -949,12 +949,6 @@ class Store:
 
         return generate()
 
-    # ---------------------------------------------------------------- health
-    def ping(self) -> None:
-        """Raise if the database cannot answer a trivial query."""
-        with self.engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
-
 
 class _Sink(io.RawIOBase):
     """A write-only file collecting bytes until taken (for streaming a Parquet writer's output)."""

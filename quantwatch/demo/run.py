@@ -217,7 +217,7 @@ def _train(options: DemoOptions, console: Console, url: str, run: str) -> int:
             shadow_step = partial(next_token_loss, inputs=inputs, targets=targets)
             monitor.step(step, loss=loss.detach(), shadow_closure=shadow_step)
             progress.update(bar, advance=1, loss=f"{loss.item():.3f}")
-    if not monitor.close(timeout_seconds=30):
+    if not monitor.close(timeout_seconds=30).delivered:
         console.print("[yellow]the agent could not send everything within 30 s; the rest is spooled[/]")
     return int(monitor.stats().get("sent_points", 0))
 

@@ -8,10 +8,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantwatch.service.batch import WireError
+from quantwatch.service.core.db import WriteHealth, describe_database_error
 from quantwatch.service.store import NotFoundError
 
 PROBLEM_TYPE_BASE = "https://quantwatch.dev/problems/"
@@ -146,9 +147,20 @@ def install(app: FastAPI) -> None:
         headers = dict(exc.headers) if exc.headers else None
         return problem_response(exc.status_code, str(exc.detail), headers=headers)
 
-    async def on_database(_request: Request, exc: Exception) -> JSONResponse:
-        log.warning("database unavailable: %s", exc)
-        return problem_response(503, "database busy or unreachable; retry", headers={"Retry-After": "1"})
+    async def on_database(request: Request, exc: Exception) -> JSONResponse:
+        problem = describe_database_error(exc)
+        if problem is None:
+            return await on_unexpected(request, exc)
+        health: WriteHealth = request.app.state.write_health
+        if request.method not in ("GET", "HEAD"):
+            health.failed(problem)  # logs the cause once, and /readyz answers 503 meanwhile
+        else:
+            log.warning("database unavailable: %s", problem.detail)
+        # A disk that filled or a read-only file are not undone in a second; a busy or restarting database may be.
+        retry_after = "5" if problem.cause in ("disk-full", "read-only") else "1"
+        return problem_response(
+            503, f"{problem.detail}; nothing of this request was stored, retry", headers={"Retry-After": retry_after}
+        )
 
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
@@ -159,5 +171,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(NotFoundError, on_not_found)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(OperationalError, on_database)
+    app.add_exception_handler(DBAPIError, on_database)
     app.add_exception_handler(Exception, on_unexpected)

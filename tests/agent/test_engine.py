@@ -11,6 +11,7 @@ import httpx
 
 from quantwatch.agent.engine import BatchEngine, PendingStep
 from quantwatch.agent.exporters import HttpExporter, InMemoryExporter, RetryPolicy
+from quantwatch.agent.spool import DiskSpool
 from quantwatch.agent.wire import Batch, StepRecord
 
 LAYERS = ("a", "b")
@@ -92,19 +93,25 @@ def test_flush_and_close_give_up_after_their_timeout() -> None:
     exporter.release.set()
 
 
-def test_close_interrupts_retries_and_spools(tmp_path: Any) -> None:
-    from quantwatch.agent.spool import DiskSpool
+def _spooling_engine(
+    tmp_path: Any, handler: Callable[[httpx.Request], httpx.Response], retry: RetryPolicy, steps: int
+) -> tuple[HttpExporter, BatchEngine, DiskSpool]:
+    """An engine over an HTTP exporter with a spool, posting to ``handler``, with ``steps`` steps submitted."""
+    spool = DiskSpool(tmp_path, 1 << 20)
+    exporter = HttpExporter("http://c.test", transport=httpx.MockTransport(handler), retry=retry, spool=spool)
+    engine = BatchEngine(exporter, run="r", rank=0, max_batch_steps=1, max_delay_seconds=60)
+    for step in range(steps):
+        engine.submit(_pending(step))
+    return exporter, engine, spool
 
+
+def test_close_interrupts_retries_and_spools(tmp_path: Any) -> None:
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("down")
 
-    spool = DiskSpool(tmp_path, 1 << 20)
     slow_retries = RetryPolicy(max_attempts=100, initial_seconds=30, max_seconds=30)
-    exporter = HttpExporter("http://c.test", transport=httpx.MockTransport(refuse), retry=slow_retries, spool=spool)
-    engine = BatchEngine(exporter, run="r", rank=0, max_batch_steps=1, max_delay_seconds=60)
-    for step in range(3):
-        engine.submit(_pending(step))
-    assert engine.close(10)  # does not sit through 100 retries of 30 s
+    _exporter, engine, spool = _spooling_engine(tmp_path, refuse, slow_retries, 3)
+    assert engine.close(1)  # does not sit through 100 retries of 30 s
     assert len(spool) == 3
     assert engine.submitted_steps == 3
 
@@ -156,3 +163,28 @@ def test_fork_child_gets_its_own_queue_and_thread() -> None:
     assert engine.flush(5)
     assert _steps(exporter) == [0, 1]
     assert engine.close(5)
+
+
+def test_flush_and_close_deliver_the_spool_to_a_collector_that_comes_back(tmp_path: Any) -> None:
+    """The exporter thread retries the spool until the timeout: a collector starting up late still gets it all."""
+    import time
+
+    back_at = [float("inf")]
+    stored: list[bytes] = []
+
+    def collector(request: httpx.Request) -> httpx.Response:
+        if time.monotonic() < back_at[0]:
+            raise httpx.ConnectError("down")
+        stored.append(request.read())
+        return httpx.Response(200, json={"points": 0})
+
+    fast = RetryPolicy(max_attempts=1, initial_seconds=0.01, max_seconds=0.05)
+    exporter, engine, _spool = _spooling_engine(tmp_path, collector, fast, 3)
+    assert engine.flush(0.2)  # down: every step is spooled, the spool retried for the rest of the time
+    assert engine.spooled_batches() == 3
+    back_at[0] = time.monotonic() + 0.3
+    engine.submit(_pending(3))
+    assert engine.close(30)
+    assert engine.spooled_batches() == 0
+    assert len(stored) == 4
+    assert exporter.counters()["replayed_batches"] == 4

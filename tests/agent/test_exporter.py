@@ -82,7 +82,7 @@ def test_transient_failures_are_retried(failure: Any) -> None:
     assert counters["rejected_batches"] == 0
 
 
-@pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 415, 422])
+@pytest.mark.parametrize("status", [400, 404, 413, 415, 422])
 def test_other_4xx_are_permanent_logged_once_and_counted(status: int, caplog: pytest.LogCaptureFixture) -> None:
     handler = Scripted(status, status)
     exporter = _exporter(handler)
@@ -313,3 +313,89 @@ def test_closing_replays_the_spool_even_while_the_circuit_is_open(tmp_path: Path
     counts = exporter.counters()
     assert (counts["spool_batches"], counts["replayed_batches"]) == (0, 2)
     assert handler.batch_ids(decode) == ["b1", "b1", "b2"]
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_refused_token_spools_loudly_once_and_keeps_probing(
+    status: int, tmp_path: Path, decode: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """401/403 refuse the token, not the batch: spooled (never dropped), one ERROR line, delivered once accepted."""
+    handler = Scripted(status, status)
+    spool = DiskSpool(tmp_path, 1 << 20)
+    exporter = _exporter(handler, spool)
+    with caplog.at_level(logging.WARNING, logger="quantwatch.agent"):
+        exporter.export(_batch(1))
+        exporter.export(_batch(2))  # the circuit is open: straight to the spool
+        exporter._not_before = 0.0  # the next probe is due
+        exporter.idle()  # refused again
+    counts = exporter.counters()
+    assert (counts["spooled_batches"], counts["rejected_batches"], counts["dropped_batches"]) == (2, 0, 0)
+    assert exporter.failures.counts() == {f"export_refused_{status}": 2}
+    (line,) = [r for r in caplog.records if f"export_refused_{status}" in r.getMessage()]
+    assert line.levelno == logging.ERROR
+    assert "quantwatch replay" in line.getMessage()
+    assert exporter.drain(5.0) == 0  # the token is accepted now (the script is exhausted)
+    assert handler.batch_ids(decode) == ["b1", "b1", "b1", "b2"]
+
+
+def test_drain_retries_transient_failures_until_the_spool_is_delivered(tmp_path: Path, decode: Any) -> None:
+    """What close() relies on: a collector that is still starting (refused, then 503) gets the spool in order."""
+    spool = DiskSpool(tmp_path, 1 << 20)
+    handler = Scripted(*[httpx.ConnectError("down")] * 3, httpx.ConnectError("starting"), (503, {}), 200, 503)
+    exporter = _exporter(handler, spool)
+    exporter.export(_batch(1))
+    exporter.export(_batch(2))
+    assert len(spool) == 2
+    assert exporter.drain(30.0) == 0
+    assert handler.batch_ids(decode)[3:] == ["b1", "b1", "b1", "b2", "b2"]
+    assert exporter.counters()["replayed_batches"] == 2
+
+
+def test_drain_gives_up_at_its_timeout_and_keeps_the_spool(tmp_path: Path) -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("down")
+
+    spool = DiskSpool(tmp_path, 1 << 20)
+    exporter = HttpExporter("http://c.test", transport=httpx.MockTransport(refuse), retry=FAST, spool=spool)
+    exporter.export(_batch(1))
+    assert exporter.drain(0.2) == 1
+    assert len(spool) == 1
+
+
+def test_the_probe_interval_is_capped_whatever_the_retry_policy(tmp_path: Path) -> None:
+    """A collector that is back is noticed within MAX_PROBE_INTERVAL_SECONDS, even with minutes of backoff."""
+    from quantwatch.agent.exporters import MAX_PROBE_INTERVAL_SECONDS
+
+    handler = Scripted(*[httpx.ConnectError("down")] * 20)
+    patient = RetryPolicy(max_attempts=1, initial_seconds=60.0, max_seconds=600.0)
+    exporter = HttpExporter(
+        "http://c.test", transport=httpx.MockTransport(handler), retry=patient, spool=DiskSpool(tmp_path, 1 << 20)
+    )
+    for step in range(10):
+        exporter.export(_batch(step))
+        assert exporter._not_before - time.monotonic() <= MAX_PROBE_INTERVAL_SECONDS
+        exporter._not_before = 0.0  # probe at once, failing again: the backoff grows, the cap holds
+
+
+@pytest.mark.parametrize(
+    ("reply", "message"),
+    [(401, "refuses this token"), (403, "lacks the 'ingest' scope"), (204, None), (405, None), (None, None)],
+    ids=["401", "403", "allowed", "older-collector", "unreachable"],
+)
+def test_check_token_raises_only_for_a_refused_or_under_scoped_token(reply: int | None, message: str | None) -> None:
+    from quantwatch.agent.errors import ConfigError
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        assert request.method == "HEAD"
+        assert request.url.path == "/api/v1/ingest"
+        if reply is None:
+            raise httpx.ConnectError("down")
+        return httpx.Response(reply)
+
+    exporter = HttpExporter("http://c.test", token="t", transport=httpx.MockTransport(answer))
+    if message is None:
+        exporter.check_token("token")
+        return
+    with pytest.raises(ConfigError, match=message) as raised:
+        exporter.check_token("QUANTWATCH_TOKEN")
+    assert raised.value.field == "QUANTWATCH_TOKEN"

@@ -20,7 +20,7 @@ PUBLIC = {("GET", "/healthz"), ("GET", "/readyz")}
 
 
 def _scope(method: str, path: str) -> str:
-    if method == "POST" and path.endswith("/ingest"):
+    if path.endswith("/ingest"):  # POST stores a batch, HEAD asks whether the token may
         return "ingest"
     return "read" if method == "GET" else "admin"
 

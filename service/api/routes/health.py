@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
-from sqlalchemy.exc import SQLAlchemyError
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from quantwatch.service.api.deps import StoreDep
 from quantwatch.service.api.problems import ProblemError
+from quantwatch.service.core.db import WriteHealth, probe_writes
 from quantwatch.service.schemas import Health
 
 router = APIRouter(tags=["health"])
@@ -18,11 +19,16 @@ def healthz() -> Health:
     return Health(status="ok")
 
 
-@router.get("/readyz", response_model=Health, responses={503: {"description": "database unreachable"}})
-def readyz(store: StoreDep) -> Health:
-    """The database answers."""
-    try:
-        store.ping()
-    except SQLAlchemyError as exc:
-        raise ProblemError(503, f"database unreachable: {type(exc).__name__}", headers={"Retry-After": "5"}) from None
+@router.get(
+    "/readyz",
+    response_model=Health,
+    responses={503: {"description": "The database cannot take writes (disk full, read-only, locked, unreachable)"}},
+)
+async def readyz(request: Request, store: StoreDep) -> Health:
+    """The database takes writes: a write probe rolled back (see ``probe_writes``) passes and no ingest failed to
+    store within the last ``WriteHealth.hold_seconds``; otherwise 503 naming the cause."""
+    health: WriteHealth = request.app.state.write_health
+    problem = await run_in_threadpool(probe_writes, store.engine) or health.current()
+    if problem is not None:
+        raise ProblemError(503, f"not ready: {problem.detail}", headers={"Retry-After": "5"})
     return Health(status="ready")

@@ -8,7 +8,7 @@ import time
 import zlib
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from quantwatch.protocol import ingest_json_schema
@@ -79,6 +79,18 @@ def _gunzip(body: bytes, limit: int) -> bytes:
     return out
 
 
+@router.head(
+    "/ingest",
+    status_code=204,
+    dependencies=[IngestAuth],
+    responses={204: {"description": "The token may ingest"}},
+)
+async def ingest_allowed() -> Response:
+    """Whether the request's token may ingest: 204 when it may, 401/403 when not (the agent asks at ``attach()``,
+    so a refused token is a configuration error there instead of a surprise at the first batch)."""
+    return Response(status_code=204)
+
+
 @router.post(
     "/ingest",
     response_model=IngestAnswer,
@@ -99,7 +111,10 @@ def _gunzip(body: bytes, limit: int) -> bytes:
         415: {"description": "Unsupported content type or encoding"},
         422: {"description": "Schema violation (the problem's errors name the field)"},
         429: {"description": "Too many ingest requests in progress; retry after Retry-After"},
-        503: {"description": "Database busy; retry"},
+        503: {
+            "description": "The database cannot store it now (disk full, read-only, locked, unreachable: the "
+            "detail says which); nothing was stored; retry after Retry-After"
+        },
     },
 )
 async def ingest(request: Request) -> IngestAnswer:
@@ -143,6 +158,7 @@ async def ingest(request: Request) -> IngestAnswer:
             return store.ingest(batch, observers)
 
         result = await run_in_threadpool(work)
+        request.app.state.write_health.succeeded()
         gate.record(time.perf_counter() - started)
     finally:
         gate.pending -= 1
