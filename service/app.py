@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -11,6 +11,8 @@ from quantwatch import __version__
 from quantwatch.service import web
 from quantwatch.service.alerts.setup import firing_counts, install_alerts
 from quantwatch.service.api import problems
+from quantwatch.service.api.deps import FiringAlertCounts, ingest_observers_of
+from quantwatch.service.api.gate import IngestGate
 from quantwatch.service.api.routes import catalog, health, ingest, runs
 from quantwatch.service.batch import IngestObserver
 from quantwatch.service.core.config import Settings
@@ -18,7 +20,7 @@ from quantwatch.service.core.db import WriteHealth, make_engine, make_sessionmak
 from quantwatch.service.exposition import alert_series_source, delivery_counts, install_exposition
 from quantwatch.service.store import Store
 
-FiringAlertCounts = Callable[[Sequence[str]], Mapping[str, int]]
+__all__ = ["FiringAlertCounts", "create_app"]
 
 
 def create_app(
@@ -39,14 +41,14 @@ def create_app(
         upgrade(engine)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.delivery_worker.start()
-        app.state.exposition.renderer.start()
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        exposition.renderer.start()
         try:
             yield
         finally:
-            app.state.exposition.renderer.stop()
-            app.state.delivery_worker.stop()
+            exposition.renderer.stop()
+            worker.stop()
 
     app = FastAPI(
         lifespan=lifespan,
@@ -56,27 +58,29 @@ def create_app(
     )
     app.state.settings = settings
     app.state.engine = engine
-    app.state.store = Store(engine, make_sessionmaker(engine))
-    app.state.write_health = WriteHealth()
+    store = Store(engine, make_sessionmaker(engine))
+    app.state.store = store
+    write_health = WriteHealth()
+    app.state.write_health = write_health
     app.state.ingest_observers = list(observers)
-    app.state.ingest_gate = ingest.IngestGate(settings.max_pending_ingest)
+    app.state.ingest_gate = IngestGate(settings.max_pending_ingest)
     app.state.firing_alert_counts = firing_alert_counts
     app.state.token_scopes = settings.token_scopes()
-    problems.install(app)
+    problems.install(app, write_health)
     app.include_router(health.router)
     app.include_router(ingest.router)
     app.include_router(runs.router)
     app.include_router(catalog.router)
-    alerts, _worker = install_alerts(app, settings, app.state.store)
-    app.state.ingest_observers.insert(0, alerts)
+    alerts, worker = install_alerts(app, settings, store)
+    ingest_observers_of(app).insert(0, alerts)
     if firing_alert_counts is None:
-        app.state.firing_alert_counts = firing_counts(app.state.store.factory)
-    install_exposition(
+        app.state.firing_alert_counts = firing_counts(store.factory)
+    exposition = install_exposition(
         app,
         top_k=settings.metrics_top_k,
         run_ttl_seconds=settings.metrics_run_ttl_seconds,
         alerts=alert_series_source(alerts),
-        deliveries=delivery_counts(app.state.store.factory),
+        deliveries=delivery_counts(store.factory),
     )
     web.install(app)
     return app

@@ -120,8 +120,9 @@ def _document(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def install(app: FastAPI) -> None:
-    """Register the handlers that make every error problem+json, and document them in the OpenAPI schema."""
+def install(app: FastAPI, write_health: WriteHealth) -> None:
+    """Register the handlers that make every error problem+json, and document them in the OpenAPI schema;
+    database failures of writes are recorded in ``write_health``."""
     _document(app)
 
     async def on_problem(_request: Request, exc: Exception) -> JSONResponse:
@@ -151,9 +152,8 @@ def install(app: FastAPI) -> None:
         problem = describe_database_error(exc)
         if problem is None:
             return await on_unexpected(request, exc)
-        health: WriteHealth = request.app.state.write_health
         if request.method not in ("GET", "HEAD"):
-            health.failed(problem)  # logs the cause once, and /readyz answers 503 meanwhile
+            write_health.failed(problem)  # logs the cause once, and /readyz answers 503 meanwhile
         else:
             log.warning("database unavailable: %s", problem.detail)
         # A disk that filled or a read-only file are not undone in a second; a busy or restarting database may be.

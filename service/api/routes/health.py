@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from quantwatch.service.api.deps import StoreDep
+from quantwatch.service.api.deps import StoreDep, WriteHealthDep
 from quantwatch.service.api.problems import ProblemError
-from quantwatch.service.core.db import WriteHealth, probe_writes
+from quantwatch.service.core.db import probe_writes
 from quantwatch.service.schemas import Health
 
 router = APIRouter(tags=["health"])
@@ -24,10 +24,9 @@ def healthz() -> Health:
     response_model=Health,
     responses={503: {"description": "The database cannot take writes (disk full, read-only, locked, unreachable)"}},
 )
-async def readyz(request: Request, store: StoreDep) -> Health:
+async def readyz(store: StoreDep, health: WriteHealthDep) -> Health:
     """The database takes writes: a write probe rolled back (see ``probe_writes``) passes and no ingest failed to
     store within the last ``WriteHealth.hold_seconds``; otherwise 503 naming the cause."""
-    health: WriteHealth = request.app.state.write_health
     problem = await run_in_threadpool(probe_writes, store.engine) or health.current()
     if problem is not None:
         raise ProblemError(503, f"not ready: {problem.detail}", headers={"Retry-After": "5"})

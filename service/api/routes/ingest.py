@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import zlib
 from typing import Any
@@ -12,11 +11,11 @@ from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from quantwatch.protocol import ingest_json_schema
-from quantwatch.service.api.deps import IngestAuth
+from quantwatch.service.api.deps import IngestAuth, IngestGateDep, ObserversDep, SettingsDep, StoreDep, WriteHealthDep
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.batch import IngestBatch, decode_json, decode_msgpack
 from quantwatch.service.schemas import IngestAnswer
-from quantwatch.service.store import IngestResult, Store
+from quantwatch.service.store import IngestResult
 
 router = APIRouter(prefix="/api/v1", tags=["ingest"])
 
@@ -26,29 +25,6 @@ DECODERS = {
     "application/msgpack": decode_msgpack,
     "application/x-msgpack": decode_msgpack,
 }
-
-
-class IngestGate:
-    """Admission control for ingest: at most ``limit`` requests held at once (reading their body, waiting for a worker
-    thread, or being stored); the others are answered 429 before their body is read, so a burst of many ranks costs
-    bounded memory and the agent, which honours ``Retry-After``, spools and backs off instead of piling up.
-
-    Touched only on the event loop, so plain counters suffice. ``Retry-After`` is what the held requests need at the
-    recent pace: pending × the moving average of a request's time, rounded up to whole seconds, 1–30.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.pending = 0
-        self.average_seconds = 0.05
-
-    def retry_after(self) -> int:
-        """Seconds a refused client should wait."""
-        return min(30, max(1, math.ceil(self.pending * self.average_seconds)))
-
-    def record(self, seconds: float) -> None:
-        """Fold the time of one stored request into the moving average (refused ones say nothing of the pace)."""
-        self.average_seconds += 0.2 * (seconds - self.average_seconds)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -117,7 +93,14 @@ async def ingest_allowed() -> Response:
         },
     },
 )
-async def ingest(request: Request) -> IngestAnswer:
+async def ingest(
+    request: Request,
+    settings: SettingsDep,
+    gate: IngestGateDep,
+    store: StoreDep,
+    observers: ObserversDep,
+    health: WriteHealthDep,
+) -> IngestAnswer:
     """Store a batch atomically; a repeated ``batch_id`` stores nothing and answers ``duplicate: true``.
 
     Re-sent values for the same (run, rank, layer, metric, step) under a new batch id replace the old ones
@@ -130,8 +113,6 @@ async def ingest(request: Request) -> IngestAnswer:
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("identity", "gzip"):
         raise ProblemError(415, "content encoding must be gzip or identity")
-    settings = request.app.state.settings
-    gate: IngestGate = request.app.state.ingest_gate
     if gate.pending >= gate.limit:
         raise ProblemError(
             429,
@@ -149,8 +130,6 @@ async def ingest(request: Request) -> IngestAnswer:
             raise ProblemError(
                 408, f"the request body did not arrive within {settings.ingest_read_timeout_seconds:g} s; retry"
             ) from None
-        store: Store = request.app.state.store
-        observers = tuple(request.app.state.ingest_observers)
 
         def work() -> IngestResult:
             raw = _gunzip(body, settings.max_decoded_bytes) if encoding == "gzip" else body
@@ -158,7 +137,7 @@ async def ingest(request: Request) -> IngestAnswer:
             return store.ingest(batch, observers)
 
         result = await run_in_threadpool(work)
-        request.app.state.write_health.succeeded()
+        health.succeeded()
         gate.record(time.perf_counter() - started)
     finally:
         gate.pending -= 1

@@ -5,16 +5,14 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Response
-from sqlalchemy import select
 
-from quantwatch.service.alerts.catalog import ConflictError, NotFoundError, delete_receiver, put_receiver
+from quantwatch.service.alerts import queries
+from quantwatch.service.alerts.catalog import ConflictError, NotFoundError
 from quantwatch.service.alerts.rules import ReceiverSpec
 from quantwatch.service.alerts.schemas import ReceiverOut
-from quantwatch.service.alerts.tables import ReceiverRow
 from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep, reject_nul
-from quantwatch.service.api.named import find_named, not_found, require_path_name
+from quantwatch.service.api.named import not_found, require_path_name
 from quantwatch.service.api.problems import ProblemError
-from quantwatch.service.core.db import write_session
 
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown receiver"}}
 CONFLICT: dict[int | str, dict[str, Any]] = {409: {"description": "The name is taken"}}
@@ -27,23 +25,23 @@ ReceiverBody = Annotated[ReceiverSpec, Body(description="The receiver; `secret`/
 @router.get("", response_model=list[ReceiverOut], dependencies=[ReadAuth])
 def list_receivers(store: StoreDep) -> list[ReceiverOut]:
     """Every receiver, without secrets or header values."""
-    with store.factory() as session:
-        return [ReceiverOut.of(row) for row in session.scalars(select(ReceiverRow).order_by(ReceiverRow.name))]
+    return queries.list_receivers(store.factory)
 
 
 @router.get("/{name}", response_model=ReceiverOut, dependencies=[ReadAuth], responses=NOT_FOUND)
 def get_receiver(name: str, store: StoreDep) -> ReceiverOut:
     """One receiver by name, without secrets or header values."""
-    with store.factory() as session:
-        return ReceiverOut.of(find_named(session, ReceiverRow, "receiver", name))
+    try:
+        return queries.get_receiver(store.factory, name)
+    except NotFoundError:
+        raise not_found("receiver", name) from None
 
 
 @router.post("", response_model=ReceiverOut, status_code=201, dependencies=[AdminAuth], responses=CONFLICT)
 def create_receiver(receiver: ReceiverBody, store: StoreDep) -> ReceiverOut:
     """Add a receiver (409 if the name is taken)."""
     try:
-        with write_session(store.factory) as session:
-            return ReceiverOut.of(put_receiver(session, receiver, create=True))
+        return queries.save_receiver(store.factory, receiver, create=True)
     except ConflictError as exc:
         raise ProblemError(409, str(exc)) from None
 
@@ -53,8 +51,7 @@ def replace_receiver(name: str, receiver: ReceiverBody, store: StoreDep) -> Rece
     """Replace a receiver (this also re-enables one disabled after a 410 when ``enabled`` is true)."""
     require_path_name(receiver.name, name)
     try:
-        with write_session(store.factory) as session:
-            return ReceiverOut.of(put_receiver(session, receiver, create=False))
+        return queries.save_receiver(store.factory, receiver, create=False)
     except NotFoundError:
         raise not_found("receiver", name) from None
 
@@ -63,8 +60,7 @@ def replace_receiver(name: str, receiver: ReceiverBody, store: StoreDep) -> Rece
 def remove_receiver(name: str, store: StoreDep) -> Response:
     """Delete a receiver and its undelivered notifications."""
     try:
-        with write_session(store.factory) as session:
-            delete_receiver(session, name)
+        queries.remove_receiver(store.factory, name)
     except NotFoundError:
         raise not_found("receiver", name) from None
     return Response(status_code=204)

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep, reject_nul
+from quantwatch.service.api.deps import (
+    AdminAuth,
+    FiringAlertCounts,
+    FiringAlertCountsDep,
+    ReadAuth,
+    StoreDep,
+    reject_nul,
+)
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.rollups import dumps
 from quantwatch.service.schemas import Heatmap, LayerInfo, RunSummary, Series
@@ -30,16 +37,15 @@ Rank = Annotated[int, Query(ge=0, le=2**31 - 1, description="Process rank.")]
 Step = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="First/last step of the range (inclusive).")]
 
 
-def _with_alerts(request: Request, runs: list[dict[str, object]]) -> list[RunSummary]:
-    counter = request.app.state.firing_alert_counts
+def _with_alerts(counter: FiringAlertCounts | None, runs: list[dict[str, object]]) -> list[RunSummary]:
     counts = counter([str(r["name"]) for r in runs]) if counter is not None else {}
     return [RunSummary.model_validate({**r, "firing_alerts": counts.get(str(r["name"]), 0)}) for r in runs]
 
 
 @router.get("/runs", response_model=list[RunSummary], dependencies=[ReadAuth])
-def list_runs(request: Request, store: StoreDep) -> list[RunSummary]:
+def list_runs(store: StoreDep, firing: FiringAlertCountsDep) -> list[RunSummary]:
     """Every run with its step range, layer count, metrics and scalars seen, firing alerts and last-seen time."""
-    return _with_alerts(request, store.list_runs())
+    return _with_alerts(firing, store.list_runs())
 
 
 @router.get("/runs/{run:path}/layers", response_model=list[LayerInfo], dependencies=[ReadAuth], responses=NOT_FOUND)
@@ -135,6 +141,6 @@ def delete_run(run: str, store: StoreDep) -> Response:
 
 
 @router.get("/runs/{run:path}", response_model=RunSummary, dependencies=[ReadAuth], responses=NOT_FOUND)
-def get_run(run: str, request: Request, store: StoreDep) -> RunSummary:
+def get_run(run: str, store: StoreDep, firing: FiringAlertCountsDep) -> RunSummary:
     """One run's summary."""
-    return _with_alerts(request, [store.get_run(run)])[0]
+    return _with_alerts(firing, [store.get_run(run)])[0]

@@ -1,0 +1,148 @@
+"""Data access behind the alert routes (``/api/v1/alerts``, ``/deliveries``, ``/rules``, ``/receivers``): the listings,
+lookups by name, the catalog writes in their transactions, and redelivery.
+
+Each function opens and closes its own session and answers the API's schemas, so the routes hold no SQL and no
+transaction. Unknown names raise :class:`~quantwatch.service.alerts.catalog.NotFoundError`; an unknown delivery raises
+the store's :class:`~quantwatch.service.store.NotFoundError` (a 404 from the app's handler).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypeVar, Unpack
+
+from sqlalchemy import Select, select
+from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
+
+from quantwatch.service.alerts.catalog import NotFoundError, delete_receiver, delete_rule, put_receiver, put_rule
+from quantwatch.service.alerts.engine import AlertEngine
+from quantwatch.service.alerts.rules import ReceiverSpec, Rule
+from quantwatch.service.alerts.schemas import AlertOut, DeliveryOut, ReceiverOut, RuleOut
+from quantwatch.service.alerts.tables import DeliveryRow, EpisodeRow, ReceiverRow, RuleRow
+from quantwatch.service.core.db import write_session
+from quantwatch.service.store import NotFoundError as UnknownDeliveryError
+
+SelectT = TypeVar("SelectT", bound=Select[Unpack[tuple[Any, ...]]])
+NamedRow = TypeVar("NamedRow", RuleRow, ReceiverRow)
+Factory = sessionmaker[Session]
+
+
+class ReceiverDisabledError(RuntimeError):
+    """A delivery's receiver is disabled, so it cannot be sent again (HTTP 409)."""
+
+
+def _only(query: SelectT, *filters: tuple[InstrumentedAttribute[Any], object | None]) -> SelectT:
+    """``query`` narrowed to ``column == value`` for each filter whose value the caller gave (not None)."""
+    for column, value in filters:
+        if value is not None:
+            query = query.where(column == value)
+    return query
+
+
+def _find_named(session: Session, table: type[NamedRow], name: str) -> NamedRow:
+    row = session.scalars(select(table).where(table.name == name)).one_or_none()
+    if row is None:
+        raise NotFoundError(name)
+    return row
+
+
+def list_alerts(factory: Factory, state: str | None, run: str | None, rule: str | None, limit: int) -> list[AlertOut]:
+    """Alert episodes, newest first, narrowed to the given state, run and rule."""
+    query = _only(
+        select(EpisodeRow).order_by(EpisodeRow.id.desc()).limit(limit),
+        (EpisodeRow.state, state),
+        (EpisodeRow.run, run),
+        (EpisodeRow.rule_name, rule),
+    )
+    with factory() as session:
+        return [AlertOut.of(row) for row in session.scalars(query)]
+
+
+def list_deliveries(
+    factory: Factory, status: str | None, receiver: str | None, episode: int | None, limit: int
+) -> list[DeliveryOut]:
+    """The delivery log, newest first, narrowed to the given status, receiver and episode."""
+    query = _only(
+        select(DeliveryRow, ReceiverRow.name)
+        .join(ReceiverRow, ReceiverRow.id == DeliveryRow.receiver_id)
+        .order_by(DeliveryRow.id.desc())
+        .limit(limit),
+        (DeliveryRow.status, status),
+        (ReceiverRow.name, receiver),
+        (DeliveryRow.episode_id, episode),
+    )
+    with factory() as session:
+        return [DeliveryOut.of(row, name) for row, name in session.execute(query)]
+
+
+def redeliver(factory: Factory, delivery_id: int, horizon_seconds: float) -> DeliveryOut:
+    """Make delivery ``delivery_id`` pending again now (same body and ``webhook-id``) with a fresh retry horizon of
+    ``horizon_seconds``; raises UnknownDeliveryError or ReceiverDisabledError. The caller wakes the sender."""
+    now = time.time()
+    with write_session(factory) as session:
+        found = session.execute(
+            select(DeliveryRow, ReceiverRow)
+            .join(ReceiverRow, ReceiverRow.id == DeliveryRow.receiver_id)
+            .where(DeliveryRow.id == delivery_id)
+            .with_for_update(of=DeliveryRow)
+        ).one_or_none()
+        if found is None:
+            raise UnknownDeliveryError(f"no delivery {delivery_id}")
+        row, receiver = found
+        if not receiver.enabled:
+            raise ReceiverDisabledError(
+                f"receiver {receiver.name!r} is disabled ({receiver.disabled_reason or 'by its config'})"
+            )
+        row.status, row.next_attempt_at, row.claimed_until = "pending", now, None
+        row.expires_at = now + horizon_seconds
+        row.last_error = None
+        session.flush()
+        return DeliveryOut.of(row, receiver.name)
+
+
+def list_rules(factory: Factory) -> list[RuleOut]:
+    """Every rule by name."""
+    with factory() as session:
+        return [RuleOut.of(row) for row in session.scalars(select(RuleRow).order_by(RuleRow.name))]
+
+
+def get_rule(factory: Factory, name: str) -> RuleOut:
+    """The rule called ``name`` (raises NotFoundError)."""
+    with factory() as session:
+        return RuleOut.of(_find_named(session, RuleRow, name))
+
+
+def save_rule(factory: Factory, alerts: AlertEngine, rule: Rule, *, create: bool) -> RuleOut:
+    """Create (``create=True``) or replace a rule in one transaction (raises ConflictError, NotFoundError)."""
+    with write_session(factory) as session:
+        return RuleOut.of(put_rule(session, alerts, rule, create=create))
+
+
+def remove_rule(factory: Factory, alerts: AlertEngine, name: str) -> None:
+    """Delete an API rule or disable a default or rules-file rule, in one transaction (raises NotFoundError)."""
+    with write_session(factory) as session:
+        delete_rule(session, alerts, name)
+
+
+def list_receivers(factory: Factory) -> list[ReceiverOut]:
+    """Every receiver by name, without secrets or header values."""
+    with factory() as session:
+        return [ReceiverOut.of(row) for row in session.scalars(select(ReceiverRow).order_by(ReceiverRow.name))]
+
+
+def get_receiver(factory: Factory, name: str) -> ReceiverOut:
+    """The receiver called ``name`` (raises NotFoundError)."""
+    with factory() as session:
+        return ReceiverOut.of(_find_named(session, ReceiverRow, name))
+
+
+def save_receiver(factory: Factory, spec: ReceiverSpec, *, create: bool) -> ReceiverOut:
+    """Create (``create=True``) or replace a receiver in one transaction (raises ConflictError, NotFoundError)."""
+    with write_session(factory) as session:
+        return ReceiverOut.of(put_receiver(session, spec, create=create))
+
+
+def remove_receiver(factory: Factory, name: str) -> None:
+    """Delete a receiver and its undelivered notifications, in one transaction (raises NotFoundError)."""
+    with write_session(factory) as session:
+        delete_receiver(session, name)

@@ -1,0 +1,370 @@
+"""History reads: run summaries, layers, series (min/mean/max over aligned buckets) and layer × step heatmaps."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Connection, Engine, Integer, and_, bindparam, func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from quantwatch.service.models import Layer, MetricName, Point, Rollup, Run, RunMetric, RunRank, ScalarPoint
+from quantwatch.service.rollups import (
+    I64,
+    LEVELS,
+    STATS_DTYPE,
+    Partials,
+    group_starts,
+    rows_from_blobs,
+    to_json_floats,
+    to_json_matrix,
+)
+from quantwatch.service.store.common import NotFoundError, choose_width, columns, find_run
+
+
+class HistoryReader:
+    """The read side of one engine, with its statements prebuilt."""
+
+    def __init__(self, engine: Engine, factory: sessionmaker[Session]) -> None:
+        self.engine = engine
+        self.factory = factory
+        self._build_read_statements()
+
+    def _build_read_statements(self) -> None:
+        """Prebuilt statements of the history reads (a series answer runs four of them; building each per call cost
+        more than executing it)."""
+        offset = bindparam("offset", type_=Integer)
+        points = (
+            Point.run_id == bindparam("run_id"),
+            Point.rank == bindparam("rank"),
+            Point.name_id == bindparam("nid"),
+            Point.step >= bindparam("lo"),
+            Point.step <= bindparam("hi"),
+        )
+        self._raw_rows = select(Point.step, Point.vals).where(*points).order_by(Point.step)
+        self._raw_layer_rows = (
+            select(Point.step, func.substr(Point.vals, offset, 4)).where(*points).order_by(Point.step)
+        )
+        self._raw_count = select(func.count()).select_from(
+            select(Point.step).where(*points).limit(bindparam("limit", type_=Integer)).subquery()
+        )
+        blocks = (
+            Rollup.run_id == bindparam("run_id"),
+            Rollup.rank == bindparam("rank"),
+            Rollup.name_id == bindparam("nid"),
+            Rollup.level == bindparam("level"),
+            Rollup.bucket >= bindparam("lo"),
+            Rollup.bucket <= bindparam("hi"),
+        )
+        self._block_rows = select(Rollup.bucket, Rollup.stats).where(*blocks).order_by(Rollup.bucket)
+        self._block_layer_rows = (
+            select(Rollup.bucket, func.substr(Rollup.stats, offset, STATS_DTYPE.itemsize))
+            .where(*blocks)
+            .order_by(Rollup.bucket)
+        )
+        # Everything a series read needs to know before reading values, in one round trip: the run, the layer's
+        # index, the metric's id (only if the run has sent it) and the rank's step range (NULL where absent).
+        self._series_keys = (
+            select(Run.id, Run.layer_count, Layer.idx, RunMetric.name_id, RunRank.first_step, RunRank.last_step)
+            .select_from(Run)
+            .outerjoin(Layer, and_(Layer.run_id == Run.id, Layer.name == bindparam("layer")))
+            .outerjoin(MetricName, MetricName.name == bindparam("metric"))
+            .outerjoin(
+                RunMetric,
+                and_(RunMetric.run_id == Run.id, RunMetric.name_id == MetricName.id, RunMetric.kind == "layer"),
+            )
+            .outerjoin(RunRank, and_(RunRank.run_id == Run.id, RunRank.rank == bindparam("rank")))
+            .where(Run.name == bindparam("run"))
+        )
+
+    def _summaries(self, session: Session, runs: Sequence[Run]) -> list[dict[str, Any]]:
+        ids = [r.id for r in runs]
+        if not ids:
+            return []
+        ranks: dict[int, list[Any]] = {}
+        for row in session.execute(select(RunRank).where(RunRank.run_id.in_(ids)).order_by(RunRank.rank)).scalars():
+            ranks.setdefault(row.run_id, []).append(row)
+        kinds: dict[int, dict[str, list[str]]] = {}
+        for run_id, name, kind in session.execute(
+            select(RunMetric.run_id, MetricName.name, RunMetric.kind)
+            .join(MetricName, MetricName.id == RunMetric.name_id)
+            .where(RunMetric.run_id.in_(ids))
+            .order_by(MetricName.name)
+        ):
+            kinds.setdefault(run_id, {"layer": [], "scalar": []})[kind].append(name)
+        out = []
+        for run in runs:
+            rr = ranks.get(run.id, [])
+            k = kinds.get(run.id, {"layer": [], "scalar": []})
+            out.append(
+                {
+                    "name": run.name,
+                    "created_at": run.created_at,
+                    "first_step": min((r.first_step for r in rr), default=None),
+                    "last_step": max((r.last_step for r in rr), default=None),
+                    "last_seen_at": max((r.last_seen_at for r in rr), default=None),
+                    "layer_count": run.layer_count,
+                    "ranks": [r.rank for r in rr],
+                    "points": sum(r.points for r in rr),
+                    "metrics": k["layer"],
+                    "scalars": k["scalar"],
+                }
+            )
+        return out
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        """Summaries of every run, by name."""
+        with self.factory() as session:
+            runs = session.execute(select(Run).order_by(Run.name)).scalars().all()
+            return self._summaries(session, runs)
+
+    def get_run(self, name: str) -> dict[str, Any]:
+        """Summary of one run (raises NotFoundError)."""
+        with self.factory() as session:
+            return self._summaries(session, [find_run(session, name)])[0]
+
+    def run_id(self, name: str) -> int:
+        """The database id of run ``name`` (raises NotFoundError)."""
+        with self.factory() as session:
+            return find_run(session, name).id
+
+    def list_layers(self, name: str) -> list[dict[str, Any]]:
+        """Layers of a run in model order."""
+        with self.factory() as session:
+            run = find_run(session, name)
+            rows = session.execute(select(Layer.idx, Layer.name).where(Layer.run_id == run.id).order_by(Layer.idx))
+            return [{"index": int(i), "name": n} for i, n in rows]
+
+    def _name_id(self, session: Session, run_id: int, name: str, kind: str) -> int:
+        row = session.execute(
+            select(MetricName.id)
+            .join(RunMetric, and_(RunMetric.name_id == MetricName.id, RunMetric.run_id == run_id))
+            .where(MetricName.name == name, RunMetric.kind == kind)
+        ).first()
+        if row is None:
+            what = "metric" if kind == "layer" else "scalar"
+            raise NotFoundError(f"{what} {name!r} not found in this run")
+        return int(row[0])
+
+    def _range(
+        self, session: Session, run_id: int, rank: int, start: int | None, end: int | None
+    ) -> tuple[int, int] | None:
+        rr = session.get(RunRank, (run_id, rank))
+        if rr is None:
+            return None
+        lo = rr.first_step if start is None else start
+        hi = rr.last_step if end is None else end
+        return (lo, hi) if lo <= hi else None
+
+    def _raw_partials(
+        self, conn: Connection, run_id: int, rank: int, nid: int, lo: int, hi: int, layer: int | None, n_layers: int
+    ) -> tuple[I64, Partials]:
+        width = 1 if layer is not None else n_layers
+        if lo > hi:
+            return np.zeros(0, dtype=np.int64), Partials.empty(0, width)
+        params = {"run_id": run_id, "rank": rank, "nid": nid, "lo": lo, "hi": hi}
+        if layer is None:
+            rows = conn.execute(self._raw_rows, params).all()
+        else:
+            rows = conn.execute(self._raw_layer_rows, {**params, "offset": 4 * layer + 1}).all()
+        steps, blobs = columns(rows)
+        return steps, Partials.from_values(rows_from_blobs(blobs, width))
+
+    def _rollup_partials(
+        self,
+        conn: Connection,
+        run_id: int,
+        rank: int,
+        nid: int,
+        level: int,
+        lo_b: int,
+        hi_b: int,
+        layer: int | None,
+        n_layers: int,
+    ) -> tuple[I64, Partials]:
+        params = {"run_id": run_id, "rank": rank, "nid": nid, "level": level, "lo": lo_b, "hi": hi_b}
+        if layer is None:
+            rows = conn.execute(self._block_rows, params).all()
+        else:
+            offset = STATS_DTYPE.itemsize * layer + 1
+            rows = conn.execute(self._block_layer_rows, {**params, "offset": offset}).all()
+        buckets, blobs = columns(rows)
+        width = 1 if layer is not None else n_layers
+        return buckets * level, Partials.from_stats(blobs, width)
+
+    def _bucketed(
+        self,
+        conn: Connection,
+        run_id: int,
+        rank: int,
+        nid: int,
+        lo: int,
+        hi: int,
+        width: int,
+        layer: int | None,
+        n_layers: int,
+    ) -> tuple[I64, Partials]:
+        """Partials per aligned bucket of ``width`` steps over [lo, hi]; keys are bucket indexes (step // width)."""
+        levels = [lv for lv in LEVELS if lv <= width]
+        if not levels:
+            steps, part = self._raw_partials(conn, run_id, rank, nid, lo, hi, layer, n_layers)
+            keys, starts = group_starts(steps // width)
+            return keys, part.reduce(starts) if keys.size else part
+        level = levels[-1]
+        first_full = -(-lo // level)
+        last_full = (hi + 1) // level - 1
+        if first_full > last_full:
+            steps, part = self._raw_partials(conn, run_id, rank, nid, lo, hi, layer, n_layers)
+        else:
+            h_steps, head = self._raw_partials(conn, run_id, rank, nid, lo, first_full * level - 1, layer, n_layers)
+            m_steps, mid = self._rollup_partials(conn, run_id, rank, nid, level, first_full, last_full, layer, n_layers)
+            t_steps, tail = self._raw_partials(conn, run_id, rank, nid, (last_full + 1) * level, hi, layer, n_layers)
+            steps = np.concatenate([h_steps, m_steps, t_steps])
+            part = Partials(
+                np.concatenate([head.vmin, mid.vmin, tail.vmin]),
+                np.concatenate([head.vmax, mid.vmax, tail.vmax]),
+                np.concatenate([head.vsum, mid.vsum, tail.vsum]),
+                np.concatenate([head.vcount, mid.vcount, tail.vcount]),
+            )
+        keys, starts = group_starts(steps // width)
+        return keys, part.reduce(starts) if keys.size else part
+
+    def series(
+        self, run: str, metric: str, layer: str, rank: int, start: int | None, end: int | None, max_points: int
+    ) -> dict[str, Any]:
+        """min/mean/max of one layer's metric over [start, end]: exact when the range holds ≤ max_points samples."""
+        with self.engine.connect() as conn:
+            keys_row = conn.execute(
+                self._series_keys, {"run": run, "layer": layer, "metric": metric, "rank": rank}
+            ).first()
+            if keys_row is None:
+                raise NotFoundError(f"run {run!r} not found")
+            run_id, n_layers, idx, nid, first_step, last_step = keys_row
+            if idx is None:
+                raise NotFoundError(f"layer {layer!r} not found in run {run!r}")
+            if nid is None:
+                raise NotFoundError(f"metric {metric!r} not found in this run")
+            lo = first_step if start is None else start
+            hi = last_step if end is None else end
+            if first_step is None or lo > hi:
+                return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": 1}
+            width = 1
+            if hi - lo + 1 > max_points:
+                # Only whether the range holds more than max_points samples matters: count at most max_points + 1.
+                params = {"run_id": run_id, "rank": rank, "nid": nid, "lo": lo, "hi": hi, "limit": max_points + 1}
+                if conn.execute(self._raw_count, params).scalar_one() > max_points:
+                    width = choose_width(lo, hi, max_points)
+            keys, part = self._bucketed(conn, run_id, rank, nid, lo, hi, width, int(idx), int(n_layers))
+        return self._series_answer(
+            keys, width, lo, part.vmin[:, 0], part.vmax[:, 0], part.mean()[:, 0], part.vcount[:, 0]
+        )
+
+    @staticmethod
+    def _series_answer(
+        keys: I64, width: int, lo: int, vmin: np.ndarray, vmax: np.ndarray, mean: np.ndarray, count: np.ndarray
+    ) -> dict[str, Any]:
+        keep = count > 0
+        steps = np.maximum(keys * width, lo)[keep]
+        return {
+            "steps": steps,
+            "min": to_json_floats(vmin[keep]),
+            # Exact answers (one sample per bucket) give the stored value itself, so min = mean = max also in JSON.
+            "mean": to_json_floats(vmin[keep] if width == 1 else mean[keep]),
+            "max": to_json_floats(vmax[keep]),
+            "bucket_steps": width,
+        }
+
+    def scalar_series(
+        self, run: str, scalar: str, rank: int, start: int | None, end: int | None, max_points: int
+    ) -> dict[str, Any]:
+        """The same as :meth:`series` for a per-run scalar (float64, from raw rows)."""
+        with self.factory() as session:
+            r = find_run(session, run)
+            nid = self._name_id(session, r.id, scalar, "scalar")
+            rng = self._range(session, r.id, rank, start, end)
+            if rng is None:
+                return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": 1}
+            lo, hi = rng
+            rows = session.execute(
+                select(ScalarPoint.step, ScalarPoint.value)
+                .where(
+                    ScalarPoint.run_id == r.id,
+                    ScalarPoint.rank == rank,
+                    ScalarPoint.name_id == nid,
+                    ScalarPoint.step >= lo,
+                    ScalarPoint.step <= hi,
+                )
+                .order_by(ScalarPoint.step)
+            ).all()
+        steps = np.array([row[0] for row in rows], dtype=np.int64)
+        values = np.frombuffer(b"".join(bytes(row[1]) for row in rows), dtype="<f8").astype(np.float64)
+        width = 1 if steps.size <= max_points else choose_width(lo, hi, max_points)
+        keys, starts = group_starts(steps // width)
+        if not keys.size:
+            return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": width}
+        counts = np.diff(np.append(starts, steps.size))
+        return self._series_answer(
+            keys,
+            width,
+            lo,
+            np.minimum.reduceat(values, starts),
+            np.maximum.reduceat(values, starts),
+            np.add.reduceat(values, starts) / counts,
+            counts,
+        )
+
+    def heatmap(
+        self,
+        run: str,
+        metric: str,
+        rank: int,
+        start: int | None,
+        end: int | None,
+        max_steps: int,
+        layers: str | None,
+        agg: str,
+    ) -> dict[str, Any]:
+        """Layers (model order) × aligned step buckets of ``metric``, aggregated by ``agg`` (max, mean or min)."""
+        with self.factory() as session:
+            r = find_run(session, run)
+            nid = self._name_id(session, r.id, metric, "layer")
+            names = [n for (n,) in session.execute(select(Layer.name).where(Layer.run_id == r.id).order_by(Layer.idx))]
+            chosen = [i for i, n in enumerate(names) if layers is None or fnmatch.fnmatchcase(n, layers)]
+            rng = self._range(session, r.id, rank, start, end)
+            if rng is None or not chosen:
+                return {
+                    "layers": [names[i] for i in chosen],
+                    "steps": [],
+                    "values": [[] for _ in chosen],
+                    "bucket_steps": 1,
+                }
+            lo, hi = rng
+            width = choose_width(lo, hi, max_steps)
+            keys, part = self._bucketed(session.connection(), r.id, rank, nid, lo, hi, width, None, r.layer_count)
+        grid = np.arange(lo // width, hi // width + 1, dtype=np.int64)
+        pos = np.searchsorted(grid, keys)
+        n_cols = grid.size
+        sel: slice | I64 = slice(None) if len(chosen) == len(names) else np.array(chosen, dtype=np.int64)
+        data: np.ndarray
+        if agg == "mean" and width > 1:
+            data = part.mean()[:, sel]
+        elif agg == "min":
+            data = part.vmin[:, sel]
+        else:
+            data = part.vmax[:, sel]
+        full: np.ndarray
+        if keys.size == n_cols:
+            full, valid = data, part.vcount[:, sel] > 0
+        else:
+            full = np.full((n_cols, len(chosen)), np.nan)
+            valid = np.zeros((n_cols, len(chosen)), dtype=bool)
+            full[pos] = data
+            valid[pos] = part.vcount[:, sel] > 0
+        return {
+            "layers": [names[i] for i in chosen],
+            "steps": np.maximum(grid * width, lo),
+            "values": to_json_matrix(full.T, valid.T),
+            "bucket_steps": width,
+        }

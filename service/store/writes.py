@@ -1,0 +1,299 @@
+"""The ingest path: a batch stored atomically (points, rollups, bookkeeping), or recognised as a duplicate.
+
+Writers of one (run, rank) are serialised (SQLite: one writer at a time; PostgreSQL: a transaction-scoped advisory
+lock), which makes read-merge-write of rollups and last-write-wins merges of re-sent points safe with several
+collector replicas on one database.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Connection, Engine, delete, func, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, sessionmaker
+
+from quantwatch.service.batch import IngestBatch, IngestObserver
+from quantwatch.service.models import Batch, Layer, MetricName, Point, Run, RunMetric, RunRank, ScalarPoint
+from quantwatch.service.rollups import F32, I64, MISSING_BITS, is_missing, missing_row, rows_from_blobs
+from quantwatch.service.store.common import IngestResult, RunCache, find_run
+from quantwatch.service.store.rollup_writes import RollupWriter
+
+log = logging.getLogger("quantwatch.service")
+
+RUN_LOCK_TAG = 1 << 40
+RANK_LOCK_SPAN = 1 << 20
+
+
+class BatchWriter:
+    """The ingest path of one engine; holds small caches of immutable facts (name ids, layer order) per process."""
+
+    def __init__(self, engine: Engine, factory: sessionmaker[Session]) -> None:
+        self.factory = factory
+        self.pg = engine.dialect.name == "postgresql"
+        self._insert = postgresql.insert if self.pg else sqlite.insert
+        self._rollups = RollupWriter(self._insert)
+        point = self._insert(Point)
+        self._point_upsert = point.on_conflict_do_update(
+            index_elements=["run_id", "rank", "step", "name_id"],
+            set_={"vals": point.excluded.vals, "time": point.excluded.time},
+        )
+        self._names: dict[str, int] = {}
+        self._runs: dict[int, RunCache] = {}
+        self._lock = threading.Lock()
+
+    def ingest(self, batch: IngestBatch, observers: Sequence[IngestObserver] = ()) -> IngestResult:
+        """Store ``batch`` atomically, or recognise it as a duplicate; run the observers (see IngestObserver)."""
+        now = time.time()
+        points = batch.points
+        pending_names: dict[str, int] = {}
+        with self.factory() as session:
+            conn = session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
+            try:
+                run_id, layer_count = self._ensure_run(conn, batch.run, now)
+                inserted = conn.execute(
+                    self._insert(Batch)
+                    .values(run_id=run_id, batch_id=batch.batch_id, rank=batch.rank, received_at=now, points=points)
+                    .on_conflict_do_nothing()
+                    .returning(Batch.batch_id)
+                ).first()
+                if inserted is None:
+                    session.rollback()
+                    return IngestResult(batch.batch_id, True, 0)
+                if self.pg:
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": self.rank_key(run_id, batch.rank)})
+                    # Read the layer count again under the rank lock: a transaction of this rank that committed
+                    # while we waited may have widened the run, and its rollup blobs with it.
+                    layer_count = conn.execute(select(Run.layer_count).where(Run.id == run_id)).scalar_one()
+                cache = self._run_cache(conn, run_id, layer_count)
+                layers, index = self._ensure_layers(conn, run_id, cache, batch.layers)
+                names = {n for s in batch.steps for n in s.metrics} | {n for s in batch.steps for n in s.scalars}
+                name_ids = self._name_ids(conn, sorted(names), pending_names)
+                self._write_run_metrics(conn, run_id, batch, name_ids, cache)
+                self._write_points(conn, run_id, batch, layers, index, name_ids)
+                self._write_scalars(conn, run_id, batch, name_ids)
+                self._write_rank(conn, run_id, batch, now, points)
+                if observers:
+                    run_row = session.get(Run, run_id)
+                    if run_row is None:  # the row was inserted or read above in this very transaction
+                        raise LookupError(f"run {batch.run!r} vanished during ingest")
+                    for observer in observers:
+                        observer.on_batch(session, run_row, batch)
+                session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+        with self._lock:
+            self._names.update(pending_names)
+            self._runs[run_id] = RunCache(list(layers), dict(index), cache.kinds | self._new_kinds(batch, name_ids))
+        for observer in observers:
+            try:
+                observer.after_commit(batch)
+            except Exception:
+                log.exception("ingest observer %r failed after commit", observer)
+        return IngestResult(batch.batch_id, False, points)
+
+    @staticmethod
+    def rank_key(run_id: int, rank: int) -> int:
+        return run_id * RANK_LOCK_SPAN + rank % (RANK_LOCK_SPAN - 1) + 1
+
+    @staticmethod
+    def _new_kinds(batch: IngestBatch, name_ids: dict[str, int]) -> set[tuple[int, str]]:
+        kinds = {(name_ids[n], "layer") for s in batch.steps for n in s.metrics}
+        return kinds | {(name_ids[n], "scalar") for s in batch.steps for n in s.scalars}
+
+    def _ensure_run(self, conn: Connection, name: str, now: float) -> tuple[int, int]:
+        row = conn.execute(select(Run.id, Run.layer_count).where(Run.name == name)).first()
+        if row is None:
+            conn.execute(self._insert(Run).values(name=name, created_at=now, layer_count=0).on_conflict_do_nothing())
+            row = conn.execute(select(Run.id, Run.layer_count).where(Run.name == name)).one()
+        return int(row[0]), int(row[1])
+
+    def _run_cache(self, conn: Connection, run_id: int, layer_count: int) -> RunCache:
+        cached = self._runs.get(run_id)
+        if cached is not None and len(cached.layers) == layer_count:
+            return RunCache(list(cached.layers), dict(cached.index), set(cached.kinds))
+        layers = [r[0] for r in conn.execute(select(Layer.name).where(Layer.run_id == run_id).order_by(Layer.idx))]
+        kinds = {
+            (int(r[0]), str(r[1]))
+            for r in conn.execute(select(RunMetric.name_id, RunMetric.kind).where(RunMetric.run_id == run_id))
+        }
+        return RunCache(layers, {n: i for i, n in enumerate(layers)}, kinds)
+
+    def _ensure_layers(
+        self, conn: Connection, run_id: int, cache: RunCache, names: Sequence[str]
+    ) -> tuple[list[str], dict[str, int]]:
+        if all(n in cache.index for n in names):
+            return cache.layers, cache.index
+        if self.pg:
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": RUN_LOCK_TAG + run_id})
+        layers = [r[0] for r in conn.execute(select(Layer.name).where(Layer.run_id == run_id).order_by(Layer.idx))]
+        index = {n: i for i, n in enumerate(layers)}
+        new = [n for n in names if n not in index]
+        if new:
+            conn.execute(
+                self._insert(Layer),
+                [{"run_id": run_id, "idx": len(layers) + i, "name": n} for i, n in enumerate(new)],
+            )
+            for n in new:
+                index[n] = len(layers)
+                layers.append(n)
+            conn.execute(update(Run).where(Run.id == run_id).values(layer_count=len(layers)))
+        return layers, index
+
+    def _name_ids(self, conn: Connection, names: Sequence[str], pending: dict[str, int]) -> dict[str, int]:
+        ids = {n: self._names[n] for n in names if n in self._names}
+        unknown = [n for n in names if n not in ids]
+        if unknown:
+            conn.execute(self._insert(MetricName).on_conflict_do_nothing(), [{"name": n} for n in unknown])
+            for row in conn.execute(select(MetricName.name, MetricName.id).where(MetricName.name.in_(unknown))):
+                ids[row[0]] = int(row[1])
+                pending[row[0]] = int(row[1])
+        return ids
+
+    def _write_run_metrics(
+        self, conn: Connection, run_id: int, batch: IngestBatch, name_ids: dict[str, int], cache: RunCache
+    ) -> None:
+        rows = [
+            {"run_id": run_id, "name_id": nid, "kind": kind}
+            for nid, kind in self._new_kinds(batch, name_ids) - cache.kinds
+        ]
+        if rows:
+            conn.execute(self._insert(RunMetric).on_conflict_do_nothing(), rows)
+
+    def _write_points(
+        self,
+        conn: Connection,
+        run_id: int,
+        batch: IngestBatch,
+        layers: list[str],
+        index: dict[str, int],
+        name_ids: dict[str, int],
+    ) -> None:
+        n_layers = len(layers)
+        columns = np.array([index[n] for n in batch.layers], dtype=np.int64)
+        identity = len(columns) == n_layers and bool(np.all(columns == np.arange(n_layers)))
+        steps_by_metric: dict[str, list[tuple[int, float | None, F32]]] = {}
+        for st in sorted(batch.steps, key=lambda s: s.step):
+            for name, values in st.metrics.items():
+                if identity:
+                    full = values.copy()
+                else:
+                    full = missing_row(n_layers)
+                    full[columns] = values
+                miss = st.missing.get(name)
+                if miss is not None:
+                    full.view(np.uint32)[columns[miss]] = MISSING_BITS
+                steps_by_metric.setdefault(name, []).append((st.step, st.time, full))
+        if not steps_by_metric:
+            return
+        lo = min(s.step for s in batch.steps)
+        hi = max(s.step for s in batch.steps)
+        existing = {
+            (int(r[0]), int(r[1]))
+            for r in conn.execute(
+                select(Point.step, Point.name_id).where(
+                    Point.run_id == run_id, Point.rank == batch.rank, Point.step >= lo, Point.step <= hi
+                )
+            )
+        }
+        rows: list[dict[str, Any]] = []
+        replaced: dict[int, list[int]] = {}
+        matrices: dict[int, tuple[I64, F32]] = {}
+        for name, entries in steps_by_metric.items():
+            nid = name_ids[name]
+            steps = np.array([e[0] for e in entries], dtype=np.int64)
+            values = np.stack([e[2] for e in entries])
+            hits = [i for i, s in enumerate(steps.tolist()) if (s, nid) in existing]
+            if hits:
+                old_rows = {
+                    int(r[0]): r[1]
+                    for r in conn.execute(
+                        select(Point.step, Point.vals).where(
+                            Point.run_id == run_id,
+                            Point.rank == batch.rank,
+                            Point.name_id == nid,
+                            Point.step.in_([int(steps[i]) for i in hits]),
+                        )
+                    )
+                }
+                old = rows_from_blobs([old_rows[int(steps[i])] for i in hits], n_layers)
+                new = values[hits]
+                # Last write wins per (layer, step): a re-sent step replaces what it measures, keeps the rest.
+                values[hits] = np.where(is_missing(new), old, new)
+                replaced[nid] = [int(steps[i]) for i in hits]
+            matrices[nid] = (steps, values)
+            times = [e[1] for e in entries]
+            blob = values.astype("<f4", copy=False)
+            rows.extend(
+                {
+                    "run_id": run_id,
+                    "rank": batch.rank,
+                    "step": int(steps[i]),
+                    "name_id": nid,
+                    "time": times[i],
+                    "vals": blob[i].tobytes(),
+                }
+                for i in range(len(entries))
+            )
+        conn.execute(self._point_upsert, rows)
+        self._rollups.write(conn, run_id, batch.rank, matrices, set(replaced), n_layers)
+
+    def _write_scalars(self, conn: Connection, run_id: int, batch: IngestBatch, name_ids: dict[str, int]) -> None:
+        rows = [
+            {
+                "run_id": run_id,
+                "rank": batch.rank,
+                "name_id": name_ids[name],
+                "step": st.step,
+                "time": st.time,
+                "value": struct.pack("<d", value),
+            }
+            for st in batch.steps
+            for name, value in st.scalars.items()
+        ]
+        if rows:
+            stmt = self._insert(ScalarPoint)
+            conn.execute(
+                stmt.on_conflict_do_update(
+                    index_elements=["run_id", "rank", "name_id", "step"],
+                    set_={"value": stmt.excluded.value, "time": stmt.excluded.time},
+                ),
+                rows,
+            )
+
+    def _write_rank(self, conn: Connection, run_id: int, batch: IngestBatch, now: float, points: int) -> None:
+        lo = min(s.step for s in batch.steps)
+        hi = max(s.step for s in batch.steps)
+        stmt = self._insert(RunRank).values(
+            run_id=run_id, rank=batch.rank, first_step=lo, last_step=hi, last_seen_at=now, points=points
+        )
+        least, greatest = (func.least, func.greatest) if self.pg else (func.min, func.max)
+        table = RunRank.__table__
+        conn.execute(
+            stmt.on_conflict_do_update(
+                index_elements=["run_id", "rank"],
+                set_={
+                    "first_step": least(table.c.first_step, stmt.excluded.first_step),
+                    "last_step": greatest(table.c.last_step, stmt.excluded.last_step),
+                    "last_seen_at": stmt.excluded.last_seen_at,
+                    "points": table.c.points + stmt.excluded.points,
+                },
+            )
+        )
+
+    def delete_run(self, name: str) -> None:
+        """Delete a run and everything stored for it (foreign keys cascade)."""
+        with self.factory() as session:
+            session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
+            run = find_run(session, name)
+            session.execute(delete(Run).where(Run.id == run.id))
+            session.commit()
+        with self._lock:
+            self._runs.pop(run.id, None)
