@@ -15,7 +15,7 @@ from quantwatch.service.api.routes import catalog, health, ingest, runs
 from quantwatch.service.batch import IngestObserver
 from quantwatch.service.core.config import Settings
 from quantwatch.service.core.db import make_engine, make_sessionmaker, upgrade
-from quantwatch.service.exposition import alert_series_source, delivery_counts, install_exposition
+from quantwatch.service.exposition import StartupRestore, alert_series_source, delivery_counts, install_exposition
 from quantwatch.service.store import Store
 
 FiringAlertCounts = Callable[[Sequence[str]], Mapping[str, int]]
@@ -41,11 +41,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.delivery_worker.start()
-        app.state.exposition.renderer.start()
+        app.state.exposition.start()
         try:
             yield
         finally:
-            app.state.exposition.renderer.stop()
+            app.state.exposition.stop()
             app.state.delivery_worker.stop()
 
     app = FastAPI(
@@ -70,12 +70,14 @@ def create_app(
     app.state.ingest_observers.insert(0, alerts)
     if firing_alert_counts is None:
         app.state.firing_alert_counts = firing_counts(app.state.store.factory)
+    restore = StartupRestore(app.state.store.factory)  # the state of the runs stored before a restart
     install_exposition(
         app,
         top_k=settings.metrics_top_k,
         run_ttl_seconds=settings.metrics_run_ttl_seconds,
-        alerts=alert_series_source(alerts),
+        alerts=alert_series_source(alerts, restore.alert_series),
         deliveries=delivery_counts(app.state.store.factory),
+        restore=restore,
     )
     web.install(app)
     return app

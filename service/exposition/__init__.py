@@ -35,12 +35,13 @@ from quantwatch.service.exposition.naming import (
     run_family_name,
 )
 from quantwatch.service.exposition.observer import PrometheusObserver
-from quantwatch.service.exposition.queries import delivery_counts
+from quantwatch.service.exposition.queries import RestoreLimits, delivery_counts
 from quantwatch.service.exposition.renderer import (
     DEFAULT_RENDER_IDLE_AFTER_SECONDS,
     DEFAULT_RENDER_INTERVAL_SECONDS,
     BackgroundRenderer,
 )
+from quantwatch.service.exposition.restore import StartupRestore
 from quantwatch.service.exposition.route import Exposition, install_exposition
 from quantwatch.service.exposition.writer import CONTENT_TYPE, render_exposition
 
@@ -62,6 +63,8 @@ __all__ = [
     "LatestValueCache",
     "PrometheusObserver",
     "QuantWatchCollector",
+    "RestoreLimits",
+    "StartupRestore",
     "StepLike",
     "StepValues",
     "alert_series_source",

@@ -15,6 +15,7 @@ __all__ = [
     "AlertSeriesSource",
     "DeliveryCounts",
     "SeriesSnapshotLike",
+    "StoredSeries",
     "alert_series_source",
 ]
 
@@ -61,6 +62,10 @@ class SeriesSnapshotLike(Protocol):
         """Run name."""
 
     @property
+    def rank(self) -> int:
+        """Rank of the series."""
+
+    @property
     def layer(self) -> str:
         """Layer ('' for scalar rules)."""
 
@@ -81,16 +86,42 @@ class AlertEngineLike(Protocol):
         ...
 
 
-def alert_series_source(engine: AlertEngineLike) -> AlertSeriesSource:
+@dataclass(frozen=True)
+class StoredSeries:
+    """One series' state as the database held it when the collector started (a :class:`SeriesSnapshotLike`)."""
+
+    rule: str
+    run: str
+    rank: int
+    layer: str
+    status: str
+    streak: int
+
+
+def _no_series() -> Sequence[SeriesSnapshotLike]:
+    return ()
+
+
+def alert_series_source(
+    engine: AlertEngineLike, restored: Callable[[], Sequence[SeriesSnapshotLike]] = _no_series
+) -> AlertSeriesSource:
     """Alert series of the evaluator's in-memory state, one per (rule, run, layer) across ranks.
 
     The streak exported is the longest of the ranks and the state the most severe, matching the evaluator's
-    episodes, which are per (rule, run, layer) however many ranks breach.
+    episodes, which are per (rule, run, layer) however many ranks breach. ``restored`` gives the series read from
+    the database at start (see :mod:`.restore`): each counts until this process evaluates the same (rule, run, rank,
+    layer) itself, whose state is then newer.
     """
 
     def source() -> list[AlertSeries]:
+        snapshots: Iterable[SeriesSnapshotLike] = engine.latest_series()
+        stored = restored()
+        if stored:
+            latest = {(s.rule, s.run, s.rank, s.layer): s for s in stored}
+            latest.update({(s.rule, s.run, s.rank, s.layer): s for s in snapshots})
+            snapshots = latest.values()
         merged: dict[tuple[str, str, str], tuple[int, str]] = {}
-        for snap in engine.latest_series():
+        for snap in snapshots:
             if snap.streak <= 0 and snap.status not in EXPORTED_ALERT_STATES:
                 continue
             key = (snap.rule, snap.run, snap.layer)

@@ -32,6 +32,7 @@ __all__ = [
     "Slot",
     "StepLike",
     "StepValues",
+    "StoredRank",
     "slot_rows",
 ]
 
@@ -67,6 +68,23 @@ class StepValues:
     metrics: Mapping[str, npt.NDArray[np.floating[Any]]]
     scalars: Mapping[str, float] = field(default_factory=dict)
     missing: Mapping[str, npt.NDArray[np.bool_]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StoredRank:
+    """What the database holds of one (run, rank), as :meth:`LatestValueCache.restore` takes it after a restart.
+
+    ``latest`` has, per metric, the value of each of ``layers`` at the newest step that measured it and which
+    layers were measured at all; ``last_seen`` is the clock time of the run's newest batch (any rank).
+    """
+
+    run: str
+    rank: int
+    layers: tuple[str, ...]
+    last_step: int
+    last_seen: float
+    latest: Mapping[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]]
+    scalars: Mapping[str, float]
 
 
 @dataclass
@@ -205,8 +223,31 @@ class LatestValueCache:
                     state.scalars[(scalar, rank)] = float(value)
             ids = state.ids_of(layers)
             for metric, (values, measured) in latest.items():
-                self._merge(state, metric, rank, ids[measured], values[measured])
+                self._omitted_values_total += self._merge(state, metric, rank, ids[measured], values[measured])
             self._changed_runs.add(run)
+
+    def restore(self, stored: StoredRank) -> bool:
+        """Take what the database holds of one (run, rank) after a restart; returns whether it was taken.
+
+        A (run, rank) that a batch reached the cache for first is left alone: ingest is newer than any read of the
+        database, so a restore running next to ingest never puts an older value over a newer one. The values of a
+        restored (run, rank) compete for the top-K like those of a batch; what the cap leaves out is not counted
+        as left out of ingested batches (``quantwatch_exposition_layer_values_omitted``).
+        """
+        with self._lock:
+            state = self._runs.get(stored.run)
+            if state is None:
+                state = self._runs[stored.run] = CachedRun(name=stored.run, last_seen=stored.last_seen)
+            elif stored.rank in state.last_step:
+                return False
+            state.last_step[stored.rank] = stored.last_step
+            for scalar, value in stored.scalars.items():
+                state.scalars[(scalar, stored.rank)] = value
+            ids = state.ids_of(stored.layers)
+            for metric, (values, measured) in stored.latest.items():
+                self._merge(state, metric, stored.rank, ids[measured], values[measured])
+            self._changed_runs.add(stored.run)
+            return True
 
     def _merge(
         self,
@@ -215,9 +256,10 @@ class LatestValueCache:
         rank: int,
         ids: npt.NDArray[np.int64],
         values: npt.NDArray[np.float64],
-    ) -> None:
+    ) -> int:
+        """Merge one rank's new values into the (run, metric) slot; returns how many of them the cap left out."""
         if ids.size == 0:
-            return
+            return 0
         old = state.slots.get(metric)
         if old is None:
             ranks, layer_ids, vals = np.full(ids.size, rank, dtype=np.int64), ids, values
@@ -229,17 +271,18 @@ class LatestValueCache:
             ranks = np.concatenate([old.ranks[keep], np.full(ids.size, rank, dtype=np.int64)])
             layer_ids = np.concatenate([old.layer_ids[keep], ids])
             vals = np.concatenate([old.values[keep], values])
-        omitted = 0
+        omitted = dropped = 0
         if vals.size > self.top_k:
             badness = np.where(np.isnan(vals), np.inf, -vals if lower_is_worse(metric) else vals)
             chosen = np.argpartition(-badness, self.top_k - 1)[: self.top_k]
             omitted = vals.size - self.top_k
             kept = np.zeros(vals.size, dtype=np.bool_)
             kept[chosen] = True
-            self._omitted_values_total += ids.size - int(np.count_nonzero(kept[-ids.size :]))
+            dropped = ids.size - int(np.count_nonzero(kept[-ids.size :]))
             ranks, layer_ids, vals = ranks[chosen], layer_ids[chosen], vals[chosen]
         order = np.lexsort((layer_ids, ranks))
         state.slots[metric] = Slot(ranks[order], layer_ids[order], vals[order], omitted)
+        return dropped
 
     def expire(self) -> int:
         """Drop runs idle longer than the TTL; returns how many went."""

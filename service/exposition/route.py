@@ -17,6 +17,7 @@ from quantwatch.service.exposition.ingest_metrics import IngestMetrics
 from quantwatch.service.exposition.middleware import IngestTimingMiddleware
 from quantwatch.service.exposition.observer import PrometheusObserver
 from quantwatch.service.exposition.renderer import DEFAULT_RENDER_INTERVAL_SECONDS, BackgroundRenderer
+from quantwatch.service.exposition.restore import StartupRestore
 from quantwatch.service.exposition.writer import CONTENT_TYPE, render_exposition
 
 __all__ = ["Exposition", "install_exposition"]
@@ -31,10 +32,23 @@ class Exposition:
     ingest: IngestMetrics
     collector: QuantWatchCollector
     renderer: BackgroundRenderer
+    restore: StartupRestore | None = None
 
     def render(self) -> bytes:
         """The text exposition of the app's registry."""
         return render_exposition(self.registry)
+
+    def start(self) -> None:
+        """Start the background parts (the app's lifespan does): the renderer, and the restore if there is one."""
+        if self.restore is not None:
+            self.restore.start(self.cache)
+        self.renderer.start()
+
+    def stop(self) -> None:
+        """Stop the background parts."""
+        self.renderer.stop()
+        if self.restore is not None:
+            self.restore.stop()
 
 
 def install_exposition(
@@ -46,10 +60,12 @@ def install_exposition(
     deliveries: DeliveryCounts | None = None,
     clock: Callable[[], float] = time.time,
     render_interval_seconds: float = DEFAULT_RENDER_INTERVAL_SECONDS,
+    restore: StartupRestore | None = None,
 ) -> Exposition:
     """Give ``app`` its ``GET /metrics``: a registry of its own, the cache as an ingest observer, ingest timing.
 
-    The app's lifespan starts and stops ``exposition.renderer`` (the background renderer).
+    The app's lifespan starts and stops the exposition's background parts (:meth:`Exposition.start`): the renderer,
+    and ``restore``, which rebuilds the cache from the database (its ``alert_series`` belong in ``alerts``).
     """
     cache = LatestValueCache(top_k=top_k, run_ttl_seconds=run_ttl_seconds, clock=clock)
     ingest = IngestMetrics()
@@ -57,7 +73,7 @@ def install_exposition(
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     renderer = BackgroundRenderer(cache, render_interval_seconds)
-    exposition = Exposition(registry, cache, ingest, collector, renderer)
+    exposition = Exposition(registry, cache, ingest, collector, renderer, restore)
     app.state.exposition = exposition
     app.state.ingest_observers.append(PrometheusObserver(cache, ingest))
     app.add_middleware(IngestTimingMiddleware, metrics=ingest)

@@ -1,0 +1,110 @@
+"""The exposition's state rebuilt from the database when the collector starts.
+
+Without it a restarted collector exports nothing for the runs stored before the restart: no latest values, and no
+``quantwatch_alert_state`` for an episode still firing in the database, so a Prometheus alert built on the exported
+state would resolve on every restart. :class:`StartupRestore` reads, in a background thread (the collector answers
+at once), the runs seen within the cache's TTL: per (run, rank) the latest value of every layer and scalar and the
+last step (into :meth:`LatestValueCache.restore`, which keeps the top-K as ingest does and never replaces what a
+batch brought first), and the pending and firing series of their open episodes (the alert streaks and states,
+until this process evaluates the same series itself). Every read is bounded by :class:`RestoreLimits`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from quantwatch.service.exposition.alert_states import StoredSeries
+from quantwatch.service.exposition.cache import LatestValueCache
+from quantwatch.service.exposition.queries import RestoreLimits, open_alert_series, recent_runs, stored_rank
+
+__all__ = ["StartupRestore"]
+
+log = logging.getLogger("quantwatch.exposition")
+
+
+class StartupRestore:
+    """Rebuilds a :class:`LatestValueCache` and the alert series from the database, once, in a daemon thread.
+
+    ``alert_series`` is the restored half of :func:`~.alert_states.alert_series_source`. After :meth:`wait`,
+    ``runs_restored``, ``ranks_restored``, ``series_restored`` and ``seconds`` say what it did; a failure is logged
+    and leaves the exposition to ingest alone, as before restores existed.
+    """
+
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        limits: RestoreLimits | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.sessions = sessions
+        self.limits = limits if limits is not None else RestoreLimits()
+        self._clock = clock
+        self._series: tuple[StoredSeries, ...] = ()
+        self._done = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.runs_restored = 0
+        self.ranks_restored = 0
+        self.series_restored = 0
+        self.seconds = 0.0
+        self.failed = False
+
+    def alert_series(self) -> Sequence[StoredSeries]:
+        """The pending and firing series read at start (empty until read)."""
+        return self._series
+
+    def start(self, cache: LatestValueCache) -> None:
+        """Restore into ``cache`` in a daemon thread (once; later calls do nothing)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, args=(cache,), name="quantwatch-exposition-restore", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop after the (run, rank) being read."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the restore has finished (or failed); returns whether it has."""
+        return self._done.wait(timeout)
+
+    def restore(self, cache: LatestValueCache) -> None:
+        """Read the database and restore into ``cache``, in the calling thread."""
+        started = time.perf_counter()
+        since = self._clock() - cache.run_ttl_seconds
+        with self.sessions() as session:
+            runs = recent_runs(session, since, self.limits.max_runs)
+            self._series = tuple(open_alert_series(session, [run.name for run in runs], cache.top_k))
+        self.series_restored = len(self._series)
+        for run in runs:
+            with self.sessions() as session:
+                for rank, last_step in run.ranks:
+                    if self._stopping.is_set():
+                        return
+                    self.ranks_restored += cache.restore(stored_rank(session, run, rank, last_step, self.limits))
+            self.runs_restored += 1
+        self.seconds = time.perf_counter() - started
+        log.info(
+            "exposition restored %d runs (%d ranks) and %d alert series from the database in %.2f s",
+            self.runs_restored,
+            self.ranks_restored,
+            self.series_restored,
+            self.seconds,
+        )
+
+    def _run(self, cache: LatestValueCache) -> None:
+        try:
+            self.restore(cache)
+        except Exception:  # the collector serves on: ingest fills the exposition as it did before restores
+            self.failed = True
+            log.exception("restoring the exposition from the database failed; /metrics shows ingest alone")
+        finally:
+            self._done.set()
