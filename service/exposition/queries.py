@@ -67,7 +67,8 @@ class RestoreLimits:
 
 @dataclass(frozen=True)
 class RecentRun:
-    """A run seen within the TTL: its id, name, newest batch time (any rank) and (rank, last step) of each rank."""
+    """A run seen within the TTL: its id, name, newest batch time (any rank) and (rank, last step) of each rank, in
+    the order of their newest batches."""
 
     run_id: int
     name: str
@@ -86,11 +87,13 @@ def recent_runs(session: Session, since: float, max_runs: int) -> list[RecentRun
         .limit(max_runs)
         .subquery()
     )
+    # Ranks in the order their newest batches came: restored in that order, the top-K across ranks is chosen as
+    # the ingest that built it last chose it.
     rows = session.execute(
         select(Run.id, Run.name, chosen.c.last_seen, RunRank.rank, RunRank.last_step)
         .join(chosen, chosen.c.run_id == Run.id)
         .join(RunRank, RunRank.run_id == Run.id)
-        .order_by(chosen.c.last_seen.desc(), Run.id, RunRank.rank)
+        .order_by(chosen.c.last_seen.desc(), Run.id, RunRank.last_seen_at, RunRank.rank)
     ).all()
     runs: dict[int, RecentRun] = {}
     for run_id, name, last_seen, rank, last_step in rows:
