@@ -284,6 +284,11 @@ class LatestValueCache:
         state.slots[metric] = Slot(ranks[order], layer_ids[order], vals[order], omitted)
         return dropped
 
+    def run_names(self) -> set[str]:
+        """Names of the runs the cache holds now."""
+        with self._lock:
+            return set(self._runs)
+
     def expire(self) -> int:
         """Drop runs idle longer than the TTL; returns how many went."""
         deadline = self._clock() - self.run_ttl_seconds

@@ -7,6 +7,9 @@ at once), the runs seen within the cache's TTL: per (run, rank) the latest value
 last step (into :meth:`LatestValueCache.restore`, which keeps the top-K as ingest does and never replaces what a
 batch brought first), and the pending and firing series of their open episodes (the alert streaks and states,
 until this process evaluates the same series itself). Every read is bounded by :class:`RestoreLimits`.
+
+The alert series are read again every ``refresh_seconds`` for the restored runs still exported: with several
+replicas on one database, a run another replica ingests must not stay firing here after that replica resolved it.
 """
 
 from __future__ import annotations
@@ -40,11 +43,16 @@ class StartupRestore:
         sessions: sessionmaker[Session],
         limits: RestoreLimits | None = None,
         clock: Callable[[], float] = time.time,
+        refresh_seconds: float = 15.0,
     ) -> None:
+        if isinstance(refresh_seconds, bool) or not isinstance(refresh_seconds, (int, float)) or refresh_seconds <= 0:
+            raise ValueError(f"refresh_seconds must be a number > 0, got {refresh_seconds!r}")
         self.sessions = sessions
+        self.refresh_seconds = float(refresh_seconds)
         self.limits = limits if limits is not None else RestoreLimits()
         self._clock = clock
         self._series: tuple[StoredSeries, ...] = ()
+        self._restored_runs: frozenset[str] = frozenset()
         self._done = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -59,7 +67,7 @@ class StartupRestore:
         return self._series
 
     def start(self, cache: LatestValueCache) -> None:
-        """Restore into ``cache`` in a daemon thread (once; later calls do nothing)."""
+        """Restore into ``cache`` in a daemon thread, then refresh the alert series (once; later calls do nothing)."""
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._run, args=(cache,), name="quantwatch-exposition-restore", daemon=True
@@ -67,7 +75,7 @@ class StartupRestore:
             self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop after the (run, rank) being read."""
+        """Stop after the (run, rank) being read, or the refresh."""
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -82,7 +90,8 @@ class StartupRestore:
         since = self._clock() - cache.run_ttl_seconds
         with self.sessions() as session:
             runs = recent_runs(session, since, self.limits.max_runs)
-            self._series = tuple(open_alert_series(session, [run.name for run in runs], cache.top_k))
+            self._restored_runs = frozenset(run.name for run in runs)
+            self._series = tuple(open_alert_series(session, sorted(self._restored_runs), cache.top_k))
         self.series_restored = len(self._series)
         for run in runs:
             with self.sessions() as session:
@@ -100,11 +109,27 @@ class StartupRestore:
             self.seconds,
         )
 
+    def refresh(self, cache: LatestValueCache) -> None:
+        """Read the alert series of the restored runs that ``cache`` still holds again."""
+        runs = sorted(self._restored_runs & cache.run_names())
+        with self.sessions() as session:
+            self._series = tuple(open_alert_series(session, runs, cache.top_k))
+
     def _run(self, cache: LatestValueCache) -> None:
         try:
             self.restore(cache)
         except Exception:  # the collector serves on: ingest fills the exposition as it did before restores
             self.failed = True
             log.exception("restoring the exposition from the database failed; /metrics shows ingest alone")
+            return
         finally:
             self._done.set()
+        failing = False
+        while not self._stopping.wait(self.refresh_seconds):
+            try:
+                self.refresh(cache)
+                failing = False
+            except Exception:  # keeps the series read last; logged once per run of failures
+                if not failing:
+                    log.exception("refreshing the restored alert series failed; keeping the last ones read")
+                failing = True

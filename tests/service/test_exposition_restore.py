@@ -116,14 +116,30 @@ def test_a_restarted_collector_serves_the_latest_values_and_firing_alerts_of_sto
     assert float(seen_line.rsplit(" ", 1)[1]) == pytest.approx(stored_seen, abs=1e-3)
     assert float(seen_line.rsplit(" ", 1)[1]) <= float(seen_before.rsplit(" ", 1)[1])
 
-    # What the new collector evaluates itself supersedes what it restored: qkv breaches again, streak 3.
+    # A second replica starts on the same database while the first ingests on; it restores the same state.
+    replica = start_collector(**settings)
+    assert replica.app.state.exposition.restore.wait(60)
+    assert metric_lines(replica.url)["quantwatch_alert_state"] == after["quantwatch_alert_state"]
+
+    # What a collector evaluates itself supersedes what it restored: qkv breaches again, streak 3.
     post(second.url, make_batch("gpt-fp4", LAYERS, [12], {"output_rel_l2": rel[1:] * 2}), encode_batch)
-    streaks = metric_lines(second.url)["quantwatch_alert_streak_steps"]
-    assert streaks == [
+    streaks = [
         'quantwatch_alert_streak_steps{layer="blocks.0.attn.qkv",rule="drift",run="gpt-fp4"} 3.0',
         'quantwatch_alert_streak_steps{layer="blocks.0.mlp.fc1",rule="drift",run="gpt-fp4"} 1.0',
         'quantwatch_alert_streak_steps{layer="blocks.1.attn.qkv",rule="drift",run="gpt-fp4"} 1.0',
     ]
+    assert metric_lines(second.url)["quantwatch_alert_streak_steps"] == streaks
+    # The replica follows the database on its next refresh of the restored series (called here, not waited for),
+    # also when the other replica resolves the episode: qkv is calm at step 13.
+    exposition = replica.app.state.exposition
+    exposition.restore.refresh(exposition.cache)
+    assert metric_lines(replica.url)["quantwatch_alert_streak_steps"] == streaks
+    calm = np.array([[0.0, np.nan, np.nan]], np.float32)
+    post(second.url, make_batch("gpt-fp4", LAYERS, [13], {"output_rel_l2": calm}), encode_batch)
+    exposition.restore.refresh(exposition.cache)
+    states = metric_lines(replica.url)["quantwatch_alert_state"]
+    assert states == [line for line in after["quantwatch_alert_state"] if "blocks.0.attn.qkv" not in line]
+    assert states == metric_lines(second.url)["quantwatch_alert_state"]
 
 
 def test_a_restore_never_replaces_what_ingest_brought_first() -> None:
