@@ -17,6 +17,7 @@ __all__ = [
     "SeriesSnapshotLike",
     "StoredSeries",
     "alert_series_source",
+    "severity_order",
 ]
 
 
@@ -96,6 +97,11 @@ class StoredSeries:
     layer: str
     status: str
     streak: int
+
+
+def severity_order(state: str, streak_steps: int, layer: str) -> tuple[int, int, str]:
+    """Sort key of the series exported first under the cap: firing, then pending, then the longest streaks."""
+    return -STATE_RANK.get(state, 0), -streak_steps, layer
 
 
 def _no_series() -> Sequence[SeriesSnapshotLike]:

@@ -11,10 +11,10 @@ from quantwatch import __version__
 from quantwatch.service.exposition.alert_states import (
     DELIVERY_STATUSES,
     EXPORTED_ALERT_STATES,
-    STATE_RANK,
     AlertSeries,
     AlertSeriesSource,
     DeliveryCounts,
+    severity_order,
 )
 from quantwatch.service.exposition.cache import LatestValueCache
 from quantwatch.service.exposition.ingest_metrics import IngestMetrics
@@ -53,28 +53,24 @@ class QuantWatchCollector(Collector):
                 scalars[name] = RowsGaugeFamily(name, f"Latest {scalar} of each run.", ["run", "rank"])
             scalars[name].add([run, str(rank)], value)
         yield from (scalars[name] for name in sorted(scalars))
-        last_step = RowsGaugeFamily(
-            "quantwatch_run_last_step", "Newest step ingested for each run and rank.", ["run", "rank"]
+        yield RowsGaugeFamily(
+            "quantwatch_run_last_step",
+            "Newest step ingested for each run and rank.",
+            ["run", "rank"],
+            (([run, str(rank)], step) for run, rank, step in snap.last_steps),
         )
-        for run, rank, step in snap.last_steps:
-            last_step.add([run, str(rank)], step)
-        yield last_step
-        last_seen = RowsGaugeFamily(
+        yield RowsGaugeFamily(
             "quantwatch_run_last_ingest_timestamp_seconds",
             "Unix time of the newest batch ingested for each run.",
             ["run"],
+            (([run], seen) for run, seen in snap.last_seen),
         )
-        for run, seen in snap.last_seen:
-            last_seen.add([run], seen)
-        yield last_seen
-        omitted_series = RowsGaugeFamily(
+        yield RowsGaugeFamily(
             "quantwatch_exposition_layer_series_omitted",
             "Layer series known to the cache but not exported because of the top-K cap, per metric.",
             ["metric"],
+            (([metric], count) for metric, count in snap.omitted_series),
         )
-        for metric, count in snap.omitted_series:
-            omitted_series.add([metric], count)
-        yield omitted_series
         yield CounterMetricFamily(
             "quantwatch_exposition_layer_values_omitted",
             "Latest layer values of ingested batches that the top-K cap left out of the exposition.",
@@ -114,7 +110,7 @@ class QuantWatchCollector(Collector):
         kept = [
             alert
             for group in by_rule_run.values()
-            for alert in sorted(group, key=lambda a: (-STATE_RANK.get(a.state, 0), -a.streak_steps, a.layer))[:top_k]
+            for alert in sorted(group, key=lambda a: severity_order(a.state, a.streak_steps, a.layer))[:top_k]
         ]
         for alert in sorted(kept, key=lambda a: (a.rule, a.run, a.layer)):
             if alert.streak_steps > 0:
@@ -125,11 +121,9 @@ class QuantWatchCollector(Collector):
         yield states
         if self.deliveries is not None:
             counts = self.deliveries()
-            deliveries = RowsGaugeFamily(
+            yield RowsGaugeFamily(
                 "quantwatch_alert_deliveries",
                 "Alert notifications in the outbox by status (pending, delivered, failed, cancelled).",
                 ["status"],
+                (([status], counts.get(status, 0)) for status in DELIVERY_STATUSES),
             )
-            for status in DELIVERY_STATUSES:
-                deliveries.add([status], counts.get(status, 0))
-            yield deliveries

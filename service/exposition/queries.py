@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.alerts.tables import OPEN_EPISODE_STATES, DeliveryRow, EpisodeRow, RuleRow, SeriesStateRow
-from quantwatch.service.exposition.alert_states import STATE_RANK, DeliveryCounts, StoredSeries
+from quantwatch.service.exposition.alert_states import DeliveryCounts, StoredSeries, severity_order
 from quantwatch.service.exposition.cache import StoredRank
 from quantwatch.service.models import Layer, MetricName, Point, Run, RunMetric, RunRank, ScalarPoint
 from quantwatch.service.rollups import is_missing, rows_from_blobs
@@ -207,5 +207,5 @@ def open_alert_series(session: Session, runs: Sequence[str], per_group: int) -> 
     return [
         series
         for group in groups.values()
-        for series in sorted(group, key=lambda s: (-STATE_RANK.get(s.status, 0), -s.streak, s.layer))[:per_group]
+        for series in sorted(group, key=lambda s: severity_order(s.status, s.streak, s.layer))[:per_group]
     ]

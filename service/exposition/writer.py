@@ -76,10 +76,16 @@ class LayerGaugeFamily(FastFamily):
 class RowsGaugeFamily(FastFamily):
     """A small gauge family (per run, per rule…) formatted straight from its rows, without Sample objects."""
 
-    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labels: Sequence[str],
+        rows: Iterable[tuple[Sequence[str], float]] = (),
+    ) -> None:
         super().__init__(name, documentation)
         self._labels = tuple(labels)
-        self._rows: list[tuple[tuple[str, ...], float]] = []
+        self._rows: list[tuple[tuple[str, ...], float]] = [(tuple(values), float(value)) for values, value in rows]
 
     def add(self, values: Sequence[str], value: float) -> None:
         """Add one sample with label ``values`` in the order of the family's label names."""
