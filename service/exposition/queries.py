@@ -8,12 +8,12 @@ at start (:func:`recent_ranks`, :func:`stored_rank`, :func:`open_alert_series`),
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from sqlalchemy import func, select
+from sqlalchemy import Connection, Integer, bindparam, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.alerts.tables import OPEN_EPISODE_STATES, DeliveryRow, EpisodeRow, RuleRow, SeriesStateRow
@@ -23,12 +23,12 @@ from quantwatch.service.models import Layer, MetricName, Point, Run, RunMetric, 
 from quantwatch.service.rollups import is_missing, rows_from_blobs
 
 __all__ = [
+    "RankReader",
     "RecentRun",
     "RestoreLimits",
     "delivery_counts",
     "open_alert_series",
     "recent_runs",
-    "stored_rank",
 ]
 
 
@@ -103,77 +103,131 @@ def recent_runs(session: Session, since: float, max_runs: int) -> list[RecentRun
     return list(runs.values())
 
 
-def stored_rank(session: Session, run: RecentRun, rank: int, last_step: int, limits: RestoreLimits) -> StoredRank:
-    """What the database holds of one (run, rank) for the exposition: the latest value of every layer per metric,
-    the latest value of every scalar, and the rank's last step."""
-    layers = tuple(
-        str(name)
-        for (name,) in session.execute(select(Layer.name).where(Layer.run_id == run.run_id).order_by(Layer.idx))
-    )
-    names = session.execute(
-        select(MetricName.id, MetricName.name, RunMetric.kind)
-        .join(RunMetric, RunMetric.name_id == MetricName.id)
-        .where(RunMetric.run_id == run.run_id)
-        .order_by(MetricName.name)
-    ).all()
-    latest: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]] = {}
-    scalars: dict[str, float] = {}
-    for name_id, name, kind in names:
-        if kind == "layer":
-            values, measured = _latest_layer_values(
-                session, run.run_id, rank, int(name_id), last_step, len(layers), limits
-            )
-            if measured.any():
-                latest[str(name)] = (values, measured)
+class _LatestValues:
+    """The latest value of each layer of one (run, rank, metric), filled from its rows newest first."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.values = np.full(n_layers, np.nan)
+        self.measured = np.zeros(n_layers, dtype=np.bool_)
+        self.rows_read = self.idle = 0
+        self.oldest_step: int | None = None  # the oldest step read so far
+
+    def take(self, step: int, row: npt.NDArray[np.float32]) -> None:
+        """Take one stored row (older than every row taken before)."""
+        new = ~is_missing(row) & ~self.measured
+        if new.any():
+            self.values[new] = row[new]
+            self.measured |= new
+            self.idle = 0
         else:
-            blob = session.execute(
-                select(ScalarPoint.value)
-                .where(ScalarPoint.run_id == run.run_id, ScalarPoint.rank == rank, ScalarPoint.name_id == name_id)
-                .order_by(ScalarPoint.step.desc())
-                .limit(1)
-            ).scalar()
-            if blob is not None:
-                scalars[str(name)] = struct.unpack("<d", bytes(blob))[0]
-    return StoredRank(run.name, rank, layers, last_step, run.last_seen, latest, scalars)
+            self.idle += 1
+        self.rows_read += 1
+        self.oldest_step = step
+
+    def done(self, limits: RestoreLimits) -> bool:
+        """Whether older rows need not be read: every layer has a value, or the limits are reached."""
+        return bool(self.measured.all()) or self.idle >= limits.idle_rows or self.rows_read >= limits.max_rows
 
 
-def _latest_layer_values(
-    session: Session, run_id: int, rank: int, name_id: int, last_step: int, n_layers: int, limits: RestoreLimits
-) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
-    """Per layer, the value at the newest step that measured it (newest rows first, within the limits)."""
-    values = np.full(n_layers, np.nan)
-    measured = np.zeros(n_layers, dtype=np.bool_)
-    cursor, floor = last_step + 1, last_step - limits.look_back_steps
-    read = idle = 0
-    page = 1  # the newest row usually measures every layer: read it alone first
-    while read < limits.max_rows:
-        rows = session.execute(
+class RankReader:
+    """Reads what the database holds of the (run, rank)s of recent runs, with statements built once."""
+
+    def __init__(self, limits: RestoreLimits) -> None:
+        self.limits = limits
+        run_id, rank = bindparam("run_id", type_=Integer), bindparam("rank", type_=Integer)
+        self._layers = select(Layer.name).where(Layer.run_id == run_id).order_by(Layer.idx)
+        self._names = (
+            select(MetricName.id, MetricName.name, RunMetric.kind)
+            .join(RunMetric, RunMetric.name_id == MetricName.id)
+            .where(RunMetric.run_id == run_id)
+            .order_by(MetricName.name)
+        )
+        # The newest rows of a rank, all metrics together (index ix_points_key): usually every metric's newest row.
+        self._newest = (
+            select(Point.name_id, Point.step, Point.vals)
+            .where(Point.run_id == run_id, Point.rank == rank, Point.step <= bindparam("last_step"))
+            .order_by(Point.step.desc(), Point.name_id.desc())
+            .limit(bindparam("rows", type_=Integer))
+        )
+        # Older rows of one metric, for a metric the newest rows left without a value for some layer.
+        self._older = (
             select(Point.step, Point.vals)
             .where(
                 Point.run_id == run_id,
                 Point.rank == rank,
-                Point.name_id == name_id,
-                Point.step < cursor,
-                Point.step >= floor,
+                Point.name_id == bindparam("name_id"),
+                Point.step < bindparam("before"),
+                Point.step >= bindparam("floor"),
             )
             .order_by(Point.step.desc())
-            .limit(min(page, limits.max_rows - read))
-        ).all()
-        if not rows:
-            break
-        for row in rows_from_blobs([bytes(vals) for _, vals in rows], n_layers):
-            read += 1
-            new = ~is_missing(row) & ~measured
-            if new.any():
-                values[new] = row[new]
-                measured |= new
-                idle = 0
-            else:
-                idle += 1
-            if measured.all() or idle >= limits.idle_rows:
-                return values, measured
-        cursor, page = int(rows[-1][0]), 2 * limits.idle_rows
-    return values, measured
+            .limit(bindparam("rows", type_=Integer))
+        )
+        self._scalar = (
+            select(ScalarPoint.value)
+            .where(ScalarPoint.run_id == run_id, ScalarPoint.rank == rank, ScalarPoint.name_id == bindparam("name_id"))
+            .order_by(ScalarPoint.step.desc())
+            .limit(1)
+        )
+
+    def stored_ranks(self, session: Session, run: RecentRun) -> Iterator[StoredRank]:
+        """Per rank of ``run``: the latest value of every layer per metric (the newest stored step that measured
+        it), the latest value of every scalar, and the rank's last step."""
+        conn = session.connection()
+        layers = tuple(str(name) for (name,) in conn.execute(self._layers, {"run_id": run.run_id}))
+        names = conn.execute(self._names, {"run_id": run.run_id}).all()
+        metrics = {int(name_id): str(name) for name_id, name, kind in names if kind == "layer"}
+        scalars = {int(name_id): str(name) for name_id, name, kind in names if kind != "layer"}
+        for rank, last_step in run.ranks:
+            key = {"run_id": run.run_id, "rank": rank}
+            latest = self._latest(conn, key, last_step, metrics, len(layers))
+            values: dict[str, float] = {}
+            for name_id, name in scalars.items():
+                blob = conn.execute(self._scalar, {**key, "name_id": name_id}).scalar()
+                if blob is not None:
+                    values[name] = struct.unpack("<d", bytes(blob))[0]
+            yield StoredRank(run.name, rank, layers, last_step, run.last_seen, latest, values)
+
+    def _latest(
+        self, conn: Connection, key: dict[str, int], last_step: int, metrics: Mapping[int, str], n_layers: int
+    ) -> dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]]:
+        if not metrics:
+            return {}
+        limits = self.limits
+        fills = {name_id: _LatestValues(n_layers) for name_id in metrics}
+        page = 2 * len(metrics)
+        rows = conn.execute(self._newest, {**key, "last_step": last_step, "rows": page}).all()
+        for (name_id, step, _), row in zip(rows, rows_from_blobs([bytes(r[2]) for r in rows], n_layers), strict=True):
+            fill = fills.get(int(name_id))
+            if fill is not None and not fill.done(limits):
+                fill.take(int(step), row)
+        if len(rows) == page:  # older rows exist: read on for the metrics still without every layer
+            cut = int(rows[-1][1])
+            for name_id, fill in fills.items():
+                # The page holds every row newer than its oldest step ``cut``, and some of those at ``cut``.
+                before = cut if fill.oldest_step == cut else cut + 1
+                self._read_older(conn, {**key, "name_id": name_id}, before, last_step, fill)
+        return {
+            metrics[name_id]: (fill.values, fill.measured) for name_id, fill in fills.items() if fill.measured.any()
+        }
+
+    def _read_older(
+        self, conn: Connection, key: dict[str, int], before: int, last_step: int, fill: _LatestValues
+    ) -> None:
+        limits = self.limits
+        floor = last_step - limits.look_back_steps
+        while not fill.done(limits):
+            rows = conn.execute(
+                self._older, {**key, "before": before, "floor": floor, "rows": 2 * limits.idle_rows}
+            ).all()
+            if not rows:
+                return
+            for (step, _), row in zip(
+                rows, rows_from_blobs([bytes(r[1]) for r in rows], len(fill.values)), strict=True
+            ):
+                fill.take(int(step), row)
+                if fill.done(limits):
+                    return
+            before = int(rows[-1][0])
 
 
 def open_alert_series(session: Session, runs: Sequence[str], per_group: int) -> list[StoredSeries]:

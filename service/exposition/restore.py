@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.exposition.alert_states import StoredSeries
 from quantwatch.service.exposition.cache import LatestValueCache
-from quantwatch.service.exposition.queries import RestoreLimits, open_alert_series, recent_runs, stored_rank
+from quantwatch.service.exposition.queries import RankReader, RestoreLimits, open_alert_series, recent_runs
 
 __all__ = ["StartupRestore"]
 
@@ -93,12 +93,13 @@ class StartupRestore:
             self._restored_runs = frozenset(run.name for run in runs)
             self._series = tuple(open_alert_series(session, sorted(self._restored_runs), cache.top_k))
         self.series_restored = len(self._series)
+        reader = RankReader(self.limits)
         for run in runs:
             with self.sessions() as session:
-                for rank, last_step in run.ranks:
+                for stored in reader.stored_ranks(session, run):
                     if self._stopping.is_set():
                         return
-                    self.ranks_restored += cache.restore(stored_rank(session, run, rank, last_step, self.limits))
+                    self.ranks_restored += cache.restore(stored)
             self.runs_restored += 1
         self.seconds = time.perf_counter() - started
         log.info(

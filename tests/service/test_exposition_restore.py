@@ -25,6 +25,7 @@ LAYERS = ["blocks.0.attn.qkv", "blocks.0.mlp.fc1", "blocks.1.attn.qkv"]
 RESTORED_FAMILIES = (
     "quantwatch_layer_output_rel_l2_ratio",
     "quantwatch_layer_underflow_ratio",
+    "quantwatch_layer_weight_rel_l2_ratio",
     "quantwatch_run_loss",
     "quantwatch_run_last_step",
     "quantwatch_exposition_layer_series_omitted",
@@ -77,6 +78,13 @@ def test_a_restarted_collector_serves_the_latest_values_and_firing_alerts_of_sto
     # Rank 0: qkv breaches at steps 10 and 11 (firing, streak 2); fc1 breaches at step 10 and is not measured at
     # step 11 (pending; its latest value is step 10's); underflow is measured at step 10 only. Rank 1: blocks.1
     # breaches once (pending).
+    # Older history first: underflow of blocks.1 last measured at step 2, weight_rel_l2 at steps 2-9. The restore
+    # finds blocks.1's underflow below the newest rows of the rank, all metrics together.
+    weight = np.tile(np.array([0.3, 0.1, 0.2], np.float32), (8, 1)) * np.arange(1, 9, dtype=np.float32)[:, None]
+    old_underflow = np.array([[np.nan, np.nan, 0.004]], np.float32)
+    doc = make_batch("gpt-fp4", LAYERS, [2], {"underflow_ratio": old_underflow, "weight_rel_l2": weight[:1]})
+    post(first.url, doc, encode_batch)
+    post(first.url, make_batch("gpt-fp4", LAYERS, list(range(3, 10)), {"weight_rel_l2": weight[1:]}), encode_batch)
     rel = np.array([[0.06, 0.2, 0.01], [0.07, np.nan, 0.02]], np.float32)
     underflow = np.array([[0.001, 0.002, np.nan]], np.float32)
     post(first.url, make_batch("gpt-fp4", LAYERS, [10], {"underflow_ratio": underflow}), encode_batch)
@@ -109,6 +117,8 @@ def test_a_restarted_collector_serves_the_latest_values_and_firing_alerts_of_sto
         expected = [line for line in before[family] if 'run="old-run"' not in line]
         assert after.get(family, []) == expected, family
     assert not any('run="old-run"' in line for lines in after.values() for line in lines)
+    old_value = 'quantwatch_layer_underflow_ratio{layer="blocks.1.attn.qkv",rank="0",run="gpt-fp4"} 0.004'
+    assert old_value in after["quantwatch_layer_underflow_ratio"]
     # The ingest timestamp is the one the database recorded for the run's newest batch (taken before its commit).
     stored_seen = httpx.get(f"{second.url}/api/v1/runs/gpt-fp4", timeout=10).json()["last_seen_at"]
     (seen_line,) = after["quantwatch_run_last_ingest_timestamp_seconds"]
