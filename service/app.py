@@ -17,7 +17,7 @@ from quantwatch.service.api.routes import catalog, health, ingest, runs
 from quantwatch.service.batch import IngestObserver
 from quantwatch.service.core.config import Settings
 from quantwatch.service.core.db import WriteHealth, make_engine, make_sessionmaker, upgrade
-from quantwatch.service.exposition import alert_series_source, delivery_counts, install_exposition
+from quantwatch.service.exposition import StartupRestore, alert_series_source, delivery_counts, install_exposition
 from quantwatch.service.store import Store
 
 __all__ = ["FiringAlertCounts", "create_app"]
@@ -43,11 +43,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         worker.start()
-        exposition.renderer.start()
+        exposition.start()
         try:
             yield
         finally:
-            exposition.renderer.stop()
+            exposition.stop()
             worker.stop()
 
     app = FastAPI(
@@ -75,12 +75,14 @@ def create_app(
     ingest_observers_of(app).insert(0, alerts)
     if firing_alert_counts is None:
         app.state.firing_alert_counts = firing_counts(store.factory)
+    restore = StartupRestore(store.factory)  # the state of the runs stored before a restart
     exposition = install_exposition(
         app,
         top_k=settings.metrics_top_k,
         run_ttl_seconds=settings.metrics_run_ttl_seconds,
-        alerts=alert_series_source(alerts),
+        alerts=alert_series_source(alerts, restore.alert_series),
         deliveries=delivery_counts(store.factory),
+        restore=restore,
     )
     web.install(app)
     return app

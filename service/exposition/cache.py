@@ -1,0 +1,424 @@
+"""The latest-value cache: latest value per exported series, fed a whole batch at a time, rendered off the ingest path.
+
+Nothing on the ingest path calls ``Gauge.set`` per point: the cache takes a whole batch at once, with numpy, and the
+sample lines of a (run, metric) are rendered after it changed (by the background renderer between scrapes, or by
+the scrape itself for whatever is left). Cardinality is bounded by design: per (run, metric) only the ``top_k``
+worst layers are kept (higher is worse, except for cosines and SQNR where lower is worse; non-finite values are the
+worst of all), the rest is counted, and runs that send nothing for ``run_ttl_seconds`` drop out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from quantwatch.protocol import lower_is_worse
+from quantwatch.service.exposition.naming import escape_label_value, layer_family_name
+from quantwatch.service.float_text import float32_value_lines
+
+__all__ = [
+    "DEFAULT_RUN_TTL_SECONDS",
+    "DEFAULT_TOP_K",
+    "CacheSnapshot",
+    "CachedRun",
+    "LatestValueCache",
+    "LayerFamily",
+    "Slot",
+    "StepLike",
+    "StepValues",
+    "StoredRank",
+    "slot_rows",
+]
+
+DEFAULT_TOP_K = 64
+DEFAULT_RUN_TTL_SECONDS = 3600.0
+
+
+class StepLike(Protocol):
+    """One step of a batch as the cache reads it; :class:`quantwatch.service.batch.IngestStep` is one."""
+
+    @property
+    def step(self) -> int:
+        """The optimizer step."""
+
+    @property
+    def metrics(self) -> Mapping[str, npt.NDArray[np.floating[Any]]]:
+        """Per metric, one float per layer of the batch (NaN where not measured)."""
+
+    @property
+    def scalars(self) -> Mapping[str, float]:
+        """Per-run scalars of the step."""
+
+    @property
+    def missing(self) -> Mapping[str, npt.NDArray[np.bool_]]:
+        """Per metric with at least one null: True where the layer was not measured."""
+
+
+@dataclass(frozen=True)
+class StepValues:
+    """A plain :class:`StepLike` (tests, benchmarks): the same fields as the ingest path's ``IngestStep``."""
+
+    step: int
+    metrics: Mapping[str, npt.NDArray[np.floating[Any]]]
+    scalars: Mapping[str, float] = field(default_factory=dict)
+    missing: Mapping[str, npt.NDArray[np.bool_]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StoredRank:
+    """What the database holds of one (run, rank), as :meth:`LatestValueCache.restore` takes it after a restart.
+
+    ``latest`` has, per metric, the value of each of ``layers`` at the newest step that measured it and which
+    layers were measured at all; ``last_seen`` is the clock time of the run's newest batch (any rank).
+    """
+
+    run: str
+    rank: int
+    layers: tuple[str, ...]
+    last_step: int
+    last_seen: float
+    latest: Mapping[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]]
+    scalars: Mapping[str, float]
+
+
+@dataclass
+class Slot:
+    """The exported layers of one (run, metric): at most K entries, sorted by (rank, layer id = model order)."""
+
+    ranks: npt.NDArray[np.int64]
+    layer_ids: npt.NDArray[np.int64]
+    values: npt.NDArray[np.float64]  # float32 figures widened; exported by their shortest float32 spelling
+    omitted: int = 0
+    text: bytes | None = None  # rendered sample lines; None until a scrape renders them after a change
+
+
+@dataclass
+class CachedRun:
+    """Everything the cache holds for one run.
+
+    Layers get a small integer id on first sight (so ids follow model order); the label text of each
+    (rank, layer) is escaped once and kept, so a re-render only spells values.
+    """
+
+    name: str
+    last_seen: float
+    last_step: dict[int, int] = field(default_factory=dict)
+    scalars: dict[tuple[str, int], float] = field(default_factory=dict)
+    slots: dict[str, Slot] = field(default_factory=dict)
+    layer_ids: dict[str, int] = field(default_factory=dict)
+    layer_names: list[str] = field(default_factory=list)
+    labels: dict[int, npt.NDArray[np.object_]] = field(default_factory=dict)  # rank -> label bytes by layer id
+    last_layers: tuple[str, ...] = ()
+    last_ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def ids_of(self, layers: Sequence[str]) -> npt.NDArray[np.int64]:
+        """Ids of ``layers``, registering new ones; a batch with the same layer list as the last costs a compare."""
+        key = tuple(layers)
+        if key != self.last_layers:
+            for name in key:
+                if name not in self.layer_ids:
+                    self.layer_ids[name] = len(self.layer_names)
+                    self.layer_names.append(name)
+            self.last_layers = key
+            self.last_ids = np.fromiter((self.layer_ids[n] for n in key), dtype=np.int64, count=len(key))
+        return self.last_ids
+
+    def label_texts(self, rank: int) -> npt.NDArray[np.object_]:
+        """``{layer="…",rank="…",run="…"} `` (up to the value) of every known layer for ``rank``, by layer id.
+
+        An object array, so that a slot's labels are one gather in C rather than a lookup per line.
+        """
+        texts = self.labels.get(rank)
+        if texts is None or len(texts) < len(self.layer_names):
+            known: list[bytes] = [] if texts is None else texts.tolist()
+            run = escape_label_value(self.name)
+            known.extend(
+                f'{{layer="{escape_label_value(layer)}",rank="{rank}",run="{run}"}} '.encode()
+                for layer in self.layer_names[len(known) :]
+            )
+            texts = self.labels[rank] = np.array(known, dtype=object)
+        return texts
+
+
+@dataclass(frozen=True)
+class LayerFamily:
+    """A snapshot of one layer gauge family: the rendered lines of every run, in run order."""
+
+    name: str
+    metric: str
+    chunks: tuple[tuple[CachedRun, Slot], ...]
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """What one scrape reads from the cache, taken under its lock."""
+
+    layer_families: tuple[LayerFamily, ...]
+    run_scalars: tuple[tuple[str, int, str, float], ...]  # (run, rank, scalar, value)
+    last_steps: tuple[tuple[str, int, int], ...]  # (run, rank, step)
+    last_seen: tuple[tuple[str, float], ...]  # (run, clock seconds)
+    omitted_series: tuple[tuple[str, int], ...]  # (metric, layer series not exported now)
+    omitted_values_total: int
+    expired_runs_total: int
+
+
+class LatestValueCache:
+    """Latest value per exported series, fed a whole batch at a time; thread-safe.
+
+    Per (run, metric) it keeps the ``top_k`` worst layers across ranks (the exposition's cardinality cap); per
+    (run, rank) the last step and the latest scalars. Work per batch is O(layers) numpy per metric; nothing is
+    rendered on the ingest path (see :meth:`render_changed` and :meth:`snapshot`). ``clock`` is injectable so tests
+    can freeze time.
+    """
+
+    def __init__(
+        self,
+        *,
+        top_k: int = DEFAULT_TOP_K,
+        run_ttl_seconds: float = DEFAULT_RUN_TTL_SECONDS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be an integer ≥ 1, got {top_k!r}")
+        if not isinstance(run_ttl_seconds, (int, float)) or not run_ttl_seconds > 0:
+            raise ValueError(f"run_ttl_seconds must be a number > 0, got {run_ttl_seconds!r}")
+        self.top_k = top_k
+        self.run_ttl_seconds = float(run_ttl_seconds)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._runs: dict[str, CachedRun] = {}
+        self._changed_runs: set[str] = set()  # runs with slots a batch changed since a render
+        self.scraped_at: float | None = None  # time.monotonic() of the last snapshot
+        self._omitted_values_total = 0
+        self._expired_runs_total = 0
+
+    def observe(self, run: str, rank: int, layers: Sequence[str], steps: Iterable[StepLike]) -> None:
+        """Take one stored batch of (run, rank): the latest value of every layer and scalar in it.
+
+        A batch whose newest step is older than the newest already seen for (run, rank) is history, not the
+        present: it leaves the latest values alone.
+        """
+        ordered = sorted(steps, key=lambda s: s.step)
+        if not ordered:
+            return
+        latest = _latest_per_layer(ordered, len(layers))
+        newest_step = ordered[-1].step
+        now = self._clock()
+        with self._lock:
+            state = self._runs.get(run)
+            if state is None:
+                state = self._runs[run] = CachedRun(name=run, last_seen=now)
+            state.last_seen = now
+            if newest_step < state.last_step.get(rank, -1):
+                return
+            state.last_step[rank] = newest_step
+            for s in ordered:
+                for scalar, value in s.scalars.items():
+                    state.scalars[(scalar, rank)] = float(value)
+            ids = state.ids_of(layers)
+            for metric, (values, measured) in latest.items():
+                self._omitted_values_total += self._merge(state, metric, rank, ids[measured], values[measured])
+            self._changed_runs.add(run)
+
+    def restore(self, stored: StoredRank) -> bool:
+        """Take what the database holds of one (run, rank) after a restart; returns whether it was taken.
+
+        A (run, rank) that a batch reached the cache for first is left alone: ingest is newer than any read of the
+        database, so a restore running next to ingest never puts an older value over a newer one. The values of a
+        restored (run, rank) compete for the top-K like those of a batch; what the cap leaves out is not counted
+        as left out of ingested batches (``quantwatch_exposition_layer_values_omitted``).
+        """
+        with self._lock:
+            state = self._runs.get(stored.run)
+            if state is None:
+                state = self._runs[stored.run] = CachedRun(name=stored.run, last_seen=stored.last_seen)
+            elif stored.rank in state.last_step:
+                return False
+            state.last_step[stored.rank] = stored.last_step
+            for scalar, value in stored.scalars.items():
+                state.scalars[(scalar, stored.rank)] = value
+            ids = state.ids_of(stored.layers)
+            for metric, (values, measured) in stored.latest.items():
+                self._merge(state, metric, stored.rank, ids[measured], values[measured])
+            self._changed_runs.add(stored.run)
+            return True
+
+    def _merge(
+        self,
+        state: CachedRun,
+        metric: str,
+        rank: int,
+        ids: npt.NDArray[np.int64],
+        values: npt.NDArray[np.float64],
+    ) -> int:
+        """Merge one rank's new values into the (run, metric) slot; returns how many of them the cap left out."""
+        if ids.size == 0:
+            return 0
+        old = state.slots.get(metric)
+        if old is None:
+            ranks, layer_ids, vals = np.full(ids.size, rank, dtype=np.int64), ids, values
+        else:
+            # Entries of this rank that the batch measured again are replaced; everything else stays a candidate.
+            remeasured = np.zeros(len(state.layer_names), dtype=np.bool_)
+            remeasured[ids] = True
+            keep = (old.ranks != rank) | ~remeasured[old.layer_ids]
+            ranks = np.concatenate([old.ranks[keep], np.full(ids.size, rank, dtype=np.int64)])
+            layer_ids = np.concatenate([old.layer_ids[keep], ids])
+            vals = np.concatenate([old.values[keep], values])
+        omitted = dropped = 0
+        if vals.size > self.top_k:
+            badness = np.where(np.isnan(vals), np.inf, -vals if lower_is_worse(metric) else vals)
+            chosen = np.argpartition(-badness, self.top_k - 1)[: self.top_k]
+            omitted = vals.size - self.top_k
+            kept = np.zeros(vals.size, dtype=np.bool_)
+            kept[chosen] = True
+            dropped = ids.size - int(np.count_nonzero(kept[-ids.size :]))
+            ranks, layer_ids, vals = ranks[chosen], layer_ids[chosen], vals[chosen]
+        order = np.lexsort((layer_ids, ranks))
+        state.slots[metric] = Slot(ranks[order], layer_ids[order], vals[order], omitted)
+        return dropped
+
+    def run_names(self) -> set[str]:
+        """Names of the runs the cache holds now."""
+        with self._lock:
+            return set(self._runs)
+
+    def expire(self) -> int:
+        """Drop runs idle longer than the TTL; returns how many went."""
+        deadline = self._clock() - self.run_ttl_seconds
+        with self._lock:
+            return self._expire_locked(deadline)
+
+    def _expire_locked(self, deadline: float) -> int:
+        stale = [run for run, state in self._runs.items() if state.last_seen < deadline]
+        for run in stale:
+            del self._runs[run]
+        self._expired_runs_total += len(stale)
+        return len(stale)
+
+    def render_changed(self, runs_per_hold: int = 8) -> int:
+        """Render the slots that batches changed since they were last rendered; returns how many it rendered.
+
+        The :class:`BackgroundRenderer` calls this between scrapes, so that a scrape finds most slots rendered. The
+        lock is held for ``runs_per_hold`` runs at a time: ingest and a scrape wait for one small pass at most.
+        Runs changed while it works are left to the next call (or to the scrape).
+        """
+        with self._lock:
+            todo, self._changed_runs = sorted(self._changed_runs), set()
+        rendered = 0
+        for first in range(0, len(todo), runs_per_hold):
+            with self._lock:
+                changed = [
+                    (layer_family_name(metric), state, slot)
+                    for state in (self._runs.get(run) for run in todo[first : first + runs_per_hold])
+                    if state is not None
+                    for metric, slot in state.slots.items()
+                    if slot.text is None
+                ]
+                for (_, _, slot), text in zip(changed, _render_slots(changed), strict=True):
+                    slot.text = text
+            rendered += len(changed)
+        return rendered
+
+    def snapshot(self) -> CacheSnapshot:
+        """Expire idle runs, render changed slots and return what a scrape exports."""
+        deadline = self._clock() - self.run_ttl_seconds
+        with self._lock:
+            self.scraped_at = time.monotonic()
+            self._expire_locked(deadline)
+            runs = sorted(self._runs.items())
+            by_metric: dict[str, list[tuple[CachedRun, Slot]]] = {}
+            scalars: list[tuple[str, int, str, float]] = []
+            steps: list[tuple[str, int, int]] = []
+            seen: list[tuple[str, float]] = []
+            omitted: dict[str, int] = {}
+            changed: list[tuple[str, CachedRun, Slot]] = []
+            for run, state in runs:
+                for metric, slot in state.slots.items():
+                    if slot.text is None:
+                        changed.append((layer_family_name(metric), state, slot))
+                    by_metric.setdefault(metric, []).append((state, slot))
+                    omitted[metric] = omitted.get(metric, 0) + slot.omitted
+                scalars.extend((run, rank, name, value) for (name, rank), value in sorted(state.scalars.items()))
+                steps.extend((run, rank, step) for rank, step in sorted(state.last_step.items()))
+                seen.append((run, state.last_seen))
+            for (_, _, slot), text in zip(changed, _render_slots(changed), strict=True):
+                slot.text = text
+            self._changed_runs.clear()  # everything is rendered now
+            families = tuple(
+                LayerFamily(layer_family_name(metric), metric, tuple(chunks))
+                for metric, chunks in sorted(by_metric.items(), key=lambda item: layer_family_name(item[0]))
+            )
+            return CacheSnapshot(
+                layer_families=families,
+                run_scalars=tuple(scalars),
+                last_steps=tuple(steps),
+                last_seen=tuple(seen),
+                omitted_series=tuple(sorted(omitted.items())),
+                omitted_values_total=self._omitted_values_total,
+                expired_runs_total=self._expired_runs_total,
+            )
+
+
+def _latest_per_layer(
+    steps: Sequence[StepLike], n_layers: int
+) -> dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]]:
+    """Per metric: the value of each layer at the newest step that measured it, and which layers any step measured."""
+    latest: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]] = {}
+    for s in steps:
+        for metric, raw in s.metrics.items():
+            values = np.asarray(raw, dtype=np.float64)
+            if values.shape != (n_layers,):
+                raise ValueError(f"metrics.{metric} has {values.size} values for {n_layers} layers")
+            missing = s.missing.get(metric)
+            measured = np.ones(n_layers, dtype=np.bool_) if missing is None else ~np.asarray(missing, dtype=np.bool_)
+            current = latest.get(metric)
+            if current is None:
+                latest[metric] = (np.where(measured, values, np.nan), measured.copy())
+            else:
+                np.copyto(current[0], values, where=measured)
+                current[1][:] |= measured
+    return latest
+
+
+def _render_slots(slots: Sequence[tuple[str, CachedRun, Slot]]) -> list[bytes]:
+    """The sample lines of each (family, run, slot), byte for byte as prometheus_client's text format writes them.
+
+    The values of every slot that changed since the last scrape are spelled in one vectorised pass; per slot its
+    lines are one join of pieces that already exist (family, cached label text, value line).
+    """
+    if not slots:
+        return []
+    values = float32_value_lines(np.concatenate([slot.values for _, _, slot in slots]))
+    out = []
+    start = 0
+    for family, state, slot in slots:
+        count = slot.values.size
+        pieces = [family.encode(), b"", b""] * count
+        pieces[1::3] = _slot_labels(state, slot)
+        pieces[2::3] = values[start : start + count]
+        out.append(b"".join(pieces))
+        start += count
+    return out
+
+
+def _slot_labels(state: CachedRun, slot: Slot) -> list[bytes]:
+    """Label text of each entry of a slot."""
+    if slot.ranks[0] == slot.ranks[-1]:  # sorted by rank: one rank throughout
+        return cast("list[bytes]", state.label_texts(int(slot.ranks[0]))[slot.layer_ids].tolist())
+    ranks = slot.ranks.tolist()
+    texts = {rank: state.label_texts(rank) for rank in set(ranks)}
+    return [texts[rank][layer] for rank, layer in zip(ranks, slot.layer_ids.tolist(), strict=True)]
+
+
+def slot_rows(state: CachedRun, slot: Slot) -> Iterator[tuple[int, str, float]]:
+    """(rank, layer, value) rows of a slot, each value the float of its shortest float32 spelling (numpy's)."""
+    texts = slot.values.astype(np.float32).astype(np.str_).tolist()
+    for rank, layer, text in zip(slot.ranks.tolist(), slot.layer_ids.tolist(), texts, strict=True):
+        yield rank, state.layer_names[layer], float(text)
