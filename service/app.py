@@ -68,6 +68,7 @@ def create_app(
     app.include_router(catalog.router)
     alerts, _worker = install_alerts(app, settings, app.state.store)
     app.state.ingest_observers.insert(0, alerts)
+    app.state.ingest_observers.insert(0, alerts.formats)  # layer formats are recorded before alerts read them
     if firing_alert_counts is None:
         app.state.firing_alert_counts = firing_counts(app.state.store.factory)
     install_exposition(

@@ -43,7 +43,7 @@ class ConflictError(ValueError):
 
 
 def _definition(rule: Rule) -> dict[str, Any]:
-    return rule.model_dump(mode="json")
+    return rule.definition()
 
 
 def _receiver_values(spec: ReceiverSpec) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from quantwatch.service.alerts.evaluator import (
     advance_episode,
     evaluate_columns,
 )
+from quantwatch.service.alerts.formats import LayerFormatRecorder
 from quantwatch.service.alerts.repository import insert_ignore
 from quantwatch.service.alerts.rules import ReceiverSpec, Rule
 from quantwatch.service.alerts.tables import EpisodeRow, ReceiverRow
@@ -94,6 +95,7 @@ class AlertEngine:
         wake: Callable[[], None] = lambda: None,
         dispatch: Callable[[list[int]], None] | None = None,
         clock: Callable[[], float] = time.time,
+        formats: LayerFormatRecorder | None = None,
     ) -> None:
         self.external_url = external_url
         self.delivery_horizon_seconds = delivery_horizon_seconds
@@ -101,6 +103,8 @@ class AlertEngine:
         self._dispatch = dispatch
         self._clock = clock
         self._rules = RuleCache()
+        self.formats = formats if formats is not None else LayerFormatRecorder()
+        """The layer formats' observer; it must see a batch before this engine does (see ``create_app``)."""
         self._enqueued = threading.local()
         self._latest: dict[tuple[str, str, int, str], SeriesSnapshot] = {}
         self._latest_lock = threading.Lock()
@@ -114,7 +118,12 @@ class AlertEngine:
     def on_batch(self, session: Session, run_row: Run, batch: IngestBatch) -> None:
         """:class:`~quantwatch.service.batch.IngestObserver` hook: evaluate inside the ingest transaction."""
         now = self._clock()
-        self._evaluate(session, batch.run, batch.rank, batch.layers, lambda metrics: batch_columns(batch, metrics, now))
+        formats = self.formats.current(session, run_row.id).view()
+
+        def columns_of(metrics: Iterable[str]) -> BatchColumns:
+            return replace(batch_columns(batch, metrics, now), formats=formats)
+
+        self._evaluate(session, batch.run, batch.rank, batch.layers, columns_of)
 
     def after_commit(self, batch: IngestBatch) -> None:
         """:class:`~quantwatch.service.batch.IngestObserver` hook: publish the committed series states to

@@ -23,10 +23,12 @@ from quantwatch.service.alerts.tables import (
     AlertGroupRow,
     DeliveryRow,
     EpisodeRow,
+    LayerFormatRow,
     ReceiverRow,
     RuleRow,
     SeriesStateRow,
 )
+from quantwatch.service.models import Run
 
 __all__ = [
     "add_deliveries",
@@ -36,6 +38,8 @@ __all__ = [
     "insert_deliveries",
     "insert_ignore",
     "known_receivers",
+    "layer_format_count",
+    "layer_format_rows",
     "lock_cursor",
     "lock_groups",
     "open_episodes",
@@ -46,6 +50,7 @@ __all__ = [
     "receiver_by_name",
     "receivers_for",
     "receivers_from",
+    "record_layer_formats",
     "rule_by_name",
     "rules_for_update",
     "series_state_rows",
@@ -63,7 +68,7 @@ _EPISODE_UPDATE = update(_EPISODES).where(_EPISODES.c.id == bindparam("b_id"))
 _GROUP_UPDATE = update(_GROUPS).where(
     _GROUPS.c.rule_id == bindparam("b_rule_id"), _GROUPS.c.layer == bindparam("b_layer")
 )
-_STATE_COLUMNS = ("status", "last_step", "streak", "clear_streak", "last_value")
+_STATE_COLUMNS = ("status", "last_step", "streak", "clear_streak", "last_value", "baseline", "baseline_since")
 
 
 def insert_ignore(session: Session, table: Any, rows: list[dict[str, Any]], keys: Sequence[str]) -> None:
@@ -105,13 +110,17 @@ def lock_cursor(session: Session, run: str, rank: int) -> None:
 def read_series_states(session: Session, run: str, rank: int, names: Mapping[int, str]) -> dict[SeriesKey, SeriesState]:
     """The stored series states of one (run, rank) for the rules ``names`` (id → name), keyed (rule name, layer)."""
     return {
-        (names[rule_id], layer): SeriesState(_STATUS[status], last_step, streak, clear_streak, last_value)
-        for rule_id, layer, status, last_step, streak, clear_streak, last_value in session.connection().execute(
-            select(
-                _SERIES.c.rule_id,
-                _SERIES.c.layer,
-                *(_SERIES.c[name] for name in _STATE_COLUMNS),
-            ).where(_SERIES.c.run == run, _SERIES.c.rank == rank, _SERIES.c.rule_id.in_(list(names)))
+        (names[rule_id], layer): SeriesState(
+            _STATUS[status], last_step, streak, clear_streak, last_value, tuple(baseline or ()), baseline_since
+        )
+        for rule_id, layer, status, last_step, streak, clear_streak, last_value, baseline, baseline_since in (
+            session.connection().execute(
+                select(
+                    _SERIES.c.rule_id,
+                    _SERIES.c.layer,
+                    *(_SERIES.c[name] for name in _STATE_COLUMNS),
+                ).where(_SERIES.c.run == run, _SERIES.c.rank == rank, _SERIES.c.rule_id.in_(list(names)))
+            )
         )
     }
 
@@ -133,6 +142,8 @@ def upsert_series_states(
             "streak": state.streak,
             "clear_streak": state.clear_streak,
             "last_value": state.last_value if state.last_value is None or math.isfinite(state.last_value) else None,
+            "baseline": list(state.baseline) if state.baseline else None,
+            "baseline_since": state.baseline_since,
         }
         for (rule_name, layer), state in changed.items()
     ]
@@ -333,3 +344,29 @@ def firing_episode_counts(session: Session, runs: Sequence[str]) -> dict[str, in
         .group_by(EpisodeRow.run)
     )
     return {run: int(total) for run, total in rows}
+
+
+# -- layer formats ---------------------------------------------------------------------------------------------------
+_LAYER_FORMATS = cast(Table, LayerFormatRow.__table__)
+
+
+def record_layer_formats(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Insert format changes (run_id, layer, kind, step, format, recorded_at); one already recorded is kept."""
+    insert_ignore(session, _LAYER_FORMATS, rows, ("run_id", "layer", "kind", "step"))
+
+
+def layer_format_count(session: Session, run_id: int) -> int:
+    """How many format changes a run has recorded (the cheap check that a cached history is current)."""
+    query = select(func.count()).select_from(_LAYER_FORMATS).where(_LAYER_FORMATS.c.run_id == run_id)
+    return int(session.connection().execute(query).scalar_one())
+
+
+def layer_format_rows(session: Session, run: int | str) -> list[tuple[str, str, int, str]]:
+    """(layer, kind, step, format) of every format change of a run (by id or name), in step order."""
+    query = select(_LAYER_FORMATS.c.layer, _LAYER_FORMATS.c.kind, _LAYER_FORMATS.c.step, _LAYER_FORMATS.c.format)
+    if isinstance(run, str):
+        query = query.join(Run, Run.id == _LAYER_FORMATS.c.run_id).where(Run.name == run)
+    else:
+        query = query.where(_LAYER_FORMATS.c.run_id == run)
+    order = (_LAYER_FORMATS.c.step, _LAYER_FORMATS.c.layer, _LAYER_FORMATS.c.kind)
+    return [(layer, kind, int(step), fmt) for layer, kind, step, fmt in session.execute(query.order_by(*order))]

@@ -31,18 +31,21 @@ from pydantic import (
     model_validator,
 )
 
-from quantwatch.protocol import LAYER_METRICS
+from quantwatch.protocol import CATALOG, LAYER_METRICS
 from quantwatch.service.alerts.expressions import ScalarExpression
 
 __all__ = [
     "DEFAULT_DESCRIPTION",
     "METRICS",
     "TEMPLATE_VARIABLES",
+    "Baseline",
     "Op",
     "ReceiverSpec",
     "Rule",
+    "Selection",
     "breaches",
     "render_template",
+    "selects_layer",
 ]
 
 METRICS: frozenset[str] = frozenset(LAYER_METRICS)
@@ -149,6 +152,59 @@ def render_template(text: str, variables: Mapping[str, object]) -> str:
     return string.Template(text).safe_substitute({key: str(value) for key, value in variables.items()})
 
 
+def _check_globs(value: list[str] | None, field: str) -> list[str] | None:
+    if value is None:
+        return None
+    if not 1 <= len(value) <= 64:
+        raise ValueError(f"{field}: a list of 1..64 globs is required")
+    return [_check_glob(pattern, f"{field}[{position}]") for position, pattern in enumerate(value)]
+
+
+def _any_format(kinds: Mapping[str, str], patterns: tuple[str, ...], kind: str | None) -> bool:
+    # Any tensor kind's format may match, unless the rule names the kind.
+    values = list(kinds.values()) if kind is None else [kinds[kind]] if kind in kinds else []
+    return any(fnmatch.fnmatchcase(value, pattern) for value in values for pattern in patterns)
+
+
+class Baseline(BaseModel):
+    """A bound relative to the series' own start: breach beyond ``factor`` × the median of its first ``samples``.
+
+    For a cosine the deviation is ``1 - cosine``. The baseline starts again when the layer's format changes.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    samples: int = Field(ge=1, le=10_000, description="Reported samples the median is taken over.")
+    factor: float = Field(gt=0, description="Breach when the deviation exceeds factor × the baseline median.")
+
+    @field_validator("factor")
+    @classmethod
+    def _check_factor(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+Selection = tuple[tuple[str, ...], tuple[str, ...] | None, tuple[str, ...] | None, str | None]
+"""A rule's layer selection: (layer globs, format globs, excluded format globs, tensor kind of the format globs)."""
+
+
+def selects_layer(selection: Selection, layer: str, formats: Mapping[str, str] | None) -> bool:
+    """Whether ``selection`` takes ``layer`` of ``formats`` (per tensor kind; ``None`` or empty: unknown).
+
+    A layer of unknown format matches no format glob and is not excluded by an excluded one.
+    """
+    layer_globs, included, excluded, kind = selection
+    if not any(fnmatch.fnmatchcase(layer, pattern) for pattern in layer_globs):
+        return False
+    if included is not None and (not formats or not _any_format(formats, included, kind)):
+        return False
+    return not (excluded is not None and formats and _any_format(formats, excluded, kind))
+
+
+_OPTIONAL_FIELDS = frozenset({"formats", "exclude_formats", "format_kind", "baseline"})
+
+
 def _default_annotations() -> dict[str, str]:
     return {"summary": _DEFAULT_SUMMARY, "description": DEFAULT_DESCRIPTION}
 
@@ -176,6 +232,20 @@ class Rule(BaseModel):
     runs: str = Field(default="*", description="Glob over run names.")
     op: Op = Field(description="Comparison: `>`, `>=`, `<` or `<=`.")
     threshold: float = Field(description="Finite threshold; ratios as ratios (5% is 0.05).")
+    formats: list[str] | None = Field(
+        default=None,
+        description="Globs over layer formats (`fp8*`, `nvfp4`): only layers with a matching format (metric rules).",
+    )
+    exclude_formats: list[str] | None = Field(
+        default=None, description="Globs over layer formats: layers with a matching format are left out."
+    )
+    format_kind: Literal["weight", "input", "grad"] | None = Field(
+        default=None, description="Match the format globs against this tensor kind only (default: any kind)."
+    )
+    baseline: Baseline | None = Field(
+        default=None,
+        description="Also require the sample to exceed `factor` × the median of the series' first `samples` samples.",
+    )
     consecutive: int = Field(default=3, ge=1, le=100_000, description="Consecutive breaching reported steps to fire.")
     keep_firing_for: int = Field(
         default=0, ge=0, le=100_000, description="Non-breaching reported steps tolerated before resolving."
@@ -210,6 +280,16 @@ class Rule(BaseModel):
         if not 1 <= len(value) <= 64:
             raise ValueError("layers: a list of 1..64 globs is required")
         return [_check_glob(pattern, f"layers[{position}]") for position, pattern in enumerate(value)]
+
+    @field_validator("formats")
+    @classmethod
+    def _check_formats(cls, value: list[str] | None) -> list[str] | None:
+        return _check_globs(value, "formats")
+
+    @field_validator("exclude_formats")
+    @classmethod
+    def _check_exclude_formats(cls, value: list[str] | None) -> list[str] | None:
+        return _check_globs(value, "exclude_formats")
 
     @field_validator("runs")
     @classmethod
@@ -255,7 +335,53 @@ class Rule(BaseModel):
             raise ValueError("exactly one of `metric` or `scalar` is required")
         if self.scalar is not None and self.layers != "*":
             raise ValueError("`layers` applies to metric rules only; a scalar rule watches the whole run")
+        for name in ("formats", "exclude_formats", "format_kind", "baseline"):
+            if self.scalar is not None and getattr(self, name) is not None:
+                raise ValueError(f"`{name}` applies to metric rules only; a scalar rule watches the whole run")
+        if self.format_kind is not None and self.formats is None and self.exclude_formats is None:
+            raise ValueError("`format_kind` applies with `formats` or `exclude_formats`")
+        if self.baseline is not None and self.metric is not None:
+            measure = CATALOG[self.metric]
+            if measure.polarity == "lower_is_worse" and measure.unit != "cosine":
+                raise ValueError(f"`baseline` needs a higher-is-worse metric or a cosine; {self.metric} is neither")
+            worse = ("<", "<=") if measure.polarity == "lower_is_worse" else (">", ">=")
+            if self.op not in worse:
+                raise ValueError(f"a baseline rule compares in the worse direction of {self.metric}: op {worse[0]!r}")
         return self
+
+    def definition(self) -> dict[str, Any]:
+        """The rule as stored (JSON); the format and baseline fields only when set, so rules stored before they
+        existed compare equal to their unchanged definition."""
+        dumped = self.model_dump(mode="json")
+        return {key: value for key, value in dumped.items() if key not in _OPTIONAL_FIELDS or value is not None}
+
+    def deviation(self, value: float) -> float:
+        """How far a sample is from perfect in the worse direction: the value, or ``1 - value`` for a cosine."""
+        return 1.0 - value if self.on_cosine else value
+
+    @property
+    def on_cosine(self) -> bool:
+        """Whether the rule watches a cosine (whose deviation is ``1 - cosine``)."""
+        return self.metric is not None and CATALOG[self.metric].unit == "cosine"
+
+    def describe(self) -> str:
+        """One line saying what the rule watches, e.g. for ``quantwatch rules check``."""
+        where = f"{self.series} {self.op} {self.threshold:g}"
+        if self.baseline is not None:
+            where += f" and beyond {self.baseline.factor:g} × the median of its first {self.baseline.samples} samples"
+            where += " (of 1 - cosine)" if self.on_cosine else ""
+        parts = [f"{self.name}: {where} for {self.consecutive} step(s)"]
+        if self.keep_firing_for:
+            parts.append(f"resolves after {self.keep_firing_for + 1} calm step(s)")
+        if self.layer_globs != ("*",):
+            parts.append(f"layers {', '.join(self.layer_globs)}")
+        kind = f" ({self.format_kind})" if self.format_kind is not None else ""
+        if self.formats is not None:
+            parts.append(f"formats {', '.join(self.formats)}{kind}")
+        if self.exclude_formats is not None:
+            parts.append(f"except formats {', '.join(self.exclude_formats)}{kind}")
+        parts.append(self.severity + ("" if self.enabled else ", disabled"))
+        return "; ".join(parts)
 
     @property
     def series(self) -> str:
@@ -271,9 +397,21 @@ class Rule(BaseModel):
         """The globs of ``layers``, of which any may match."""
         return (self.layers,) if isinstance(self.layers, str) else tuple(self.layers)
 
-    def matches_layer(self, layer: str) -> bool:
-        """Whether this (metric) rule applies to ``layer``."""
-        return any(fnmatch.fnmatchcase(layer, pattern) for pattern in self.layer_globs)
+    @property
+    def selects_formats(self) -> bool:
+        """Whether the rule selects layers by format."""
+        return self.formats is not None or self.exclude_formats is not None
+
+    @property
+    def selection(self) -> Selection:
+        """What selects the rule's layers: (layer globs, format globs, excluded format globs, tensor kind)."""
+        formats = tuple(self.formats) if self.formats is not None else None
+        excluded = tuple(self.exclude_formats) if self.exclude_formats is not None else None
+        return self.layer_globs, formats, excluded, self.format_kind
+
+    def matches_layer(self, layer: str, formats: Mapping[str, str] | None = None) -> bool:
+        """Whether this (metric) rule applies to ``layer`` of ``formats`` (per tensor kind; ``None``: unknown)."""
+        return selects_layer(self.selection, layer, formats)
 
     def expression(self) -> ScalarExpression:
         """The parsed scalar expression of a scalar rule."""
