@@ -65,9 +65,6 @@ __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "Monitor", "attach"]
 DEFAULT_EVERY = 25
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
-#: Measured by default; ``weight_drift_rel_l2`` joins them with ``shadow="model"``.
-DEFAULT_METRICS: tuple[str, ...] = tuple(m for m in LAYER_METRICS if m != "weight_drift_rel_l2")
-
 # Which measurements each metric needs on a sampled step.
 _METRIC_KINDS: dict[str, frozenset[int]] = {
     "weight_rel_l2": frozenset({KIND_WEIGHT}),
@@ -84,6 +81,10 @@ _METRIC_KINDS: dict[str, frozenset[int]] = {
     "scale": frozenset({KIND_INPUT}),
     "weight_drift_rel_l2": frozenset({KIND_DRIFT}),
 }
+#: Measured by default (the catalogued metrics this agent measures); ``weight_drift_rel_l2`` joins them with
+#: ``shadow="model"``.
+DEFAULT_METRICS: tuple[str, ...] = tuple(m for m in LAYER_METRICS if m != "weight_drift_rel_l2" and m in _METRIC_KINDS)
+
 _FIELDS = ErrorStats.FIELDS
 _NF = len(_FIELDS)
 _NK = len(KIND_NAMES)
@@ -143,6 +144,8 @@ def _periods(metrics: Sequence[str] | Mapping[str, int] | None, every: int, shad
     for name in periods:
         if name not in LAYER_METRICS:
             raise ConfigError("metrics", f"unknown metric {name!r}; known: {', '.join(LAYER_METRICS)}")
+        if name not in _METRIC_KINDS:
+            raise ConfigError("metrics", f"{name!r} is catalogued but not measured by this agent yet")
     if "weight_drift_rel_l2" in periods and shadow != "model":
         raise ConfigError("metrics", "weight_drift_rel_l2 needs shadow='model'")
     return periods

@@ -70,7 +70,7 @@ RUN_NAME = "demo"
 # The layer the demo recipe quantizes to plain FP4 with one scale for the whole tensor.
 PER_TENSOR_FP4_LAYER = "blocks.1.mlp.fc2"
 # The demo's own rule: the update direction of a layer more than 5% off its FP32 reference, 3 steps in a row.
-UPDATE_RULE = "demo_update_direction"
+UPDATE_RULE = "quantwatch_update_direction"
 # Standard Webhooks: refuse timestamps further than this from now (replay protection).
 WEBHOOK_TOLERANCE_SECONDS = 300
 # The metrics whose worst layers the summary lists.

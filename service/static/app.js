@@ -264,6 +264,9 @@ function ruleBounds(metric, layer) {
   const bounds = new Map();
   for (const rule of state.rules) {
     if (!rule.enabled || rule.metric !== metric || !globMatches(rule.runs || "*", state.run || "")) continue;
+    // A baseline rule's bound is relative to each series' start, and the view does not know layer formats: such
+    // rules draw no fixed line (a rule that only excludes formats applies to layers of unknown format, as here).
+    if (rule.baseline || rule.formats) continue;
     const globs = Array.isArray(rule.layers) ? rule.layers : [rule.layers || "*"];
     if (!globs.some((g) => globMatches(g, layer))) continue;
     const key = `${rule.op} ${rule.threshold}`;
