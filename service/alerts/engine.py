@@ -118,10 +118,11 @@ class AlertEngine:
     def on_batch(self, session: Session, run_row: Run, batch: IngestBatch) -> None:
         """:class:`~quantwatch.service.batch.IngestObserver` hook: evaluate inside the ingest transaction."""
         now = self._clock()
-        formats = self.formats.current(session, run_row.id).view()
 
-        def columns_of(metrics: Iterable[str]) -> BatchColumns:
-            return replace(batch_columns(batch, metrics, now), formats=formats)
+        def columns_of(metrics: Iterable[str], by_format: bool) -> BatchColumns:
+            columns = batch_columns(batch, metrics, now)
+            # The formats are read only when a rule selects by them or restarts a baseline at a change.
+            return replace(columns, formats=self.formats.current(session, run_row.id).view()) if by_format else columns
 
         self._evaluate(session, batch.run, batch.rank, batch.layers, columns_of)
 
@@ -151,7 +152,7 @@ class AlertEngine:
     def evaluate(self, session: Session, run: str, rank: int, layers: Sequence[str], steps: Sequence[StepInput]) -> int:
         """Evaluate one batch given per step inside the caller's transaction; returns how many outbox rows it wrote."""
         return self._evaluate(
-            session, run, rank, layers, lambda metrics: BatchColumns.from_steps(len(layers), steps, metrics)
+            session, run, rank, layers, lambda metrics, _: BatchColumns.from_steps(len(layers), steps, metrics)
         )
 
     def _evaluate(
@@ -160,14 +161,15 @@ class AlertEngine:
         run: str,
         rank: int,
         layers: Sequence[str],
-        columns_of: Callable[[Iterable[str]], BatchColumns],
+        columns_of: Callable[[Iterable[str], bool], BatchColumns],
     ) -> int:
         self._enqueued.staged = []
         self.take_enqueued()
         rules = [(rule_id, rule) for rule_id, rule in self.active_rules(session) if rule.matches_run(run)]
         if not rules:
             return 0
-        columns = columns_of({rule.metric for _, rule in rules if rule.metric is not None})
+        by_format = any(rule.selects_formats or rule.baseline is not None for _, rule in rules)
+        columns = columns_of({rule.metric for _, rule in rules if rule.metric is not None}, by_format)
         if not columns.steps:
             return 0
         repository.lock_cursor(session, run, rank)
