@@ -65,9 +65,9 @@ __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "Monitor", "attach"]
 # the CPU (bench/agent_overhead.py); users who want more pass every=1..N.
 DEFAULT_EVERY = 25
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
-#: Measured by default; ``weight_drift_rel_l2`` joins them with ``shadow="model"``.
-DEFAULT_METRICS: tuple[str, ...] = tuple(m for m in LAYER_METRICS if m != "weight_drift_rel_l2")
-
+#: Measured by default (the catalogued metrics this agent measures); ``weight_drift_rel_l2`` joins them with
+#: ``shadow="model"``.
+DEFAULT_METRICS: tuple[str, ...] = tuple(m for m in LAYER_METRICS if m != "weight_drift_rel_l2" and m in METRIC_KINDS)
 # The metrics a kind's estimate (shadow_rows) makes estimated.
 _ESTIMATED_METRICS: dict[int, tuple[str, ...]] = {
     KIND_OUTPUT: ("output_rel_l2", "output_cosine", "output_sqnr_db"),
@@ -127,6 +127,8 @@ def _periods(metrics: Sequence[str] | Mapping[str, int] | None, every: int, shad
     for name in periods:
         if name not in LAYER_METRICS:
             raise ConfigError("metrics", f"unknown metric {name!r}; known: {', '.join(LAYER_METRICS)}")
+        if name not in METRIC_KINDS:
+            raise ConfigError("metrics", f"{name!r} is catalogued but not measured by this agent yet")
     if "weight_drift_rel_l2" in periods and shadow != "model":
         raise ConfigError("metrics", "weight_drift_rel_l2 needs shadow='model'")
     return periods

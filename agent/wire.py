@@ -23,7 +23,7 @@ from typing import Any, Literal
 import msgpack
 import numpy as np
 
-from quantwatch.protocol import CONTENT_TYPES, PROTOCOL_VERSION
+from quantwatch.protocol import CONTENT_TYPES, LAYER_FORMATS_FIELD, PROTOCOL_VERSION
 
 __all__ = [
     "Batch",
@@ -66,6 +66,7 @@ class Batch:
     batch_id: str
     layers: tuple[str, ...]
     steps: tuple[StepRecord, ...]
+    layer_formats: tuple[Mapping[str, str] | None, ...] | None = None
 
     def point_count(self) -> int:
         """Number of stored points the batch yields."""
@@ -118,7 +119,7 @@ def to_wire_dict(batch: Batch, encoding: Encoding) -> dict[str, Any]:
             metrics = {k: _msgpack_metric(vs) for k, vs in record.metrics.items()}
             scalars = {k: float(v) for k, v in record.scalars.items()}
         steps.append({"step": record.step, "time": record.time, "metrics": metrics, "scalars": scalars})
-    return {
+    wire: dict[str, Any] = {
         "protocol": PROTOCOL_VERSION,
         "run": batch.run,
         "rank": batch.rank,
@@ -126,6 +127,9 @@ def to_wire_dict(batch: Batch, encoding: Encoding) -> dict[str, Any]:
         "layers": list(batch.layers),
         "steps": steps,
     }
+    if batch.layer_formats is not None:
+        wire[LAYER_FORMATS_FIELD] = [None if kinds is None else dict(kinds) for kinds in batch.layer_formats]
+    return wire
 
 
 def encode_batch(batch: Batch, encoding: Encoding = "msgpack", compress: bool = True) -> EncodedBatch:

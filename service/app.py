@@ -73,6 +73,7 @@ def create_app(
     app.include_router(catalog.router)
     alerts, worker = install_alerts(app, settings, store)
     ingest_observers_of(app).insert(0, alerts)
+    ingest_observers_of(app).insert(0, alerts.formats)  # layer formats are recorded before alerts read them
     if firing_alert_counts is None:
         app.state.firing_alert_counts = firing_counts(store.factory)
     restore = StartupRestore(store.factory)  # the state of the runs stored before a restart

@@ -16,6 +16,7 @@ import msgpack
 import numpy as np
 
 from quantwatch.protocol import (
+    LAYER_FORMATS_FIELD,
     MAX_BATCH_ID_LENGTH,
     MAX_LAYER_NAME_LENGTH,
     MAX_RANK,
@@ -25,6 +26,8 @@ from quantwatch.protocol import (
     RUN_NAME_PATTERN,
     RUN_NAME_RULE,
     SERIES_NAME_PATTERN,
+    TENSOR_KINDS,
+    check_layer_format,
 )
 from quantwatch.service.rollups import F32, canonicalise
 
@@ -62,13 +65,18 @@ class IngestStep:
 
 @dataclass(frozen=True)
 class IngestBatch:
-    """A validated batch: run, rank, batch id, layer names (in the agent's model order) and steps."""
+    """A validated batch: run, rank, batch id, layer names (in the agent's model order) and steps.
+
+    ``layer_formats`` is aligned with ``layers`` when the agent sent it: each layer's ``{kind: format}``, or ``None``
+    for a layer of unknown format; ``None`` as a whole for a batch without formats (older agents).
+    """
 
     run: str
     rank: int
     batch_id: str
     layers: tuple[str, ...]
     steps: tuple[IngestStep, ...]
+    layer_formats: tuple[Mapping[str, str] | None, ...] | None = None
 
     @property
     def points(self) -> int:
@@ -172,6 +180,30 @@ def _step(raw: Any, n_layers: int, field: str, seen: set[int]) -> IngestStep:
     return IngestStep(step=step, time=time, metrics=metrics, scalars=scalars, missing=missing)
 
 
+def _layer_formats(raw: Any, n_layers: int) -> tuple[Mapping[str, str] | None, ...] | None:
+    if raw is None:
+        return None
+    field = LAYER_FORMATS_FIELD
+    _require(isinstance(raw, list), field, "must be an array aligned with `layers`")
+    _require(len(raw) == n_layers, field, f"length {len(raw)} ≠ {n_layers} layers")
+    formats: list[Mapping[str, str] | None] = []
+    for i, entry in enumerate(raw):
+        where = f"{field}[{i}]"
+        if entry is None:
+            formats.append(None)
+            continue
+        _require(isinstance(entry, dict), where, "must be null or an object of format strings by tensor kind")
+        kinds: dict[str, str] = {}
+        for kind, value in entry.items():
+            _require(kind in TENSOR_KINDS, f"{where}.{kind}", f"unknown tensor kind; known: {', '.join(TENSOR_KINDS)}")
+            try:
+                kinds[kind] = check_layer_format(value)
+            except ValueError as exc:
+                raise WireError(422, f"{where}.{kind}", str(exc)) from None
+        formats.append(kinds)
+    return tuple(formats)
+
+
 def batch_from_obj(obj: Any) -> IngestBatch:
     """Validate a decoded JSON/msgpack document into an :class:`IngestBatch` (raises :class:`WireError`)."""
     _require(isinstance(obj, dict), "", "the batch must be an object")
@@ -201,7 +233,8 @@ def batch_from_obj(obj: Any) -> IngestBatch:
     _require(isinstance(raw_steps, list) and len(raw_steps) > 0, "steps", "must be a non-empty array")
     seen: set[int] = set()
     steps = tuple(_step(raw, len(layers), f"steps[{i}]", seen) for i, raw in enumerate(raw_steps))
-    return IngestBatch(run=run, rank=rank, batch_id=batch_id, layers=tuple(layers), steps=steps)
+    formats = _layer_formats(obj.get(LAYER_FORMATS_FIELD), len(layers))
+    return IngestBatch(run=run, rank=rank, batch_id=batch_id, layers=tuple(layers), steps=steps, layer_formats=formats)
 
 
 def decode_json(body: bytes) -> IngestBatch:

@@ -11,7 +11,7 @@ from quantwatch.service.alerts.rules import DEFAULT_RULES, Rule
 # The layer the demo recipe quantizes to plain FP4 with one scale for the whole tensor.
 PER_TENSOR_FP4_LAYER = "blocks.1.mlp.fc2"
 # The demo's own rule: the update direction of a layer more than 5% off its FP32 reference, 3 steps in a row.
-UPDATE_RULE = "demo_update_direction"
+UPDATE_RULE = "quantwatch_update_direction"
 
 _FP8 = QuantConfig(weight=QuantSpec("fp8_e4m3"), input=QuantSpec("fp8_e4m3"), grad=QuantSpec("fp8_e5m2"))
 _NVFP4 = QuantConfig(weight=QuantSpec("nvfp4"), input=QuantSpec("nvfp4"), grad=QuantSpec("fp8_e5m2"))

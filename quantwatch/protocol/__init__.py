@@ -25,6 +25,7 @@ from quantwatch.protocol.retry import TRANSIENT_4XX, Backoff, is_transient_statu
 from quantwatch.protocol.wire import (
     CONTENT_TYPES,
     INGEST_PATH,
+    LAYER_FORMATS_FIELD,
     MAX_BATCH_ID_LENGTH,
     MAX_LAYER_NAME_LENGTH,
     MAX_RANK,
@@ -43,6 +44,7 @@ __all__ = [
     "ELEMENT_FORMATS",
     "HIGH_PRECISION",
     "INGEST_PATH",
+    "LAYER_FORMATS_FIELD",
     "LAYER_METRICS",
     "LOWER_IS_WORSE",
     "MAX_BATCH_ID_LENGTH",

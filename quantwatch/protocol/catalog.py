@@ -96,6 +96,14 @@ _LAYER_MEASURES = (
         "⟨g_q, g_ref⟩ / (‖g_q‖₂‖g_ref‖₂)",
     ),
     _layer(
+        "update_rel_l2",
+        "higher_is_worse",
+        "ratio",
+        "relative error of the weight gradient on the quantized path against the FP32 reference gradient (update "
+        "noise; quantized training stops being effective once it exceeds about 1/√3, arXiv 2505.19115)",
+        "‖g_q − g_ref‖₂ / ‖g_ref‖₂",
+    ),
+    _layer(
         "underflow_ratio",
         "higher_is_worse",
         "ratio",

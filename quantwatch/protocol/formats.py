@@ -16,6 +16,7 @@ from collections.abc import Mapping
 __all__ = [
     "ELEMENT_FORMATS",
     "HIGH_PRECISION",
+    "MAX_FORMAT_LENGTH",
     "PRESETS",
     "SCALING_KINDS",
     "TENSOR_KINDS",

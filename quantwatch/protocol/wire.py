@@ -10,10 +10,12 @@ import re
 from typing import Any
 
 from quantwatch.protocol.catalog import CATALOG
+from quantwatch.protocol.formats import MAX_FORMAT_LENGTH, TENSOR_KINDS
 
 __all__ = [
     "CONTENT_TYPES",
     "INGEST_PATH",
+    "LAYER_FORMATS_FIELD",
     "MAX_BATCH_ID_LENGTH",
     "MAX_LAYER_NAME_LENGTH",
     "MAX_RANK",
@@ -50,6 +52,11 @@ NONFINITE_TOKENS: dict[str, float] = {"nan": float("nan"), "inf": float("inf"), 
 
 CONTENT_TYPES: dict[str, str] = {"msgpack": "application/msgpack", "json": "application/json"}
 
+LAYER_FORMATS_FIELD = "layer_formats"
+"""The optional batch field aligned with ``layers``: per layer ``null`` or ``{kind: format}`` for some of
+:data:`~quantwatch.protocol.formats.TENSOR_KINDS` (formats as :func:`~quantwatch.protocol.formats.check_layer_format`
+accepts them). Batches without it (older agents) carry no format."""
+
 
 def ingest_json_schema() -> dict[str, Any]:
     """The JSON schema of one ingest batch (the JSON encoding; msgpack has the same structure with float32 ``bin``
@@ -70,6 +77,23 @@ def ingest_json_schema() -> dict[str, Any]:
             "layers": {
                 "type": "array",
                 "items": {"type": "string", "minLength": 1, "maxLength": MAX_LAYER_NAME_LENGTH},
+            },
+            LAYER_FORMATS_FIELD: {
+                "type": "array",
+                "description": "Aligned with `layers`: each layer's number format per tensor kind, or null (unknown).",
+                "items": {
+                    "anyOf": [
+                        {"type": "null"},
+                        {
+                            "type": "object",
+                            "properties": {
+                                kind: {"type": "string", "minLength": 1, "maxLength": MAX_FORMAT_LENGTH}
+                                for kind in TENSOR_KINDS
+                            },
+                            "additionalProperties": False,
+                        },
+                    ]
+                },
             },
             "steps": {
                 "type": "array",

@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from quantwatch.service.alerts.engine import AlertEngine, insert_ignore
+from quantwatch.service.alerts import repository
+from quantwatch.service.alerts.engine import AlertEngine
 from quantwatch.service.alerts.rules import DEFAULT_RULES, ReceiverSpec, Rule, RulesFile
-from quantwatch.service.alerts.tables import AlertGroupRow, EpisodeRow, ReceiverRow, RuleRow, SeriesStateRow
+from quantwatch.service.alerts.tables import ReceiverRow, RuleRow
 
 __all__ = [
     "ConflictError",
@@ -43,7 +43,7 @@ class ConflictError(ValueError):
 
 
 def _definition(rule: Rule) -> dict[str, Any]:
-    return rule.model_dump(mode="json")
+    return rule.definition()
 
 
 def _receiver_values(spec: ReceiverSpec) -> dict[str, Any]:
@@ -63,9 +63,7 @@ def retire_rule_state(session: Session, engine: AlertEngine, row: RuleRow, reaso
     now = time.time()
     rule = Rule.model_validate(row.definition)
     notified = 0
-    for episode in session.scalars(
-        select(EpisodeRow).where(EpisodeRow.rule_id == row.id, EpisodeRow.state.in_(("pending", "firing")))
-    ):
+    for episode in repository.open_episodes(session, row.id):
         if episode.state == "pending":
             session.delete(episode)
             continue
@@ -75,8 +73,7 @@ def retire_rule_state(session: Session, engine: AlertEngine, row: RuleRow, reaso
         session.flush()
         notified += engine.notify(session, episode, rule, "resolved")
         episode.annotations = {**episode.annotations, "resolved_reason": reason}
-    session.execute(delete(SeriesStateRow).where(SeriesStateRow.rule_id == row.id))
-    session.execute(delete(AlertGroupRow).where(AlertGroupRow.rule_id == row.id))
+    repository.clear_rule_state(session, row.id)
     session.flush()
     return notified
 
@@ -84,7 +81,7 @@ def retire_rule_state(session: Session, engine: AlertEngine, row: RuleRow, reaso
 def _check_receivers_exist(session: Session, rule: Rule) -> None:
     if not rule.receivers:
         return
-    known = set(session.scalars(select(ReceiverRow.name).where(ReceiverRow.name.in_(rule.receivers))))
+    known = repository.known_receivers(session, rule.receivers)
     for position, name in enumerate(rule.receivers):
         if name not in known:
             raise ConflictError(f"receivers.{position}", f"unknown receiver {name!r}")
@@ -93,7 +90,7 @@ def _check_receivers_exist(session: Session, rule: Rule) -> None:
 def put_rule(session: Session, engine: AlertEngine, rule: Rule, *, create: bool) -> RuleRow:
     """Create (``create=True``; conflict if the name exists) or replace a rule through the API."""
     _check_receivers_exist(session, rule)
-    row = session.scalars(select(RuleRow).where(RuleRow.name == rule.name).with_for_update()).one_or_none()
+    row = repository.rule_by_name(session, rule.name)
     if create and row is not None:
         raise ConflictError("name", f"a rule named {rule.name!r} exists already")
     if not create and row is None:
@@ -113,7 +110,7 @@ def put_rule(session: Session, engine: AlertEngine, rule: Rule, *, create: bool)
 
 def delete_rule(session: Session, engine: AlertEngine, name: str) -> None:
     """Delete an API rule; disable a default or file rule (so a restart does not bring it back)."""
-    row = session.scalars(select(RuleRow).where(RuleRow.name == name).with_for_update()).one_or_none()
+    row = repository.rule_by_name(session, name)
     if row is None:
         raise NotFoundError(name)
     retire_rule_state(session, engine, row, "rule deleted")
@@ -130,7 +127,7 @@ def delete_rule(session: Session, engine: AlertEngine, name: str) -> None:
 
 def put_receiver(session: Session, spec: ReceiverSpec, *, create: bool, source: str = "api") -> ReceiverRow:
     """Create or replace a receiver; a replaced receiver that was disabled by a 410 is enabled again if asked."""
-    row = session.scalars(select(ReceiverRow).where(ReceiverRow.name == spec.name).with_for_update()).one_or_none()
+    row = repository.receiver_by_name(session, spec.name, for_update=True)
     if create and row is not None:
         raise ConflictError("name", f"a receiver named {spec.name!r} exists already")
     if not create and row is None:
@@ -151,7 +148,7 @@ def put_receiver(session: Session, spec: ReceiverSpec, *, create: bool, source: 
 
 def delete_receiver(session: Session, name: str) -> None:
     """Delete a receiver; its pending deliveries go with it."""
-    row = session.scalars(select(ReceiverRow).where(ReceiverRow.name == name)).one_or_none()
+    row = repository.receiver_by_name(session, name)
     if row is None:
         raise NotFoundError(name)
     session.delete(row)
@@ -169,20 +166,20 @@ def sync_rules_file(session: Session, engine: AlertEngine, rules_file: RulesFile
     if rules_file is not None:
         desired.update({rule.name: ("file", rule) for rule in rules_file.rules})
         for spec in rules_file.receivers:
-            existing = session.scalars(select(ReceiverRow).where(ReceiverRow.name == spec.name)).one_or_none()
+            existing = repository.receiver_by_name(session, spec.name)
             if existing is None or existing.source == "file":
                 put_receiver(session, spec, create=existing is None, source="file")
     wanted_receivers = {spec.name for spec in rules_file.receivers} if rules_file is not None else set()
-    for receiver in session.scalars(select(ReceiverRow).where(ReceiverRow.source == "file")):
+    for receiver in repository.receivers_from(session, "file"):
         if receiver.name not in wanted_receivers:
             session.delete(receiver)
-    rows = {row.name: row for row in session.scalars(select(RuleRow).order_by(RuleRow.name).with_for_update())}
+    rows = repository.rules_for_update(session)
     now = time.time()
     for name, (source, rule) in sorted(desired.items()):
         row = rows.get(name)
         if row is None:
             # Another replica starting at the same time may insert it first: keep whichever lands.
-            insert_ignore(
+            repository.insert_ignore(
                 session,
                 RuleRow,
                 [

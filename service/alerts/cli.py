@@ -29,3 +29,5 @@ def check(path: Annotated[Path, typer.Argument(help="YAML rules file to validate
         f"{path}: OK — {len(rules_file.rules)} rule(s) in the file, {enabled} enabled in effect "
         f"(defaults {'on' if rules_file.default_rules else 'off'}), {len(rules_file.receivers)} receiver(s)"
     )
+    for rule in effective:
+        typer.echo(f"  {rule.describe()}")

@@ -16,15 +16,22 @@ series transitions in step order; the persistence layer turns those into episode
 definition, one sample at a time. :func:`evaluate_columns` computes the same result for metric rules with numpy, one
 step row of all layers at a time (the ingest path: 512 layers × 16 steps per batch); tests hold it to
 :func:`evaluate_batch` on randomized batches.
+
+A rule may select layers by their number format (:class:`LayerFormatView`: each layer's current format per tensor
+kind). A baseline-relative rule (``baseline:``) judges a sample only once the series has collected its first
+``samples`` samples, and breaches when the sample also exceeds ``factor`` × their median (``1 - cosine`` for a
+cosine); the collected samples start again at a change of the layer's format. Those rules take the per-sample path.
 """
 
 from __future__ import annotations
 
-import fnmatch
+import bisect
 import functools
+import math
 import operator
+import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
 
@@ -32,10 +39,12 @@ import numpy as np
 import numpy.typing as npt
 
 from quantwatch.service.alerts.rules import Rule, ScalarExpression, breaches
+from quantwatch.service.alerts.specs import Selection, selects_layer
 
 __all__ = [
     "BatchColumns",
     "EpisodeEvent",
+    "LayerFormatView",
     "MetricColumn",
     "SeriesState",
     "SeriesStatus",
@@ -61,7 +70,8 @@ class SeriesState:
 
     ``streak`` counts consecutive breaching samples (the figure exported to Prometheus); ``clear_streak`` counts
     consecutive non-breaching samples while firing (for ``keep_firing_for``); ``last_step`` is the newest step
-    evaluated, or ``None`` before the first sample.
+    evaluated, or ``None`` before the first sample. A baseline rule's ``baseline`` holds the deviations of the
+    series' first samples since the format change at step ``baseline_since`` (``None``: no change recorded).
     """
 
     status: SeriesStatus = SeriesStatus.INACTIVE
@@ -69,23 +79,66 @@ class SeriesState:
     streak: int = 0
     clear_streak: int = 0
     last_value: float | None = None
+    baseline: tuple[float, ...] = ()
+    baseline_since: int | None = None
 
-    def advance(self, step: int, value: float, rule: Rule) -> SeriesState:
-        """The state after one sample; ``self`` when the sample is a duplicate or older than ``last_step``."""
+    def advance(self, step: int, value: float, rule: Rule, epoch: int | None = None) -> SeriesState:
+        """The state after one sample; ``self`` when the sample is a duplicate or older than ``last_step``.
+
+        ``epoch`` is the step of the layer's latest format change at or before ``step`` (``None``: none recorded).
+        """
         if self.last_step is not None and step <= self.last_step:
             return self
-        if breaches(value, rule.op, rule.threshold):
+        baseline, since = self.baseline, self.baseline_since
+        if rule.baseline is None:
+            breach = breaches(value, rule.op, rule.threshold)
+        else:
+            if epoch is not None and (since is None or epoch > since):
+                baseline, since = (), epoch  # the format changed: the series' reference starts again
+            breach, baseline = _judge_against_baseline(rule, value, baseline)
+        if breach:
             streak = self.streak + 1
             if self.status is SeriesStatus.FIRING or streak >= rule.consecutive:
                 status = SeriesStatus.FIRING
             else:
                 status = SeriesStatus.PENDING
-            return SeriesState(status, step, streak, 0, value)
+            return SeriesState(status, step, streak, 0, value, baseline, since)
         if self.status is SeriesStatus.FIRING:
             clear = self.clear_streak + 1
             if clear <= rule.keep_firing_for:
-                return SeriesState(SeriesStatus.FIRING, step, 0, clear, value)
-        return SeriesState(SeriesStatus.INACTIVE, step, 0, 0, value)
+                return SeriesState(SeriesStatus.FIRING, step, 0, clear, value, baseline, since)
+        return SeriesState(SeriesStatus.INACTIVE, step, 0, 0, value, baseline, since)
+
+
+def _judge_against_baseline(rule: Rule, value: float, baseline: tuple[float, ...]) -> tuple[bool, tuple[float, ...]]:
+    """(breach, baseline after the sample) for a baseline rule: collect the first samples, then compare."""
+    spec = rule.baseline
+    if spec is None:
+        raise ValueError(f"rule {rule.name!r} has no baseline")
+    if not math.isfinite(value):
+        return True, baseline  # non-finite breaches every rule and never enters a baseline
+    deviation = rule.deviation(value)
+    if len(baseline) < spec.samples:
+        return False, (*baseline, deviation)
+    bound = spec.factor * statistics.median(baseline)
+    return breaches(value, rule.op, rule.threshold) and deviation > bound, baseline
+
+
+@dataclass(frozen=True)
+class LayerFormatView:
+    """The formats a batch's layers are evaluated under.
+
+    ``current``: each layer's current format per tensor kind (layers of unknown format absent); ``changes``: per
+    layer, the steps at which its format changed, in order.
+    """
+
+    current: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    changes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def _epoch(changes: tuple[int, ...], step: int) -> int | None:
+    position = bisect.bisect_right(changes, step)
+    return changes[position - 1] if position else None
 
 
 @dataclass(frozen=True)
@@ -183,12 +236,15 @@ def evaluate_batch(
     layers: Sequence[str],
     steps: Sequence[StepInput],
     states: Mapping[SeriesKey, SeriesState],
+    formats: LayerFormatView | None = None,
 ) -> tuple[dict[SeriesKey, SeriesState], list[SeriesTransition]]:
     """Evaluate ``rules`` over one batch of one (run, rank).
 
-    ``states`` holds the known series states (missing keys are inactive). Returns the states that changed (including
-    ones whose ``last_step`` advanced) and every status transition, in step order per series.
+    ``states`` holds the known series states (missing keys are inactive); ``formats`` the layers' formats (none
+    known without it). Returns the states that changed (including ones whose ``last_step`` advanced) and every
+    status transition, in step order per series.
     """
+    formats = formats or LayerFormatView()
     ordered = _ordered_steps(steps)
     changed: dict[SeriesKey, SeriesState] = {}
     transitions: list[SeriesTransition] = []
@@ -198,14 +254,14 @@ def evaluate_batch(
         if rule.metric is not None:
             metric = rule.metric
             for index, layer in enumerate(layers):
-                if not rule.matches_layer(layer):
+                if not rule.matches_layer(layer, formats.current.get(layer)):
                     continue
                 samples = [
                     StepSample(item.step, item.time, float(value))
                     for item in ordered
                     if metric in item.metrics and (value := item.metrics[metric][index]) is not None
                 ]
-                _walk(rule, rank, layer, samples, states, changed, transitions)
+                _walk(rule, rank, layer, samples, states, changed, transitions, formats.changes.get(layer, ()))
         else:
             expression: ScalarExpression = rule.expression()
             samples = []
@@ -225,6 +281,7 @@ def _walk(
     states: Mapping[SeriesKey, SeriesState],
     changed: dict[SeriesKey, SeriesState],
     transitions: list[SeriesTransition],
+    format_changes: tuple[int, ...] = (),
 ) -> None:
     if not samples:
         return
@@ -232,7 +289,7 @@ def _walk(
     state = states.get(key, SeriesState())
     start = state
     for sample in samples:
-        after = state.advance(sample.step, sample.value, rule)
+        after = state.advance(sample.step, sample.value, rule, _epoch(format_changes, sample.step))
         if after.status is not state.status:
             transitions.append(SeriesTransition(rule.name, layer, rank, state.status, after.status, sample))
         state = after
@@ -257,12 +314,14 @@ class BatchColumns:
     """A batch of one (run, rank) by column: the step and time of each row, per-metric matrices, per-row scalars.
 
     Rows are in the order the batch listed its steps; :func:`evaluate_columns` walks them in step order.
+    ``formats`` are the layers' formats (none known without them).
     """
 
     steps: tuple[int, ...]
     times: tuple[float, ...]
     metrics: Mapping[str, MetricColumn]
     scalars: tuple[Mapping[str, float], ...]
+    formats: LayerFormatView | None = None
 
     @classmethod
     def from_steps(cls, n_layers: int, steps: Sequence[StepInput], metrics: Iterable[str]) -> BatchColumns:
@@ -315,6 +374,8 @@ def evaluate_columns(
     order = sorted(range(len(columns.steps)), key=columns.steps.__getitem__)
     changed: dict[SeriesKey, SeriesState] = {}
     transitions: list[SeriesTransition] = []
+    formats = columns.formats or LayerFormatView()
+    by_layer: tuple[frozenset[tuple[str, str]] | None, ...] | None = None
     for rule in rules:
         if not rule.enabled or not rule.matches_run(run):
             continue
@@ -330,8 +391,21 @@ def evaluate_columns(
         column = columns.metrics.get(rule.metric)
         if column is None:
             continue
-        selected = list(_matching_layers(rule.layer_globs, tuple(layers)))
-        if selected:
+        if rule.selects_formats and by_layer is None:
+            by_layer = tuple(
+                frozenset(kinds.items()) if (kinds := formats.current.get(layer)) else None for layer in layers
+            )
+        selected = list(_matching_layers(rule.selection, tuple(layers), by_layer if rule.selects_formats else None))
+        if rule.baseline is not None:
+            for index in selected:
+                samples = [
+                    StepSample(columns.steps[row], columns.times[row], float(column.values[row, index]))
+                    for row in order
+                    if column.measured[row, index]
+                ]
+                changes = formats.changes.get(layers[index], ())
+                _walk(rule, rank, layers[index], samples, states, changed, transitions, changes)
+        elif selected:
             _walk_columns(
                 rule,
                 rank,
@@ -348,9 +422,15 @@ def evaluate_columns(
 
 
 @functools.lru_cache(maxsize=256)
-def _matching_layers(patterns: tuple[str, ...], layers: tuple[str, ...]) -> tuple[int, ...]:
-    # A run sends the same layer list in every batch: match each rule's globs against it once.
-    return tuple(index for index, layer in enumerate(layers) if any(fnmatch.fnmatchcase(layer, p) for p in patterns))
+def _matching_layers(
+    selection: Selection, layers: tuple[str, ...], formats: tuple[frozenset[tuple[str, str]] | None, ...] | None
+) -> tuple[int, ...]:
+    # A run sends the same layer list (and formats) in every batch: match each rule's selection against it once.
+    return tuple(
+        index
+        for index, layer in enumerate(layers)
+        if selects_layer(selection, layer, dict(formats[index] or ()) if formats is not None else None)
+    )
 
 
 def _walk_columns(

@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from fastapi import FastAPI
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from quantwatch.service.alerts import repository
 from quantwatch.service.alerts.catalog import sync_rules_file
 from quantwatch.service.alerts.engine import AlertEngine
 from quantwatch.service.alerts.outbox import DeliveryWorker, RetryPolicy
 from quantwatch.service.alerts.rules import load_rules_file
-from quantwatch.service.alerts.tables import EpisodeRow
 from quantwatch.service.api.routes import alerts, receivers, rules
 from quantwatch.service.core.config import Settings
 from quantwatch.service.core.db import write_session
@@ -56,11 +55,6 @@ def firing_counts(sessions: sessionmaker[Session]) -> Callable[[Sequence[str]], 
         if not runs:
             return {}
         with sessions() as session:
-            rows = session.execute(
-                select(EpisodeRow.run, func.count())
-                .where(EpisodeRow.state == "firing", EpisodeRow.run.in_(list(runs)))
-                .group_by(EpisodeRow.run)
-            )
-            return {run: int(total) for run, total in rows}
+            return repository.firing_episode_counts(session, runs)
 
     return count

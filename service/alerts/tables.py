@@ -11,13 +11,14 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Boolean, Double, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from quantwatch.service.models import Base
+from quantwatch.service.models import Base, RowId
 
 __all__ = [
     "AlertCursorRow",
     "AlertGroupRow",
     "DeliveryRow",
     "EpisodeRow",
+    "LayerFormatRow",
     "ReceiverRow",
     "RuleRow",
     "SeriesStateRow",
@@ -85,6 +86,10 @@ class SeriesStateRow(Base):
     streak: Mapped[int] = mapped_column(Integer, default=0)
     clear_streak: Mapped[int] = mapped_column(Integer, default=0)
     last_value: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # Baseline-relative rules: the first samples of the series (its own reference) and the step of the layer's
+    # format change they were collected after (migration 0004).
+    baseline: Mapped[list[float] | None] = mapped_column(JSON, nullable=True)
+    baseline_since: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class AlertGroupRow(Base):
@@ -165,3 +170,21 @@ class DeliveryRow(Base):
     delivered_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     last_status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class LayerFormatRow(Base):
+    """A layer's number format for one tensor kind from ``step`` on, as the agent declared it (``layer_formats``).
+
+    A new row only when the format differs from the one in effect at that step, so a layer whose format changes
+    mid-run keeps its history, each change with its step (migration 0004). Rules select layers by format and
+    baseline-relative rules start their baseline again at a change.
+    """
+
+    __tablename__ = "layer_formats"
+
+    run_id: Mapped[int] = mapped_column(RowId, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    layer: Mapped[str] = mapped_column(String(500), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # weight | input | grad
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    format: Mapped[str] = mapped_column(String(64))
+    recorded_at: Mapped[float] = mapped_column(Double)

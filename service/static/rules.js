@@ -108,6 +108,8 @@ export function ruleBounds(metric, layer) {
   const bounds = new Map();
   for (const rule of state.rules) {
     if (!rule.enabled || rule.metric !== metric || !globMatches(rule.runs || "*", state.run || "")) continue;
+    // A baseline rule's bound is relative to each series' start: it draws no fixed line.
+    if (rule.baseline) continue;
     const globs = Array.isArray(rule.layers) ? rule.layers : [rule.layers || "*"];
     if (!globs.some((g) => globMatches(g, layer))) continue;
     const key = `${rule.op} ${rule.threshold}`;

@@ -113,3 +113,26 @@ def test_the_collector_route_accepts_every_agent_payload(client: Any) -> None:
     runs = client.get("/api/v1/runs").json()
     assert [r["name"] for r in runs] == ["contract/run:1"]
     assert runs[0]["ranks"] == [3]
+
+
+def test_layer_formats_from_the_agent_encoder_are_accepted_and_stored(client: Any) -> None:
+    from quantwatch.agent.wire import StepRecord
+    from quantwatch.service.alerts.formats import layer_format_history, layer_formats
+
+    fp8 = {"weight": "fp8_e4m3:tensor", "input": "fp8_e4m3:tensor", "grad": "fp8_e5m2:tensor"}
+    nvfp4 = {"weight": "nvfp4", "input": "nvfp4", "grad": "high_precision"}
+    layers = ("blocks.0.fc1", "blocks.0.fc2", "head")
+    for step, (encoding, formats) in enumerate([("json", (fp8, nvfp4, None)), ("msgpack", (fp8, fp8, None))]):
+        record = StepRecord(step=step, time=1.0 + step, metrics={"output_rel_l2": [0.01, 0.1, None]})
+        batch = qw.Batch("contract/formats", 0, f"formats-{encoding}", layers, (record,), layer_formats=formats)
+        encoded = encode_batch(batch, encoding)  # type: ignore[arg-type]
+        response = client.post("/api/v1/ingest", content=encoded.body, headers=encoded.headers())
+        assert response.status_code == 200, response.text
+    sessions = client.app.state.store.factory
+    assert layer_formats(sessions, "contract/formats") == {"blocks.0.fc1": fp8, "blocks.0.fc2": fp8}
+    changes = [(c.layer, c.kind, c.step, c.format) for c in layer_format_history(sessions, "contract/formats")]
+    assert [change for change in changes if change[2] == 1] == [
+        ("blocks.0.fc2", "grad", 1, "fp8_e5m2:tensor"),
+        ("blocks.0.fc2", "input", 1, "fp8_e4m3:tensor"),
+        ("blocks.0.fc2", "weight", 1, "fp8_e4m3:tensor"),
+    ]

@@ -48,8 +48,19 @@ AGENT_RUN = "mlp-fp4/agent"
 LAYERS = [f"blocks.{i // 2}.{('attn.qkv', 'mlp.fc1')[i % 2]}" for i in range(16)]
 DEVIATING = 5  # output_rel_l2 above 5% from step 4 on
 NONFINITE = 9  # non-finite values from step 6 on
+LOW_BIT = 7  # an NVFP4 layer (the others are FP8) whose output deviation doubles its own start from step 6 on
+UPDATE_DRIFT = 3  # update direction and update noise past their bounds from step 4 on
+FP8 = {"weight": "fp8_e4m3:tensor", "input": "fp8_e4m3:tensor", "grad": "fp8_e5m2:tensor"}
+NVFP4 = {"weight": "nvfp4", "input": "nvfp4", "grad": "fp8_e5m2:tensor"}
 RATE_INTERVAL = "10s"  # what Grafana's $__rate_interval is for a 1 s scrape interval, rounded up
-EXPECTED_ALERTS = {"QuantWatchOutputDeviation", "QuantWatchNonFinite", "QuantWatchLossDivergence"}
+EXPECTED_ALERTS = {
+    "QuantWatchOutputDeviation",
+    "QuantWatchNonFinite",
+    "QuantWatchLossDivergence",
+    "QuantWatchOutputDeviationLowBit",
+    "QuantWatchUpdateDirection",
+    "QuantWatchUpdateNoise",
+}
 
 
 def agent_batch(steps: range, rng: np.random.Generator) -> bytes:
@@ -60,6 +71,12 @@ def agent_batch(steps: range, rng: np.random.Generator) -> bytes:
         rel = (0.01 + 0.03 * rng.random(n)).astype(np.float32)
         if step >= 4:
             rel[DEVIATING] = 0.09
+        if step >= 6:
+            rel[LOW_BIT] = 0.09
+        update_cosine = (0.99 + 0.009 * rng.random(n)).astype(np.float32)
+        update_rel_l2 = (0.05 + 0.1 * rng.random(n)).astype(np.float32)
+        if step >= 4:
+            update_cosine[UPDATE_DRIFT], update_rel_l2[UPDATE_DRIFT] = 0.9, 0.7
         nonfinite = np.zeros(n, np.float32)
         if step >= 6:
             nonfinite[NONFINITE] = 2
@@ -67,6 +84,8 @@ def agent_batch(steps: range, rng: np.random.Generator) -> bytes:
             "output_rel_l2": rel,
             "output_cosine": (1 - rel**2 / 2).astype(np.float32),
             "output_sqnr_db": (-20 * np.log10(rel)).astype(np.float32),
+            "update_cosine": update_cosine,
+            "update_rel_l2": update_rel_l2,
             "weight_rel_l2": (0.005 + 0.01 * rng.random(n)).astype(np.float32),
             "act_rel_l2": (0.01 + 0.02 * rng.random(n)).astype(np.float32),
             "grad_rel_l2": (0.02 + 0.05 * rng.random(n)).astype(np.float32),
@@ -92,7 +111,15 @@ def agent_batch(steps: range, rng: np.random.Generator) -> bytes:
                 },
             }
         )
-    doc = {"run": RUN, "rank": 0, "batch_id": uuid.uuid4().hex, "layers": LAYERS, "steps": out}
+    formats = [NVFP4 if index == LOW_BIT else FP8 for index in range(len(LAYERS))]
+    doc = {
+        "run": RUN,
+        "rank": 0,
+        "batch_id": uuid.uuid4().hex,
+        "layers": LAYERS,
+        "layer_formats": formats,
+        "steps": out,
+    }
     return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -359,6 +386,9 @@ def test_default_rule_equivalents_fire_in_prometheus(stack: dict[str, Any]) -> N
     assert by_name["QuantWatchOutputDeviation"]["layer"] == LAYERS[DEVIATING]
     assert by_name["QuantWatchNonFinite"]["layer"] == LAYERS[NONFINITE]
     assert by_name["QuantWatchLossDivergence"]["run"] == RUN
+    assert by_name["QuantWatchOutputDeviationLowBit"]["layer"] == LAYERS[LOW_BIT]
+    assert by_name["QuantWatchUpdateDirection"]["layer"] == LAYERS[UPDATE_DRIFT]
+    assert by_name["QuantWatchUpdateNoise"]["layer"] == LAYERS[UPDATE_DRIFT]
     # The collector's own evaluator agrees: the same three episodes fire there.
     episodes = httpx.get(f"{stack['collector']}/api/v1/alerts", params={"state": "firing"}, timeout=10).json()
     assert {e["rule"] for e in episodes} >= {

@@ -87,13 +87,37 @@ def test_rule_kind_and_expressions() -> None:
     assert math.isnan(ScalarExpression.parse("loss / loss_shadow").evaluate({"loss": 0.0, "loss_shadow": 0.0}) or 0)
 
 
-def test_defaults_are_the_shipped_three() -> None:
-    by_metric = {(r.metric or r.scalar): (r.op, r.threshold, r.consecutive) for r in DEFAULT_RULES}
-    assert by_metric == {
-        "output_rel_l2": (">", 0.05, 3),
-        "nonfinite_count": (">", 0.0, 1),
-        "loss / loss_shadow - 1": (">", 0.05, 3),
+def test_defaults_are_the_shipped_six() -> None:
+    # Issue 15: the update rules, output deviation by number format, non-finite values and the loss as before.
+    by_name = {r.name: (r.metric or r.scalar, r.op, r.threshold, r.consecutive) for r in DEFAULT_RULES}
+    assert by_name == {
+        "quantwatch_output_deviation": ("output_rel_l2", ">", 0.05, 3),
+        "quantwatch_output_deviation_low_bit": ("output_rel_l2", ">", 0.05, 3),
+        "quantwatch_update_direction": ("update_cosine", "<", 0.95, 3),
+        "quantwatch_update_noise": ("update_rel_l2", ">", 0.5774, 3),
+        "quantwatch_nonfinite": ("nonfinite_count", ">", 0.0, 1),
+        "quantwatch_loss_divergence": ("loss / loss_shadow - 1", ">", 0.05, 3),
     }
+    shipped = {r.name: r for r in DEFAULT_RULES}
+    assert shipped["quantwatch_update_direction"].keep_firing_for == 9  # resolves after 10 steps back at >= 0.95
+    assert "2505.19115" in shipped["quantwatch_update_noise"].annotations["description"]
+    low_bit = shipped["quantwatch_output_deviation_low_bit"]
+    assert low_bit.baseline is not None
+    assert (low_bit.baseline.samples, low_bit.baseline.factor) == (5, 2.0)
+    # Every layer is held to exactly one output-deviation bound: 8-bit and unknown formats to 5%, low-bit to its own.
+    fixed = shipped["quantwatch_output_deviation"]
+    for formats, low in [
+        ({"weight": "fp8_e4m3:tensor", "input": "fp8_e4m3:tensor", "grad": "fp8_e5m2:tensor"}, False),
+        ({"weight": "mxfp8", "input": "mxfp8"}, False),
+        ({"weight": "int8:channel", "input": "int8:row"}, False),
+        ({"weight": "nvfp4", "input": "nvfp4", "grad": "fp8_e5m2:tensor"}, True),
+        ({"weight": "mxfp4", "input": "mxfp6"}, True),
+        ({"weight": "int4:group32", "input": "high_precision"}, True),
+        ({"weight": "fp6_e3m2:block", "input": "fp6_e3m2:block"}, True),
+        (None, False),
+    ]:
+        assert fixed.matches_layer("l", formats) is not low, formats
+        assert low_bit.matches_layer("l", formats) is low, formats
 
 
 def test_rules_file_errors_carry_line_numbers() -> None:
@@ -139,6 +163,9 @@ def test_rules_file_defaults_and_overrides() -> None:
     effective = {rule.name: rule.enabled for rule in parsed.effective_rules()}
     assert effective == {
         "quantwatch_output_deviation": True,
+        "quantwatch_output_deviation_low_bit": True,
+        "quantwatch_update_direction": True,
+        "quantwatch_update_noise": True,
         "quantwatch_loss_divergence": True,
         "quantwatch_nonfinite": False,
     }
@@ -234,3 +261,12 @@ def test_serve_refuses_a_bad_rules_file_with_its_line(tmp_path: Path) -> None:
     )
     assert result.exit_code == 2
     assert f"{bad}:6: rules[0].consecutive:" in result.output
+
+
+def test_readme_shows_the_shipped_rules_table() -> None:
+    from pathlib import Path
+
+    from quantwatch.service.alerts.defaults import shipped_rules_table
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    assert shipped_rules_table() in readme

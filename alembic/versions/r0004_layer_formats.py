@@ -1,0 +1,50 @@
+"""Layer formats: each layer's number format per tensor kind with the step it took effect; baseline state.
+
+``layer_formats`` keeps one row per change (run, layer, kind, step → format), so a layer whose format changes mid-run
+keeps its history. ``alert_series`` gains the state of baseline-relative rules: the first samples of a series
+(``baseline``) and the step of the format change they were collected after (``baseline_since``). Existing series
+have neither: a baseline rule starts collecting at their next sample.
+
+Revision ID: 0004_layer_formats
+Revises: 0003_rollup_level_128
+Create Date: 2026-12-01
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+
+from alembic import op
+
+revision: str = "0004_layer_formats"
+down_revision: str | None = "0003_rollup_level_128"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+RowId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+def upgrade() -> None:
+    op.create_table(
+        "layer_formats",
+        sa.Column("run_id", RowId, nullable=False),
+        sa.Column("layer", sa.String(500), nullable=False),
+        sa.Column("kind", sa.String(8), nullable=False),
+        sa.Column("step", sa.BigInteger(), nullable=False),
+        sa.Column("format", sa.String(64), nullable=False),
+        sa.Column("recorded_at", sa.Double(), nullable=False),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_layer_formats_run_id_runs", ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("run_id", "layer", "kind", "step", name="pk_layer_formats"),
+    )
+    with op.batch_alter_table("alert_series") as batch:
+        batch.add_column(sa.Column("baseline", sa.JSON(), nullable=True))
+        batch.add_column(sa.Column("baseline_since", sa.BigInteger(), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("alert_series") as batch:
+        batch.drop_column("baseline_since")
+        batch.drop_column("baseline")
+    op.drop_table("layer_formats")

@@ -1,0 +1,34 @@
+"""The rule cache: enabled rules parsed once per revision, shared by the threads of one collector process."""
+
+from __future__ import annotations
+
+import threading
+
+from sqlalchemy.orm import Session
+
+from quantwatch.service.alerts import repository
+from quantwatch.service.alerts.rules import Rule
+
+__all__ = ["RuleCache"]
+
+
+class RuleCache:
+    """Enabled rules as (id, Rule), re-parsed only when their revision changed (one small query per batch)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[int, Rule]] = {}
+        self._lock = threading.Lock()
+
+    def active_rules(self, session: Session) -> list[tuple[int, Rule]]:
+        """The enabled rules in id order, as (id, Rule)."""
+        rows = repository.enabled_rules(session)
+        with self._lock:
+            fresh: dict[int, tuple[int, Rule]] = {}
+            for rule_id, revision, definition in rows:
+                cached = self._by_id.get(rule_id)
+                if cached is not None and cached[0] == revision:
+                    fresh[rule_id] = cached
+                else:
+                    fresh[rule_id] = (revision, Rule.model_validate(definition))
+            self._by_id = fresh
+        return [(rule_id, rule) for rule_id, (_, rule) in sorted(fresh.items())]

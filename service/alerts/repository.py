@@ -1,0 +1,372 @@
+"""The alerting part's data access: every SQL statement of alerts, on SQLite and PostgreSQL.
+
+The ingest path (:class:`~quantwatch.service.alerts.engine.AlertEngine`) writes whole batches of rows through Core
+statements, without the ORM's per-object bookkeeping: series states, group locks, episodes and outbox rows. The rule
+and receiver catalogue (:mod:`~quantwatch.service.alerts.catalog`) reads and locks rows through the ORM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
+
+from sqlalchemy import Table, bindparam, delete, func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from quantwatch.service.alerts.episodes import EPISODE_COLUMNS, Episode, EpisodeBatch
+from quantwatch.service.alerts.evaluator import SeriesKey, SeriesState, SeriesStatus
+from quantwatch.service.alerts.rules import Rule
+from quantwatch.service.alerts.tables import (
+    AlertCursorRow,
+    AlertGroupRow,
+    DeliveryRow,
+    EpisodeRow,
+    LayerFormatRow,
+    ReceiverRow,
+    RuleRow,
+    SeriesStateRow,
+)
+from quantwatch.service.models import Run
+
+__all__ = [
+    "add_deliveries",
+    "clear_rule_state",
+    "enabled_rules",
+    "firing_episode_counts",
+    "insert_deliveries",
+    "insert_ignore",
+    "known_receivers",
+    "layer_format_count",
+    "layer_format_rows",
+    "lock_cursor",
+    "lock_groups",
+    "open_episodes",
+    "pending_deliveries",
+    "pending_receivers",
+    "read_episodes",
+    "read_series_states",
+    "receiver_by_name",
+    "receivers_for",
+    "receivers_from",
+    "record_layer_formats",
+    "rule_by_name",
+    "rules_for_update",
+    "series_state_rows",
+    "upsert_series_states",
+    "write_episodes",
+]
+
+_CURSORS = cast(Table, AlertCursorRow.__table__)
+_SERIES = cast(Table, SeriesStateRow.__table__)
+_GROUPS = cast(Table, AlertGroupRow.__table__)
+_EPISODES = cast(Table, EpisodeRow.__table__)
+_DELIVERIES = cast(Table, DeliveryRow.__table__)
+_STATUS = {status.value: status for status in SeriesStatus}
+_EPISODE_UPDATE = update(_EPISODES).where(_EPISODES.c.id == bindparam("b_id"))
+_GROUP_UPDATE = update(_GROUPS).where(
+    _GROUPS.c.rule_id == bindparam("b_rule_id"), _GROUPS.c.layer == bindparam("b_layer")
+)
+_STATE_COLUMNS = ("status", "last_step", "streak", "clear_streak", "last_value", "baseline", "baseline_since")
+
+
+def insert_ignore(session: Session, table: Any, rows: list[dict[str, Any]], keys: Sequence[str]) -> None:
+    """``INSERT … ON CONFLICT (keys) DO NOTHING`` on SQLite and PostgreSQL (a Core statement, one round of rows)."""
+    if not rows:
+        return
+    conn = session.connection()
+    dialect_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    conn.execute(dialect_insert(table).on_conflict_do_nothing(index_elements=list(keys)), rows)
+
+
+def _state_upsert(dialect: str) -> Any:
+    statement = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(_SERIES)
+    return statement.on_conflict_do_update(
+        index_elements=["rule_id", "run", "rank", "layer"],
+        set_={name: statement.excluded[name] for name in _STATE_COLUMNS},
+    )
+
+
+# Built once per dialect: building and cache-keying the statement per batch costs more than running it.
+_STATE_UPSERTS = {dialect: _state_upsert(dialect) for dialect in ("sqlite", "postgresql")}
+
+
+# -- the ingest path -------------------------------------------------------------------------------------------------
+def enabled_rules(session: Session) -> list[tuple[int, int, dict[str, Any]]]:
+    """(id, revision, definition) of every enabled rule."""
+    query = select(RuleRow.id, RuleRow.revision, RuleRow.definition).where(RuleRow.enabled.is_(True))
+    return [(rule_id, revision, definition) for rule_id, revision, definition in session.execute(query)]
+
+
+def lock_cursor(session: Session, run: str, rank: int) -> None:
+    """Create and lock the (run, rank) cursor row: replicas ingesting that rank take turns from here on."""
+    insert_ignore(session, _CURSORS, [{"run": run, "rank": rank}], ("run", "rank"))
+    session.connection().execute(
+        select(_CURSORS.c.run).where(_CURSORS.c.run == run, _CURSORS.c.rank == rank).with_for_update()
+    ).all()
+
+
+def read_series_states(session: Session, run: str, rank: int, names: Mapping[int, str]) -> dict[SeriesKey, SeriesState]:
+    """The stored series states of one (run, rank) for the rules ``names`` (id → name), keyed (rule name, layer)."""
+    return {
+        (names[rule_id], layer): SeriesState(
+            _STATUS[status], last_step, streak, clear_streak, last_value, tuple(baseline or ()), baseline_since
+        )
+        for rule_id, layer, status, last_step, streak, clear_streak, last_value, baseline, baseline_since in (
+            session.connection().execute(
+                select(
+                    _SERIES.c.rule_id,
+                    _SERIES.c.layer,
+                    *(_SERIES.c[name] for name in _STATE_COLUMNS),
+                ).where(_SERIES.c.run == run, _SERIES.c.rank == rank, _SERIES.c.rule_id.in_(list(names)))
+            )
+        )
+    }
+
+
+def upsert_series_states(
+    session: Session, run: str, rank: int, ids: Mapping[str, int], changed: Mapping[SeriesKey, SeriesState]
+) -> None:
+    """Write the changed series states of one (run, rank) in one statement (rule names mapped to ids by ``ids``)."""
+    if not changed:
+        return
+    rows = [
+        {
+            "rule_id": ids[rule_name],
+            "run": run,
+            "rank": rank,
+            "layer": layer,
+            "status": state.status.value,
+            "last_step": state.last_step,
+            "streak": state.streak,
+            "clear_streak": state.clear_streak,
+            "last_value": state.last_value if state.last_value is None or math.isfinite(state.last_value) else None,
+            "baseline": list(state.baseline) if state.baseline else None,
+            "baseline_since": state.baseline_since,
+        }
+        for (rule_name, layer), state in changed.items()
+    ]
+    conn = session.connection()
+    conn.execute(_STATE_UPSERTS[conn.dialect.name], rows)
+
+
+GroupKey = tuple[int, str]
+
+
+def lock_groups(
+    session: Session, run: str, keys: Sequence[GroupKey]
+) -> tuple[dict[GroupKey, int | None], dict[GroupKey, dict[int, SeriesStatus]]]:
+    """Lock the (rule, layer) groups ``keys`` (sorted) of ``run``; their open episode ids and every rank's status.
+
+    The statuses are read after the lock, so they include what whoever held it before committed.
+    """
+    conn = session.connection()
+    insert_ignore(
+        session,
+        _GROUPS,
+        [{"rule_id": rule_id, "run": run, "layer": layer, "episode_id": None} for rule_id, layer in keys],
+        ("rule_id", "run", "layer"),
+    )
+    layers_by_rule: dict[int, list[str]] = {}
+    for rule_id, layer in keys:
+        layers_by_rule.setdefault(rule_id, []).append(layer)
+    opened: dict[GroupKey, int | None] = {}
+    statuses: dict[GroupKey, dict[int, SeriesStatus]] = {key: {} for key in keys}
+    for rule_id, layers in layers_by_rule.items():
+        # Lock the groups in (rule, layer) order, the same order in every replica: no deadlocks between them.
+        for layer, episode_id in conn.execute(
+            select(_GROUPS.c.layer, _GROUPS.c.episode_id)
+            .where(_GROUPS.c.rule_id == rule_id, _GROUPS.c.run == run, _GROUPS.c.layer.in_(layers))
+            .order_by(_GROUPS.c.layer)
+            .with_for_update()
+        ):
+            opened[(rule_id, layer)] = episode_id
+        for rank, layer, status in conn.execute(
+            select(_SERIES.c.rank, _SERIES.c.layer, _SERIES.c.status).where(
+                _SERIES.c.rule_id == rule_id, _SERIES.c.run == run, _SERIES.c.layer.in_(layers)
+            )
+        ):
+            statuses[(rule_id, layer)][rank] = _STATUS[status]
+    return opened, statuses
+
+
+def read_episodes(session: Session, ids: list[int]) -> dict[int, Episode]:
+    """The episodes ``ids`` in memory, by id."""
+    if not ids:
+        return {}
+    columns = [_EPISODES.c[name] for name in EPISODE_COLUMNS]
+    return {
+        int(row[0]): Episode(int(row[0]), *row[1:])
+        for row in session.connection().execute(select(_EPISODES.c.id, *columns).where(_EPISODES.c.id.in_(ids)))
+    }
+
+
+def write_episodes(session: Session, run: str, batch: EpisodeBatch) -> None:
+    """Write what a batch decided: changed and dropped episodes, new ones (their ids set), then group pointers."""
+    conn = session.connection()
+    existing = [episode for episode in batch.touched if not episode.fresh]
+    # Ended and dropped episodes first: a group's new open episode must not meet its old one in the unique index.
+    kept = [episode for episode in existing if not episode.cancelled]
+    if kept:
+        conn.execute(_EPISODE_UPDATE, [episode.update_values() for episode in kept])
+    dropped = [episode.id for episode in existing if episode.cancelled]
+    if dropped:
+        conn.execute(delete(_EPISODES).where(_EPISODES.c.id.in_(dropped)))
+    new = [episode for episode in batch.touched if episode.fresh and not episode.cancelled]
+    if new:
+        # Matched back by (rule, layer, pending step), unique among one rank's new episodes: an ordered RETURNING
+        # would make SQLite insert row by row.
+        by_start = {(episode.rule_id, episode.layer, episode.pending_step): episode for episode in new}
+        returned = conn.execute(
+            insert(_EPISODES).returning(
+                _EPISODES.c.id, _EPISODES.c.rule_id, _EPISODES.c.layer, _EPISODES.c.pending_step
+            ),
+            [episode.insert_values() for episode in new],
+        )
+        for episode_id, rule_id, layer, pending_step in returned:
+            by_start[(rule_id, layer, pending_step)].id = int(episode_id)
+    moved = [
+        {"b_rule_id": rule_id, "b_layer": layer, "episode_id": episode.id if episode is not None else None}
+        for (rule_id, layer), (before, episode) in batch.groups.items()
+        if (episode.id if episode is not None else None) != before
+    ]
+    if moved:
+        conn.execute(_GROUP_UPDATE.where(_GROUPS.c.run == run), moved)
+
+
+def pending_deliveries(session: Session, episode_ids: Iterable[int]) -> set[tuple[int, int]]:
+    """(episode id, receiver id) of the pending outbox rows of ``episode_ids``."""
+    ids = sorted(episode_ids)
+    if not ids:
+        return set()
+    return {
+        (int(episode_id), int(receiver_id))
+        for episode_id, receiver_id in session.connection().execute(
+            select(_DELIVERIES.c.episode_id, _DELIVERIES.c.receiver_id).where(
+                _DELIVERIES.c.episode_id.in_(ids), _DELIVERIES.c.status == "pending"
+            )
+        )
+    }
+
+
+def insert_deliveries(session: Session, rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Insert outbox rows in one statement; their ids by webhook id."""
+    # Matched back by webhook id (unique): an ordered RETURNING would make SQLite insert row by row.
+    returned = session.connection().execute(
+        insert(_DELIVERIES).returning(_DELIVERIES.c.webhook_id, _DELIVERIES.c.id), rows
+    )
+    return {str(webhook_id): int(row_id) for webhook_id, row_id in returned}
+
+
+def receivers_for(session: Session, rule: Rule) -> list[ReceiverRow]:
+    """The enabled receivers a rule notifies (all of them when it names none), by id."""
+    query = select(ReceiverRow).where(ReceiverRow.enabled.is_(True))
+    if rule.receivers:
+        query = query.where(ReceiverRow.name.in_(rule.receivers))
+    return list(session.scalars(query.order_by(ReceiverRow.id)))
+
+
+def pending_receivers(session: Session, episode_id: int) -> set[int]:
+    """Ids of the receivers with a pending outbox row of ``episode_id``."""
+    return set(
+        session.scalars(
+            select(DeliveryRow.receiver_id).where(DeliveryRow.episode_id == episode_id, DeliveryRow.status == "pending")
+        )
+    )
+
+
+def add_deliveries(session: Session, rows: list[dict[str, Any]]) -> list[tuple[int, float | None]]:
+    """Add outbox rows through the session (flushed); (id, claimed_until) of each."""
+    added = [DeliveryRow(**values) for values in rows]
+    session.add_all(added)
+    session.flush()
+    return [(row.id, row.claimed_until) for row in added]
+
+
+def series_state_rows(
+    session: Session, runs: Iterable[str] | None = None
+) -> list[tuple[SeriesStateRow, str, dict[str, Any]]]:
+    """Every stored series state (optionally of some runs) with its rule's name and definition."""
+    query = select(SeriesStateRow, RuleRow.name, RuleRow.definition).join(RuleRow, RuleRow.id == SeriesStateRow.rule_id)
+    if runs is not None:
+        query = query.where(SeriesStateRow.run.in_(list(runs)))
+    return [(row, name, definition) for row, name, definition in session.execute(query)]
+
+
+# -- the catalogue of rules and receivers ----------------------------------------------------------------------------
+def open_episodes(session: Session, rule_id: int) -> list[EpisodeRow]:
+    """The pending and firing episodes of a rule."""
+    return list(
+        session.scalars(
+            select(EpisodeRow).where(EpisodeRow.rule_id == rule_id, EpisodeRow.state.in_(("pending", "firing")))
+        )
+    )
+
+
+def clear_rule_state(session: Session, rule_id: int) -> None:
+    """Delete a rule's series states and group rows (its series start from scratch)."""
+    session.execute(delete(SeriesStateRow).where(SeriesStateRow.rule_id == rule_id))
+    session.execute(delete(AlertGroupRow).where(AlertGroupRow.rule_id == rule_id))
+
+
+def known_receivers(session: Session, names: Sequence[str]) -> set[str]:
+    """Which of ``names`` are stored receivers."""
+    return set(session.scalars(select(ReceiverRow.name).where(ReceiverRow.name.in_(list(names)))))
+
+
+def rule_by_name(session: Session, name: str) -> RuleRow | None:
+    """The rule row of that name, locked for update."""
+    return session.scalars(select(RuleRow).where(RuleRow.name == name).with_for_update()).one_or_none()
+
+
+def receiver_by_name(session: Session, name: str, *, for_update: bool = False) -> ReceiverRow | None:
+    """The receiver row of that name (locked when ``for_update``)."""
+    query = select(ReceiverRow).where(ReceiverRow.name == name)
+    return session.scalars(query.with_for_update() if for_update else query).one_or_none()
+
+
+def receivers_from(session: Session, source: str) -> list[ReceiverRow]:
+    """The receivers that came from ``source`` (``file`` or ``api``)."""
+    return list(session.scalars(select(ReceiverRow).where(ReceiverRow.source == source)))
+
+
+def rules_for_update(session: Session) -> dict[str, RuleRow]:
+    """Every rule row by name, locked in name order."""
+    return {row.name: row for row in session.scalars(select(RuleRow).order_by(RuleRow.name).with_for_update())}
+
+
+def firing_episode_counts(session: Session, runs: Sequence[str]) -> dict[str, int]:
+    """The number of firing episodes of each of ``runs`` that has any."""
+    rows = session.execute(
+        select(EpisodeRow.run, func.count())
+        .where(EpisodeRow.state == "firing", EpisodeRow.run.in_(list(runs)))
+        .group_by(EpisodeRow.run)
+    )
+    return {run: int(total) for run, total in rows}
+
+
+# -- layer formats ---------------------------------------------------------------------------------------------------
+_LAYER_FORMATS = cast(Table, LayerFormatRow.__table__)
+
+
+def record_layer_formats(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Insert format changes (run_id, layer, kind, step, format, recorded_at); one already recorded is kept."""
+    insert_ignore(session, _LAYER_FORMATS, rows, ("run_id", "layer", "kind", "step"))
+
+
+def layer_format_count(session: Session, run_id: int) -> int:
+    """How many format changes a run has recorded (the cheap check that a cached history is current)."""
+    query = select(func.count()).select_from(_LAYER_FORMATS).where(_LAYER_FORMATS.c.run_id == run_id)
+    return int(session.connection().execute(query).scalar_one())
+
+
+def layer_format_rows(session: Session, run: int | str) -> list[tuple[str, str, int, str]]:
+    """(layer, kind, step, format) of every format change of a run (by id or name), in step order."""
+    query = select(_LAYER_FORMATS.c.layer, _LAYER_FORMATS.c.kind, _LAYER_FORMATS.c.step, _LAYER_FORMATS.c.format)
+    if isinstance(run, str):
+        query = query.join(Run, Run.id == _LAYER_FORMATS.c.run_id).where(Run.name == run)
+    else:
+        query = query.where(_LAYER_FORMATS.c.run_id == run)
+    order = (_LAYER_FORMATS.c.step, _LAYER_FORMATS.c.layer, _LAYER_FORMATS.c.kind)
+    return [(layer, kind, int(step), fmt) for layer, kind, step, fmt in session.execute(query.order_by(*order))]
