@@ -17,7 +17,7 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from quantwatch.agent.exporters import Exporter, SpoolingExporter
@@ -55,6 +55,8 @@ class PendingStep:
 
     layers: tuple[str, ...]
     resolve: Callable[[], StepRecord]
+    #: Each layer's format per tensor kind, aligned with ``layers`` (None where unknown).
+    formats: tuple[Mapping[str, str] | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -284,19 +286,19 @@ class BatchEngine:
             self.failures.record("exporter_idle", str(exc), exc)
 
     def _export(self, taken: list[PendingStep]) -> None:
-        groups: list[tuple[tuple[str, ...], list[StepRecord]]] = []
+        groups: list[tuple[tuple[str, ...], tuple[Mapping[str, str] | None, ...] | None, list[StepRecord]]] = []
         for pending in taken:
             try:
                 record = pending.resolve()
             except Exception as exc:
                 self.failures.record("resolve_step", f"could not read a step's statistics: {exc}", exc)
                 continue
-            if groups and groups[-1][0] == pending.layers:
-                groups[-1][1].append(record)
+            if groups and groups[-1][:2] == (pending.layers, pending.formats):
+                groups[-1][2].append(record)
             else:
-                groups.append((pending.layers, [record]))
-        for layers, records in groups:
-            batch = Batch(self.run, self.rank, uuid.uuid4().hex, layers, tuple(records))
+                groups.append((pending.layers, pending.formats, [record]))
+        for layers, formats, records in groups:
+            batch = Batch(self.run, self.rank, uuid.uuid4().hex, layers, tuple(records), formats)
             try:
                 self.exporter.export(batch)
             except Exception as exc:

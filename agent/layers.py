@@ -482,7 +482,9 @@ class _ShadowedModuleAdapter(LayerAdapter):
             grad = grad.index_select(0, rows)
             self.estimated.add(KIND_UPDATE)
         # update_cosine reads the cosine only: no Σ(q−x)² pass over the gradient.
-        stats = comparison_stats(reference_grad, grad, error=False, batch=self._batch(), weight=weight)
+        # Σ(g_q − g_ref)² taken directly for update_rel_l2: rebuilt from Σq² − 2Σqx + Σx² it cancels catastrophically
+        # at FP8-sized errors.
+        stats = comparison_stats(reference_grad, grad, batch=self._batch(), weight=weight)
         self.record(KIND_UPDATE, stats)
 
 

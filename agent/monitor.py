@@ -57,7 +57,7 @@ from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel, 
 from quantwatch.agent.wire import Encoding, StepRecord
 from quantwatch.agent.wrappers import CompiledRegions, unwrap
 from quantwatch.kernels import native as native_kernels
-from quantwatch.protocol import LAYER_METRICS, RUN_NAME_PATTERN, RUN_NAME_RULE
+from quantwatch.protocol import LAYER_METRICS, RUN_NAME_PATTERN, RUN_NAME_RULE, check_layer_format
 
 __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "Monitor", "attach"]
 
@@ -71,7 +71,7 @@ DEFAULT_METRICS: tuple[str, ...] = tuple(m for m in LAYER_METRICS if m != "weigh
 # The metrics a kind's estimate (shadow_rows) makes estimated.
 _ESTIMATED_METRICS: dict[int, tuple[str, ...]] = {
     KIND_OUTPUT: ("output_rel_l2", "output_cosine", "output_sqnr_db"),
-    KIND_UPDATE: ("update_cosine",),
+    KIND_UPDATE: ("update_cosine", "update_rel_l2"),
 }
 _SCALAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
 
@@ -134,6 +134,21 @@ def _periods(metrics: Sequence[str] | Mapping[str, int] | None, every: int, shad
     return periods
 
 
+def wire_formats(layer: str, formats: Mapping[str, str]) -> Mapping[str, str] | None:
+    """The formats of ``layer`` as the wire carries them: the kinds whose format the protocol can name (an adapter's
+    own names are left out with one warning, so the collector never refuses a batch for them); None when none is
+    left."""
+    kept: dict[str, str] = {}
+    for kind, value in formats.items():
+        if value == "unknown":
+            continue
+        try:
+            kept[kind] = check_layer_format(value)
+        except ValueError as exc:
+            logger.warning("quantwatch agent: %s: the %s format is not sent to the collector: %s", layer, kind, exc)
+    return kept or None
+
+
 def _resident_memory_bytes() -> float | None:
     try:
         with open("/proc/self/statm", "rb") as fh:
@@ -182,6 +197,7 @@ class Monitor:
         self._adapters, self._infos = build_layer_adapters(found, self._context)
         for index, adapter in enumerate(self._adapters):
             adapter.configure(shadow_options or ShadowOptions(), index)
+        self._wire_formats = {str(info): wire_formats(str(info), info.formats) for info in self._infos}
         first_param = next(model.parameters(), None)
         self._device = first_param.device if first_param is not None else torch.device("cpu")
         if reporting and self._device.type == "cpu":
@@ -269,6 +285,7 @@ class Monitor:
         with self._lock:
             self._adapters.append(adapter)
             self._infos.append(LayerInfo(name, KernelEntry.name, KernelEntry.formats))
+            self._wire_formats[name] = wire_formats(name, KernelEntry.formats)
             if self._armed:
                 adapter.arm(self._kinds(self._armed))
         return adapter.wrap(fn)
@@ -516,7 +533,8 @@ class Monitor:
             return StepRecord(step, wall_time, metrics, scalars, estimated & metrics.keys())
 
         if self._engine is not None:
-            self._engine.submit(PendingStep(layers, resolve))
+            formats = tuple(self._wire_formats.get(n) for n in layers)
+            self._engine.submit(PendingStep(layers, resolve, formats))
 
 
 def attach(

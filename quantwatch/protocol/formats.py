@@ -34,8 +34,14 @@ ELEMENT_FORMATS: Mapping[str, int] = {
     "int8": 8,
     "int4": 4,
     "e8m0": 8,
+    "uint8": 8,
+    "uint4": 4,
+    "bf16": 16,
+    "fp16": 16,
+    "fp32": 32,
 }
-"""Element formats and their bits per element."""
+"""Element formats and their bits per element (the 16- and 32-bit floats name what a layer keeps in higher
+precision when an adapter says which)."""
 
 PRESETS: Mapping[str, int] = {"mxfp8": 8, "mxfp6": 6, "mxfp4": 4, "nvfp4": 4}
 """Formats that name their element format and block scaling together, and their bits per element."""

@@ -231,6 +231,27 @@ def test_quant_linear_update_cosine_from_its_direct_reference_gradient(monkeypat
     assert sink.value("update_cosine", "0", 0) == pytest.approx(_fp8_update_cosine(captured), rel=1e-5)
 
 
+def test_update_rel_l2_is_the_hand_computed_distance_of_the_gradients() -> None:
+    # ‖g_q − g_ref‖ / ‖g_ref‖ over the micro-batches' mergeable sums, with Σ(g_q − g_ref)² taken directly: at FP8-sized
+    # errors, Σq² − 2Σqx + Σx² would have cancelled most of its digits.
+    layer, captured = _fp8_layer_capturing_output_grads(seed=5)
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(nn.Sequential(layer), run="rel", exporter=sink, metrics=["update_rel_l2"], every=1)
+    for _ in range(2):
+        layer(torch.randn(3, 5, 8)).square().mean().backward()
+    monitor.step()
+    assert monitor.close(10)
+    err2 = ref2 = 0.0
+    for xin, dy in captured:
+        q = quantize(dy, "fp8_e5m2", "tensor").reshape(-1, 4).T @ quantize(xin, "fp8_e4m3", "tensor").reshape(-1, 8)
+        r = dy.reshape(-1, 4).T @ xin.reshape(-1, 8)
+        err2 += float((q.double() - r.double()).square().sum())
+        ref2 += float(r.double().square().sum())
+    expected = math.sqrt(err2 / ref2)
+    assert 0 < expected < 0.2
+    assert sink.value("update_rel_l2", "0", 0) == pytest.approx(expected, rel=1e-4)
+
+
 def test_consecutive_sampled_steps_keep_the_hooks_and_forget_unpaired_reference_gradients() -> None:
     # every=1: the hooks stay from one sampled step to the next (one forward hook, one weight hook, however many
     # forwards), and a reference gradient left without its weight gradient (a backward to the input only) is

@@ -23,7 +23,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 import quantwatch.agent as qw
-from quantwatch.agent.monitor import _spool_directory
+from quantwatch.agent.destination import spool_directory
 from quantwatch.agent.spool import DiskSpool
 from quantwatch.cli import app
 from quantwatch.client import ExitCode
@@ -238,7 +238,7 @@ def test_a_refused_token_loses_nothing_and_the_next_process_with_the_right_token
     collector: CollectorProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     run = "wrong-token"
-    directory = _spool_directory(tmp_path, run, 0)
+    directory = spool_directory(tmp_path, run, 0)
     wrong = CountingExporter(collector.url, token="wrong", retry=FAST_RETRY, spool=DiskSpool(directory, 1 << 24))
     model = _model()
     monitor = qw.attach(model, run=run, exporter=wrong, **OPTIONS)
