@@ -34,8 +34,9 @@ from quantwatch.agent.errors import (
     TransientExportError,
 )
 from quantwatch.agent.exporters import Exporter, HttpExporter, InMemoryExporter, JsonLinesExporter, RetryPolicy
-from quantwatch.agent.monitor import DEFAULT_EVERY, DEFAULT_METRICS, Monitor, attach
+from quantwatch.agent.monitor import DEFAULT_EVERY, Monitor, attach
 from quantwatch.agent.sampling import Schedule
+from quantwatch.agent.validation import DEFAULT_METRICS
 from quantwatch.agent.wire import Batch, StepRecord, encode_batch
 from quantwatch.protocol import LAYER_METRICS
 

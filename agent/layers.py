@@ -34,12 +34,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from quantwatch.agent.comparison import comparison_stats
 from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.rows import SEED, RowSampler
 from quantwatch.agent.shadow import ShadowOptions, run_reference
 from quantwatch.agent.wrappers import shards_after_forward
 from quantwatch.kernels import ErrorStats, StatsBatch, error_stats
-from quantwatch.kernels.stats import comparison_fields
 
 __all__ = [
     "KIND_DRIFT",
@@ -50,12 +50,9 @@ __all__ = [
     "KIND_UPDATE",
     "KIND_WEIGHT",
     "DeferredStatistics",
-    "KernelAdapter",
     "LayerAdapter",
     "ModuleAdapter",
     "QatAdapter",
-    "comparison_stats",
-    "is_monitorable",
 ]
 
 KIND_WEIGHT, KIND_INPUT, KIND_GRAD, KIND_OUTPUT, KIND_UPDATE, KIND_DRIFT = range(6)
@@ -138,11 +135,6 @@ class DeferredStatistics:
         self.flush()
 
 
-def is_monitorable(module: nn.Module) -> bool:
-    """True for modules the agent knows how to measure (reference-forward protocol or QAT fake quantizers)."""
-    return callable(getattr(module, "reference_forward", None)) or _fake_quantizers(module) != []
-
-
 def _fake_quantizers(module: nn.Module) -> list[nn.Module]:
     from torch.ao.quantization import FakeQuantizeBase
 
@@ -152,55 +144,6 @@ def _fake_quantizers(module: nn.Module) -> list[nn.Module]:
         if isinstance(fq, FakeQuantizeBase):
             found.append(fq)
     return found
-
-
-def comparison_stats(
-    reference: Tensor, value: Tensor, *, error: bool = True, batch: StatsBatch | None = None, weight: float = 1.0
-) -> ErrorStats:
-    """Partial sums comparing ``value`` with ``reference`` (output deviation, update direction, weight drift).
-
-    Only the four sums the comparison metrics need (Σx², Σq², Σqx, Σ(q−x)²), as float32 dot products accumulated to
-    float64: several times cheaper than :func:`~quantwatch.kernels.error_stats`, whose counts (underflow, overflow,
-    non-finite) mean nothing for a comparison.  ``max_abs_err`` and ``amax`` are NaN (not computed), and so is
-    ``Σ(q−x)²`` with ``error=False`` (for a cosine only, which then needs no ``q − x`` pass); the counts are 0.
-    Non-finite values make the sums NaN, which the metrics then report as ``"nan"``.  On the CPU the sums are read
-    to the host at once (``batch`` then holds them in a row it prepared, with no torch call).  ``weight`` scales the
-    count and the sums: ``n/k`` for a comparison of ``k`` rows kept of ``n`` (an estimate of the full sums)."""
-    if reference.numel() == 0:
-        return ErrorStats.zeros(reference.device)
-    if reference.device.type == "cpu" and value.device.type == "cpu":
-        fields = comparison_fields(reference, value, error=error)
-        if weight != 1.0:
-            fields = (*(v * weight for v in fields[:5]), *fields[5:])
-        if batch is not None:
-            return batch.host_stats(fields)
-        return ErrorStats.from_tensor(torch.tensor(fields, dtype=torch.float64))
-    x = reference.detach()
-    q = value.detach()
-    x = x.reshape(-1).float()
-    q = q.reshape(-1).float()
-    dots = [torch.dot(x, x), torch.dot(q, q), torch.dot(q, x)]
-    if error:
-        err = q - x
-        dots.append(torch.dot(err, err))
-    sums = torch.stack(dots).double()
-    if weight != 1.0:
-        sums = sums * weight
-    zero = sums.new_zeros(())
-    nan = torch.full((), float("nan"), dtype=torch.float64, device=sums.device)
-    return ErrorStats(
-        numel=torch.full((), float(x.numel()) * weight, dtype=torch.float64, device=sums.device),
-        sum_x2=sums[0],
-        sum_q2=sums[1],
-        sum_qx=sums[2],
-        sum_err2=sums[3] if error else nan,
-        max_abs_err=nan,
-        amax=nan,
-        nonzero_count=zero,
-        underflow_count=zero,
-        overflow_count=zero,
-        nonfinite_count=zero,
-    )
 
 
 def _first_tensor(args: tuple[Any, ...]) -> Tensor | None:
@@ -621,31 +564,3 @@ def _fake_quantizers_all(module: nn.Module) -> list[Any]:
     from torch.ao.quantization import FakeQuantizeBase
 
     return [m for m in module.modules() if isinstance(m, FakeQuantizeBase)]
-
-
-class KernelAdapter(LayerAdapter):
-    """A quantization kernel ``q = fn(x, ...)``: on sampled steps, the error of ``q`` against ``x``.
-
-    The statistics count as the kernel's input (``act_rel_l2``, ratios, ``amax``) and as its output deviation from the
-    ideal, unquantized result ``x`` (``output_rel_l2``, ``output_cosine``, ``output_sqnr_db``)."""
-
-    def wrap(self, fn: F) -> F:
-        """``fn`` with measurement on sampled steps; one attribute check otherwise."""
-
-        @functools.wraps(fn)
-        def watched(*args: Any, **kwargs: Any) -> Any:
-            result = fn(*args, **kwargs)
-            if self.kinds:
-                x = _first_tensor(args)
-                if x is not None and isinstance(result, Tensor) and result.shape == x.shape:
-                    self._guard("kernel_stats", self._measure, x, result)
-            return result
-
-        return watched  # type: ignore[return-value]
-
-    def _measure(self, x: Tensor, q: Tensor) -> None:
-        stats = error_stats(x.detach(), q.detach())
-        if KIND_INPUT in self.kinds:
-            self.record(KIND_INPUT, stats)
-        if KIND_OUTPUT in self.kinds:
-            self.record(KIND_OUTPUT, stats)

@@ -34,6 +34,7 @@ from quantwatch.agent.adapters import (
     find_layers,
 )
 from quantwatch.agent.adapters.quantwatch_layers import KernelEntry
+from quantwatch.agent.comparison import comparison_stats
 from quantwatch.agent.destination import make_exporter
 from quantwatch.agent.engine import BatchEngine, DeliveryResult, PendingStep
 from quantwatch.agent.errors import ConfigError
@@ -49,25 +50,22 @@ from quantwatch.agent.layers import (
     DeferredStatistics,
     LayerAdapter,
     OverheadClock,
-    comparison_stats,
 )
 from quantwatch.agent.readout import METRIC_KINDS, NF, ROW, SUMS, DeviceReader, derive
 from quantwatch.agent.sampling import Schedule
 from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel, ShadowOptions
-from quantwatch.agent.wire import Encoding, StepRecord
+from quantwatch.agent.validation import detect_rank, periods, reports
+from quantwatch.agent.wire import Encoding, StepRecord, wire_formats
 from quantwatch.agent.wrappers import CompiledRegions, unwrap
 from quantwatch.kernels import native as native_kernels
-from quantwatch.protocol import LAYER_METRICS, RUN_NAME_PATTERN, RUN_NAME_RULE, check_layer_format
+from quantwatch.protocol import LAYER_METRICS, RUN_NAME_PATTERN, RUN_NAME_RULE
 
-__all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "Monitor", "attach"]
+__all__ = ["DEFAULT_EVERY", "Monitor", "attach"]
 
 # Sampling one step in 25 keeps the agent's cost at defaults near 3% of a step even where statistics are emulated on
 # the CPU (bench/agent_overhead.py); users who want more pass every=1..N.
 DEFAULT_EVERY = 25
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
-#: Measured by default (the catalogued metrics this agent measures); ``weight_drift_rel_l2`` joins them with
-#: ``shadow="model"``.
-DEFAULT_METRICS: tuple[str, ...] = tuple(m for m in LAYER_METRICS if m != "weight_drift_rel_l2" and m in METRIC_KINDS)
 # The metrics a kind's estimate (shadow_rows) makes estimated.
 _ESTIMATED_METRICS: dict[int, tuple[str, ...]] = {
     KIND_OUTPUT: ("output_rel_l2", "output_cosine", "output_sqnr_db"),
@@ -85,68 +83,6 @@ _MONITORS: weakref.WeakSet[Monitor] = weakref.WeakSet()
 def _close_at_exit() -> None:
     for monitor in list(_MONITORS):
         monitor.close(timeout_seconds=5.0)
-
-
-def _detect_rank(rank: int | None) -> int:
-    if rank is not None:
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise ConfigError("rank", f"must be an integer >= 0, got {rank!r}")
-        return rank
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return int(torch.distributed.get_rank())
-    env = os.environ.get("RANK", "0")
-    if not env.isdigit():
-        raise ConfigError("rank", f"environment variable RANK must be an integer >= 0, got {env!r}")
-    return int(env)
-
-
-def _reports(rank: int, ranks: str | Iterable[int]) -> bool:
-    if ranks == "all":
-        return True
-    if ranks == "first":
-        return rank == 0
-    if isinstance(ranks, str):
-        raise ConfigError("ranks", f"must be 'all', 'first' or a list of ranks, got {ranks!r}")
-    chosen = list(ranks)
-    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in chosen):
-        raise ConfigError("ranks", f"a list of ranks must hold integers >= 0, got {chosen!r}")
-    return rank in chosen
-
-
-def _periods(metrics: Sequence[str] | Mapping[str, int] | None, every: int, shadow: str) -> dict[str, int]:
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise ConfigError("every", f"must be an integer >= 1, got {every!r}")
-    if metrics is None:
-        names: list[str] = list(DEFAULT_METRICS)
-        if shadow == "model":
-            names.append("weight_drift_rel_l2")
-        return dict.fromkeys(names, every)
-    if isinstance(metrics, str):
-        raise ConfigError("metrics", "must be a list of metric names or a mapping name -> period, not a string")
-    periods = dict(metrics) if isinstance(metrics, Mapping) else dict.fromkeys(metrics, every)
-    for name in periods:
-        if name not in LAYER_METRICS:
-            raise ConfigError("metrics", f"unknown metric {name!r}; known: {', '.join(LAYER_METRICS)}")
-        if name not in METRIC_KINDS:
-            raise ConfigError("metrics", f"{name!r} is catalogued but not measured by this agent yet")
-    if "weight_drift_rel_l2" in periods and shadow != "model":
-        raise ConfigError("metrics", "weight_drift_rel_l2 needs shadow='model'")
-    return periods
-
-
-def wire_formats(layer: str, formats: Mapping[str, str]) -> Mapping[str, str] | None:
-    """The formats of ``layer`` as the wire carries them: the kinds whose format the protocol can name (an adapter's
-    own names are left out with one warning, so the collector never refuses a batch for them); None when none is
-    left."""
-    kept: dict[str, str] = {}
-    for kind, value in formats.items():
-        if value == "unknown":
-            continue
-        try:
-            kept[kind] = check_layer_format(value)
-        except ValueError as exc:
-            logger.warning("quantwatch agent: %s: the %s format is not sent to the collector: %s", layer, kind, exc)
-    return kept or None
 
 
 def _resident_memory_bytes() -> float | None:
@@ -594,13 +530,13 @@ def attach(
         raise ConfigError("shadow_optimizer", "shadow='model' needs shadow_optimizer=lambda params: ...")
     if tokens_per_step is not None and (not isinstance(tokens_per_step, int | float) or tokens_per_step <= 0):
         raise ConfigError("tokens_per_step", f"must be a number > 0, got {tokens_per_step!r}")
-    schedule = Schedule(_periods(metrics, every, shadow), start=start, end=end)
+    schedule = Schedule(periods(metrics, every, shadow), start=start, end=end)
     shadow_options = ShadowOptions.parse(reference_dtype, shadow_rows)
     found = find_layers(model, layers)
     if not found:
         logger.warning("quantwatch agent: no quantized layer found in the model; only watched kernels will be measured")
-    detected_rank = _detect_rank(rank)
-    reporting = _reports(detected_rank, ranks)
+    detected_rank = detect_rank(rank)
+    reporting = reports(detected_rank, ranks)
     failures = FailureLog()
     engine = None
     shadow_model = None

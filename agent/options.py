@@ -10,8 +10,9 @@ import inspect
 from typing import Any
 
 from quantwatch.agent.errors import ConfigError
-from quantwatch.agent.monitor import DEFAULT_EVERY, _periods, _reports, attach
+from quantwatch.agent.monitor import DEFAULT_EVERY, attach
 from quantwatch.agent.sampling import Schedule
+from quantwatch.agent.validation import periods, reports
 from quantwatch.protocol import RUN_NAME_PATTERN, RUN_NAME_RULE
 
 __all__ = ["check_attach_options"]
@@ -33,9 +34,12 @@ def check_attach_options(**options: Any) -> None:
     shadow = options.get("shadow", "layer")
     if shadow not in ("layer", "model"):
         raise ConfigError("shadow", f"must be 'layer' or 'model', got {shadow!r}")
-    periods = _periods(options.get("metrics"), options.get("every", DEFAULT_EVERY), shadow)
-    Schedule(periods, start=options.get("start", 0), end=options.get("end"))
-    _reports(0, options.get("ranks", "all"))
+    Schedule(
+        periods(options.get("metrics"), options.get("every", DEFAULT_EVERY), shadow),
+        start=options.get("start", 0),
+        end=options.get("end"),
+    )
+    reports(0, options.get("ranks", "all"))
     url = options.get("url")
     if url is not None and not isinstance(url, str):
         raise ConfigError("url", f"must be a string, got {type(url).__name__}")

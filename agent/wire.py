@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,9 @@ from typing import Any, Literal
 import msgpack
 import numpy as np
 
-from quantwatch.protocol import CONTENT_TYPES, LAYER_FORMATS_FIELD, PROTOCOL_VERSION
+from quantwatch.protocol import CONTENT_TYPES, LAYER_FORMATS_FIELD, PROTOCOL_VERSION, check_layer_format
+
+logger = logging.getLogger("quantwatch.agent")
 
 __all__ = [
     "Batch",
@@ -142,3 +145,18 @@ def encode_batch(batch: Batch, encoding: Encoding = "msgpack", compress: bool = 
     if compress:
         body = gzip.compress(body, compresslevel=_GZIP_LEVEL, mtime=0)
     return EncodedBatch(batch.batch_id, body, CONTENT_TYPES[encoding], compress, batch.point_count())
+
+
+def wire_formats(layer: str, formats: Mapping[str, str]) -> Mapping[str, str] | None:
+    """The formats of ``layer`` as the wire carries them: the kinds whose format the protocol can name (an adapter's
+    own names are left out with one warning, so the collector never refuses a batch for them); None when none is
+    left."""
+    kept: dict[str, str] = {}
+    for kind, value in formats.items():
+        if value == "unknown":
+            continue
+        try:
+            kept[kind] = check_layer_format(value)
+        except ValueError as exc:
+            logger.warning("quantwatch agent: %s: the %s format is not sent to the collector: %s", layer, kind, exc)
+    return kept or None

@@ -6,21 +6,23 @@ fake-quantized linears), torchao MXFP8 training (by the weight's type) and NVFP4
 Register your own with :func:`register_adapter`.
 """
 
+from quantwatch.agent.adapters.discovery import (
+    AdapterHandle,
+    build_layer_adapters,
+    dequantize_shadow,
+    find_layers,
+    register_adapter,
+    registered_adapters,
+)
 from quantwatch.agent.adapters.linear import CastResult, RecomputedCastLinear, ShadowedLayer
 from quantwatch.agent.adapters.registry import (
     FORMAT_KINDS,
     HIGH_PRECISION,
     Adapter,
     AdapterContext,
-    AdapterHandle,
     Found,
     LayerInfo,
     UnsupportedLayerError,
-    build_layer_adapters,
-    dequantize_shadow,
-    find_layers,
-    register_adapter,
-    registered_adapters,
 )
 from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT
 

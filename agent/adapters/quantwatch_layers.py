@@ -3,17 +3,29 @@ and everything ``quantize_model`` produced), ``torch.ao`` eager QAT modules, and
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from quantwatch.agent.adapters.registry import FORMAT_KINDS, HIGH_PRECISION, Adapter, AdapterContext
-from quantwatch.agent.layers import KernelAdapter, LayerAdapter, ModuleAdapter, QatAdapter, _fake_quantizers
-from quantwatch.kernels import PRESETS
+from quantwatch.agent.layers import (
+    KIND_INPUT,
+    KIND_OUTPUT,
+    LayerAdapter,
+    ModuleAdapter,
+    QatAdapter,
+    _fake_quantizers,
+    _first_tensor,
+)
+from quantwatch.kernels import PRESETS, error_stats
 from quantwatch.kernels.options import Scaling
 
-__all__ = ["KernelEntry", "ReferenceForwardAdapter", "TorchAoEagerQatAdapter", "quantwatch_format"]
+__all__ = ["KernelAdapter", "KernelEntry", "ReferenceForwardAdapter", "TorchAoEagerQatAdapter", "quantwatch_format"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def quantwatch_format(spec: Any) -> str:
@@ -101,3 +113,31 @@ class KernelEntry:
     def create(name: str, context: AdapterContext) -> KernelAdapter:
         """The measurer of a watched kernel."""
         return KernelAdapter(name, context.failures, context.clock)
+
+
+class KernelAdapter(LayerAdapter):
+    """A quantization kernel ``q = fn(x, ...)``: on sampled steps, the error of ``q`` against ``x``.
+
+    The statistics count as the kernel's input (``act_rel_l2``, ratios, ``amax``) and as its output deviation from the
+    ideal, unquantized result ``x`` (``output_rel_l2``, ``output_cosine``, ``output_sqnr_db``)."""
+
+    def wrap(self, fn: F) -> F:
+        """``fn`` with measurement on sampled steps; one attribute check otherwise."""
+
+        @functools.wraps(fn)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            if self.kinds:
+                x = _first_tensor(args)
+                if x is not None and isinstance(result, Tensor) and result.shape == x.shape:
+                    self._guard("kernel_stats", self._measure, x, result)
+            return result
+
+        return watched  # type: ignore[return-value]
+
+    def _measure(self, x: Tensor, q: Tensor) -> None:
+        stats = error_stats(x.detach(), q.detach())
+        if KIND_INPUT in self.kinds:
+            self.record(KIND_INPUT, stats)
+        if KIND_OUTPUT in self.kinds:
+            self.record(KIND_OUTPUT, stats)

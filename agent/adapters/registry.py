@@ -1,9 +1,5 @@
-"""The adapter registry: which adapter measures which module, found once at ``attach()``.
-
-Like torchao's ``quantize_`` (one walker, a handler registered per config type), :func:`find_layers` walks the model
-once and hands each module to the first registered :class:`Adapter` that recognises it (by class, or by a
-parameter's type where the module stays ``nn.Linear``).  Adapters registered by users with :func:`register_adapter`
-are asked before the built-in ones, the most recent first, so a user can take over any kind of module.
+"""What an adapter is: the interface each kind of quantized layer implements, the context it measures in, and what
+discovery found for a layer (:mod:`quantwatch.agent.adapters.discovery` walks the model and asks the adapters).
 
 An adapter that recognises a module but cannot measure it (an unsupported configuration, an attribute a newer
 release renamed) raises :class:`UnsupportedLayerError` (or anything else) from :meth:`Adapter.create`: the layer is
@@ -13,19 +9,15 @@ reported once by name in a log warning and left out; nothing raises into trainin
 from __future__ import annotations
 
 import abc
-import fnmatch
 import logging
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from quantwatch.agent.errors import ConfigError
 from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.layers import DeferredStatistics, LayerAdapter, OverheadClock
-from quantwatch.agent.wrappers import named_modules
 from quantwatch.protocol import HIGH_PRECISION, TENSOR_KINDS
 
 __all__ = [
@@ -33,15 +25,9 @@ __all__ = [
     "HIGH_PRECISION",
     "Adapter",
     "AdapterContext",
-    "AdapterHandle",
     "Found",
     "LayerInfo",
     "UnsupportedLayerError",
-    "build_layer_adapters",
-    "dequantize_shadow",
-    "find_layers",
-    "register_adapter",
-    "registered_adapters",
 ]
 
 logger = logging.getLogger("quantwatch.agent")
@@ -97,41 +83,6 @@ class Adapter(abc.ABC):
         it."""
 
 
-class AdapterHandle:
-    """Returned by :func:`register_adapter`; :meth:`remove` takes the adapter out of the registry again."""
-
-    def __init__(self, adapter: Adapter) -> None:
-        self.adapter = adapter
-
-    def remove(self) -> None:
-        """Unregister the adapter (no effect when already removed)."""
-        with _LOCK:
-            if self.adapter in _USER_ADAPTERS:
-                _USER_ADAPTERS.remove(self.adapter)
-
-
-_LOCK = threading.Lock()
-_USER_ADAPTERS: list[Adapter] = []
-
-
-def register_adapter(adapter: Adapter) -> AdapterHandle:
-    """Register ``adapter`` for the next ``attach()`` calls, asked before the built-in adapters (and before adapters
-    registered earlier).  Raises ``TypeError`` for anything but an :class:`Adapter` instance."""
-    if not isinstance(adapter, Adapter):
-        raise TypeError(f"adapter must be an instance of quantwatch.agent.Adapter, got {type(adapter).__name__}")
-    with _LOCK:
-        _USER_ADAPTERS.insert(0, adapter)
-    return AdapterHandle(adapter)
-
-
-def registered_adapters() -> list[Adapter]:
-    """Every adapter in the order they are asked: user adapters (newest first), then the built-in ones."""
-    from quantwatch.agent.adapters.builtin import BUILTIN_ADAPTERS
-
-    with _LOCK:
-        return [*_USER_ADAPTERS, *BUILTIN_ADAPTERS]
-
-
 class LayerInfo(str):
     """A monitored layer's qualified name (it compares and hashes as that string) with what was found for it:
     :attr:`adapter` (the adapter's name) and :attr:`formats` (format per tensor kind)."""
@@ -164,91 +115,3 @@ class Found:
     module: nn.Module
     adapter: Adapter
     formats: dict[str, str] = field(default_factory=dict)
-
-
-def _recognising(module: nn.Module, adapters: Sequence[Adapter], broken: set[int]) -> Adapter | None:
-    for adapter in adapters:
-        if id(adapter) in broken:
-            continue
-        try:
-            if adapter.recognises(module):
-                return adapter
-        except Exception as exc:  # a broken user adapter must not break attach for every other layer
-            broken.add(id(adapter))
-            logger.warning("quantwatch agent: adapter %r failed to inspect a module; skipped: %s", adapter.name, exc)
-    return None
-
-
-def _formats(adapter: Adapter, name: str, module: nn.Module) -> dict[str, str]:
-    try:
-        found = adapter.formats(module)
-    except Exception as exc:
-        logger.warning("quantwatch agent: %s: adapter %r cannot tell its formats: %s", name, adapter.name, exc)
-        found = {}
-    return {kind: str(found.get(kind, "unknown")) for kind in FORMAT_KINDS}
-
-
-def find_layers(
-    model: nn.Module, layers: str | Sequence[str] | None, adapters: Sequence[Adapter] | None = None
-) -> dict[str, Found]:
-    """The model's modules that some adapter recognises, by qualified name, narrowed by ``layers`` (glob patterns).
-
-    Raises :class:`ConfigError` for malformed patterns and for patterns that match no recognised module."""
-    adapters = registered_adapters() if adapters is None else list(adapters)
-    candidates: dict[str, tuple[nn.Module, Adapter]] = {}
-    broken: set[int] = set()
-    # Named as in the bare model: without the `module.` of DDP, the `_orig_mod.` of torch.compile, etc.
-    for name, module in named_modules(model):
-        if not name:
-            continue
-        adapter = _recognising(module, adapters, broken)
-        if adapter is not None:
-            candidates[name] = (module, adapter)
-    if layers is not None:
-        patterns = [layers] if isinstance(layers, str) else list(layers)
-        if not patterns or not all(isinstance(p, str) and p for p in patterns):
-            raise ConfigError("layers", f"must be a glob pattern or a list of them, got {layers!r}")
-        chosen = {n: c for n, c in candidates.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
-        if not chosen:
-            known = ", ".join(list(candidates)[:20]) or "none"
-            raise ConfigError("layers", f"no quantized layer matches {patterns}; quantized layers: {known}")
-        candidates = chosen
-    return {
-        name: Found(module, adapter, _formats(adapter, name, module)) for name, (module, adapter) in candidates.items()
-    }
-
-
-def build_layer_adapters(
-    found: Mapping[str, Found], context: AdapterContext
-) -> tuple[list[LayerAdapter], list[LayerInfo]]:
-    """The per-layer measurers of ``found`` and their descriptions, in model order.
-
-    A layer whose adapter cannot measure it is reported once in a log warning, by name, and left out."""
-    measurers: list[LayerAdapter] = []
-    infos: list[LayerInfo] = []
-    for name, entry in found.items():
-        try:
-            measurer = entry.adapter.create(name, entry.module, context)
-        except Exception as exc:
-            logger.warning(
-                "quantwatch agent: %s (%s) is recognised by adapter %r but cannot be measured: %s; left out",
-                name,
-                type(entry.module).__name__,
-                entry.adapter.name,
-                exc,
-            )
-            continue
-        measurers.append(measurer)
-        infos.append(LayerInfo(name, entry.adapter.name, entry.formats))
-    return measurers, infos
-
-
-def dequantize_shadow(shadow: nn.Module, found: Mapping[str, Found]) -> None:
-    """Let each found layer's adapter de-quantize its copy in the shadow model ``shadow``; one that cannot is named
-    in a log warning and stays quantized there."""
-    modules = dict(shadow.named_modules())
-    for name, entry in found.items():
-        try:
-            entry.adapter.dequantize(modules[name])
-        except Exception as exc:
-            logger.warning("quantwatch agent: %s stays quantized in the shadow model: %s", name, exc)

@@ -1,0 +1,61 @@
+"""The comparison of a layer's figure with its reference (output deviation, update direction, weight drift), as
+mergeable partial sums."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from quantwatch.kernels import ErrorStats, StatsBatch
+from quantwatch.kernels.stats import comparison_fields
+
+__all__ = ["comparison_stats"]
+
+
+def comparison_stats(
+    reference: Tensor, value: Tensor, *, error: bool = True, batch: StatsBatch | None = None, weight: float = 1.0
+) -> ErrorStats:
+    """Partial sums comparing ``value`` with ``reference`` (output deviation, update direction, weight drift).
+
+    Only the four sums the comparison metrics need (Σx², Σq², Σqx, Σ(q−x)²), as float32 dot products accumulated to
+    float64: several times cheaper than :func:`~quantwatch.kernels.error_stats`, whose counts (underflow, overflow,
+    non-finite) mean nothing for a comparison.  ``max_abs_err`` and ``amax`` are NaN (not computed), and so is
+    ``Σ(q−x)²`` with ``error=False`` (for a cosine only, which then needs no ``q − x`` pass); the counts are 0.
+    Non-finite values make the sums NaN, which the metrics then report as ``"nan"``.  On the CPU the sums are read
+    to the host at once (``batch`` then holds them in a row it prepared, with no torch call).  ``weight`` scales the
+    count and the sums: ``n/k`` for a comparison of ``k`` rows kept of ``n`` (an estimate of the full sums)."""
+    if reference.numel() == 0:
+        return ErrorStats.zeros(reference.device)
+    if reference.device.type == "cpu" and value.device.type == "cpu":
+        fields = comparison_fields(reference, value, error=error)
+        if weight != 1.0:
+            fields = (*(v * weight for v in fields[:5]), *fields[5:])
+        if batch is not None:
+            return batch.host_stats(fields)
+        return ErrorStats.from_tensor(torch.tensor(fields, dtype=torch.float64))
+    x = reference.detach()
+    q = value.detach()
+    x = x.reshape(-1).float()
+    q = q.reshape(-1).float()
+    dots = [torch.dot(x, x), torch.dot(q, q), torch.dot(q, x)]
+    if error:
+        err = q - x
+        dots.append(torch.dot(err, err))
+    sums = torch.stack(dots).double()
+    if weight != 1.0:
+        sums = sums * weight
+    zero = sums.new_zeros(())
+    nan = torch.full((), float("nan"), dtype=torch.float64, device=sums.device)
+    return ErrorStats(
+        numel=torch.full((), float(x.numel()) * weight, dtype=torch.float64, device=sums.device),
+        sum_x2=sums[0],
+        sum_q2=sums[1],
+        sum_qx=sums[2],
+        sum_err2=sums[3] if error else nan,
+        max_abs_err=nan,
+        amax=nan,
+        nonzero_count=zero,
+        underflow_count=zero,
+        overflow_count=zero,
+        nonfinite_count=zero,
+    )
