@@ -1,4 +1,8 @@
-"""What several benchmarks share: the per-layer metric names of the synthetic workload."""
+"""What several benchmarks share: the metric names of the synthetic workload, a scratch PostgreSQL database."""
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 # The metrics a training run reports per layer (as in the agent's defaults), in wire order.
 METRICS = [
@@ -11,3 +15,22 @@ METRICS = [
     "underflow_ratio",
     "overflow_ratio",
 ]
+
+
+@contextmanager
+def postgres_database(prefix: str) -> Iterator[str]:
+    """URL of a new, empty database on the test PostgreSQL server (``QUANTWATCH_TEST_POSTGRES_URL``), dropped after."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    server = os.environ.get("QUANTWATCH_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+    name = f"{prefix}_{os.getpid()}"
+    admin = create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(server).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

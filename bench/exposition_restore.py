@@ -14,7 +14,9 @@ prints the database size and the peak Python memory the restore allocated.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -23,10 +25,9 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-from _common import METRICS
+from _common import METRICS, postgres_database
 from prometheus_client import CollectorRegistry
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import text
 
 import quantwatch
 from quantwatch.service import Settings, create_app
@@ -34,7 +35,6 @@ from quantwatch.service.batch import IngestBatch, IngestStep
 from quantwatch.service.exposition import LatestValueCache, QuantWatchCollector, StartupRestore, render_exposition
 from quantwatch.service.exposition.alert_states import alert_series_source
 
-POSTGRES = os.environ.get("QUANTWATCH_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 COMPARED = (
     "quantwatch_layer_",
     "quantwatch_run_loss",
@@ -101,61 +101,57 @@ def main() -> None:
         "default_rules: false\n"
         "rules:\n  - {name: drift, metric: output_rel_l2, op: '>', threshold: 0.1, consecutive: 3}\n"
     )
-    database = None
-    if args.backend == "sqlite":
-        url = f"sqlite:///{tmp / 'quantwatch.db'}"
-    else:
-        database = f"qw_bench_restore_{os.getpid()}"
-        admin = create_engine(POSTGRES, isolation_level="AUTOCOMMIT")
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{database}"'))
-        url = make_url(POSTGRES).set(database=database).render_as_string(hide_password=False)
-    try:
-        app = create_app(Settings(database_url=url, rules_file=str(rules)))
-        seconds = build(app, args)
-        print(
-            f"{args.backend}: {args.runs} runs x {args.ranks} ranks x {args.layers} layers x {args.steps} steps "
-            f"(8 metrics every step, update_cosine every 10th, 4 scalars) ingested in {seconds:.0f} s"
-        )
-        with app.state.engine.connect() as conn:
-            if args.backend == "sqlite":
-                size = (
-                    conn.exec_driver_sql("PRAGMA page_count").scalar_one()
-                    * conn.exec_driver_sql("PRAGMA page_size").scalar_one()
-                )
-            else:
-                size = conn.execute(text("SELECT pg_database_size(current_database())")).scalar_one()
-            points = conn.execute(text("SELECT count(*) FROM points")).scalar_one()
-        print(f"  database {size / 1e6:.0f} MB, {points} point rows")
-        live = lines(app.state.exposition.render())
-        times, cpu = [], []
-        for _ in range(args.repeat):
-            cache = LatestValueCache()
-            restore = StartupRestore(app.state.store.factory)
-            started = time.process_time()
-            restore.restore(cache)
-            cpu.append(time.process_time() - started)
-            times.append(restore.seconds)
-        tracemalloc.start()  # once more, for the memory only: tracing slows every allocation down
-        StartupRestore(app.state.store.factory).restore(LatestValueCache())
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(QuantWatchCollector(cache, alerts=alert_series_source(_NoEngine(), restore.alert_series)))
-        restored = lines(render_exposition(registry))
-        print(
-            f"  restore: {restore.runs_restored} runs, {restore.ranks_restored} ranks, "
-            f"{restore.series_restored} alert series; wall seconds median {statistics.median(times):.3f} "
-            f"(all: {', '.join(f'{t:.3f}' for t in times)}), process CPU seconds median {statistics.median(cpu):.3f}; "
-            f"peak Python memory {peak / 1e6:.1f} MB"
-        )
-        compare(live, restored)
-        app.state.engine.dispose()
-    finally:
-        if database is not None:
-            admin = create_engine(POSTGRES, isolation_level="AUTOCOMMIT")
-            with admin.connect() as conn:
-                conn.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
+    with contextlib.ExitStack() as scratch:
+        scratch.callback(shutil.rmtree, tmp)
+        if args.backend == "sqlite":
+            url = f"sqlite:///{tmp / 'quantwatch.db'}"
+        else:
+            url = scratch.enter_context(postgres_database("qw_bench_restore"))
+        measure(Settings(database_url=url, rules_file=str(rules)), args)
+
+
+def measure(settings: Settings, args: argparse.Namespace) -> None:
+    """Build the database of ``settings`` and time the restore from it."""
+    app = create_app(settings)
+    seconds = build(app, args)
+    print(
+        f"{args.backend}: {args.runs} runs x {args.ranks} ranks x {args.layers} layers x {args.steps} steps "
+        f"(8 metrics every step, update_cosine every 10th, 4 scalars) ingested in {seconds:.0f} s"
+    )
+    with app.state.engine.connect() as conn:
+        if args.backend == "sqlite":
+            size = (
+                conn.exec_driver_sql("PRAGMA page_count").scalar_one()
+                * conn.exec_driver_sql("PRAGMA page_size").scalar_one()
+            )
+        else:
+            size = conn.execute(text("SELECT pg_database_size(current_database())")).scalar_one()
+        points = conn.execute(text("SELECT count(*) FROM points")).scalar_one()
+    print(f"  database {size / 1e6:.0f} MB, {points} point rows")
+    live = lines(app.state.exposition.render())
+    times, cpu = [], []
+    for _ in range(args.repeat):
+        cache = LatestValueCache()
+        restore = StartupRestore(app.state.store.factory)
+        started = time.process_time()
+        restore.restore(cache)
+        cpu.append(time.process_time() - started)
+        times.append(restore.seconds)
+    tracemalloc.start()  # once more, for the memory only: tracing slows every allocation down
+    StartupRestore(app.state.store.factory).restore(LatestValueCache())
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(QuantWatchCollector(cache, alerts=alert_series_source(_NoEngine(), restore.alert_series)))
+    restored = lines(render_exposition(registry))
+    print(
+        f"  restore: {restore.runs_restored} runs, {restore.ranks_restored} ranks, "
+        f"{restore.series_restored} alert series; wall seconds median {statistics.median(times):.3f} "
+        f"(all: {', '.join(f'{t:.3f}' for t in times)}), process CPU seconds median {statistics.median(cpu):.3f}; "
+        f"peak Python memory {peak / 1e6:.1f} MB"
+    )
+    compare(live, restored)
+    app.state.engine.dispose()
 
 
 class _NoEngine:

@@ -13,9 +13,17 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 from sqlalchemy import create_engine, text
+from sqlalchemy.orm import sessionmaker
 
-from quantwatch.service.exposition import LatestValueCache, RestoreLimits, StepValues, render_exposition
+from quantwatch.service.exposition import (
+    LatestValueCache,
+    RestoreLimits,
+    StartupRestore,
+    StepValues,
+    render_exposition,
+)
 from quantwatch.service.exposition.cache import StoredRank
 from quantwatch.service.exposition.collector import QuantWatchCollector
 from quantwatch.service.server import BackgroundServer
@@ -171,9 +179,7 @@ def test_a_restore_never_replaces_what_ingest_brought_first() -> None:
     assert "quantwatch_exposition_layer_values_omitted_total 0.0" in text_out  # restored values are not ingest's
 
 
-def _registry(cache: LatestValueCache) -> Any:
-    from prometheus_client import CollectorRegistry
-
+def _registry(cache: LatestValueCache) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(QuantWatchCollector(cache))
     return registry
@@ -183,3 +189,24 @@ def _registry(cache: LatestValueCache) -> Any:
 def test_restore_limits_name_the_bad_field(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         RestoreLimits(**{field: 0})
+
+
+def test_a_failed_restore_is_logged_and_leaves_the_exposition_to_ingest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = create_engine(f"sqlite:///{tmp_path / 'no-tables.db'}")  # never migrated: every read fails
+    restore = StartupRestore(sessionmaker(engine))
+    cache = LatestValueCache()
+    restore.start(cache)
+    assert restore.wait(30)
+    restore.stop()
+    engine.dispose()
+    assert restore.failed
+    assert "restoring the exposition from the database failed" in caplog.text
+    assert cache.run_names() == set()
+    assert restore.alert_series() == ()
+
+
+def test_the_refresh_interval_is_validated() -> None:
+    with pytest.raises(ValueError, match="refresh_seconds"):
+        StartupRestore(sessionmaker(), refresh_seconds=0)
