@@ -23,10 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
-from sqlalchemy import and_, exists, select, update
-from sqlalchemy.orm import Session, aliased, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.protocol import Backoff, is_transient_status, parse_retry_after
+from quantwatch.service.alerts import repository
 from quantwatch.service.alerts.engine import LEASE_SECONDS, receiver_spec
 from quantwatch.service.alerts.tables import DeliveryRow, ReceiverRow
 from quantwatch.service.alerts.webhooks import signature_headers
@@ -153,36 +153,9 @@ class DeliveryWorker:
 
     def _claim(self) -> list[int]:
         now = self._clock()
-        earlier = aliased(DeliveryRow)
         with self._sessions.begin() as session:
             _take_write_lock(session)
-            blocked = exists().where(
-                and_(
-                    earlier.episode_id == DeliveryRow.episode_id,
-                    earlier.receiver_id == DeliveryRow.receiver_id,
-                    earlier.id < DeliveryRow.id,
-                    earlier.status == "pending",
-                )
-            )
-            ids = list(
-                session.scalars(
-                    select(DeliveryRow.id)
-                    .where(
-                        DeliveryRow.status == "pending",
-                        DeliveryRow.next_attempt_at <= now,
-                        (DeliveryRow.claimed_until.is_(None)) | (DeliveryRow.claimed_until < now),
-                        ~blocked,
-                    )
-                    .order_by(DeliveryRow.next_attempt_at, DeliveryRow.id)
-                    .limit(self._batch_size)
-                    .with_for_update(skip_locked=True, of=DeliveryRow)
-                )
-            )
-            if ids:
-                session.execute(
-                    update(DeliveryRow).where(DeliveryRow.id.in_(ids)).values(claimed_until=now + self._lease_seconds)
-                )
-        return ids
+            return repository.claim_deliveries(session, now, self._batch_size, now + self._lease_seconds)
 
     def _deliver(self, delivery_id: int) -> None:
         with self._sessions() as session:
@@ -194,11 +167,7 @@ class DeliveryWorker:
                 session.rollback()
                 with self._sessions.begin() as writer:
                     _take_write_lock(writer)
-                    writer.execute(
-                        update(DeliveryRow)
-                        .where(DeliveryRow.id == delivery_id)
-                        .values(status="cancelled", claimed_until=None, last_error="receiver disabled or deleted")
-                    )
+                    repository.cancel_delivery(writer, delivery_id, "receiver disabled or deleted")
                 return
             receiver = receiver_spec(receiver_row)
             body = row.body.encode()
@@ -271,18 +240,9 @@ class DeliveryWorker:
             values.update(status="failed")
         with self._sessions.begin() as session:
             _take_write_lock(session)
-            session.execute(update(DeliveryRow).where(DeliveryRow.id == delivery_id).values(**values))
+            repository.record_delivery_attempt(session, delivery_id, values)
             if outcome.gone:
-                session.execute(
-                    update(ReceiverRow)
-                    .where(ReceiverRow.id == receiver_id)
-                    .values(enabled=False, disabled_reason=f"410 Gone at {now:.0f} (delivery {delivery_id})")
-                )
-                session.execute(
-                    update(DeliveryRow)
-                    .where(DeliveryRow.receiver_id == receiver_id, DeliveryRow.status == "pending")
-                    .values(status="cancelled", last_error="receiver disabled after 410 Gone")
-                )
+                repository.disable_receiver(session, receiver_id, f"410 Gone at {now:.0f} (delivery {delivery_id})")
         if outcome.delivered:
             log.debug("delivered %s", delivery_id)
             self._event.set()  # a notification queued behind this one (same episode and receiver) may go now

@@ -11,9 +11,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
-from sqlalchemy import Table, bindparam, delete, func, insert, select, update
+from sqlalchemy import Table, and_, bindparam, delete, exists, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from quantwatch.service.alerts.episodes import EPISODE_COLUMNS, Episode, EpisodeBatch
 from quantwatch.service.alerts.evaluator import SeriesKey, SeriesState, SeriesStatus
@@ -32,7 +32,10 @@ from quantwatch.service.models import Run
 
 __all__ = [
     "add_deliveries",
+    "cancel_delivery",
+    "claim_deliveries",
     "clear_rule_state",
+    "disable_receiver",
     "enabled_rules",
     "firing_episode_counts",
     "insert_deliveries",
@@ -50,6 +53,7 @@ __all__ = [
     "receiver_by_name",
     "receivers_for",
     "receivers_from",
+    "record_delivery_attempt",
     "record_layer_formats",
     "rule_by_name",
     "rules_for_update",
@@ -292,6 +296,67 @@ def series_state_rows(
     if runs is not None:
         query = query.where(SeriesStateRow.run.in_(list(runs)))
     return [(row, name, definition) for row, name, definition in session.execute(query)]
+
+
+# -- the delivery worker --------------------------------------------------------------------------------------------
+def claim_deliveries(session: Session, now: float, limit: int, until: float) -> list[int]:
+    """Lease up to ``limit`` due outbox rows to the caller until ``until``; their ids, oldest due first.
+
+    A row waits while an earlier one of the same (episode, receiver) is pending (notifications stay in order); rows
+    another worker has locked are skipped.
+    """
+    earlier = aliased(DeliveryRow)
+    blocked = exists().where(
+        and_(
+            earlier.episode_id == DeliveryRow.episode_id,
+            earlier.receiver_id == DeliveryRow.receiver_id,
+            earlier.id < DeliveryRow.id,
+            earlier.status == "pending",
+        )
+    )
+    ids = list(
+        session.scalars(
+            select(DeliveryRow.id)
+            .where(
+                DeliveryRow.status == "pending",
+                DeliveryRow.next_attempt_at <= now,
+                (DeliveryRow.claimed_until.is_(None)) | (DeliveryRow.claimed_until < now),
+                ~blocked,
+            )
+            .order_by(DeliveryRow.next_attempt_at, DeliveryRow.id)
+            .limit(limit)
+            .with_for_update(skip_locked=True, of=DeliveryRow)
+        )
+    )
+    if ids:
+        session.execute(update(DeliveryRow).where(DeliveryRow.id.in_(ids)).values(claimed_until=until))
+    return ids
+
+
+def cancel_delivery(session: Session, delivery_id: int, reason: str) -> None:
+    """Give up an outbox row without sending it."""
+    session.execute(
+        update(DeliveryRow)
+        .where(DeliveryRow.id == delivery_id)
+        .values(status="cancelled", claimed_until=None, last_error=reason)
+    )
+
+
+def record_delivery_attempt(session: Session, delivery_id: int, values: Mapping[str, object]) -> None:
+    """Write the outcome of one attempt (status, attempts, next attempt, last error …) on an outbox row."""
+    session.execute(update(DeliveryRow).where(DeliveryRow.id == delivery_id).values(**values))
+
+
+def disable_receiver(session: Session, receiver_id: int, reason: str) -> None:
+    """Disable a receiver (a 410 answer) and cancel its pending outbox rows."""
+    session.execute(
+        update(ReceiverRow).where(ReceiverRow.id == receiver_id).values(enabled=False, disabled_reason=reason)
+    )
+    session.execute(
+        update(DeliveryRow)
+        .where(DeliveryRow.receiver_id == receiver_id, DeliveryRow.status == "pending")
+        .values(status="cancelled", last_error="receiver disabled after 410 Gone")
+    )
 
 
 # -- the catalogue of rules and receivers ----------------------------------------------------------------------------

@@ -88,7 +88,7 @@ class SeriesStateRow(Base):
     last_value: Mapped[float | None] = mapped_column(Double, nullable=True)
     # Baseline-relative rules: the first samples of the series (its own reference) and the step of the layer's
     # format change they were collected after (migration 0004).
-    baseline: Mapped[list[float] | None] = mapped_column(JSON, nullable=True)
+    baseline: Mapped[list[float] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     baseline_since: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
