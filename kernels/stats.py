@@ -13,7 +13,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import NamedTuple, Unpack
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -150,7 +150,7 @@ class StatsBatch:
         except IndexError:
             return _blank_rows(1)[0]
 
-    def _defer(self, *args: Unpack[_StatsArgs]) -> ErrorStats:
+    def _defer(self, *args: *_StatsArgs) -> ErrorStats:
         row = self._row()
         self._pending.append(_Deferred(args, row))
         return row.stats
@@ -251,7 +251,7 @@ class _Deferred:
 _CHUNK = 512
 
 
-def _chunked_stats(*args: Unpack[_StatsArgs]) -> ErrorStats | None:
+def _chunked_stats(*args: *_StatsArgs) -> ErrorStats | None:
     fields = _host_fields(*args)
     if fields is None:
         return None

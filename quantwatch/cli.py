@@ -154,7 +154,7 @@ def _step_range(first: object, last: object) -> str | None:
 def _utc(epoch_seconds: object) -> str | None:
     if not isinstance(epoch_seconds, int | float):
         return None
-    return datetime.datetime.fromtimestamp(epoch_seconds, tz=datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.datetime.fromtimestamp(epoch_seconds, tz=datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _items(body: Any, key: str) -> list[dict[str, Any]]:
@@ -197,7 +197,13 @@ def demo(
 ) -> None:
     """Train a small quantized model with the agent attached, watch an alert fire, and show where to look."""
     from quantwatch.client import validate_url
-    from quantwatch.demo import DemoOptions, run_demo
+
+    try:
+        from quantwatch.demo import DemoOptions, run_demo
+    except ImportError as exc:
+        if exc.name != "torch" and "PyTorch" not in str(exc):
+            raise
+        _usage("the demo trains a model, which needs PyTorch: pip install 'quantwatch[agent]'")
 
     try:
         options = DemoOptions(

@@ -31,6 +31,39 @@ def test_service_imports_without_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+_BLOCK_TORCH = """
+import sys
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError("No module named 'torch'", name="torch")
+        return None
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+
+def test_without_torch_the_agent_and_the_demo_say_what_to_install() -> None:
+    agent = subprocess.run(
+        [sys.executable, "-c", _BLOCK_TORCH + "import quantwatch.agent"], capture_output=True, text=True, check=False
+    )
+    assert agent.returncode == 1
+    assert agent.stderr.strip().splitlines()[-1] == (
+        "ImportError: quantwatch.agent needs PyTorch: pip install 'quantwatch[agent]'"
+    )
+    demo = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _BLOCK_TORCH + "import sys; from quantwatch.cli import main; sys.argv = ['q', 'demo']; main()",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert demo.returncode == 2
+    assert demo.stderr.strip() == "error: the demo trains a model, which needs PyTorch: pip install 'quantwatch[agent]'"
+
+
 def test_cli_reports_version() -> None:
     from quantwatch import __version__
 
@@ -49,6 +82,7 @@ PACKAGES = {
     "quantwatch.agent": ROOT / "agent",
     "quantwatch.service": ROOT / "service",
     "quantwatch.integrations": ROOT / "quantwatch" / "integrations",
+    "quantwatch.demo": ROOT / "quantwatch" / "demo",
 }
 
 

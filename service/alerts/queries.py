@@ -9,7 +9,7 @@ the store's :class:`~quantwatch.service.store.NotFoundError` (a 404 from the app
 from __future__ import annotations
 
 import time
-from typing import Any, TypeVar, Unpack
+from typing import Any, TypeVar
 
 from sqlalchemy import Select, select
 from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
@@ -22,7 +22,7 @@ from quantwatch.service.alerts.tables import DeliveryRow, EpisodeRow, ReceiverRo
 from quantwatch.service.core.db import write_session
 from quantwatch.service.store import NotFoundError as UnknownDeliveryError
 
-SelectT = TypeVar("SelectT", bound=Select[Unpack[tuple[Any, ...]]])
+SelectT = TypeVar("SelectT", bound=Select[*tuple[Any, ...]])
 NamedRow = TypeVar("NamedRow", RuleRow, ReceiverRow)
 Factory = sessionmaker[Session]
 

@@ -17,7 +17,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal
 from urllib.parse import quote, urlencode
 
@@ -47,7 +47,7 @@ _ZERO_TIME = "0001-01-01T00:00:00Z"  # what Alertmanager's own webhooks send as 
 
 def rfc3339(epoch_seconds: float) -> str:
     """UTC RFC 3339 timestamp with milliseconds, ``Z`` suffix."""
-    moment = datetime.fromtimestamp(epoch_seconds, tz=timezone.utc)
+    moment = datetime.fromtimestamp(epoch_seconds, tz=UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
 
 
