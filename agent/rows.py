@@ -10,9 +10,10 @@ every layer: two extra matmuls per layer per sampled step.  With ``shadow_rows``
   into ``k`` consecutive strata of (nearly) equal size and one row is drawn uniformly from each, so every row is kept
   with probability ``k/n``, no row twice, and the kept rows spread over the whole batch (every sequence, every
   position range) at the cost of ``k`` random numbers.  With ``k = n`` the figures are exact and not marked.
-* **Seeded how.** Each layer draws from its own ``torch.Generator`` on the layer's device, seeded with
-  ``SEED + layer index`` (the position in ``monitor.layers``) when the monitor is made; draws advance it call by
-  call, so a run's subsets are the same every time it is repeated, on every rank, and independent across layers.
+* **Seeded how.** Each layer draws from its own generator, seeded with ``SEED + layer index`` (the position in
+  ``monitor.layers``) when the monitor is made: NumPy's ``default_rng`` for CPU tensors, a ``torch.Generator`` on
+  the layer's device otherwise (no host round trip); draws advance it call by call, so a run's subsets are the same
+  every time it is repeated, on every rank, and independent across layers.
 * **output_*.** The reference runs on the kept rows only (``reference_forward(x[rows])``, ``k/n`` of its cost) and is
   compared with the same rows of the quantized output.  Each sum (Σx², Σq², Σqx, Σ(q−x)², and the count) is scaled
   by ``n/k`` (Horvitz–Thompson), so sums from calls of different sizes combine as estimates of the full sums; the
@@ -33,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -75,27 +77,44 @@ def parse_shadow_rows(value: float | int | None) -> RowSampling | None:
 
 
 class RowSampler:
-    """One layer's seeded stratified draws (one generator per device)."""
+    """One layer's seeded stratified draws: NumPy's generator for CPU tensors, a torch generator per other device."""
 
     def __init__(self, sampling: RowSampling, seed: int) -> None:
         self.sampling = sampling
         self.seed = seed
+        self._host = np.random.default_rng(seed)
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._strata: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
+        self._host_strata: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def draw(self, n: int, device: torch.device, kept: int | None = None) -> Tensor | None:
         """Sorted indices of the kept rows of ``n`` (``kept`` of them if given), on ``device``; None = all rows."""
         k = self.sampling.kept(n) if kept is None else min(kept, n)
         if k >= n:
             return None
+        # Stratum j is rows [floor(j·n/k), floor((j+1)·n/k)); one uniform row of each.  A few calls per draw: a
+        # sampled step draws twice per layer, and each torch call costs microseconds there.
+        if device.type == "cpu":
+            host = self._host_strata.get((n, k))
+            if host is None:
+                bounds = np.arange(k + 1, dtype=np.int64) * n // k
+                host = (bounds[:-1], bounds[1:] - bounds[:-1])
+                self._host_strata[(n, k)] = host
+            starts, sizes = host
+            offsets = np.minimum((self._host.random(k) * sizes).astype(np.int64), sizes - 1)
+            return torch.from_numpy(starts + offsets)
+        strata = self._strata.get((n, k, device))
+        if strata is None:
+            edges = torch.arange(k + 1, device=device, dtype=torch.int64).mul_(n).div_(k, rounding_mode="floor")
+            strata = (edges[:-1], edges[1:] - edges[:-1])
+            self._strata[(n, k, device)] = strata
         generator = self._generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device).manual_seed(self.seed)
             self._generators[device] = generator
-        # Stratum j is rows [floor(j·n/k), floor((j+1)·n/k)); one uniform row of each.
-        bounds = torch.arange(k + 1, device=device, dtype=torch.int64).mul_(n).div_(k, rounding_mode="floor")
-        sizes = bounds[1:] - bounds[:-1]
-        offsets = (torch.rand(k, generator=generator, device=device) * sizes).long().clamp_(max=sizes - 1)
-        return bounds[:-1] + offsets
+        starts_t, sizes_t = strata
+        offsets_t = torch.rand(k, generator=generator, device=device).mul_(sizes_t).long()
+        return torch.minimum(offsets_t, sizes_t - 1).add_(starts_t)
 
     def fraction_of(self, n: int) -> float:
         """The kept share of ``n`` rows (for the gradient's rows: the same share as the tokens')."""
