@@ -89,10 +89,10 @@ class QuantLinear(nn.Linear):
         """Quantized linear: ``Q_in(input) @ Q_w(weight).T + bias``, gradient of the output quantized by ``Q_grad``."""
         observer = self.observer
         if observer is None:
-            weight = self.weight_quantizer(self.weight)
+            weight = self.weight_quantizer(self.linear_weight())
             x = self.input_quantizer(input)
         else:
-            weight = self._observed(self.weight_quantizer, self.weight, "weight", observer, self.stats_batch)
+            weight = self._observed(self.weight_quantizer, self.linear_weight(), "weight", observer, self.stats_batch)
             # The input's statistics are taken at once, not batched: the caller may change it in place as soon as this
             # forward returns (``x += layer(x)``), long before a flush.
             x = self._observed(self.input_quantizer, input, "input", observer, None)
@@ -103,6 +103,11 @@ class QuantLinear(nn.Linear):
             observed = None if observer is None else (observer, self.stats_batch)
             out = _QuantizeGradient.apply(out, self.grad_quantizer, observed)  # type: ignore[no-untyped-call]
         return out
+
+    def linear_weight(self) -> Tensor:
+        """The weight as ``F.linear`` takes it, ``(out_features, in_features)``: the Parameter itself here, a view of
+        it in subclasses that store it otherwise (`QuantConv1D`). Quantization scales along its rows and blocks."""
+        return self.weight
 
     @staticmethod
     def _observed(quantizer: Quantizer, t: Tensor, role: str, observer: Observer, batch: StatsBatch | None) -> Tensor:
@@ -119,7 +124,7 @@ class QuantLinear(nn.Linear):
 
     def reference_forward(self, input: Tensor) -> Tensor:
         """The FP32 shadow: ``input @ weight.T + bias``, same Parameters, no quantization (differentiable)."""
-        return linear(input, self.weight, self.bias)
+        return linear(input, self.linear_weight(), self.bias)
 
     def reference_weight_grad(self, input: Tensor, grad_output: Tensor) -> Tensor:
         """The FP32 shadow's weight gradient for ``input`` and output gradient ``grad_output``.
