@@ -40,6 +40,7 @@ from quantwatch.agent.engine import BatchEngine, PendingStep
 from quantwatch.agent.errors import ConfigError
 from quantwatch.agent.exporters import Exporter, RetryPolicy
 from quantwatch.agent.failures import FailureLog
+from quantwatch.agent.fingerprint import RankReporter
 from quantwatch.agent.layers import (
     KIND_DRIFT,
     KIND_GRAD,
@@ -55,7 +56,7 @@ from quantwatch.agent.sampling import Schedule
 from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel
 from quantwatch.agent.wire import Encoding, StepRecord
 from quantwatch.kernels import native as native_kernels
-from quantwatch.protocol import LAYER_METRICS, RUN_NAME_PATTERN, RUN_NAME_RULE
+from quantwatch.protocol import AGENT_METRICS, LAYER_METRICS, RUN_NAME_PATTERN, RUN_NAME_RULE
 
 __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "Monitor", "attach"]
 
@@ -64,7 +65,7 @@ __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "Monitor", "attach"]
 DEFAULT_EVERY = 25
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
 #: Measured by default; ``weight_drift_rel_l2`` joins them with ``shadow="model"``.
-DEFAULT_METRICS: tuple[str, ...] = tuple(m for m in LAYER_METRICS if m != "weight_drift_rel_l2")
+DEFAULT_METRICS: tuple[str, ...] = tuple(m for m in AGENT_METRICS if m != "weight_drift_rel_l2")
 
 _SCALAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
 
@@ -118,8 +119,8 @@ def _periods(metrics: Sequence[str] | Mapping[str, int] | None, every: int, shad
         raise ConfigError("metrics", "must be a list of metric names or a mapping name -> period, not a string")
     periods = dict(metrics) if isinstance(metrics, Mapping) else dict.fromkeys(metrics, every)
     for name in periods:
-        if name not in LAYER_METRICS:
-            raise ConfigError("metrics", f"unknown metric {name!r}; known: {', '.join(LAYER_METRICS)}")
+        if name not in AGENT_METRICS:
+            raise ConfigError("metrics", f"unknown metric {name!r}; known: {', '.join(AGENT_METRICS)}")
     if "weight_drift_rel_l2" in periods and shadow != "model":
         raise ConfigError("metrics", "weight_drift_rel_l2 needs shadow='model'")
     return periods
@@ -152,6 +153,7 @@ class Monitor:
         shadow: ShadowModel | None,
         tokens_per_step: float | None,
         failures: FailureLog,
+        rank_reporter: RankReporter | None = None,
     ) -> None:
         self.run = run
         self.rank = rank
@@ -159,6 +161,7 @@ class Monitor:
         self.schedule = schedule
         self.failures = failures
         self._engine = engine
+        self._rank_reporter = rank_reporter
         self._shadow = shadow
         self._tokens_per_step = tokens_per_step
         self._clock = OverheadClock()
@@ -365,6 +368,8 @@ class Monitor:
             self.failures.record("step_number", f"step must be >= 0, got {current}; counting on instead")
             current = self._next_step
         self._next_step = current + 1
+        if not self.reporting and self._rank_reporter is not None and self._engine is not None:
+            self._rank_reporter.submit_alone(self._engine, current)
         shadow_loss = None
         if self._shadow is not None:
             if shadow_closure is None:
@@ -465,6 +470,7 @@ class Monitor:
         layers = tuple(a.name for a in adapters)
         wall_time = time.time()
         metric_names = [m for m in LAYER_METRICS if m in armed]
+        rank_extras = self._rank_reporter.capture(layers) if self._rank_reporter is not None else None
 
         def resolve() -> StepRecord:
             values = reader.read()
@@ -473,7 +479,8 @@ class Monitor:
             metrics = derive(np.concatenate([sums, scales[:, None]], axis=1), present, metric_names)
             scalars = dict(host_scalars)
             scalars.update(zip(tensor_names, values[n * ROW :].tolist(), strict=True))
-            return StepRecord(step, wall_time, metrics, scalars)
+            fingerprints, environment = rank_extras() if rank_extras is not None else (None, None)
+            return StepRecord(step, wall_time, metrics, scalars, fingerprints, environment)
 
         if self._engine is not None:
             self._engine.submit(PendingStep(layers, resolve))
@@ -506,6 +513,7 @@ def attach(
     request_timeout_seconds: float = 10.0,
     retry: RetryPolicy | None = None,
     reference_dtype: Literal["float32", "bfloat16"] = "float32",
+    replica_group: Iterable[int] | None = None,
 ) -> Monitor:
     """Attach the agent to ``model`` and return its :class:`Monitor`.
 
@@ -518,6 +526,8 @@ def attach(
     (or env ``RANK``); ``ranks`` picks which ranks report.  ``shadow="model"`` also trains an FP32 copy (optimizer
     from ``shadow_optimizer(params)``).
     ``reference_dtype`` is the precision of the torchao adapters' reference forward and gradient (autocast off).
+    Every rank sends weight fingerprints whatever ``ranks`` says (:mod:`~quantwatch.agent.fingerprint`; its replica
+    group is detected or ``replica_group``) and its environment once.
 
     Raises :class:`ConfigError` naming the field for configuration mistakes; nothing raises after this returns.
     """
@@ -540,11 +550,12 @@ def attach(
         logger.warning("quantwatch agent: no quantized layer found in the model; only watched kernels will be measured")
     detected_rank = _detect_rank(rank)
     reporting = _reports(detected_rank, ranks)
+    rank_reporter = RankReporter.for_model(model, found, detected_rank, replica_group, schedule)
     failures = FailureLog()
     engine = None
     shadow_model = None
-    if reporting:
-        if shadow == "model" and shadow_optimizer is not None:
+    if reporting or rank_reporter.fingerprints:
+        if reporting and shadow == "model" and shadow_optimizer is not None:
             shadow_model = ShadowModel(model, found, shadow_optimizer)
             dequantize_shadow(shadow_model.model, found)
         chosen = make_exporter(
@@ -585,4 +596,5 @@ def attach(
         shadow=shadow_model,
         tokens_per_step=tokens_per_step,
         failures=failures,
+        rank_reporter=rank_reporter,
     )

@@ -16,6 +16,7 @@ from quantwatch.service.batch import IngestObserver
 from quantwatch.service.core.config import Settings
 from quantwatch.service.core.db import make_engine, make_sessionmaker, upgrade
 from quantwatch.service.exposition import alert_series_source, delivery_counts, install_exposition
+from quantwatch.service.ranks import install_ranks
 from quantwatch.service.store import Store
 
 FiringAlertCounts = Callable[[Sequence[str]], Mapping[str, int]]
@@ -64,6 +65,7 @@ def create_app(
     problems.install(app)
     app.include_router(health.router)
     app.include_router(ingest.router)
+    install_ranks(app, settings, app.state.store)  # before runs: its /runs/{run}/ranks must win over /runs/{run}
     app.include_router(runs.router)
     app.include_router(catalog.router)
     alerts, _worker = install_alerts(app, settings, app.state.store)

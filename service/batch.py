@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from quantwatch.service.models import Run
+    from quantwatch.service.ranks.decode import RankReport
 
 
 class WireError(ValueError):
@@ -62,13 +63,15 @@ class IngestStep:
 
 @dataclass(frozen=True)
 class IngestBatch:
-    """A validated batch: run, rank, batch id, layer names (in the agent's model order) and steps."""
+    """A validated batch: run, rank, batch id, layer names (in the agent's model order) and steps; ``rank_reports``
+    are its steps' weight fingerprints and environment (:mod:`quantwatch.service.ranks`)."""
 
     run: str
     rank: int
     batch_id: str
     layers: tuple[str, ...]
     steps: tuple[IngestStep, ...]
+    rank_reports: tuple[RankReport, ...] = ()
 
     @property
     def points(self) -> int:
@@ -201,7 +204,10 @@ def batch_from_obj(obj: Any) -> IngestBatch:
     _require(isinstance(raw_steps, list) and len(raw_steps) > 0, "steps", "must be a non-empty array")
     seen: set[int] = set()
     steps = tuple(_step(raw, len(layers), f"steps[{i}]", seen) for i, raw in enumerate(raw_steps))
-    return IngestBatch(run=run, rank=rank, batch_id=batch_id, layers=tuple(layers), steps=steps)
+    from quantwatch.service.ranks.decode import decode_rank_reports  # it raises this module's WireError
+
+    reports = decode_rank_reports(raw_steps, len(layers))
+    return IngestBatch(run=run, rank=rank, batch_id=batch_id, layers=tuple(layers), steps=steps, rank_reports=reports)
 
 
 def decode_json(body: bytes) -> IngestBatch:

@@ -87,11 +87,12 @@ def test_rule_kind_and_expressions() -> None:
     assert math.isnan(ScalarExpression.parse("loss / loss_shadow").evaluate({"loss": 0.0, "loss_shadow": 0.0}) or 0)
 
 
-def test_defaults_are_the_shipped_three() -> None:
+def test_defaults_are_the_shipped_four() -> None:
     by_metric = {(r.metric or r.scalar): (r.op, r.threshold, r.consecutive) for r in DEFAULT_RULES}
     assert by_metric == {
         "output_rel_l2": (">", 0.05, 3),
         "nonfinite_count": (">", 0.0, 1),
+        "rank_weight_mismatch": (">", 0.0, 1),
         "loss / loss_shadow - 1": (">", 0.05, 3),
     }
 
@@ -140,6 +141,7 @@ def test_rules_file_defaults_and_overrides() -> None:
     assert effective == {
         "quantwatch_output_deviation": True,
         "quantwatch_loss_divergence": True,
+        "quantwatch_rank_weight_mismatch": True,
         "quantwatch_nonfinite": False,
     }
     assert parse_rules_text("default_rules: false\n").effective_rules() == []
