@@ -33,17 +33,33 @@ RankExtras = Callable[[], tuple[Fingerprints | None, Mapping[str, str] | None]]
 
 
 def weight_fingerprint(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """``(float64 [Σw, Σw²], int64 [Σbits, Σ (row+1)·Σbits of the row])`` of ``weight`` on its device (no sync).
+    """``(float64 [Σw, Σw²], int64 [Σ words, Σ (row+1)·Σ words of the row])`` of ``weight`` on its device (no sync).
 
-    A DTensor is fingerprinted by its local shard (what this rank holds)."""
+    The checksum sums the bytes as 64-bit words (the elements' own width when a row is not a whole number of words),
+    wrapping modulo 2⁶⁴: exact and independent of the order of addition, so ranks that add in another order still
+    agree. The sums accumulate per row in the weight's dtype and across rows in float64: estimates of how far two
+    ranks are apart, never compared for identity. A DTensor is fingerprinted by its local shard."""
     local = weight.to_local() if hasattr(weight, "to_local") else weight
     w = local.detach()
-    flat = w.reshape(-1).to(torch.float64)
-    sums = torch.stack([flat.sum(), torch.dot(flat, flat)])
-    bits = w.view(_BITS[w.element_size()]) if w.is_floating_point() else w
-    rows = bits.reshape(bits.shape[0] if bits.dim() > 1 else 1, -1).sum(dim=1, dtype=torch.int64)
-    weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=rows.device)
-    return sums, torch.stack([rows.sum(), (rows * weights).sum()])
+    rows = w.reshape(w.shape[0] if w.dim() > 1 else 1, -1)
+    if not rows.is_floating_point():
+        rows = rows.to(torch.float32)
+    # Row sums in float32 at least (bfloat16 ones would carry 3 digits); asking float32 of float32 costs a slow path.
+    wide = None if rows.dtype in (torch.float32, torch.float64) else torch.float32
+    sums = torch.stack(
+        [
+            rows.sum(dim=1, dtype=wide).double().sum(),
+            torch.linalg.vector_norm(rows, dim=1, dtype=wide).double().square().sum(),
+        ]
+    )
+    words = rows.contiguous()
+    if (words.shape[1] * words.element_size()) % 8 == 0:
+        words = words.view(torch.int64)
+    else:
+        words = words.view(_BITS[words.element_size()])
+    row_words = words.sum(dim=1, dtype=torch.int64)
+    position = torch.arange(1, row_words.numel() + 1, dtype=torch.int64, device=row_words.device)
+    return sums, torch.stack([row_words.sum(), (row_words * position).sum()])
 
 
 def _checksum_hex(first: int, second: int) -> str:

@@ -156,3 +156,8 @@ def test_mismatch_values(mine: tuple[str, float, float], expected: float) -> Non
 
 def test_an_all_zero_reference_gives_inf() -> None:
     assert mismatch(("a", 0.0, 1e-6), ("b", 0.0, 0.0)) == math.inf
+
+
+def test_identity_is_the_bits_checksum_not_the_rounded_sums() -> None:
+    # Another summation order on another rank rounds Σw differently; the same bits are still the same weights.
+    assert mismatch((SAME[0], SAME[1] + 1e-15, SAME[2]), SAME) == 0.0
