@@ -161,3 +161,17 @@ def test_an_all_zero_reference_gives_inf() -> None:
 def test_identity_is_the_bits_checksum_not_the_rounded_sums() -> None:
     # Another summation order on another rank rounds Σw differently; the same bits are still the same weights.
     assert mismatch((SAME[0], SAME[1] + 1e-15, SAME[2]), SAME) == 0.0
+
+
+def test_ranks_posting_to_two_collector_replicas_are_compared_once(make_app: Any) -> None:
+    from fastapi.testclient import TestClient
+
+    with TestClient(make_app()) as first, TestClient(make_app()) as second:
+        assert _post(first, _doc(0, 5, [SAME, SAME], [0, 1])).status_code == 200
+        assert _post(second, _doc(1, 5, [SAME, OTHER], [0, 1])).status_code == 200
+        for client in (first, second):
+            answer = client.get("/api/v1/runs/ddp/ranks").json()
+            assert (answer["compared_steps"], answer["mismatched_steps"]) == (1, 1)
+            assert [m["ranks"] for m in answer["mismatches"]] == [[1]]
+        (episode,) = _mismatch_episodes(first)
+        assert episode["ranks"] == [1]
