@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from quantwatch.agent.adapters import Found
 from quantwatch.agent.engine import BatchEngine, PendingStep
 from quantwatch.agent.environment import environment, replica_group
+from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.sampling import Schedule
 from quantwatch.agent.wire import Fingerprints, StepRecord
 
@@ -42,14 +43,17 @@ def weight_fingerprint(weight: Tensor) -> tuple[Tensor, Tensor]:
     local = weight.to_local() if hasattr(weight, "to_local") else weight
     w = local.detach()
     rows = w.reshape(w.shape[0] if w.dim() > 1 else 1, -1)
-    if not rows.is_floating_point():
-        rows = rows.to(torch.float32)
+    values = rows
+    if rows.is_complex():
+        values = torch.view_as_real(rows).flatten(1)
+    elif not rows.is_floating_point():
+        values = rows.double()
     # Row sums in float32 at least (bfloat16 ones would carry 3 digits); asking float32 of float32 costs a slow path.
-    wide = None if rows.dtype in (torch.float32, torch.float64) else torch.float32
+    wide = None if values.dtype in (torch.float32, torch.float64) else torch.float32
     sums = torch.stack(
         [
-            rows.sum(dim=1, dtype=wide).double().sum(),
-            torch.linalg.vector_norm(rows, dim=1, dtype=wide).double().square().sum(),
+            values.sum(dim=1, dtype=wide).double().sum(),
+            torch.linalg.vector_norm(values, dim=1, dtype=wide).double().square().sum(),
         ]
     )
     words = rows.contiguous()
@@ -76,9 +80,11 @@ class RankReporter:
         group: tuple[int, ...],
         environment: Mapping[str, str],
         schedule: Schedule,
+        failures: FailureLog | None = None,
     ) -> None:
         self.group = group
         self.schedule = schedule
+        self.failures = failures or FailureLog()
         self._modules = dict(modules)
         self._environment: Mapping[str, str] | None = dict(environment)
 
@@ -90,13 +96,14 @@ class RankReporter:
         rank: int,
         group: Iterable[int] | None,
         schedule: Schedule,
+        failures: FailureLog,
     ) -> RankReporter:
         """The reporter of ``attach()``: the found layers, the replica group (``group`` overrides the detected one)
         and the environment of the model's device. Raises ConfigError."""
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
         modules = {name: entry.module for name, entry in found.items()}
-        return cls(modules, replica_group(model, rank, group), environment(device), schedule)
+        return cls(modules, replica_group(model, rank, group), environment(device), schedule, failures)
 
     @property
     def fingerprints(self) -> bool:
@@ -115,7 +122,11 @@ class RankReporter:
         for index, name in enumerate(names):
             weight = getattr(self._modules.get(name), "weight", None)
             if isinstance(weight, Tensor) and weight.numel() > 0:
-                s, c = weight_fingerprint(weight)
+                try:
+                    s, c = weight_fingerprint(weight)
+                except Exception as exc:  # a weight type that has no plain bits (a training wrapper subclass)
+                    self.failures.record("fingerprint", f"{name}: cannot fingerprint its weight: {exc}", exc)
+                    continue
                 present.append(index)
                 sums.append(s if not sums or s.device == sums[0].device else s.to(sums[0].device))
                 checks.append(c if not checks or c.device == checks[0].device else c.to(checks[0].device))

@@ -550,8 +550,8 @@ def attach(
         logger.warning("quantwatch agent: no quantized layer found in the model; only watched kernels will be measured")
     detected_rank = _detect_rank(rank)
     reporting = _reports(detected_rank, ranks)
-    rank_reporter = RankReporter.for_model(model, found, detected_rank, replica_group, schedule)
     failures = FailureLog()
+    rank_reporter = RankReporter.for_model(model, found, detected_rank, replica_group, schedule, failures)
     engine = None
     shadow_model = None
     if reporting or rank_reporter.fingerprints:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import quantwatch.agent as qw
+from quantwatch.agent import fingerprint as fingerprint_module
 from quantwatch.agent.environment import ENVIRONMENT_OVERRIDE_ENV, _mesh_group, environment, replica_group
 from quantwatch.agent.fingerprint import weight_fingerprint
 from quantwatch.agent.wire import encode_batch
@@ -122,3 +123,31 @@ def test_the_environment_override_for_tests(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(ENVIRONMENT_OVERRIDE_ENV, '{"torch": 9}')
     with pytest.raises(qw.ConfigError, match=ENVIRONMENT_OVERRIDE_ENV):
         qw.attach(nn.Linear(2, 2), run="x", exporter=qw.InMemoryExporter())
+
+
+def test_a_weight_that_cannot_be_fingerprinted_is_left_out_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _quantized()
+    unreadable = model[0].weight
+
+    def fingerprint(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if weight is unreadable:  # as a training wrapper subclass without plain bits would
+            raise TypeError("no plain bits")
+        return weight_fingerprint(weight)
+
+    monkeypatch.setattr(fingerprint_module, "weight_fingerprint", fingerprint)
+    sink = qw.InMemoryExporter()
+    with qw.attach(model, run="c", exporter=sink, replica_group=[0, 1], metrics=["weight_rel_l2"]) as monitor:
+        model(torch.randn(2, 6)).sum().backward()
+        monitor.step(0)
+        assert monitor.stats()["failures"] == {"fingerprint": 1}
+    fingerprints = sink.batches[0].steps[0].fingerprints
+    assert fingerprints is not None
+    assert fingerprints.hash[0] is None
+    assert fingerprints.hash[1] is not None
+
+
+def test_integer_weights_are_checksummed_by_their_own_bits() -> None:
+    w = torch.tensor([[2**40, 1], [3, 4]], dtype=torch.int64)
+    bumped = w.clone()
+    bumped[0, 0] += 1  # lost in a float32 copy, not in the bits
+    assert _print(w)[1] != _print(bumped)[1]
