@@ -206,7 +206,7 @@ def batch_from_obj(obj: Any) -> IngestBatch:
     steps = tuple(_step(raw, len(layers), f"steps[{i}]", seen) for i, raw in enumerate(raw_steps))
     from quantwatch.service.ranks.decode import decode_rank_reports  # it raises this module's WireError
 
-    reports = decode_rank_reports(raw_steps, len(layers))
+    reports = decode_rank_reports(raw_steps, len(layers), rank)
     return IngestBatch(run=run, rank=rank, batch_id=batch_id, layers=tuple(layers), steps=steps, rank_reports=reports)
 
 

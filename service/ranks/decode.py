@@ -64,17 +64,21 @@ def _numbers(raw: Any, n: int, field: str) -> tuple[float | None, ...]:
     return tuple(out)
 
 
-def _fingerprints(raw: Any, n: int, field: str) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[Any, ...], Any]:
+def _fingerprints(
+    raw: Any, n: int, rank: int, field: str
+) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[Any, ...], Any]:
     if not isinstance(raw, dict):
         raise _fail(field, "must be an object with group, sum, sumsq and hash")
     group = raw.get("group")
     if not isinstance(group, list) or not 1 <= len(group) <= MAX_REPLICA_GROUP:
         raise _fail(f"{field}.group", f"must be an array of 1..{MAX_REPLICA_GROUP} ranks")
-    for i, rank in enumerate(group):
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= MAX_RANK:
+    for i, member in enumerate(group):
+        if not isinstance(member, int) or isinstance(member, bool) or not 0 <= member <= MAX_RANK:
             raise _fail(f"{field}.group[{i}]", f"must be an integer rank 0..{MAX_RANK}")
     if len(set(group)) != len(group):
         raise _fail(f"{field}.group", "ranks must be unique")
+    if rank not in group:
+        raise _fail(f"{field}.group", f"must include the batch's rank {rank}")
     hashes = raw.get("hash")
     if not isinstance(hashes, list) or len(hashes) != n:
         raise _fail(f"{field}.hash", f"must be an array of {n} hex strings or nulls (one per layer)")
@@ -97,8 +101,9 @@ def _environment(raw: Any, field: str) -> dict[str, str]:
     return dict(raw)
 
 
-def decode_rank_reports(raw_steps: Sequence[Any], n_layers: int) -> tuple[RankReport, ...]:
-    """The rank reports of a batch's (already validated) raw steps: one per step that carries either field."""
+def decode_rank_reports(raw_steps: Sequence[Any], n_layers: int, rank: int) -> tuple[RankReport, ...]:
+    """The rank reports of a batch's (already validated) raw steps from ``rank``: one per step that carries either
+    field."""
     reports: list[RankReport] = []
     for i, raw in enumerate(raw_steps):
         fingerprints, environment = raw.get(FINGERPRINT_FIELD), raw.get(ENVIRONMENT_FIELD)
@@ -110,7 +115,7 @@ def decode_rank_reports(raw_steps: Sequence[Any], n_layers: int) -> tuple[RankRe
         sumsqs: tuple[float | None, ...] = ()
         hashes: tuple[str | None, ...] = ()
         if fingerprints is not None:
-            group, sums, sumsqs, hashes = _fingerprints(fingerprints, n_layers, f"{field}.{FINGERPRINT_FIELD}")
+            group, sums, sumsqs, hashes = _fingerprints(fingerprints, n_layers, rank, f"{field}.{FINGERPRINT_FIELD}")
         env = None if environment is None else _environment(environment, f"{field}.{ENVIRONMENT_FIELD}")
         reports.append(RankReport(int(raw["step"]), group, sums, sumsqs, hashes, env))
     return tuple(reports)

@@ -127,6 +127,7 @@ def test_bad_rank_fields_are_refused_naming_the_field(client: Any) -> None:
     assert "steps[0].fingerprints.hash[0]" in answer.text
     doc = _doc(0, 0, [SAME], [0, 1])  # one layer's worth for two layers
     assert "steps[0].fingerprints.hash" in _post(client, doc).text
+    assert "must include the batch's rank 0" in _post(client, _doc(0, 0, [SAME, SAME], [1, 2])).text
     doc = _doc(0, 0, [SAME, SAME], [0, 1], environment={"torch": 2})
     assert "steps[0].environment.torch" in _post(client, doc).text
     assert client.get("/api/v1/runs/nope/ranks").status_code == 404
