@@ -50,19 +50,7 @@ class QuantConv1D(QuantLinear):
         if conv_bias is not None and not isinstance(conv_bias, nn.Parameter):
             raise ValueError(f"a Conv1D bias must be a Parameter or None, got {type(conv_bias).__name__}")
         in_features, out_features = conv_weight.shape
-        layer = cls(
-            int(in_features),
-            int(out_features),
-            conv_bias is not None,
-            weight=weight,
-            input=input,
-            grad=grad,
-            device="meta",
-        )
-        layer.weight = conv_weight
-        layer.bias = conv_bias
-        layer.train(conv.training)
-        return layer
+        return cls._adopt(conv, (int(in_features), int(out_features)), (conv_weight, conv_bias), (weight, input, grad))
 
     def linear_weight(self) -> Tensor:
         """``weight.T``: the ``(out, in)`` view ``F.linear`` takes."""

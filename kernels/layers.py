@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import Tensor, nn
@@ -71,18 +71,24 @@ class QuantLinear(nn.Linear):
         """A QuantLinear that takes over ``linear``'s own Parameter objects (an existing optimizer keeps working)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            weight=weight,
-            input=input,
-            grad=grad,
-            device="meta",
-        )
-        layer.weight = linear.weight
-        layer.bias = linear.bias
-        layer.train(linear.training)
+        shape = (linear.in_features, linear.out_features)
+        return cls._adopt(linear, shape, (linear.weight, linear.bias), (weight, input, grad))
+
+    @classmethod
+    def _adopt(
+        cls,
+        source: nn.Module,
+        shape: tuple[int, int],
+        params: tuple[Tensor, nn.Parameter | None],
+        specs: tuple[QuantSpec | None, QuantSpec | None, QuantSpec | None],
+    ) -> Self:
+        """A layer of ``shape`` ``(in_features, out_features)``, built without memory, that takes over ``params``
+        (weight, bias: the same Parameter objects) and ``source``'s training mode."""
+        weight, bias = params
+        layer = cls(shape[0], shape[1], bias is not None, weight=specs[0], input=specs[1], grad=specs[2], device="meta")
+        layer.weight = weight
+        layer.register_parameter("bias", bias)  # None too: a layer without bias
+        layer.train(source.training)
         return layer
 
     def forward(self, input: Tensor) -> Tensor:
