@@ -131,8 +131,13 @@ class RankChecks(IngestObserver):
             rows = session.execute(
                 select(_PRINTS).where(_PRINTS.c.run == run, _PRINTS.c.group_key == key).order_by("step", "rank")
             ).all()
+            pending = sorted({int(row.step) for row in rows})
             decided = set(
-                session.scalars(select(_DECIDED.c.step).where(_DECIDED.c.run == run, _DECIDED.c.group_key == key))
+                session.scalars(
+                    select(_DECIDED.c.step).where(
+                        _DECIDED.c.run == run, _DECIDED.c.group_key == key, _DECIDED.c.step.in_(pending)
+                    )
+                )
             )
         now = self.clock()
         for step, group_rows in groupby(rows, key=lambda row: int(row.step)):
