@@ -40,6 +40,7 @@ from quantwatch.agent.engine import BatchEngine, DeliveryResult, PendingStep
 from quantwatch.agent.errors import ConfigError
 from quantwatch.agent.exporters import Exporter, RetryPolicy
 from quantwatch.agent.failures import FailureLog
+from quantwatch.agent.fingerprint import RankReporter
 from quantwatch.agent.layers import (
     KIND_DRIFT,
     KIND_GRAD,
@@ -113,6 +114,7 @@ class Monitor:
         tokens_per_step: float | None,
         failures: FailureLog,
         shadow_options: ShadowOptions | None = None,
+        rank_reporter: RankReporter | None = None,
     ) -> None:
         self.run = run
         self.rank = rank
@@ -120,6 +122,7 @@ class Monitor:
         self.schedule = schedule
         self.failures = failures
         self._engine = engine
+        self._rank_reporter = rank_reporter
         self._shadow = shadow
         self._tokens_per_step = tokens_per_step
         self._clock = OverheadClock()
@@ -355,6 +358,8 @@ class Monitor:
             self.failures.record("step_number", f"step must be >= 0, got {current}; counting on instead")
             current = self._next_step
         self._next_step = current + 1
+        if not self.reporting and self._rank_reporter is not None and self._engine is not None:
+            self._rank_reporter.submit_alone(self._engine, current)
         shadow_loss = None
         if self._shadow is not None:
             if shadow_closure is None:
@@ -458,6 +463,7 @@ class Monitor:
         wall_time = time.time()
         metric_names = [m for m in LAYER_METRICS if m in armed]
         estimated = frozenset(m for k in estimated_kinds for m in _ESTIMATED_METRICS.get(k, ()) if m in armed)
+        rank_extras = self._rank_reporter.capture(layers) if self._rank_reporter is not None else None
 
         def resolve() -> StepRecord:
             values = reader.read()
@@ -466,7 +472,8 @@ class Monitor:
             metrics = derive(np.concatenate([sums, scales[:, None]], axis=1), present, metric_names)
             scalars = dict(host_scalars)
             scalars.update(zip(tensor_names, values[n * ROW :].tolist(), strict=True))
-            return StepRecord(step, wall_time, metrics, scalars, estimated & metrics.keys())
+            fingerprints, environment = rank_extras() if rank_extras is not None else (None, None)
+            return StepRecord(step, wall_time, metrics, scalars, estimated & metrics.keys(), fingerprints, environment)
 
         if self._engine is not None:
             formats = tuple(self._wire_formats.get(n) for n in layers)
@@ -501,6 +508,7 @@ def attach(
     flush_interval_seconds: float = 2.0,
     request_timeout_seconds: float = 10.0,
     retry: RetryPolicy | None = None,
+    replica_group: Iterable[int] | None = None,
 ) -> Monitor:
     """Attach the agent to ``model`` and return its :class:`Monitor`.
 
@@ -516,6 +524,8 @@ def attach(
     ``update_cosine`` of ``nn.Linear`` layers from a seeded subset of rows (:mod:`quantwatch.agent.rows`; such figures
     are named in ``StepRecord.estimated``); ``reference_dtype`` (``"float32"``, autocast off, or ``"bfloat16"``) is
     the precision of the layer references (:func:`quantwatch.agent.shadow.run_reference`).
+    Every rank sends weight fingerprints whatever ``ranks`` says (:mod:`~quantwatch.agent.fingerprint`; its replica
+    group is detected or ``replica_group``) and its environment once.
 
     Raises :class:`ConfigError` naming the field for configuration mistakes; nothing raises after this returns.
     """
@@ -538,10 +548,11 @@ def attach(
     detected_rank = detect_rank(rank)
     reporting = reports(detected_rank, ranks)
     failures = FailureLog()
+    rank_reporter = RankReporter.for_model(model, found, detected_rank, replica_group, schedule, failures)
     engine = None
     shadow_model = None
-    if reporting:
-        if shadow == "model" and shadow_optimizer is not None:
+    if reporting or rank_reporter.fingerprints:
+        if reporting and shadow == "model" and shadow_optimizer is not None:
             shadow_model = ShadowModel(unwrap(model), found, shadow_optimizer)
             dequantize_shadow(shadow_model.model, found)
         chosen = make_exporter(
@@ -583,4 +594,5 @@ def attach(
         tokens_per_step=tokens_per_step,
         failures=failures,
         shadow_options=shadow_options,
+        rank_reporter=rank_reporter,
     )

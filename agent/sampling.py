@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from quantwatch.agent.errors import ConfigError
-from quantwatch.protocol import LAYER_METRICS
+from quantwatch.protocol import AGENT_METRICS, LAYER_METRICS
 
 __all__ = ["LAYER_METRICS", "Schedule"]
 
@@ -29,8 +29,8 @@ class Schedule:
         if not self.periods:
             raise ConfigError("metrics", "at least one metric must be enabled")
         for name, period in self.periods.items():
-            if name not in LAYER_METRICS:
-                raise ConfigError("metrics", f"unknown metric {name!r}; known: {', '.join(LAYER_METRICS)}")
+            if name not in AGENT_METRICS:
+                raise ConfigError("metrics", f"unknown metric {name!r}; known: {', '.join(AGENT_METRICS)}")
             if not isinstance(period, int) or isinstance(period, bool) or period < 1:
                 raise ConfigError("every", f"the period of {name!r} must be an integer >= 1, got {period!r}")
         if not isinstance(self.start, int) or self.start < 0:

@@ -24,7 +24,14 @@ from typing import Any, Literal
 import msgpack
 import numpy as np
 
-from quantwatch.protocol import CONTENT_TYPES, LAYER_FORMATS_FIELD, PROTOCOL_VERSION, check_layer_format
+from quantwatch.protocol import (
+    CONTENT_TYPES,
+    ENVIRONMENT_FIELD,
+    FINGERPRINT_FIELD,
+    LAYER_FORMATS_FIELD,
+    PROTOCOL_VERSION,
+    check_layer_format,
+)
 
 logger = logging.getLogger("quantwatch.agent")
 
@@ -32,6 +39,7 @@ __all__ = [
     "Batch",
     "EncodedBatch",
     "Encoding",
+    "Fingerprints",
     "StepRecord",
     "encode_batch",
     "to_wire_dict",
@@ -43,16 +51,40 @@ _GZIP_LEVEL = 5
 
 
 @dataclass(frozen=True)
+class Fingerprints:
+    """One step's fingerprints of the rank's master weights, aligned with the batch's layers (``None``: no weight),
+    and the replica group that must agree on them (protocol ``FINGERPRINT_FIELD``)."""
+
+    group: tuple[int, ...]
+    sum: tuple[float | None, ...]
+    sumsq: tuple[float | None, ...]
+    hash: tuple[str | None, ...]
+
+    def wire(self, encoding: Encoding) -> dict[str, Any]:
+        """The wire map (float64 sums; JSON spells non-finite ones as tokens)."""
+        number = _json_number if encoding == "json" else _float_or_none
+        return {
+            "group": list(self.group),
+            "sum": [number(v) for v in self.sum],
+            "sumsq": [number(v) for v in self.sumsq],
+            "hash": list(self.hash),
+        }
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """The figures of one step: per-layer ``metrics`` (aligned with the batch's layers, ``None`` = not measured)
     and run-level ``scalars``.  ``estimated`` names the metrics some layer of this step estimated from a subset of
-    rows (``attach(shadow_rows=...)``) rather than computed exactly (not on the wire yet)."""
+    rows (``attach(shadow_rows=...)``) rather than computed exactly (not on the wire yet); ``fingerprints`` of the
+    master weights and the rank's ``environment`` when sent."""
 
     step: int
     time: float
     metrics: Mapping[str, Sequence[float | None]] = field(default_factory=dict)
     scalars: Mapping[str, float] = field(default_factory=dict)
     estimated: frozenset[str] = frozenset()
+    fingerprints: Fingerprints | None = None
+    environment: Mapping[str, str] | None = None
 
     def point_count(self) -> int:
         """Number of stored points this step yields: measured metric values plus scalars."""
@@ -105,6 +137,10 @@ def _json_number(value: float | None) -> float | str | None:
     return "inf" if v > 0 else "-inf"
 
 
+def _float_or_none(value: float | None) -> float | None:
+    return None if value is None else float(value)
+
+
 def _msgpack_metric(values: Sequence[float | None]) -> bytes | list[float | None]:
     if any(v is None for v in values):
         return [None if v is None else float(v) for v in values]
@@ -121,7 +157,12 @@ def to_wire_dict(batch: Batch, encoding: Encoding) -> dict[str, Any]:
         else:
             metrics = {k: _msgpack_metric(vs) for k, vs in record.metrics.items()}
             scalars = {k: float(v) for k, v in record.scalars.items()}
-        steps.append({"step": record.step, "time": record.time, "metrics": metrics, "scalars": scalars})
+        step: dict[str, Any] = {"step": record.step, "time": record.time, "metrics": metrics, "scalars": scalars}
+        if record.fingerprints is not None:
+            step[FINGERPRINT_FIELD] = record.fingerprints.wire(encoding)
+        if record.environment is not None:
+            step[ENVIRONMENT_FIELD] = dict(record.environment)
+        steps.append(step)
     wire: dict[str, Any] = {
         "protocol": PROTOCOL_VERSION,
         "run": batch.run,

@@ -9,6 +9,7 @@ from sqlalchemy import Connection, create_engine
 from alembic import context
 from quantwatch.service.alerts import tables  # noqa: F401  (puts the alert tables on Base.metadata)
 from quantwatch.service.models import Base
+from quantwatch.service.ranks import tables as rank_tables  # noqa: F401  (and the cross-rank ones)
 
 target_metadata = Base.metadata
 

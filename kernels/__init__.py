@@ -5,6 +5,7 @@ path (native kernels or ``torch.compile`` on CPU, Triton on CUDA) by `Backend` a
 """
 
 from .api import AUTO_COMPILE_MIN_NUMEL, AUTO_NATIVE_MIN_NUMEL, quantize
+from .conv1d import QuantConv1D
 from .convert import QuantConfig, Recipe, quantize_model
 from .formats import FORMATS, PRESETS, FormatSpec, Preset
 from .layers import Observer, QuantLinear
@@ -25,6 +26,7 @@ __all__ = [
     "Observer",
     "Preset",
     "QuantConfig",
+    "QuantConv1D",
     "QuantDetails",
     "QuantLinear",
     "QuantSpec",

@@ -1,4 +1,5 @@
-"""Swap ``nn.Linear`` modules for `QuantLinear` by glob rules on their qualified names."""
+"""Swap ``nn.Linear`` (and transformers' ``Conv1D``) modules for `QuantLinear` (`QuantConv1D`) by glob rules on their
+qualified names."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
+from .conv1d import QuantConv1D, is_conv1d
 from .layers import DEFAULT_GRAD, DEFAULT_INPUT, DEFAULT_WEIGHT, QuantLinear
 from .quantizer import QuantSpec
 
@@ -61,10 +64,13 @@ class Recipe:
 
 
 def quantize_model(model: nn.Module, recipe: Recipe) -> nn.Module:
-    """Replace every ``nn.Linear`` (not already a `QuantLinear`) whose recipe config is not None, in place.
+    """Replace every ``nn.Linear`` (not already a `QuantLinear`) and every transformers ``Conv1D`` (GPT-2 family;
+    recognised by class path, transformers is not imported) whose recipe config is not None, in place.
 
-    The new layers take over the old Parameter objects, so optimizers built before still update them. Returns the
-    model (or the replacement when ``model`` itself is a matching ``nn.Linear``, whose qualified name is ``""``).
+    The new layers take over the old Parameter objects, so optimizers built before still update them (a ``Conv1D``
+    becomes a `QuantConv1D`, which keeps its ``(in, out)`` weight). Returns the model (or the replacement when
+    ``model`` itself is a matching layer, whose qualified name is ``""``). Raises ValueError naming the layer for an
+    ``nn.LazyLinear`` that has not run its first forward yet (its shape is unknown): convert after one forward.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -73,13 +79,22 @@ def quantize_model(model: nn.Module, recipe: Recipe) -> nn.Module:
     targets = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and not isinstance(module, QuantLinear)
+        if (isinstance(module, nn.Linear) and not isinstance(module, QuantLinear)) or is_conv1d(module)
     ]
     for name, module in targets:
         config = recipe.config_for(name)
         if config is None:
             continue
-        replacement = QuantLinear.from_linear(module, weight=config.weight, input=config.input, grad=config.grad)
+        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():  # type: ignore[misc]
+            raise ValueError(
+                f"layer {name or '<model>'!r} is an uninitialised {type(module).__name__}: run one forward before "
+                "quantize_model so its shape is known"
+            )
+        replacement: QuantLinear
+        if isinstance(module, nn.Linear):
+            replacement = QuantLinear.from_linear(module, weight=config.weight, input=config.input, grad=config.grad)
+        else:
+            replacement = QuantConv1D.from_conv1d(module, weight=config.weight, input=config.input, grad=config.grad)
         if name == "":
             return replacement
         parent_name, _, child = name.rpartition(".")

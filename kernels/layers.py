@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import Tensor, nn
@@ -71,28 +71,34 @@ class QuantLinear(nn.Linear):
         """A QuantLinear that takes over ``linear``'s own Parameter objects (an existing optimizer keeps working)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            weight=weight,
-            input=input,
-            grad=grad,
-            device="meta",
-        )
-        layer.weight = linear.weight
-        layer.bias = linear.bias
-        layer.train(linear.training)
+        shape = (linear.in_features, linear.out_features)
+        return cls._adopt(linear, shape, (linear.weight, linear.bias), (weight, input, grad))
+
+    @classmethod
+    def _adopt(
+        cls,
+        source: nn.Module,
+        shape: tuple[int, int],
+        params: tuple[Tensor, nn.Parameter | None],
+        specs: tuple[QuantSpec | None, QuantSpec | None, QuantSpec | None],
+    ) -> Self:
+        """A layer of ``shape`` ``(in_features, out_features)``, built without memory, that takes over ``params``
+        (weight, bias: the same Parameter objects) and ``source``'s training mode."""
+        weight, bias = params
+        layer = cls(shape[0], shape[1], bias is not None, weight=specs[0], input=specs[1], grad=specs[2], device="meta")
+        layer.weight = weight
+        layer.register_parameter("bias", bias)  # None too: a layer without bias
+        layer.train(source.training)
         return layer
 
     def forward(self, input: Tensor) -> Tensor:
         """Quantized linear: ``Q_in(input) @ Q_w(weight).T + bias``, gradient of the output quantized by ``Q_grad``."""
         observer = self.observer
         if observer is None:
-            weight = self.weight_quantizer(self.weight)
+            weight = self.weight_quantizer(self.linear_weight())
             x = self.input_quantizer(input)
         else:
-            weight = self._observed(self.weight_quantizer, self.weight, "weight", observer, self.stats_batch)
+            weight = self._observed(self.weight_quantizer, self.linear_weight(), "weight", observer, self.stats_batch)
             # The input's statistics are taken at once, not batched: the caller may change it in place as soon as this
             # forward returns (``x += layer(x)``), long before a flush.
             x = self._observed(self.input_quantizer, input, "input", observer, None)
@@ -103,6 +109,11 @@ class QuantLinear(nn.Linear):
             observed = None if observer is None else (observer, self.stats_batch)
             out = _QuantizeGradient.apply(out, self.grad_quantizer, observed)  # type: ignore[no-untyped-call]
         return out
+
+    def linear_weight(self) -> Tensor:
+        """The weight as ``F.linear`` takes it, ``(out_features, in_features)``: the Parameter itself here, a view of
+        it in subclasses that store it otherwise (`QuantConv1D`). Quantization scales along its rows and blocks."""
+        return self.weight
 
     @staticmethod
     def _observed(quantizer: Quantizer, t: Tensor, role: str, observer: Observer, batch: StatsBatch | None) -> Tensor:
@@ -119,7 +130,7 @@ class QuantLinear(nn.Linear):
 
     def reference_forward(self, input: Tensor) -> Tensor:
         """The FP32 shadow: ``input @ weight.T + bias``, same Parameters, no quantization (differentiable)."""
-        return linear(input, self.weight, self.bias)
+        return linear(input, self.linear_weight(), self.bias)
 
     def reference_weight_grad(self, input: Tensor, grad_output: Tensor) -> Tensor:
         """The FP32 shadow's weight gradient for ``input`` and output gradient ``grad_output``.

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from quantwatch.service.app import create_app
-    from quantwatch.service.batch import IngestBatch, IngestObserver, IngestStep, WireError
+    from quantwatch.service.batch import IngestBatch, IngestObserver, IngestStep
     from quantwatch.service.core.config import Settings
+    from quantwatch.service.wire_error import WireError
 
 __all__ = ["IngestBatch", "IngestObserver", "IngestStep", "Settings", "WireError", "create_app"]
 
@@ -22,7 +23,7 @@ _HOME = {
     "IngestBatch": "quantwatch.service.batch",
     "IngestObserver": "quantwatch.service.batch",
     "IngestStep": "quantwatch.service.batch",
-    "WireError": "quantwatch.service.batch",
+    "WireError": "quantwatch.service.wire_error",
     "Settings": "quantwatch.service.core.config",
 }
 

@@ -18,6 +18,7 @@ from quantwatch.service.batch import IngestObserver
 from quantwatch.service.core.config import Settings
 from quantwatch.service.core.db import WriteHealth, make_engine, make_sessionmaker, upgrade
 from quantwatch.service.exposition import StartupRestore, alert_series_source, delivery_counts, install_exposition
+from quantwatch.service.ranks.setup import install_ranks
 from quantwatch.service.store import Store
 
 __all__ = ["FiringAlertCounts", "create_app"]
@@ -69,6 +70,7 @@ def create_app(
     problems.install(app, write_health)
     app.include_router(health.router)
     app.include_router(ingest.router)
+    install_ranks(app, settings, store)  # before runs: its /runs/{run}/ranks must win over /runs/{run}
     app.include_router(runs.router)
     app.include_router(catalog.router)
     alerts, worker = install_alerts(app, settings, store)

@@ -29,22 +29,14 @@ from quantwatch.protocol import (
     TENSOR_KINDS,
     check_layer_format,
 )
+from quantwatch.service.ranks.decode import RankReport, decode_rank_reports
 from quantwatch.service.rollups import F32, canonicalise
+from quantwatch.service.wire_error import WireError
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from quantwatch.service.models import Run
-
-
-class WireError(ValueError):
-    """A batch a client sent that cannot be stored: ``status`` 400 (undecodable) or 422 (schema), ``field`` names it."""
-
-    def __init__(self, status: int, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}" if field else message)
-        self.status = status
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -69,6 +61,7 @@ class IngestBatch:
 
     ``layer_formats`` is aligned with ``layers`` when the agent sent it: each layer's ``{kind: format}``, or ``None``
     for a layer of unknown format; ``None`` as a whole for a batch without formats (older agents).
+    ``rank_reports`` are its steps' weight fingerprints and environment (:mod:`quantwatch.service.ranks`).
     """
 
     run: str
@@ -77,6 +70,7 @@ class IngestBatch:
     layers: tuple[str, ...]
     steps: tuple[IngestStep, ...]
     layer_formats: tuple[Mapping[str, str] | None, ...] | None = None
+    rank_reports: tuple[RankReport, ...] = ()
 
     @property
     def points(self) -> int:
@@ -234,7 +228,16 @@ def batch_from_obj(obj: Any) -> IngestBatch:
     seen: set[int] = set()
     steps = tuple(_step(raw, len(layers), f"steps[{i}]", seen) for i, raw in enumerate(raw_steps))
     formats = _layer_formats(obj.get(LAYER_FORMATS_FIELD), len(layers))
-    return IngestBatch(run=run, rank=rank, batch_id=batch_id, layers=tuple(layers), steps=steps, layer_formats=formats)
+    reports = decode_rank_reports(raw_steps, len(layers), rank)
+    return IngestBatch(
+        run=run,
+        rank=rank,
+        batch_id=batch_id,
+        layers=tuple(layers),
+        steps=steps,
+        layer_formats=formats,
+        rank_reports=reports,
+    )
 
 
 def decode_json(body: bytes) -> IngestBatch:

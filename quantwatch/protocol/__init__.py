@@ -3,6 +3,7 @@ and the retry policy (ARCHITECTURE.md). It imports neither torch nor FastAPI, so
 script, the demo and the CLI can read it."""
 
 from quantwatch.protocol.catalog import (
+    AGENT_METRICS,
     CATALOG,
     LAYER_METRICS,
     LOWER_IS_WORSE,
@@ -24,11 +25,17 @@ from quantwatch.protocol.formats import (
 from quantwatch.protocol.retry import TRANSIENT_4XX, Backoff, is_transient_status, parse_retry_after
 from quantwatch.protocol.wire import (
     CONTENT_TYPES,
+    ENVIRONMENT_FIELD,
+    ENVIRONMENT_KEYS,
+    FINGERPRINT_FIELD,
+    FINGERPRINT_HASH_RULE,
     INGEST_PATH,
     LAYER_FORMATS_FIELD,
     MAX_BATCH_ID_LENGTH,
+    MAX_ENVIRONMENT_VALUE_LENGTH,
     MAX_LAYER_NAME_LENGTH,
     MAX_RANK,
+    MAX_REPLICA_GROUP,
     MAX_STEP,
     NONFINITE_TOKENS,
     PROTOCOL_VERSION,
@@ -39,17 +46,24 @@ from quantwatch.protocol.wire import (
 )
 
 __all__ = [
+    "AGENT_METRICS",
     "CATALOG",
     "CONTENT_TYPES",
     "ELEMENT_FORMATS",
+    "ENVIRONMENT_FIELD",
+    "ENVIRONMENT_KEYS",
+    "FINGERPRINT_FIELD",
+    "FINGERPRINT_HASH_RULE",
     "HIGH_PRECISION",
     "INGEST_PATH",
     "LAYER_FORMATS_FIELD",
     "LAYER_METRICS",
     "LOWER_IS_WORSE",
     "MAX_BATCH_ID_LENGTH",
+    "MAX_ENVIRONMENT_VALUE_LENGTH",
     "MAX_LAYER_NAME_LENGTH",
     "MAX_RANK",
+    "MAX_REPLICA_GROUP",
     "MAX_STEP",
     "NONFINITE_TOKENS",
     "PRESETS",

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "AGENT_METRICS",
     "CATALOG",
     "LAYER_METRICS",
     "LOWER_IS_WORSE",
@@ -25,6 +26,7 @@ __all__ = [
 
 Polarity = Literal["higher_is_worse", "lower_is_worse"]
 Scope = Literal["layer", "run"]
+Source = Literal["agent", "collector"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Measure:
     family: str
     meaning: str
     formula: str = ""
+    source: Source = "agent"
 
     @property
     def is_ratio(self) -> bool:
@@ -50,12 +53,20 @@ class Measure:
         return self.unit == "ratio"
 
 
-def _layer(name: str, polarity: Polarity, unit: str, meaning: str, formula: str = "", family: str = "") -> Measure:
+def _layer(
+    name: str,
+    polarity: Polarity,
+    unit: str,
+    meaning: str,
+    formula: str = "",
+    family: str = "",
+    source: Source = "agent",
+) -> Measure:
     # Ratios end in ``_ratio``; ``nonfinite_count`` becomes ``_values`` because ``_count`` is reserved for histograms
     # and summaries in the exposition format.
     if not family:
         family = f"quantwatch_layer_{name}_ratio" if name.endswith("_rel_l2") else f"quantwatch_layer_{name}"
-    return Measure(name, "layer", polarity, unit, family, meaning, formula)
+    return Measure(name, "layer", polarity, unit, family, meaning, formula, source)
 
 
 def _scalar(name: str, polarity: Polarity, unit: str, meaning: str) -> Measure:
@@ -133,6 +144,18 @@ _LAYER_MEASURES = (
         "distance of the quantized model's master weights from a full FP32 shadow model trained in lockstep",
         "‖W_q − W_shadow‖₂ / ‖W_shadow‖₂",
     ),
+    _layer(
+        "rank_weight_mismatch",
+        "higher_is_worse",
+        "ratio",
+        "relative spread of the layer's master weights across the data-parallel replicas that should hold the same "
+        "values, for this rank against its replica group's reference (0 when bit-identical); computed by the "
+        "collector from every rank's weight fingerprint",
+        "0 when bits and sums agree, else max(|√Σw_r² − √Σw_ref²| / √Σw_ref², |Σw_r − Σw_ref| / max(|Σw_ref|, "
+        "√Σw_ref²), 2⁻²³): a lower bound of ‖W_r − W_ref‖₂ / ‖W_ref‖₂",
+        family="quantwatch_layer_rank_weight_mismatch_ratio",
+        source="collector",
+    ),
 )
 
 _SCALAR_MEASURES = (
@@ -149,6 +172,9 @@ CATALOG: Mapping[str, Measure] = {m.name: m for m in (*_LAYER_MEASURES, *_SCALAR
 
 LAYER_METRICS: tuple[str, ...] = tuple(m.name for m in _LAYER_MEASURES)
 """Canonical per-layer metrics, in the order the agent sends them."""
+
+AGENT_METRICS: tuple[str, ...] = tuple(m.name for m in _LAYER_MEASURES if m.source == "agent")
+"""The per-layer metrics the agent measures (the rest the collector computes from what ranks sent)."""
 
 SCALARS: tuple[str, ...] = tuple(m.name for m in _SCALAR_MEASURES)
 """Canonical per-run scalars."""

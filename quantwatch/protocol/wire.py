@@ -14,11 +14,17 @@ from quantwatch.protocol.formats import MAX_FORMAT_LENGTH, TENSOR_KINDS
 
 __all__ = [
     "CONTENT_TYPES",
+    "ENVIRONMENT_FIELD",
+    "ENVIRONMENT_KEYS",
+    "FINGERPRINT_FIELD",
+    "FINGERPRINT_HASH_RULE",
     "INGEST_PATH",
     "LAYER_FORMATS_FIELD",
     "MAX_BATCH_ID_LENGTH",
+    "MAX_ENVIRONMENT_VALUE_LENGTH",
     "MAX_LAYER_NAME_LENGTH",
     "MAX_RANK",
+    "MAX_REPLICA_GROUP",
     "MAX_STEP",
     "NONFINITE_TOKENS",
     "PROTOCOL_VERSION",
@@ -47,6 +53,24 @@ MAX_BATCH_ID_LENGTH = 128
 MAX_STEP = 2**62
 MAX_RANK = 2**31 - 1
 
+FINGERPRINT_FIELD = "fingerprints"
+"""A step's fingerprints of the rank's master weights, for the cross-rank comparison (``rank_weight_mismatch``):
+``{"group": [ranks of the replica group], "sum": [Σw], "sumsq": [Σw²], "hash": [hex of the bits' checksum]}``, each
+array aligned with the batch's ``layers`` (``null`` for a layer without a weight; sums are float64, never float32
+``bin``). Sent on sampled steps by every rank of a replica group of more than one, reporting or not."""
+
+FINGERPRINT_HASH_RULE = "[0-9a-f]{1,64}"
+MAX_REPLICA_GROUP = 65536
+"""Ranks in one replica group at most."""
+
+ENVIRONMENT_FIELD = "environment"
+"""A step's ``{"torch": "2.13.0", ...}``: the rank's software and device, sent with the first step it reports."""
+
+ENVIRONMENT_KEYS = ("torch", "cuda", "nccl", "driver", "device", "compute_capability", "quantwatch")
+"""The environment facts an agent reports (others are kept too, as sent); ``""`` where one does not apply."""
+
+MAX_ENVIRONMENT_VALUE_LENGTH = 200
+
 NONFINITE_TOKENS: dict[str, float] = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 """How JSON carries non-finite values (signals, not errors)."""
 
@@ -56,6 +80,29 @@ LAYER_FORMATS_FIELD = "layer_formats"
 """The optional batch field aligned with ``layers``: per layer ``null`` or ``{kind: format}`` for some of
 :data:`~quantwatch.protocol.formats.TENSOR_KINDS` (formats as :func:`~quantwatch.protocol.formats.check_layer_format`
 accepts them). Batches without it (older agents) carry no format."""
+
+
+ENVIRONMENT_FIELD_DOC = "the rank's software and device (torch, CUDA, NCCL, driver, device, quantwatch versions)"
+
+
+def _fingerprint_schema(value: dict[str, Any]) -> dict[str, Any]:
+    nullable_hash = {"anyOf": [{"type": "string", "pattern": f"^{FINGERPRINT_HASH_RULE}$"}, {"type": "null"}]}
+    return {
+        "type": "object",
+        "description": "fingerprints of the rank's master weights per layer, for the cross-rank comparison",
+        "required": ["group", "sum", "sumsq", "hash"],
+        "properties": {
+            "group": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": MAX_REPLICA_GROUP,
+                "items": {"type": "integer", "minimum": 0, "maximum": MAX_RANK},
+            },
+            "sum": {"type": "array", "items": value},
+            "sumsq": {"type": "array", "items": value},
+            "hash": {"type": "array", "items": nullable_hash},
+        },
+    }
 
 
 def ingest_json_schema() -> dict[str, Any]:
@@ -106,6 +153,13 @@ def ingest_json_schema() -> dict[str, Any]:
                         "time": {"type": ["number", "null"]},
                         "metrics": {"type": "object", "properties": metrics, "additionalProperties": values},
                         "scalars": {"type": "object", "properties": scalars, "additionalProperties": value},
+                        FINGERPRINT_FIELD: _fingerprint_schema(value),
+                        ENVIRONMENT_FIELD: {
+                            "type": "object",
+                            "description": ENVIRONMENT_FIELD_DOC,
+                            "properties": {key: {"type": "string"} for key in ENVIRONMENT_KEYS},
+                            "additionalProperties": {"type": "string", "maxLength": MAX_ENVIRONMENT_VALUE_LENGTH},
+                        },
                     },
                 },
             },

@@ -91,6 +91,18 @@ DEFAULT_RULES: tuple[Rule, ...] = (
         },
     ),
     Rule(
+        name="quantwatch_rank_weight_mismatch",
+        metric="rank_weight_mismatch",
+        op=">",
+        threshold=0.0,
+        consecutive=1,
+        severity="critical",
+        annotations={
+            "summary": "Ranks ${ranks} of run ${run} hold other weights in layer ${layer} than their replica group",
+            "description": "${metric} was ${value} at step ${step}: data-parallel replicas that must agree do not.",
+        },
+    ),
+    Rule(
         name="quantwatch_loss_divergence",
         scalar="loss / loss_shadow - 1",
         op=">",

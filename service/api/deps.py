@@ -22,6 +22,7 @@ from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.batch import IngestObserver
 from quantwatch.service.core.config import Scope, Settings, hash_token
 from quantwatch.service.core.db import WriteHealth
+from quantwatch.service.ranks.checks import RankChecks
 from quantwatch.service.store import Store
 
 bearer = HTTPBearer(auto_error=False, description="A token configured with the scope the route names.")
@@ -64,6 +65,12 @@ def write_health_of(app: FastAPI) -> WriteHealth:
     """Whether the database took the app's latest writes (what ``/readyz`` and the 503 answers report)."""
     health: WriteHealth = app.state.write_health
     return health
+
+
+def rank_checks_of(app: FastAPI) -> RankChecks:
+    """The app's cross-rank checks (weight fingerprints, environments)."""
+    checks: RankChecks = app.state.rank_checks
+    return checks
 
 
 def firing_alert_counts_of(app: FastAPI) -> FiringAlertCounts | None:
@@ -110,6 +117,11 @@ async def get_write_health(request: Request) -> WriteHealth:
     return write_health_of(request.app)
 
 
+async def get_rank_checks(request: Request) -> RankChecks:
+    """The app's cross-rank checks."""
+    return rank_checks_of(request.app)
+
+
 async def get_firing_alert_counts(request: Request) -> FiringAlertCounts | None:
     """The firing alert counter of the run listings."""
     return firing_alert_counts_of(request.app)
@@ -121,6 +133,7 @@ AlertsDep = Annotated[AlertEngine, Depends(get_alerts)]
 IngestGateDep = Annotated[IngestGate, Depends(get_ingest_gate)]
 ObserversDep = Annotated[tuple[IngestObserver, ...], Depends(get_ingest_observers)]
 WriteHealthDep = Annotated[WriteHealth, Depends(get_write_health)]
+RankChecksDep = Annotated[RankChecks, Depends(get_rank_checks)]
 FiringAlertCountsDep = Annotated[FiringAlertCounts | None, Depends(get_firing_alert_counts)]
 
 

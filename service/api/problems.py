@@ -11,9 +11,9 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from quantwatch.service.batch import WireError
 from quantwatch.service.core.db import WriteHealth, describe_database_error
 from quantwatch.service.store import NotFoundError
+from quantwatch.service.wire_error import WireError
 
 PROBLEM_TYPE_BASE = "https://quantwatch.dev/problems/"
 MEDIA_TYPE = "application/problem+json"

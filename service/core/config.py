@@ -106,6 +106,9 @@ class Settings(BaseSettings):
     alert_retry_max_seconds: float = Field(
         default=900.0, gt=0, le=86400, description="Longest delay between two attempts of a notification."
     )
+    rank_compare_wait_seconds: float = Field(
+        default=60.0, gt=0, le=86_400, description="How long a step waits for every rank of its replica group."
+    )
     metrics_top_k: int = Field(
         default=64, ge=1, le=100_000, description="Layers exported to /metrics per (run, metric): the worst K."
     )

@@ -26,6 +26,14 @@ def _decode(encoded: Any) -> IngestBatch:
     return DECODERS[encoded.content_type](body)
 
 
+def _same(got: tuple[float | None, ...], sent: tuple[float | None, ...]) -> bool:
+    """Equal element by element, None as None and NaN as NaN (a NaN weight's sums travel as signals)."""
+    return len(got) == len(sent) and all(
+        a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
+        for a, b in zip(got, sent, strict=True)
+    )
+
+
 def _agent_batches() -> list[qw.Batch]:
     """Batches from a real run: FP8/NVFP4 layers, a watched kernel, nulls (metrics a layer lacks), NaN and inf."""
     torch.manual_seed(0)
@@ -39,6 +47,7 @@ def _agent_batches() -> list[qw.Batch]:
         exporter=sink,
         every=1,
         rank=3,
+        replica_group=[3, 4],  # weight fingerprints travel too
         shadow="model",
         shadow_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
         max_batch_steps=2,
@@ -66,6 +75,15 @@ def test_every_agent_payload_decodes_to_the_same_figures() -> None:
         for encoding, compress in VARIANTS:
             encoded = encode_batch(batch, encoding, compress)  # type: ignore[arg-type]
             decoded = _decode(encoded)
+            reports = {report.step: report for report in decoded.rank_reports}
+            for sent_step in batch.steps:
+                sent_prints, report = sent_step.fingerprints, reports[sent_step.step]
+                assert sent_prints is not None
+                assert (report.group, report.hash) == ((3, 4), sent_prints.hash)
+                assert _same(report.sum, sent_prints.sum)
+                assert _same(report.sumsq, sent_prints.sumsq)
+                assert report.hash[-1] is None  # the watched kernel has no weight
+                assert report.environment == sent_step.environment
             assert (decoded.run, decoded.rank, decoded.batch_id) == (batch.run, batch.rank, batch.batch_id)
             assert decoded.layers == batch.layers
             assert decoded.points == batch.point_count()

@@ -41,7 +41,9 @@ WORKER = textwrap.dedent(
     monitor.close(10)
     with open(f"{out}/rank{rank}.json", "w") as fh:
         json.dump({"rank": monitor.rank, "reporting": monitor.reporting,
-                   "batches": [{"rank": b.rank, "steps": [r.step for r in b.steps]} for b in sink.batches]}, fh)
+                   "batches": [{"rank": b.rank, "steps": [r.step for r in b.steps]} for b in sink.batches],
+                   "metrics": sorted({m for b in sink.batches for r in b.steps for m in r.metrics}),
+                   "groups": [list(r.fingerprints.group) for b in sink.batches for r in b.steps]}, fh)
     dist.destroy_process_group()
     """
 )
@@ -74,10 +76,12 @@ def test_two_gloo_ranks(tmp_path: Path, ranks: object, reporting: list[bool]) ->
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["rank"] == rank
         assert result["reporting"] is reporting[rank]
-        if reporting[rank]:
-            assert result["batches"] == [{"rank": rank, "steps": [0, 1]}]
-        else:
-            assert result["batches"] == []
+        # Every rank of the replica group sends its weight fingerprints on sampled steps; only reporting ranks
+        # send metrics.
+        assert result["batches"] == [{"rank": rank, "steps": [0, 1]}]
+        assert result["groups"] == [[0, 1], [0, 1]]
+        assert (result["metrics"] == ["output_rel_l2"]) is reporting[rank]
+        assert (result["metrics"] == []) is not reporting[rank]
 
 
 WRAPPED_WORKER = textwrap.dedent(

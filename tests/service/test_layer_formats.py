@@ -12,9 +12,10 @@ from sqlalchemy import inspect, text
 from alembic import command
 from quantwatch.protocol import LAYER_FORMATS_FIELD, ingest_json_schema
 from quantwatch.service.alerts.formats import FormatChange, layer_format_history, layer_formats
-from quantwatch.service.batch import WireError, decode_json
+from quantwatch.service.batch import decode_json
 from quantwatch.service.core.config import Settings
 from quantwatch.service.core.db import alembic_config, make_engine, make_sessionmaker, upgrade
+from quantwatch.service.wire_error import WireError
 
 FP8 = {"weight": "fp8_e4m3:tensor", "input": "fp8_e4m3:tensor", "grad": "fp8_e5m2:tensor"}
 FP4 = {"weight": "nvfp4", "input": "nvfp4", "grad": "fp8_e5m2:tensor"}

@@ -87,8 +87,9 @@ def test_rule_kind_and_expressions() -> None:
     assert math.isnan(ScalarExpression.parse("loss / loss_shadow").evaluate({"loss": 0.0, "loss_shadow": 0.0}) or 0)
 
 
-def test_defaults_are_the_shipped_six() -> None:
-    # Issue 15: the update rules, output deviation by number format, non-finite values and the loss as before.
+def test_defaults_are_the_shipped_seven() -> None:
+    # Issue 15: the update rules, output deviation by number format, non-finite values and the loss as before;
+    # issue 17: replicas whose weights differ.
     by_name = {r.name: (r.metric or r.scalar, r.op, r.threshold, r.consecutive) for r in DEFAULT_RULES}
     assert by_name == {
         "quantwatch_output_deviation": ("output_rel_l2", ">", 0.05, 3),
@@ -96,6 +97,7 @@ def test_defaults_are_the_shipped_six() -> None:
         "quantwatch_update_direction": ("update_cosine", "<", 0.95, 3),
         "quantwatch_update_noise": ("update_rel_l2", ">", 0.5774, 3),
         "quantwatch_nonfinite": ("nonfinite_count", ">", 0.0, 1),
+        "quantwatch_rank_weight_mismatch": ("rank_weight_mismatch", ">", 0.0, 1),
         "quantwatch_loss_divergence": ("loss / loss_shadow - 1", ">", 0.05, 3),
     }
     shipped = {r.name: r for r in DEFAULT_RULES}
@@ -167,6 +169,7 @@ def test_rules_file_defaults_and_overrides() -> None:
         "quantwatch_update_direction": True,
         "quantwatch_update_noise": True,
         "quantwatch_loss_divergence": True,
+        "quantwatch_rank_weight_mismatch": True,
         "quantwatch_nonfinite": False,
     }
     assert parse_rules_text("default_rules: false\n").effective_rules() == []

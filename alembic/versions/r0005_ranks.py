@@ -1,0 +1,60 @@
+"""Cross-rank checks: fingerprints waiting for their replica group, decided comparisons, rank environments.
+
+Revision ID: 0005_ranks
+Revises: 0004_layer_formats
+Create Date: 2026-12-01
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+
+from alembic import op
+
+revision: str = "0005_ranks"
+down_revision: str | None = "0004_layer_formats"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    """Create the rank tables."""
+    op.create_table(
+        "rank_fingerprints",
+        sa.Column("run", sa.String(200), nullable=False),
+        sa.Column("group_key", sa.String(400), nullable=False),
+        sa.Column("step", sa.BigInteger(), nullable=False),
+        sa.Column("rank", sa.Integer(), nullable=False),
+        sa.Column("prints", sa.JSON(), nullable=False),
+        sa.Column("received_at", sa.Double(), nullable=False),
+        sa.PrimaryKeyConstraint("run", "group_key", "step", "rank", name="pk_rank_fingerprints"),
+    )
+    op.create_table(
+        "rank_comparisons",
+        sa.Column("run", sa.String(200), nullable=False),
+        sa.Column("group_key", sa.String(400), nullable=False),
+        sa.Column("step", sa.BigInteger(), nullable=False),
+        sa.Column("status", sa.String(16), nullable=False),
+        sa.Column("reported", sa.JSON(), nullable=False),
+        sa.Column("mismatches", sa.JSON(), nullable=False),
+        sa.Column("decided_at", sa.Double(), nullable=False),
+        sa.PrimaryKeyConstraint("run", "group_key", "step", name="pk_rank_comparisons"),
+    )
+    op.create_table(
+        "rank_environments",
+        sa.Column("run", sa.String(200), nullable=False),
+        sa.Column("rank", sa.Integer(), nullable=False),
+        sa.Column("environment", sa.JSON(), nullable=False),
+        sa.Column("group_key", sa.String(400), nullable=False),
+        sa.Column("reported_at", sa.Double(), nullable=False),
+        sa.PrimaryKeyConstraint("run", "rank", name="pk_rank_environments"),
+    )
+
+
+def downgrade() -> None:
+    """Drop the rank tables."""
+    op.drop_table("rank_environments")
+    op.drop_table("rank_comparisons")
+    op.drop_table("rank_fingerprints")
