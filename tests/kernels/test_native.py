@@ -221,7 +221,9 @@ LARGE_CASES = [
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_large_tensors_with_streaming_stores_and_any_thread_count(threads: int, backends: Any) -> None:
+def test_large_tensors_with_streaming_stores_and_any_thread_count(threads: int, build: str, backends: Any) -> None:
+    if build == "avx512" and threads != 2:
+        pytest.skip("the second build: one thread count (the slowest test here, 5-7 s a run on 2 cores)")
     inputs = {shape: finite_sample(shape, 5) for _, _, shape in LARGE_CASES}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -387,7 +389,9 @@ def test_a_failed_build_is_a_clear_error_and_auto_falls_back(
         native.reset()
 
 
-def test_builds_are_cached_by_source_flags_and_machine(tmp_path: Path) -> None:
+def test_builds_are_cached_by_source_flags_and_machine(tmp_path: Path, build: str) -> None:
+    if build == "avx512":
+        pytest.skip("the cache is the same for every build: compiled once, for the AVX2 build")
     first = native.build(tmp_path)
     built = first.stat().st_mtime_ns
     assert native.build(tmp_path) == first
