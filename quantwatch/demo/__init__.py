@@ -8,9 +8,9 @@ underflow, and the direction of its weight update drifts away from the FP32 refe
 (``update_cosine`` below 0.95), while every other layer stays above 0.99.
 
 The agent is attached with a layer shadow for every quantized layer and a full FP32 shadow model trained in lockstep;
-it streams to a collector started in this process (SQLite ``./quantwatch-demo.db``) with the shipped alert rules on,
-tuned for this recipe (:func:`demo_rules`), and a webhook receiver in this process prints each alert as it arrives
-after checking its Standard Webhooks signature.
+it streams to a collector started in this process (SQLite ``./quantwatch-demo.db``) with exactly the shipped alert
+rules (:func:`receiver_rules` only adds the receiver), and a webhook receiver in this process prints each alert as it
+arrives after checking its Standard Webhooks signature.
 
 This package imports torch; the collector (``quantwatch.service``) never does.
 """
@@ -23,9 +23,8 @@ from quantwatch.demo.recipes import (
     PER_TENSOR_FP4_LAYER,
     RECIPES,
     UPDATE_RULE,
-    demo_rules,
-    kept_rules_path,
     make_recipe,
+    receiver_rules,
 )
 from quantwatch.demo.run import run_demo
 from quantwatch.demo.webhooks import Notification, WebhookReceiver, verify_webhook
@@ -41,9 +40,8 @@ __all__ = [
     "Notification",
     "TinyTransformer",
     "WebhookReceiver",
-    "demo_rules",
-    "kept_rules_path",
     "make_recipe",
+    "receiver_rules",
     "run_demo",
     "verify_webhook",
 ]

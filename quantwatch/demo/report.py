@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from quantwatch.demo.options import DemoOptions, DemoResult
-from quantwatch.demo.recipes import RECIPES, kept_rules_path
+from quantwatch.demo.recipes import RECIPES
 from quantwatch.demo.webhooks import Notification
 from quantwatch.protocol import lower_is_worse
 
@@ -152,10 +152,10 @@ def print_summary(console: Console, options: DemoOptions, result: DemoResult) ->
 
 def print_stopped(console: Console, url: str, database: Path, port: int) -> None:
     """Say that the demo's collector at ``url`` has stopped, and print the one command that serves its history again
-    from any directory: absolute paths, the port it used, the demo's rules (without them the collector would retire
-    the demo's rules and their alerts)."""
+    from any directory: absolute paths and the port it used (the demo runs the shipped rules, the collector's
+    default, so its alerts are served as they were)."""
     database = database.resolve()
-    command = f"quantwatch serve --database-url sqlite:///{database} --rules {kept_rules_path(database)} --port {port}"
+    command = f"quantwatch serve --database-url sqlite:///{database} --port {port}"
     console.print(f"The demo's collector at {url} has stopped. History kept in {database}.")
     console.print(
         f"See the run again with [bold]{command}[/] and open {url}/#run=demo",

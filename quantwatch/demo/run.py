@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import quantwatch.agent as qw
 from quantwatch.demo.model import BATCH, SEQUENCE, MarkovTask, TinyTransformer, next_token_loss
 from quantwatch.demo.options import DemoOptions, DemoResult
-from quantwatch.demo.recipes import demo_rules, kept_rules_path, make_recipe
+from quantwatch.demo.recipes import make_recipe, receiver_rules
 from quantwatch.demo.report import collect_summary, print_notification, print_stopped, print_summary
 from quantwatch.demo.webhooks import WebhookReceiver
 from quantwatch.kernels import quantize_model
@@ -125,11 +125,8 @@ def run_demo(
         receiver = WebhookReceiver(on_notification=lambda n: print_notification(console, n))
         receiver.start()
         rules_file = Path(scratch) / "rules.yaml"
-        rules = demo_rules(options.recipe, receiver.url, receiver.secret)
         # JSON is YAML: no quoting questions for the secret.
-        rules_file.write_text(json.dumps(rules))
-        kept = {key: value for key, value in rules.items() if key != "receivers"}
-        kept_rules_path(options.database).write_text(json.dumps(kept, indent=2) + "\n")
+        rules_file.write_text(json.dumps(receiver_rules(receiver.url, receiver.secret)))
         port = next_free_port(options.port)
         if port != options.port and options.port != 0:
             console.print(f"[yellow]port {options.port} is busy; the demo collector uses {port}[/]")
