@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import re
 import threading
 import time
 import weakref
@@ -45,15 +44,14 @@ from quantwatch.agent.layers import (
     KIND_DRIFT,
     KIND_GRAD,
     KIND_INPUT,
-    KIND_OUTPUT,
-    KIND_UPDATE,
     KIND_WEIGHT,
     DeferredStatistics,
     LayerAdapter,
     OverheadClock,
 )
-from quantwatch.agent.readout import METRIC_KINDS, NF, ROW, SUMS, DeviceReader, derive
+from quantwatch.agent.readout import ESTIMATED_METRICS, METRIC_KINDS, NF, ROW, SUMS, DeviceReader, derive
 from quantwatch.agent.sampling import Schedule
+from quantwatch.agent.scalars import resident_memory_bytes, scalar_step, split_scalars
 from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel, ShadowOptions
 from quantwatch.agent.validation import detect_rank, periods, reports
 from quantwatch.agent.wire import Encoding, StepRecord, wire_formats
@@ -67,12 +65,6 @@ __all__ = ["DEFAULT_EVERY", "Monitor", "attach"]
 # the CPU (bench/agent_overhead.py); users who want more pass every=1..N.
 DEFAULT_EVERY = 25
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
-# The metrics a kind's estimate (shadow_rows) makes estimated.
-_ESTIMATED_METRICS: dict[int, tuple[str, ...]] = {
-    KIND_OUTPUT: ("output_rel_l2", "output_cosine", "output_sqnr_db"),
-    KIND_UPDATE: ("update_cosine", "update_rel_l2"),
-}
-_SCALAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
 
 F = TypeVar("F", bound=Callable[..., Any])
 logger = logging.getLogger("quantwatch.agent")
@@ -84,14 +76,6 @@ _MONITORS: weakref.WeakSet[Monitor] = weakref.WeakSet()
 def _close_at_exit() -> None:
     for monitor in list(_MONITORS):
         monitor.close(timeout_seconds=5.0)
-
-
-def _resident_memory_bytes() -> float | None:
-    try:
-        with open("/proc/self/statm", "rb") as fh:
-            return float(int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class Monitor:
@@ -112,6 +96,7 @@ class Monitor:
         engine: BatchEngine | None,
         shadow: ShadowModel | None,
         tokens_per_step: float | None,
+        scalars_every: int,
         failures: FailureLog,
         shadow_options: ShadowOptions | None = None,
         rank_reporter: RankReporter | None = None,
@@ -125,6 +110,7 @@ class Monitor:
         self._rank_reporter = rank_reporter
         self._shadow = shadow
         self._tokens_per_step = tokens_per_step
+        self._scalars_every = scalars_every
         self._clock = OverheadClock()
         self._lock = threading.Lock()
         self._model = model
@@ -385,7 +371,26 @@ class Monitor:
                 self._disarm(adapters)
             self._sampled_steps += 1
             self._submit(current, armed, adapters, step_seconds, tokens, shadow_loss, scalars)
+        elif (scalars or shadow_loss is not None) and current % self._scalars_every == 0:
+            self._submit_scalars(current, step_seconds, tokens, shadow_loss, scalars)
         self._arm(upcoming)
+
+    def _submit_scalars(
+        self, step: int, step_seconds: float, tokens: float | None, shadow_loss: Tensor | None, scalars: dict[str, Any]
+    ) -> None:
+        """An unsampled step's scalars, with its time and throughput, in the batches the sampled steps fill."""
+        if self._engine is None or not self.reporting:
+            return
+        numbers, names, tensors = split_scalars(
+            scalars if shadow_loss is None else {**scalars, "loss_shadow": shadow_loss}, self._device, self.failures
+        )
+        numbers["step_seconds"] = step_seconds
+        tokens = tokens if tokens is not None else self._tokens_per_step
+        if tokens is not None and step_seconds > 0:
+            numbers["tokens_per_second"] = float(tokens) / step_seconds
+        layers = tuple(str(info) for info in self._infos)
+        formats = tuple(self._wire_formats.get(n) for n in layers)
+        self._engine.submit(PendingStep(layers, scalar_step(step, numbers, names, tensors), formats))
 
     def _submit(
         self,
@@ -431,9 +436,7 @@ class Monitor:
         if tokens is not None and step_seconds > 0:
             host_scalars["tokens_per_second"] = float(tokens) / step_seconds
         memory = (
-            float(torch.cuda.memory_allocated(self._device))
-            if self._device.type == "cuda"
-            else _resident_memory_bytes()
+            float(torch.cuda.memory_allocated(self._device)) if self._device.type == "cuda" else resident_memory_bytes()
         )
         if memory is not None:
             host_scalars["device_memory_bytes"] = memory
@@ -442,27 +445,17 @@ class Monitor:
             host_scalars["agent_dropped_steps"] = float(self._engine.dropped_steps)
         host_scalars["agent_failures"] = float(self.failures.total())
 
-        tensor_names: list[str] = []
-        tensor_values: list[Tensor] = []
         if shadow_loss is not None:
             user_scalars = {**user_scalars, "loss_shadow": shadow_loss}
-        for name, value in user_scalars.items():
-            if not _SCALAR_NAME.fullmatch(name):
-                self.failures.record("scalar_name", f"scalar name {name!r} is not valid; skipped")
-            elif isinstance(value, Tensor) and value.numel() == 1:
-                tensor_names.append(name)
-                tensor_values.append(value.detach().reshape(1).to(device=self._device, dtype=torch.float64))
-            elif isinstance(value, int | float) and not isinstance(value, bool):
-                host_scalars[name] = float(value)
-            else:
-                self.failures.record("scalar_value", f"scalar {name!r} must be a number or 1-element tensor")
+        numbers, tensor_names, tensor_values = split_scalars(user_scalars, self._device, self.failures)
+        host_scalars.update(numbers)
 
         packed = torch.cat([*rows, *tensor_values]) if rows or tensor_values else torch.zeros(0, dtype=torch.float64)
         reader = DeviceReader(packed)
         layers = tuple(a.name for a in adapters)
         wall_time = time.time()
         metric_names = [m for m in LAYER_METRICS if m in armed]
-        estimated = frozenset(m for k in estimated_kinds for m in _ESTIMATED_METRICS.get(k, ()) if m in armed)
+        estimated = frozenset(m for k in estimated_kinds for m in ESTIMATED_METRICS.get(k, ()) if m in armed)
         rank_extras = self._rank_reporter.capture(layers) if self._rank_reporter is not None else None
 
         def resolve() -> StepRecord:
@@ -498,6 +491,7 @@ def attach(
     shadow_rows: float | None = None,
     reference_dtype: Literal["float32", "bfloat16"] = "float32",
     tokens_per_step: float | None = None,
+    scalars_every: int = 1,
     exporter: Exporter | None = None,
     encoding: Encoding = "msgpack",
     compress: bool = True,
@@ -524,8 +518,9 @@ def attach(
     ``update_cosine`` of ``nn.Linear`` layers from a seeded subset of rows (:mod:`quantwatch.agent.rows`; such figures
     are named in ``StepRecord.estimated``); ``reference_dtype`` (``"float32"``, autocast off, or ``"bfloat16"``) is
     the precision of the layer references (:func:`quantwatch.agent.shadow.run_reference`).
-    Every rank sends weight fingerprints whatever ``ranks`` says (:mod:`~quantwatch.agent.fingerprint`; its replica
-    group is detected or ``replica_group``) and its environment once.
+    Scalars given to :meth:`Monitor.step` go out for every step (``scalars_every``: every N-th) whatever the
+    sampling.  Every rank sends weight fingerprints whatever ``ranks`` says (:mod:`~quantwatch.agent.fingerprint`;
+    its replica group is detected or ``replica_group``) and its environment once.
 
     Raises :class:`ConfigError` naming the field for configuration mistakes; nothing raises after this returns.
     """
@@ -540,6 +535,8 @@ def attach(
         raise ConfigError("shadow_optimizer", "shadow='model' needs shadow_optimizer=lambda params: ...")
     if tokens_per_step is not None and (not isinstance(tokens_per_step, int | float) or tokens_per_step <= 0):
         raise ConfigError("tokens_per_step", f"must be a number > 0, got {tokens_per_step!r}")
+    if not isinstance(scalars_every, int) or isinstance(scalars_every, bool) or scalars_every < 1:
+        raise ConfigError("scalars_every", f"must be an integer >= 1, got {scalars_every!r}")
     schedule = Schedule(periods(metrics, every, shadow), start=start, end=end)
     shadow_options = ShadowOptions.parse(reference_dtype, shadow_rows)
     found = find_layers(model, layers)
@@ -592,6 +589,7 @@ def attach(
         engine=engine,
         shadow=shadow_model,
         tokens_per_step=tokens_per_step,
+        scalars_every=scalars_every,
         failures=failures,
         shadow_options=shadow_options,
         rank_reporter=rank_reporter,

@@ -40,6 +40,9 @@ def check_attach_options(**options: Any) -> None:
         end=options.get("end"),
     )
     reports(0, options.get("ranks", "all"))
+    scalars_every = options.get("scalars_every", 1)
+    if not isinstance(scalars_every, int) or isinstance(scalars_every, bool) or scalars_every < 1:
+        raise ConfigError("scalars_every", f"must be an integer >= 1, got {scalars_every!r}")
     url = options.get("url")
     if url is not None and not isinstance(url, str):
         raise ConfigError("url", f"must be a string, got {type(url).__name__}")

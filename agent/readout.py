@@ -21,7 +21,7 @@ from quantwatch.agent.layers import (
 )
 from quantwatch.kernels import ErrorStats
 
-__all__ = ["METRIC_KINDS", "NF", "ROW", "SUMS", "DeviceReader", "derive"]
+__all__ = ["ESTIMATED_METRICS", "METRIC_KINDS", "NF", "ROW", "SUMS", "DeviceReader", "derive"]
 
 # Which measurements each metric needs on a sampled step.
 METRIC_KINDS: dict[str, frozenset[int]] = {
@@ -39,6 +39,11 @@ METRIC_KINDS: dict[str, frozenset[int]] = {
     "amax": frozenset({KIND_INPUT}),
     "scale": frozenset({KIND_INPUT}),
     "weight_drift_rel_l2": frozenset({KIND_DRIFT}),
+}
+# The metrics a kind's estimate (``shadow_rows``) makes estimated.
+ESTIMATED_METRICS: dict[int, tuple[str, ...]] = {
+    KIND_OUTPUT: ("output_rel_l2", "output_cosine", "output_sqnr_db"),
+    KIND_UPDATE: ("update_cosine", "update_rel_l2"),
 }
 _FIELDS = ErrorStats.FIELDS
 NF = len(_FIELDS)

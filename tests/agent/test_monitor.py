@@ -140,7 +140,9 @@ def test_gate_does_no_work_on_unsampled_steps(monkeypatch: pytest.MonkeyPatch) -
         assert (hooks_during_forward > 0) is sampled
         monitor.step(step, loss=loss)
     assert monitor.close(10)
-    assert [r.step for _, r in sink.records()] == [0, 4, 8]
+    # Layer figures on sampled steps only; the loss goes out for every step it was given on (issue 22).
+    assert [r.step for _, r in sink.records() if r.metrics] == [0, 4, 8]
+    assert [r.step for _, r in sink.records()] == list(range(9))
     assert monitor.stats()["sampled_steps"] == 3
     assert monitor.stats()["steps"] == 9
 
@@ -153,7 +155,7 @@ def test_per_metric_periods_and_windows() -> None:
     )
     _train(model, monitor, 10)
     assert monitor.close(10)
-    got = {r.step: set(r.metrics) for _, r in sink.records()}
+    got = {r.step: set(r.metrics) for _, r in sink.records() if r.metrics}
     assert got == {
         1: {"weight_rel_l2", "output_rel_l2"},
         3: {"weight_rel_l2"},
@@ -171,7 +173,8 @@ def test_steps_count_themselves_and_scalars_are_sent() -> None:
         model(torch.randn(2, 4)).sum().backward()
         monitor.step(loss=1.5, lr=torch.tensor(0.1))
     assert monitor.close(10)
-    assert [r.step for _, r in sink.records()] == [0, 2]
+    assert [r.step for _, r in sink.records() if r.metrics] == [0, 2]
+    assert [r.step for _, r in sink.records()] == [0, 1, 2, 3]  # the scalars of every step (issue 22)
     assert sink.scalar("loss", 2) == 1.5
     assert sink.scalar("lr", 2) == pytest.approx(0.1)
     assert sink.scalar("tokens_per_second", 2) == pytest.approx(1000 / sink.scalar("step_seconds", 2))
@@ -378,3 +381,32 @@ def test_overhead_clock_counts_a_nested_block_once(monkeypatch: pytest.MonkeyPat
     with clock.measure():
         now[0] += 0.5
     assert clock.seconds == 6.5
+
+
+def test_scalars_go_out_for_every_step_whatever_the_layer_sampling() -> None:
+    # every=25: the layers are measured at steps 0 and 25, the loss at every step it is given on, in the same batches.
+    model = _model()
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="scalars", exporter=sink, every=25, max_batch_steps=64)
+    for step in range(30):
+        model(torch.randn(2, 4)).square().mean().backward()
+        monitor.step(step, loss=torch.tensor(float(step)), lr=0.1)
+    assert monitor.close(10)
+    records = [record for _, record in sink.records()]
+    assert [r.step for r in records] == list(range(30))
+    assert [r.step for r in records if r.metrics] == [0, 25]
+    assert all(r.scalars["loss"] == float(r.step) and r.scalars["lr"] == 0.1 for r in records)
+    assert all("step_seconds" in r.scalars for r in records)
+    assert len(sink.batches) < 30
+
+
+def test_scalars_every_sends_every_nth_step_and_is_checked() -> None:
+    model = _model()
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="scalars-5", exporter=sink, every=25, scalars_every=5)
+    for step in range(12):
+        monitor.step(step, loss=1.0)
+    assert monitor.close(10)
+    assert [r.step for _, r in sink.records()] == [0, 5, 10]
+    with pytest.raises(qw.ConfigError, match="scalars_every"):
+        qw.attach(model, run="bad", exporter=qw.InMemoryExporter(), scalars_every=0)

@@ -1,0 +1,72 @@
+"""Run scalars of a step (``loss=``, ``lr=``, ...): checked and split into host numbers and device tensors on the
+training thread, read on the exporter thread; and the records of steps that carry scalars only.
+
+Scalars are sent for every step they are given on (``attach(scalars_every=N)`` for every N-th), whatever the layer
+sampling: they are a few numbers, and they travel in the batches the sampled steps fill anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from quantwatch.agent.failures import FailureLog
+from quantwatch.agent.readout import DeviceReader
+from quantwatch.agent.wire import StepRecord
+
+__all__ = ["resident_memory_bytes", "scalar_step", "split_scalars"]
+
+SCALAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
+
+
+def split_scalars(
+    values: Mapping[str, Any], device: torch.device, failures: FailureLog
+) -> tuple[dict[str, float], list[str], list[Tensor]]:
+    """``(numbers, names of tensors, the tensors as float64 on device)``; invalid names and values are counted in
+    ``failures`` and left out."""
+    numbers: dict[str, float] = {}
+    names: list[str] = []
+    tensors: list[Tensor] = []
+    for name, value in values.items():
+        if not SCALAR_NAME.fullmatch(name):
+            failures.record("scalar_name", f"scalar name {name!r} is not valid; skipped")
+        elif isinstance(value, Tensor) and value.numel() == 1:
+            names.append(name)
+            tensors.append(value.detach().reshape(1).to(device=device, dtype=torch.float64))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            numbers[name] = float(value)
+        else:
+            failures.record("scalar_value", f"scalar {name!r} must be a number or 1-element tensor")
+    return numbers, names, tensors
+
+
+def scalar_step(
+    step: int, numbers: dict[str, float], names: list[str], tensors: list[Tensor]
+) -> Callable[[], StepRecord]:
+    """The record of a step that carries scalars only, resolved on the exporter thread (a device tensor's value is
+    copied there, never waited for on the training thread)."""
+    wall_time = time.time()
+    reader = DeviceReader(torch.cat(tensors)) if tensors else None
+
+    def resolve() -> StepRecord:
+        scalars = dict(numbers)
+        if reader is not None:
+            scalars.update(zip(names, reader.read().tolist(), strict=True))
+        return StepRecord(step, wall_time, {}, scalars)
+
+    return resolve
+
+
+def resident_memory_bytes() -> float | None:
+    """The process's resident memory (the CPU's stand-in for device memory), or None where /proc cannot tell."""
+    try:
+        with open("/proc/self/statm", "rb") as fh:
+            return float(int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError):
+        return None
