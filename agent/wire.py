@@ -24,7 +24,13 @@ from typing import Any, Literal
 import msgpack
 import numpy as np
 
-from quantwatch.protocol import CONTENT_TYPES, LAYER_FORMATS_FIELD, PROTOCOL_VERSION, check_layer_format
+from quantwatch.protocol import (
+    CONTENT_TYPES,
+    ESTIMATED_FIELD,
+    LAYER_FORMATS_FIELD,
+    PROTOCOL_VERSION,
+    check_layer_format,
+)
 
 logger = logging.getLogger("quantwatch.agent")
 
@@ -46,7 +52,7 @@ _GZIP_LEVEL = 5
 class StepRecord:
     """The figures of one step: per-layer ``metrics`` (aligned with the batch's layers, ``None`` = not measured)
     and run-level ``scalars``.  ``estimated`` names the metrics some layer of this step estimated from a subset of
-    rows (``attach(shadow_rows=...)``) rather than computed exactly (not on the wire yet)."""
+    rows (``attach(shadow_rows=...)``) rather than computed exactly (sent as the step's ``estimated`` when any)."""
 
     step: int
     time: float
@@ -121,7 +127,10 @@ def to_wire_dict(batch: Batch, encoding: Encoding) -> dict[str, Any]:
         else:
             metrics = {k: _msgpack_metric(vs) for k, vs in record.metrics.items()}
             scalars = {k: float(v) for k, v in record.scalars.items()}
-        steps.append({"step": record.step, "time": record.time, "metrics": metrics, "scalars": scalars})
+        step: dict[str, Any] = {"step": record.step, "time": record.time, "metrics": metrics, "scalars": scalars}
+        if record.estimated:
+            step[ESTIMATED_FIELD] = sorted(record.estimated)
+        steps.append(step)
     wire: dict[str, Any] = {
         "protocol": PROTOCOL_VERSION,
         "run": batch.run,

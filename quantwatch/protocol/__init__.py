@@ -24,6 +24,7 @@ from quantwatch.protocol.formats import (
 from quantwatch.protocol.retry import TRANSIENT_4XX, Backoff, is_transient_status, parse_retry_after
 from quantwatch.protocol.wire import (
     CONTENT_TYPES,
+    ESTIMATED_FIELD,
     INGEST_PATH,
     LAYER_FORMATS_FIELD,
     MAX_BATCH_ID_LENGTH,
@@ -42,6 +43,7 @@ __all__ = [
     "CATALOG",
     "CONTENT_TYPES",
     "ELEMENT_FORMATS",
+    "ESTIMATED_FIELD",
     "HIGH_PRECISION",
     "INGEST_PATH",
     "LAYER_FORMATS_FIELD",

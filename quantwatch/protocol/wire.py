@@ -14,6 +14,7 @@ from quantwatch.protocol.formats import MAX_FORMAT_LENGTH, TENSOR_KINDS
 
 __all__ = [
     "CONTENT_TYPES",
+    "ESTIMATED_FIELD",
     "INGEST_PATH",
     "LAYER_FORMATS_FIELD",
     "MAX_BATCH_ID_LENGTH",
@@ -56,6 +57,11 @@ LAYER_FORMATS_FIELD = "layer_formats"
 """The optional batch field aligned with ``layers``: per layer ``null`` or ``{kind: format}`` for some of
 :data:`~quantwatch.protocol.formats.TENSOR_KINDS` (formats as :func:`~quantwatch.protocol.formats.check_layer_format`
 accepts them). Batches without it (older agents) carry no format."""
+
+
+ESTIMATED_FIELD = "estimated"
+"""The optional step field naming the metrics of the step that some layer estimated from a subset of rows (the agent's
+``shadow_rows``) rather than computed exactly: distinct names, each one of the step's ``metrics``. Absent: all exact."""
 
 
 def ingest_json_schema() -> dict[str, Any]:
@@ -106,6 +112,12 @@ def ingest_json_schema() -> dict[str, Any]:
                         "time": {"type": ["number", "null"]},
                         "metrics": {"type": "object", "properties": metrics, "additionalProperties": values},
                         "scalars": {"type": "object", "properties": scalars, "additionalProperties": value},
+                        ESTIMATED_FIELD: {
+                            "type": "array",
+                            "description": "Metrics of this step estimated from a subset of rows (each in `metrics`).",
+                            "items": {"type": "string", "pattern": f"^{SERIES_NAME_RULE}$"},
+                            "uniqueItems": True,
+                        },
                     },
                 },
             },
