@@ -67,6 +67,10 @@ class Series(BaseModel):
     mean: list[Value]
     max: list[Value]
     bucket_steps: int
+    estimated: list[int] = Field(
+        description="The `steps` of the buckets holding a value the agent estimated from a subset of rows "
+        "(`shadow_rows`) rather than computed exactly; empty when all are exact."
+    )
 
 
 class Heatmap(BaseModel):

@@ -304,7 +304,14 @@ def test_live_ingest_over_http(
         assert r.status_code == 200
         assert r.json()["points"] == 2
         s = http.get("/api/v1/runs/live/1/series", params={"metric": "m", "layer": "x"}).json()
-    assert s == {"steps": [0, 1], "min": [0.25, 0.5], "mean": [0.25, 0.5], "max": [0.25, 0.5], "bucket_steps": 1}
+    assert s == {
+        "steps": [0, 1],
+        "min": [0.25, 0.5],
+        "mean": [0.25, 0.5],
+        "max": [0.25, 0.5],
+        "bucket_steps": 1,
+        "estimated": [],
+    }
     assert json.loads(json.dumps(s)) == s
 
 
