@@ -619,3 +619,47 @@ def test_rows_show_their_layer_format_and_the_bound_of_the_rule_selecting_that_f
         assert "weight nvfp4, input nvfp4, grad fp8_e5m2:tensor" in (shown["text"] or "")
         assert "fp4_bound" in (shown["text"] or "")
         assert "formats" not in (_hover_cell(page, 2, 0)["text"] or "")
+
+
+def test_estimated_points_are_marked_in_the_layer_chart(page: Page, tmp_path: Path) -> None:
+    """Values the agent estimated from a subset of rows read "≈" in the chart's tooltip, and the chart says how many."""
+    run, estimated = "e2e/estimated", {3, 4}
+    batch = {
+        "run": run,
+        "batch_id": "estimated-1",
+        "layers": ["a", "b"],
+        "steps": [
+            {"step": step, "metrics": {"output_rel_l2": [0.01 * step, 0.02]}}
+            | ({"estimated": ["output_rel_l2"]} if step in estimated else {})
+            for step in range(8)
+        ],
+    }
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'estimated.db'}")
+    with BackgroundServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        http.post("/api/v1/ingest", json=batch).raise_for_status()
+        page.goto(f"{server.url}/#run={quote(run, safe='')}&metric=output_rel_l2&layer=a")
+        note = page.locator("#series-note")
+        note.wait_for(state="visible")
+        assert note.inner_text().startswith("≈ 2 of 8 points estimated")
+        assert json.loads(page.locator("#series").get_attribute("data-estimated") or "[]") == [3, 4]
+
+        def hover(step: int) -> str:
+            point = page.evaluate(
+                """(step) => {
+                    const c = document.getElementById('series');
+                    const { plot, xmin, xmax } = c._chart;
+                    const box = c.getBoundingClientRect();
+                    return [box.left + plot.x + ((step - xmin) / (xmax - xmin)) * plot.w, box.top + plot.y + 5];
+                }""",
+                step,
+            )
+            page.mouse.move(point[0], point[1])
+            tooltip = page.locator("#series-tooltip")
+            tooltip.wait_for(state="visible")
+            page.wait_for_function(
+                "(step) => document.getElementById('series-tooltip').innerText.includes('step ' + step)", arg=step
+            )
+            return tooltip.inner_text()
+
+        assert "≈" in hover(3)
+        assert "≈" not in hover(6)
