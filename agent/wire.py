@@ -27,6 +27,7 @@ import numpy as np
 from quantwatch.protocol import (
     CONTENT_TYPES,
     ENVIRONMENT_FIELD,
+    ESTIMATED_FIELD,
     FINGERPRINT_FIELD,
     LAYER_FORMATS_FIELD,
     PROTOCOL_VERSION,
@@ -75,8 +76,8 @@ class Fingerprints:
 class StepRecord:
     """The figures of one step: per-layer ``metrics`` (aligned with the batch's layers, ``None`` = not measured)
     and run-level ``scalars``.  ``estimated`` names the metrics some layer of this step estimated from a subset of
-    rows (``attach(shadow_rows=...)``) rather than computed exactly (not on the wire yet); ``fingerprints`` of the
-    master weights and the rank's ``environment`` when sent."""
+    rows (``attach(shadow_rows=...)``) rather than computed exactly (sent as the step's ``estimated`` when any);
+    ``fingerprints`` of the master weights and the rank's ``environment`` when sent."""
 
     step: int
     time: float
@@ -162,6 +163,8 @@ def to_wire_dict(batch: Batch, encoding: Encoding) -> dict[str, Any]:
             step[FINGERPRINT_FIELD] = record.fingerprints.wire(encoding)
         if record.environment is not None:
             step[ENVIRONMENT_FIELD] = dict(record.environment)
+        if record.estimated:
+            step[ESTIMATED_FIELD] = sorted(record.estimated)
         steps.append(step)
     wire: dict[str, Any] = {
         "protocol": PROTOCOL_VERSION,

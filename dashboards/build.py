@@ -63,6 +63,10 @@ SERIES_ROWS = (
 )
 # The layers endpoint answers a list of layers in model order; the variable takes their names.
 LAYER_NAMES = "[$map($, function($l) { {'layer': $l.name} })]"
+# ... and, for the worst-layers table, each layer's weight format (absent when the agent declares none).
+LAYER_FORMATS = "[$map($, function($l) { {'layer': $l.name, 'format': $l.formats.weight} })]"
+# Grafana's built-in data source of a panel whose targets use different ones.
+MIXED = model.DataSourceRef(type_val="datasource", uid="-- Mixed --")
 
 
 class InfinityQuery(cogvariants.Dataquery):
@@ -191,13 +195,22 @@ def layer_heatmap() -> heatmap.Panel:
 
 
 def worst_layers_table() -> table.Panel:
-    """The worst layers of ${metric} now: exactly what the exposition's top-K cap exports."""
+    """The worst layers of ${metric} now: exactly what the exposition's top-K cap exports, each with its weight's
+    number format from the collector (the exposition has no format label: the layers endpoint is joined on layer)."""
     return (
         table.Panel()
         .title("${metric:text}: worst layers now")
-        .description("Latest value of the worst layers (top-K per run and metric; for cosines and SQNR the lowest).")
-        .datasource(PROMETHEUS)
+        .description(
+            "Latest value of the worst layers (top-K per run and metric; for cosines and SQNR the lowest), with the "
+            "number format of each layer's weight as the agent declares it."
+        )
+        .datasource(MIXED)
         .with_target(promql("worst", '${metric}{run="$run"}', instant=True))
+        .with_target(Infinity("formats", "/api/v1/runs/${run}/layers", {}, LAYER_FORMATS))
+        # Inner: only the worst layers stay (the layers endpoint lists every layer, its format or not).
+        .with_transformation(
+            model.DataTransformerConfig(id_val="joinByField", options={"byField": "layer", "mode": "inner"})
+        )
         .with_transformation(
             model.DataTransformerConfig(
                 id_val="organize",

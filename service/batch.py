@@ -16,6 +16,7 @@ import msgpack
 import numpy as np
 
 from quantwatch.protocol import (
+    ESTIMATED_FIELD,
     LAYER_FORMATS_FIELD,
     MAX_BATCH_ID_LENGTH,
     MAX_LAYER_NAME_LENGTH,
@@ -53,6 +54,7 @@ class IngestStep:
     metrics: Mapping[str, F32]
     scalars: Mapping[str, float]
     missing: Mapping[str, np.ndarray] = field(default_factory=dict)
+    estimated: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,18 @@ def _step(raw: Any, n_layers: int, field: str, seen: set[int]) -> IngestStep:
         number = _number(value, where)
         if number is not None:
             scalars[name] = number
-    return IngestStep(step=step, time=time, metrics=metrics, scalars=scalars, missing=missing)
+    estimated = _estimated(raw.get(ESTIMATED_FIELD), metrics, f"{field}.{ESTIMATED_FIELD}")
+    return IngestStep(step=step, time=time, metrics=metrics, scalars=scalars, missing=missing, estimated=estimated)
+
+
+def _estimated(raw: Any, metrics: Mapping[str, F32], field: str) -> frozenset[str]:
+    if raw is None:
+        return frozenset()
+    _require(isinstance(raw, list), field, "must be an array of the step's metric names")
+    for i, name in enumerate(raw):
+        _require(isinstance(name, str) and name in metrics, f"{field}[{i}]", "must name one of the step's metrics")
+    _require(len(set(raw)) == len(raw), field, "names a metric twice")
+    return frozenset(raw)
 
 
 def _layer_formats(raw: Any, n_layers: int) -> tuple[Mapping[str, str] | None, ...] | None:

@@ -159,3 +159,15 @@ class ScalarPoint(Base):
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     time: Mapped[float | None] = mapped_column(Double)
     value: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class EstimatedPoint(Base):
+    """A metric of one step of one rank that some layer estimated from a subset of rows (the agent's ``shadow_rows``)
+    rather than computed exactly; absent: exact."""
+
+    __tablename__ = "estimated_points"
+
+    run_id: Mapped[int] = mapped_column(RowId, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name_id: Mapped[int] = mapped_column(RowId, ForeignKey("metric_names.id"), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)

@@ -32,11 +32,31 @@ class RunSummary(BaseModel):
     firing_alerts: int = Field(description="Alerts of this run currently firing.")
 
 
+class FormatChangeInfo(BaseModel):
+    """From ``step`` on, the layer quantizes its ``kind`` tensor (weight, input or grad) to ``format``."""
+
+    step: int
+    kind: str
+    format: str
+
+
+class LayerFormats(BaseModel):
+    """A layer's current number format per tensor kind, as the agent declares it (null: never declared)."""
+
+    weight: str | None
+    input: str | None
+    grad: str | None
+
+
 class LayerInfo(BaseModel):
     """A layer of a run; ``index`` is its position in model order (first-seen order)."""
 
     index: int
     name: str
+    formats: LayerFormats | None = Field(description="Current formats; null when the agent never declared any.")
+    format_changes: list[FormatChangeInfo] = Field(
+        description="When a format changed mid-run: every recorded format with its step, in step order; else empty."
+    )
 
 
 class Series(BaseModel):
@@ -47,6 +67,10 @@ class Series(BaseModel):
     mean: list[Value]
     max: list[Value]
     bucket_steps: int
+    estimated: list[int] = Field(
+        description="The `steps` of the buckets holding a value the agent estimated from a subset of rows "
+        "(`shadow_rows`) rather than computed exactly; empty when all are exact."
+    )
 
 
 class Heatmap(BaseModel):

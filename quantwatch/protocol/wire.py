@@ -16,6 +16,7 @@ __all__ = [
     "CONTENT_TYPES",
     "ENVIRONMENT_FIELD",
     "ENVIRONMENT_KEYS",
+    "ESTIMATED_FIELD",
     "FINGERPRINT_FIELD",
     "FINGERPRINT_HASH_RULE",
     "INGEST_PATH",
@@ -80,6 +81,11 @@ LAYER_FORMATS_FIELD = "layer_formats"
 """The optional batch field aligned with ``layers``: per layer ``null`` or ``{kind: format}`` for some of
 :data:`~quantwatch.protocol.formats.TENSOR_KINDS` (formats as :func:`~quantwatch.protocol.formats.check_layer_format`
 accepts them). Batches without it (older agents) carry no format."""
+
+
+ESTIMATED_FIELD = "estimated"
+"""The optional step field naming the metrics of the step that some layer estimated from a subset of rows (the agent's
+``shadow_rows``) rather than computed exactly: distinct names, each one of the step's ``metrics``. Absent: all exact."""
 
 
 ENVIRONMENT_FIELD_DOC = "the rank's software and device (torch, CUDA, NCCL, driver, device, quantwatch versions)"
@@ -159,6 +165,12 @@ def ingest_json_schema() -> dict[str, Any]:
                             "description": ENVIRONMENT_FIELD_DOC,
                             "properties": {key: {"type": "string"} for key in ENVIRONMENT_KEYS},
                             "additionalProperties": {"type": "string", "maxLength": MAX_ENVIRONMENT_VALUE_LENGTH},
+                        },
+                        ESTIMATED_FIELD: {
+                            "type": "array",
+                            "description": "Metrics of this step estimated from a subset of rows (each in `metrics`).",
+                            "items": {"type": "string", "pattern": f"^{SERIES_NAME_RULE}$"},
+                            "uniqueItems": True,
                         },
                     },
                 },

@@ -5,7 +5,7 @@ tensor kind when it differs from the one in effect at the batch's first step (a 
 steps), so a layer whose format changes mid-run keeps its history, each change with its step. The alert engine reads
 the current formats through it (rules select layers by format; baseline-relative rules start again at a change).
 
-:func:`layer_formats` and :func:`layer_format_history` are the data-access reads.
+:func:`layer_formats`, :func:`layer_format_history` and :func:`layer_format_answers` are the data-access reads.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from quantwatch.protocol.formats import TENSOR_KINDS
 from quantwatch.service.alerts import repository
 from quantwatch.service.alerts.evaluator import LayerFormatView
 
@@ -27,7 +28,14 @@ if TYPE_CHECKING:
     from quantwatch.service.batch import IngestBatch
     from quantwatch.service.models import Run
 
-__all__ = ["FormatChange", "LayerFormatRecorder", "RunFormats", "layer_format_history", "layer_formats"]
+__all__ = [
+    "FormatChange",
+    "LayerFormatRecorder",
+    "RunFormats",
+    "layer_format_answers",
+    "layer_format_history",
+    "layer_formats",
+]
 
 
 @dataclass(frozen=True)
@@ -146,3 +154,25 @@ def layer_format_history(sessions: Sessions, run: str) -> list[FormatChange]:
     """Every recorded format of the run's layers with the step it took effect, in step order."""
     with _session(sessions) as session:
         return [FormatChange(*row) for row in repository.layer_format_rows(session, run)]
+
+
+def layer_format_answers(sessions: Sessions, run: str) -> dict[str, dict[str, Any]]:
+    """Per layer with a recorded format, what ``GET /runs/{run}/layers`` answers about it: ``formats`` (each tensor
+    kind's current format, null for a kind never declared) and, when any of its formats changed mid-run,
+    ``format_changes`` (every recorded format with the step it took effect, in step order; else empty)."""
+    per_layer: dict[str, list[FormatChange]] = {}
+    for change in layer_format_history(sessions, run):
+        per_layer.setdefault(change.layer, []).append(change)
+    answers: dict[str, dict[str, Any]] = {}
+    for layer, changes in per_layer.items():
+        current = {change.kind: change.format for change in changes}  # step order: the last one wins
+        changed = len(changes) > len(current)
+        answers[layer] = {
+            "formats": {kind: current.get(kind) for kind in TENSOR_KINDS},
+            "format_changes": [
+                {"step": change.step, "kind": change.kind, "format": change.format} for change in changes
+            ]
+            if changed
+            else [],
+        }
+    return answers

@@ -200,7 +200,10 @@ export function installChartHover(canvasId, tooltipId) {
       key.textContent = `${line.name} `;
       const val = document.createElement("b");
       const mean = line.mean[best];
-      val.textContent = formatValue(mean, chart.spec.metric);
+      // "≈": the bucket holds a value the agent estimated from a subset of rows (shadow_rows).
+      const estimated = line.estimated && line.estimated.has(line.steps[best]);
+      val.textContent = `${estimated ? "≈ " : ""}${formatValue(mean, chart.spec.metric)}`;
+      if (estimated) val.title = "estimated from a subset of rows (shadow_rows)";
       div.append(key, val);
       if (line.band && line.min[best] !== line.max[best]) {
         const range = document.createElement("span");
@@ -227,5 +230,6 @@ export function installChartHover(canvasId, tooltipId) {
 export function seriesFromBody(body) {
   const steps = body.steps || [];
   const conv = (arr) => steps.map((_, i) => toNumber(arr && arr[i] !== undefined ? arr[i] : null));
-  return { steps, min: conv(body.min), mean: conv(body.mean), max: conv(body.max) };
+  const estimated = new Set(body.estimated || []);
+  return { steps, min: conv(body.min), mean: conv(body.mean), max: conv(body.max), estimated };
 }

@@ -54,3 +54,18 @@ export function formatTime(t) {
   if (Number.isNaN(date.getTime())) return String(t);
   return date.toLocaleString();
 }
+
+// A layer's formats ({kind: format}) in a row label: the weight's element format without its scaling ("fp8_e4m3",
+// "nvfp4"), else the first declared kind's; "" when unknown. `formatsText` writes the full set, for tooltips.
+export function formatLabel(formats) {
+  if (!formats) return "";
+  const main = formats.weight ?? Object.values(formats)[0];
+  return main ? main.split(":")[0] : "";
+}
+
+export function formatsText(formats) {
+  if (!formats) return "";
+  return Object.entries(formats)
+    .map(([kind, format]) => `${kind} ${format}`)
+    .join(", ");
+}

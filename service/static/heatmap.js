@@ -4,7 +4,7 @@ import { describeError } from "./banner.js";
 import { lowerIsWorse } from "./catalog.js";
 import { HATCH_DARK, HATCH_LIGHT, makeScale, NONFINITE } from "./colour.js";
 import { $, ellipsizeLeft, placeTooltip, setupCanvas, showOverlay } from "./dom.js";
-import { formatBound, formatValue, niceTicks, toNumber } from "./format.js";
+import { formatBound, formatLabel, formatsText, formatValue, niceTicks, toNumber } from "./format.js";
 import { drawLegend } from "./legend.js";
 import { breaches, rowBound } from "./rules.js";
 import { loadSeries } from "./series.js";
@@ -101,7 +101,8 @@ function prepareHeatmap(body, metric) {
     }
   }
   const unwatched = distinct.length > 0 && bounds.includes(null);
-  return { layers, steps, rows, cols, raw, values, scale, bounds, legend, unwatched, rgb, kind, metric };
+  const formats = layers.map((layer) => state.formats.get(layer) || null);
+  return { layers, steps, rows, cols, raw, values, scale, bounds, formats, legend, unwatched, rgb, kind, metric };
 }
 
 export function drawHeatmap() {
@@ -117,15 +118,19 @@ export function drawHeatmap() {
   ctx.clearRect(0, 0, geo.width, geo.height);
 
   // Left gutter sized to the layer names (ellipsized from the left: the end of a qualified name says the most), then
-  // one for the bound each row is coloured against, so that a row held to 25% says so next to one held to 5%.
+  // one for each layer's format (its weight's; the tooltip has all three kinds) and one for the bound each row is
+  // coloured against, so that an nvfp4 row held to 25% says so next to an fp8_e4m3 one held to 5%.
   ctx.font = "11px ui-monospace, Menlo, Consolas, monospace";
   let labelWidth = 0;
   for (const name of hm.layers) labelWidth = Math.max(labelWidth, ctx.measureText(name).width);
+  const widest = (texts) => texts.reduce((w, text) => Math.max(w, ctx.measureText(text).width), 0);
+  const formatTexts = hm.formats.map(formatLabel);
   const boundTexts = hm.bounds.map((b) => (b ? formatBound(b, hm.metric) : ""));
-  let boundWidth = 0;
-  for (const text of boundTexts) boundWidth = Math.max(boundWidth, ctx.measureText(text).width);
+  const formatWidth = widest(formatTexts);
+  const boundWidth = widest(boundTexts);
   const nameGutter = Math.round(Math.min(240, Math.max(60, labelWidth + 12)));
-  const left = nameGutter + (boundWidth > 0 ? Math.round(boundWidth + 10) : 0);
+  const boundsAt = nameGutter + (formatWidth > 0 ? Math.round(formatWidth + 10) : 0);
+  const left = boundsAt + (boundWidth > 0 ? Math.round(boundWidth + 10) : 0);
   const plotW = geo.width - left - HM.right;
   const plotH = geo.plotH;
   hm.plot = { x: left, y: HM.top, w: plotW, h: plotH };
@@ -168,6 +173,8 @@ export function drawHeatmap() {
     const y = HM.top + (r + 0.5) * rowH;
     ctx.fillStyle = "#344054";
     ctx.fillText(ellipsizeLeft(ctx, hm.layers[r], nameGutter - 8), nameGutter - 6, y);
+    ctx.fillStyle = "#475467";
+    if (formatTexts[r]) ctx.fillText(formatTexts[r], boundsAt - 6, y);
     ctx.fillStyle = "#667085";
     if (boundTexts[r]) ctx.fillText(boundTexts[r], left - 4, y);
   }
@@ -210,6 +217,7 @@ export function drawHeatmap() {
   canvas.dataset.cols = String(hm.cols);
   canvas.dataset.plot = JSON.stringify(hm.plot);
   canvas.dataset.rowBounds = JSON.stringify(boundTexts);
+  canvas.dataset.rowFormats = JSON.stringify(formatTexts);
   drawLegend(hm.scale, hm.metric, hm.legend, hm.unwatched);
 }
 
@@ -267,6 +275,7 @@ function showHeatmapTooltip(cell) {
     tooltip.append(div);
   };
   line("layer", hm.layers[cell.r]);
+  if (hm.formats[cell.r]) line("formats", formatsText(hm.formats[cell.r]));
   line(hm.exact || first === last ? "step" : "steps", stepText.replace(/^steps? /, ""));
   line(hm.metric, formatValue(value, hm.metric));
   const bound = hm.bounds[cell.r];

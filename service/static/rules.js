@@ -103,7 +103,23 @@ export function lowIsBad(bound) {
   return bound.op === "<" || bound.op === "<=";
 }
 
-// The enabled rules on `metric` that apply to the open run and to `layer`, one entry per distinct (op, threshold).
+// Whether a rule's format globs take a layer of `formats` ({kind: format}, null or empty: unknown), as the collector
+// decides it: any kind's format may match unless `format_kind` names the kind; a layer of unknown format matches no
+// `formats:` rule and is not excluded by an `exclude_formats:` one.
+function anyFormat(formats, globs, kind) {
+  const values = kind ? (kind in formats ? [formats[kind]] : []) : Object.values(formats);
+  return values.some((value) => globs.some((g) => globMatches(g, value)));
+}
+
+export function selectsFormats(rule, formats) {
+  const known = formats && Object.keys(formats).length > 0;
+  const kind = rule.format_kind || null;
+  if (Array.isArray(rule.formats) && (!known || !anyFormat(formats, rule.formats, kind))) return false;
+  return !(Array.isArray(rule.exclude_formats) && known && anyFormat(formats, rule.exclude_formats, kind));
+}
+
+// The enabled rules on `metric` that apply to the open run and to `layer` (its name and its formats), one entry per
+// distinct (op, threshold).
 export function ruleBounds(metric, layer) {
   const bounds = new Map();
   for (const rule of state.rules) {
@@ -112,6 +128,7 @@ export function ruleBounds(metric, layer) {
     if (rule.baseline) continue;
     const globs = Array.isArray(rule.layers) ? rule.layers : [rule.layers || "*"];
     if (!globs.some((g) => globMatches(g, layer))) continue;
+    if (!selectsFormats(rule, state.formats.get(layer))) continue;
     const key = `${rule.op} ${rule.threshold}`;
     const bound = bounds.get(key);
     if (bound) bound.rules.push(rule.name);

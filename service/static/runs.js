@@ -93,11 +93,26 @@ export async function loadRules() {
   return changed;
 }
 
+// Each layer's current formats, as {kind: format} with the kinds it declared; a collector that cannot answer leaves the
+// formats unknown (then no `formats:` rule selects a layer, as in the collector).
+function formatsOf(layers) {
+  const formats = new Map();
+  for (const layer of listOf(layers, "layers")) {
+    const declared = Object.entries(pick(layer, "formats") || {}).filter(([, format]) => typeof format === "string");
+    if (declared.length) formats.set(layer.name, Object.fromEntries(declared));
+  }
+  return formats;
+}
+
 export async function loadRunDetail() {
+  const run = encodeURIComponent(state.run);
   try {
-    state.detail = await api(`/runs/${encodeURIComponent(state.run)}`);
+    const [detail, layers] = await Promise.all([api(`/runs/${run}`), api(`/runs/${run}/layers`).catch(() => [])]);
+    state.detail = detail;
+    state.formats = formatsOf(layers);
   } catch (err) {
     state.detail = null;
+    state.formats = new Map();
     $("run-title").textContent = state.run;
     $("run-facts").innerHTML = "";
     if (!(err instanceof ApiError && (err.status === 401 || err.status === 403))) {

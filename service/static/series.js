@@ -55,6 +55,14 @@ export function drawSeries() {
     lines: [{ name: state.metric, ...state.series, color: "#2f6fd6", band: true, bandColor: "rgba(47,111,214,0.18)" }],
   });
   showOverlay("series-empty", drawn ? null : "No points for this layer in this step range.");
+  // Figures estimated from a subset of rows (the agent's shadow_rows) are marked "≈" in the tooltip; say so here.
+  const note = $("series-note");
+  const estimated = state.series.estimated.size;
+  note.hidden = estimated === 0;
+  note.textContent = estimated
+    ? `≈ ${estimated} of ${state.series.steps.length} points estimated from a subset of rows (shadow_rows)`
+    : "";
+  canvas.dataset.estimated = JSON.stringify([...state.series.estimated]);
 }
 
 export async function loadLoss() {

@@ -17,6 +17,7 @@ export const state = {
   rank: null, // null: the collector's default (rank 0)
   alertState: "",
   rules: [], // GET /rules: the alert rules, whose bounds the heatmap and the charts draw
+  formats: new Map(), // GET /runs/{run}/layers: layer name → its current format per tensor kind (unknown: absent)
   heatmap: null, // last heatmap answer plus derived colours
   series: null,
   loss: null,

@@ -10,7 +10,17 @@ import numpy as np
 from sqlalchemy import Connection, Engine, Integer, and_, bindparam, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from quantwatch.service.models import Layer, MetricName, Point, Rollup, Run, RunMetric, RunRank, ScalarPoint
+from quantwatch.service.models import (
+    EstimatedPoint,
+    Layer,
+    MetricName,
+    Point,
+    Rollup,
+    Run,
+    RunMetric,
+    RunRank,
+    ScalarPoint,
+)
 from quantwatch.service.rollups import (
     I64,
     LEVELS,
@@ -63,6 +73,12 @@ class HistoryReader:
             select(Rollup.bucket, func.substr(Rollup.stats, offset, STATS_DTYPE.itemsize))
             .where(*blocks)
             .order_by(Rollup.bucket)
+        )
+        self._estimated_steps = select(EstimatedPoint.step).where(
+            EstimatedPoint.run_id == bindparam("run_id"),
+            EstimatedPoint.rank == bindparam("rank"),
+            EstimatedPoint.name_id == bindparam("nid"),
+            EstimatedPoint.step.between(bindparam("lo"), bindparam("hi")),
         )
         # Everything a series read needs to know before reading values, in one round trip: the run, the layer's
         # index, the metric's id (only if the run has sent it) and the rank's step range (NULL where absent).
@@ -249,7 +265,7 @@ class HistoryReader:
             lo = first_step if start is None else start
             hi = last_step if end is None else end
             if first_step is None or lo > hi:
-                return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": 1}
+                return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": 1, "estimated": []}
             width = 1
             if hi - lo + 1 > max_points:
                 # Only whether the range holds more than max_points samples matters: count at most max_points + 1.
@@ -257,9 +273,15 @@ class HistoryReader:
                 if conn.execute(self._raw_count, params).scalar_one() > max_points:
                     width = choose_width(lo, hi, max_points)
             keys, part = self._bucketed(conn, run_id, rank, nid, lo, hi, width, int(idx), int(n_layers))
-        return self._series_answer(
+            params = {"run_id": run_id, "rank": rank, "nid": nid, "lo": lo, "hi": hi}
+            marked = {int(step) for (step,) in conn.execute(self._estimated_steps, params)}
+        answer = self._series_answer(
             keys, width, lo, part.vmin[:, 0], part.vmax[:, 0], part.mean()[:, 0], part.vcount[:, 0]
         )
+        # The buckets holding an estimated point, by their first step as ``steps`` gives it.
+        buckets = {max((step // width) * width, lo) for step in marked}
+        answer["estimated"] = [int(step) for step in answer["steps"] if int(step) in buckets]
+        return answer
 
     @staticmethod
     def _series_answer(
@@ -274,6 +296,7 @@ class HistoryReader:
             "mean": to_json_floats(vmin[keep] if width == 1 else mean[keep]),
             "max": to_json_floats(vmax[keep]),
             "bucket_steps": width,
+            "estimated": [],  # scalars are always exact; a layer series sets its estimated buckets
         }
 
     def scalar_series(
@@ -285,7 +308,7 @@ class HistoryReader:
             nid = self._name_id(session, r.id, scalar, "scalar")
             rng = self._range(session, r.id, rank, start, end)
             if rng is None:
-                return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": 1}
+                return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": 1, "estimated": []}
             lo, hi = rng
             rows = session.execute(
                 select(ScalarPoint.step, ScalarPoint.value)
@@ -303,7 +326,7 @@ class HistoryReader:
         width = 1 if steps.size <= max_points else choose_width(lo, hi, max_points)
         keys, starts = group_starts(steps // width)
         if not keys.size:
-            return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": width}
+            return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": width, "estimated": []}
         counts = np.diff(np.append(starts, steps.size))
         return self._series_answer(
             keys,

@@ -20,7 +20,17 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.batch import IngestBatch, IngestObserver
-from quantwatch.service.models import Batch, Layer, MetricName, Point, Run, RunMetric, RunRank, ScalarPoint
+from quantwatch.service.models import (
+    Batch,
+    EstimatedPoint,
+    Layer,
+    MetricName,
+    Point,
+    Run,
+    RunMetric,
+    RunRank,
+    ScalarPoint,
+)
 from quantwatch.service.rollups import F32, I64, MISSING_BITS, is_missing, missing_row, rows_from_blobs
 from quantwatch.service.store.common import IngestResult, RunCache, find_run
 from quantwatch.service.store.rollup_writes import RollupWriter
@@ -78,6 +88,7 @@ class BatchWriter:
                 self._write_run_metrics(conn, run_id, batch, name_ids, cache)
                 self._write_points(conn, run_id, batch, layers, index, name_ids)
                 self._write_scalars(conn, run_id, batch, name_ids)
+                self._write_estimated(conn, run_id, batch, name_ids)
                 self._write_rank(conn, run_id, batch, now, points)
                 if observers:
                     run_row = session.get(Run, run_id)
@@ -267,6 +278,16 @@ class BatchWriter:
                 ),
                 rows,
             )
+
+    def _write_estimated(self, conn: Connection, run_id: int, batch: IngestBatch, name_ids: dict[str, int]) -> None:
+        # A step re-sent as exact keeps its mark: the agent re-sends a step only as it was (a retry).
+        rows = [
+            {"run_id": run_id, "rank": batch.rank, "name_id": name_ids[name], "step": st.step}
+            for st in batch.steps
+            for name in sorted(st.estimated)
+        ]
+        if rows:
+            conn.execute(self._insert(EstimatedPoint).on_conflict_do_nothing(), rows)
 
     def _write_rank(self, conn: Connection, run_id: int, batch: IngestBatch, now: float, points: int) -> None:
         lo = min(s.step for s in batch.steps)

@@ -154,3 +154,33 @@ def test_layer_formats_from_the_agent_encoder_are_accepted_and_stored(client: An
         ("blocks.0.fc2", "input", 1, "fp8_e4m3:tensor"),
         ("blocks.0.fc2", "weight", 1, "fp8_e4m3:tensor"),
     ]
+
+
+def test_estimated_metrics_go_on_the_wire_and_are_validated_against_the_step(client: Any) -> None:
+    from quantwatch.agent.wire import StepRecord, to_wire_dict
+    from quantwatch.protocol import ESTIMATED_FIELD, ingest_json_schema
+
+    estimated = StepRecord(
+        step=1,
+        time=1.0,
+        metrics={"output_rel_l2": [0.1, 0.2], "sqnr_db": [30.0, 31.0]},
+        estimated=frozenset({"sqnr_db"}),
+    )
+    exact = StepRecord(step=2, time=2.0, metrics={"output_rel_l2": [0.1, 0.2]})
+    batch = qw.Batch("contract/estimated", 0, "estimated", ("a", "b"), (estimated, exact))
+    steps = to_wire_dict(batch, "json")["steps"]
+    assert steps[0][ESTIMATED_FIELD] == ["sqnr_db"]
+    assert ESTIMATED_FIELD not in steps[1]  # all exact: the field is left out
+    assert ESTIMATED_FIELD in ingest_json_schema()["properties"]["steps"]["items"]["properties"]
+    for encoding, compress in VARIANTS:
+        decoded = _decode(encode_batch(batch, encoding, compress))  # type: ignore[arg-type]
+        assert [step.estimated for step in decoded.steps] == [frozenset({"sqnr_db"}), frozenset()]
+    encoded = encode_batch(batch, "msgpack")
+    response = client.post("/api/v1/ingest", content=encoded.body, headers=encoded.headers())
+    assert response.status_code == 200, response.text
+    # A name that is not one of the step's metrics is refused, naming the field.
+    wrong = StepRecord(step=3, time=3.0, metrics={"output_rel_l2": [0.1, 0.2]}, estimated=frozenset({"sqnr_db"}))
+    encoded = encode_batch(qw.Batch("contract/estimated", 0, "wrong", ("a", "b"), (wrong,)), "json")
+    response = client.post("/api/v1/ingest", content=encoded.body, headers=encoded.headers())
+    assert response.status_code == 422
+    assert response.json()["errors"][0]["field"] == "steps[0].estimated[0]"

@@ -376,6 +376,8 @@ def check_rows(target: dict[str, Any], rows: list[dict[str, Any]], layers: list[
         assert all(r["min"] <= r["mean"] <= r["max"] for r in rows), label
     elif "/layers" in target["url"]:
         assert [r["layer"] for r in rows] == layers, label
+        if "format" in target["root_selector"]:  # both runs declare their layers' formats
+            assert all(isinstance(r["format"], str) and r["format"] for r in rows), f"{label}: {rows}"
 
 
 def test_every_rule_expression_returns_data(stack: dict[str, Any]) -> None:

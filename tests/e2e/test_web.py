@@ -575,3 +575,91 @@ def test_a_sampled_run_draws_the_sampled_steps(page: Page, tmp_path: Path) -> No
         page.wait_for_function("() => document.getElementById('series')._chart")
         drawn = page.evaluate("() => document.getElementById('series')._chart.spec.lines[0].steps")
         assert drawn == list(range(0, last + 1, every))
+
+
+def test_rows_show_their_layer_format_and_the_bound_of_the_rule_selecting_that_format(
+    page: Page, tmp_path: Path
+) -> None:
+    """An FP8 and an NVFP4 layer (and one of unknown format) each show their format next to their name and are
+    coloured against the rule that selects them by format, as the collector selects them: globs over any kind's
+    format unless ``format_kind`` names one; a layer of unknown format matches no ``formats:`` rule and no
+    ``exclude_formats:`` rule excludes it."""
+    run, layers = "e2e/formats", ["blocks.0.fc8", "blocks.0.fc4", "head"]
+    fp8 = {"weight": "fp8_e4m3:tensor", "input": "fp8_e4m3:tensor", "grad": "fp8_e5m2:tensor"}
+    fp4 = {"weight": "nvfp4", "input": "nvfp4", "grad": "fp8_e5m2:tensor"}
+    output = {"metric": "output_rel_l2", "op": ">", "consecutive": 3}
+    rules = [
+        {**output, "name": "fp8_bound", "threshold": 0.05, "formats": ["fp8*"], "format_kind": "weight"},
+        {**output, "name": "fp4_bound", "threshold": 0.25, "formats": ["nvfp4"]},
+        {**output, "name": "high_bit_bound", "threshold": 0.1, "exclude_formats": ["nvfp4*"]},
+        # fp8_e5m2 is only the gradients' format: a rule on the weight's takes none of these layers.
+        {**output, "name": "e5m2_weights", "threshold": 0.01, "formats": ["fp8_e5m2*"], "format_kind": "weight"},
+    ]
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(json.dumps({"default_rules": False, "rules": rules}))
+    values = [0.07, 0.2, 0.07]
+    batch = {
+        "run": run,
+        "batch_id": "formats-1",
+        "layers": layers,
+        "layer_formats": [fp8, fp4, None],
+        "steps": [{"step": step, "metrics": {"output_rel_l2": values}} for step in range(1, 5)],
+    }
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'formats.db'}", rules_file=rules_file)
+    with BackgroundServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        http.post("/api/v1/ingest", json=batch).raise_for_status()
+        page.goto(f"{server.url}/#run={quote(run, safe='')}&metric=output_rel_l2")
+        page.wait_for_selector("#heatmap[data-rows]")
+        canvas = page.locator("#heatmap")
+        assert json.loads(canvas.get_attribute("data-row-formats") or "[]") == ["fp8_e4m3", "nvfp4", ""]
+        assert json.loads(canvas.get_attribute("data-row-bounds") or "[]") == ["> 5%", "> 25%", "> 10%"]
+        # 7% is past the FP8 layer's 5% and within the unknown layer's 10%; 20% is within the FP4 layer's 25%.
+        assert [_kind_of(colour) for colour in _cell_colours(page)] == ["past", "within", "within"]
+        shown = _hover_cell(page, 1, 0)
+        assert "weight nvfp4, input nvfp4, grad fp8_e5m2:tensor" in (shown["text"] or "")
+        assert "fp4_bound" in (shown["text"] or "")
+        assert "formats" not in (_hover_cell(page, 2, 0)["text"] or "")
+
+
+def test_estimated_points_are_marked_in_the_layer_chart(page: Page, tmp_path: Path) -> None:
+    """Values the agent estimated from a subset of rows read "≈" in the chart's tooltip, and the chart says how many."""
+    run, estimated = "e2e/estimated", {3, 4}
+    batch = {
+        "run": run,
+        "batch_id": "estimated-1",
+        "layers": ["a", "b"],
+        "steps": [
+            {"step": step, "metrics": {"output_rel_l2": [0.01 * step, 0.02]}}
+            | ({"estimated": ["output_rel_l2"]} if step in estimated else {})
+            for step in range(8)
+        ],
+    }
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'estimated.db'}")
+    with BackgroundServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        http.post("/api/v1/ingest", json=batch).raise_for_status()
+        page.goto(f"{server.url}/#run={quote(run, safe='')}&metric=output_rel_l2&layer=a")
+        note = page.locator("#series-note")
+        note.wait_for(state="visible")
+        assert note.inner_text().startswith("≈ 2 of 8 points estimated")
+        assert json.loads(page.locator("#series").get_attribute("data-estimated") or "[]") == [3, 4]
+
+        def hover(step: int) -> str:
+            point = page.evaluate(
+                """(step) => {
+                    const c = document.getElementById('series');
+                    const { plot, xmin, xmax } = c._chart;
+                    const box = c.getBoundingClientRect();
+                    return [box.left + plot.x + ((step - xmin) / (xmax - xmin)) * plot.w, box.top + plot.y + 5];
+                }""",
+                step,
+            )
+            page.mouse.move(point[0], point[1])
+            tooltip = page.locator("#series-tooltip")
+            tooltip.wait_for(state="visible")
+            page.wait_for_function(
+                "(step) => document.getElementById('series-tooltip').innerText.includes('step ' + step)", arg=step
+            )
+            return tooltip.inner_text()
+
+        assert "≈" in hover(3)
+        assert "≈" not in hover(6)

@@ -177,7 +177,8 @@ def test_batch_adds_layers_to_known_run(
         == 200
     )
     layers = client.get("/api/v1/runs/grow/layers").json()
-    assert layers == [{"index": 0, "name": "a"}, {"index": 1, "name": "b"}, {"index": 2, "name": "c"}]
+    unknown = {"formats": None, "format_changes": []}
+    assert layers == [{"index": i, "name": name, **unknown} for i, name in enumerate("abc")]
     heat = _heat(client, "grow", "m")
     assert heat["layers"] == ["a", "b", "c"]
     assert heat["values"] == [[1.0, 4.0], [2.0, None], [None, 3.0]]
@@ -303,7 +304,14 @@ def test_live_ingest_over_http(
         assert r.status_code == 200
         assert r.json()["points"] == 2
         s = http.get("/api/v1/runs/live/1/series", params={"metric": "m", "layer": "x"}).json()
-    assert s == {"steps": [0, 1], "min": [0.25, 0.5], "mean": [0.25, 0.5], "max": [0.25, 0.5], "bucket_steps": 1}
+    assert s == {
+        "steps": [0, 1],
+        "min": [0.25, 0.5],
+        "mean": [0.25, 0.5],
+        "max": [0.25, 0.5],
+        "bucket_steps": 1,
+        "estimated": [],
+    }
     assert json.loads(json.dumps(s)) == s
 
 

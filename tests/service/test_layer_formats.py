@@ -131,3 +131,32 @@ def test_migration_0004_keeps_stored_data_and_adds_formats_and_baseline_state(em
             assert conn.execute(text("SELECT streak FROM alert_series")).scalar_one() == 2
     finally:
         engine.dispose()
+
+
+def test_layers_route_answers_formats_and_the_history_of_changed_layers(
+    post_batch: Callable[..., Any], client: Any
+) -> None:
+    layers = ("a", "b", "c")
+    assert post_batch(doc_with([FP8, FP4, None], layers, (1,))).status_code == 200
+    assert post_batch(doc_with([FP8, {**FP4, "weight": "fp8_e4m3:tensor"}, None], layers, (5,))).status_code == 200
+    assert post_batch(doc_with([FP8, {"grad": "high_precision"}, None], layers, (9,))).status_code == 200
+    answer = client.get("/api/v1/runs/fmt/layers").json()
+    assert [layer["name"] for layer in answer] == ["a", "b", "c"]
+    a, b, c = answer
+    assert a["formats"] == FP8
+    assert a["format_changes"] == []  # never changed: no history to show
+    assert b["formats"] == {"weight": "fp8_e4m3:tensor", "input": "nvfp4", "grad": "high_precision"}
+    assert [(x["step"], x["kind"], x["format"]) for x in b["format_changes"]] == [
+        (1, "grad", "fp8_e5m2:tensor"),
+        (1, "input", "nvfp4"),
+        (1, "weight", "nvfp4"),
+        (5, "weight", "fp8_e4m3:tensor"),
+        (9, "grad", "high_precision"),
+    ]
+    assert c == {"index": 2, "name": "c", "formats": None, "format_changes": []}
+
+
+def test_a_layer_declaring_some_kinds_answers_null_for_the_others(post_batch: Callable[..., Any], client: Any) -> None:
+    assert post_batch(doc_with([{"weight": "nvfp4"}], ("only",))).status_code == 200
+    (layer,) = client.get("/api/v1/runs/fmt/layers").json()
+    assert layer["formats"] == {"weight": "nvfp4", "input": None, "grad": None}

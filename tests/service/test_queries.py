@@ -291,7 +291,9 @@ def test_delete_run(client: Any, post_batch: Callable[..., Any], make_batch: Cal
     # The same name starts afresh, and the old batch id is no longer a duplicate.
     again = post_batch(doc)
     assert again.json()["duplicate"] is False
-    assert client.get("/api/v1/runs/gone/layers").json() == [{"index": 0, "name": "a"}]
+    assert client.get("/api/v1/runs/gone/layers").json() == [
+        {"index": 0, "name": "a", "formats": None, "format_changes": []}
+    ]
 
 
 def test_export_csv_and_parquet_hold_every_point_exactly(

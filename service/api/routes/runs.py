@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from quantwatch.service.alerts.formats import layer_format_answers
 from quantwatch.service.api.deps import (
     AdminAuth,
     FiringAlertCounts,
@@ -50,8 +51,11 @@ def list_runs(store: StoreDep, firing: FiringAlertCountsDep) -> list[RunSummary]
 
 @router.get("/runs/{run:path}/layers", response_model=list[LayerInfo], dependencies=[ReadAuth], responses=NOT_FOUND)
 def list_layers(run: str, store: StoreDep) -> list[LayerInfo]:
-    """Layers of a run in model order (the order the agent first sent them)."""
-    return [LayerInfo.model_validate(x) for x in store.list_layers(run)]
+    """Layers of a run in model order (the order the agent first sent them), each with its declared formats."""
+    layers = store.list_layers(run)  # first: an unknown run is a 404
+    formats = layer_format_answers(store.factory, run)
+    unknown: dict[str, Any] = {"formats": None, "format_changes": []}
+    return [LayerInfo.model_validate({**x, **formats.get(x["name"], unknown)}) for x in layers]
 
 
 # Series and heatmaps are built as plain lists by the store and sent as they are: validating ~10⁵ floats through
