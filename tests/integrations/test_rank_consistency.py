@@ -97,13 +97,13 @@ def test_a_perturbed_replica_is_named_at_the_next_sampled_step(
     _train(tmp_path, sqlite_collector, world, perturbed, prefix)
 
     (episode,) = _mismatch_episodes(sqlite_collector, f"{prefix}-perturbed")
-    assert episode["layer"] == "module.2"
+    assert episode["layer"] == "2"  # named as in the bare model, without DDP's module.
     assert episode["firing"]["step"] == 10  # sampled steps are 0, 5, 10: the first after the change
     assert episode["ranks"] == [perturbed]
     answer = _ranks(sqlite_collector, f"{prefix}-perturbed")
     assert (answer["compared_steps"], answer["incomplete_steps"], answer["mismatched_steps"]) == (3, 0, 1)
     (mismatch,) = answer["mismatches"]
-    assert (mismatch["step"], mismatch["layer"], mismatch["ranks"]) == (10, "module.2", [perturbed])
+    assert (mismatch["step"], mismatch["layer"], mismatch["ranks"]) == (10, "2", [perturbed])
     assert mismatch["majority"] is (world == 3)
     assert [r["group"] for r in answer["ranks"]] == [f"0-{world - 1}"] * world
 
