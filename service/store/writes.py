@@ -23,6 +23,7 @@ from quantwatch.service.batch import IngestBatch, IngestObserver
 from quantwatch.service.models import Batch, Layer, MetricName, Point, Run, RunMetric, RunRank, ScalarPoint
 from quantwatch.service.rollups import F32, I64, MISSING_BITS, is_missing, missing_row, rows_from_blobs
 from quantwatch.service.store.common import IngestResult, RunCache, find_run
+from quantwatch.service.store.compaction import Compactor, frontier_after, read_frontier
 from quantwatch.service.store.rollup_writes import RollupWriter
 
 log = logging.getLogger("quantwatch.service")
@@ -39,6 +40,7 @@ class BatchWriter:
         self.pg = engine.dialect.name == "postgresql"
         self._insert = postgresql.insert if self.pg else sqlite.insert
         self._rollups = RollupWriter(self._insert)
+        self._compactor = Compactor(factory, self._rollups, self.pg)
         point = self._insert(Point)
         self._point_upsert = point.on_conflict_do_update(
             index_elements=["run_id", "rank", "step", "name_id"],
@@ -76,7 +78,8 @@ class BatchWriter:
                 names = {n for s in batch.steps for n in s.metrics} | {n for s in batch.steps for n in s.scalars}
                 name_ids = self._name_ids(conn, sorted(names), pending_names)
                 self._write_run_metrics(conn, run_id, batch, name_ids, cache)
-                self._write_points(conn, run_id, batch, layers, index, name_ids)
+                frontier = read_frontier(conn, run_id, batch.rank)  # under the rank's write lock
+                self._write_points(conn, run_id, batch, layers, index, name_ids, frontier)
                 self._write_scalars(conn, run_id, batch, name_ids)
                 self._write_rank(conn, run_id, batch, now, points)
                 if observers:
@@ -97,7 +100,26 @@ class BatchWriter:
                 observer.after_commit(batch)
             except Exception:
                 log.exception("ingest observer %r failed after commit", observer)
+        if frontier_after(max(s.step for s in batch.steps)) > frontier:
+            self._compact(run_id, batch.rank)
         return IngestResult(batch.batch_id, False, points)
+
+    def compact_all(self, run: str) -> None:
+        """Build every rollup block of ``run`` now, the partial last block of each rank included (raises
+        NotFoundError); ingest keeps them current from then on. Needed before a downgrade below revision 0004."""
+        with self.factory() as session:
+            run_id = find_run(session, run).id
+            ranks = session.scalars(select(RunRank.rank).where(RunRank.run_id == run_id)).all()
+        for rank in ranks:
+            self._compactor.compact(run_id, rank, self.rank_key(run_id, rank), whole=True)
+
+    def _compact(self, run_id: int, rank: int) -> None:
+        """Build the rank's complete blocks after the batch is durable: a failure here costs reads some raw steps
+        until the rank's next batch retries it, never the acknowledged batch (so it is logged, not raised)."""
+        try:
+            self._compactor.compact(run_id, rank, self.rank_key(run_id, rank))
+        except Exception:
+            log.exception("rollup compaction of run id %d rank %d failed; the next batch retries it", run_id, rank)
 
     @staticmethod
     def rank_key(run_id: int, rank: int) -> int:
@@ -175,6 +197,7 @@ class BatchWriter:
         layers: list[str],
         index: dict[str, int],
         name_ids: dict[str, int],
+        frontier: int,
     ) -> None:
         n_layers = len(layers)
         columns = np.array([index[n] for n in batch.layers], dtype=np.int64)
@@ -204,7 +227,6 @@ class BatchWriter:
             )
         }
         rows: list[dict[str, Any]] = []
-        replaced: dict[int, list[int]] = {}
         matrices: dict[int, tuple[I64, F32]] = {}
         for name, entries in steps_by_metric.items():
             nid = name_ids[name]
@@ -227,7 +249,6 @@ class BatchWriter:
                 new = values[hits]
                 # Last write wins per (layer, step): a re-sent step replaces what it measures, keeps the rest.
                 values[hits] = np.where(is_missing(new), old, new)
-                replaced[nid] = [int(steps[i]) for i in hits]
             matrices[nid] = (steps, values)
             times = [e[1] for e in entries]
             blob = values.astype("<f4", copy=False)
@@ -243,7 +264,11 @@ class BatchWriter:
                 for i in range(len(entries))
             )
         conn.execute(self._point_upsert, rows)
-        self._rollups.write(conn, run_id, batch.rank, matrices, set(replaced), n_layers)
+        # Steps at or past the frontier wait for the compactor; a step behind it (late, or re-sent) lands in a
+        # complete block, which is recomputed from the raw points just written (a min or max cannot be subtracted).
+        late = {nid: (s[s < frontier], v[s < frontier]) for nid, (s, v) in matrices.items() if int(s[0]) < frontier}
+        if late:
+            self._rollups.write(conn, run_id, batch.rank, late, set(late), n_layers)
 
     def _write_scalars(self, conn: Connection, run_id: int, batch: IngestBatch, name_ids: dict[str, int]) -> None:
         rows = [
