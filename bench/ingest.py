@@ -9,6 +9,7 @@ ratio.
 
     .venv/bin/python bench/ingest.py                 # everything (several minutes)
     .venv/bin/python bench/ingest.py --seconds 10 --skip-postgres --query-steps 20000
+    .venv/bin/python bench/ingest.py --clients 8 --many-ranks --skip-mlflow   # issue 21: one step per request
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import msgpack
 import numpy as np
 from _common import METRICS
 
+from quantwatch.protocol import LAYER_METRICS
 from quantwatch.service.server import free_port, wait_until_ready
 
 LAYERS = [
@@ -80,9 +82,17 @@ def encode_batch(run: str, rank: int, steps: range, metrics: list[str], values: 
     return bytes(msgpack.packb(doc, use_bin_type=True))
 
 
-def ingest_client(args: tuple[str, str, int, int, float, float, Any]) -> tuple[int, list[float], float, float]:
+# The "many ranks" workload (issue 21): each rank posts one sampled step per request, every SAMPLE_EVERY-th step,
+# with 12 of the catalogue's per-layer metrics, as the agent does with its default sampling.
+MANY_RANKS_METRICS = [m for m in LAYER_METRICS if m != "weight_drift_rel_l2"][:12]
+SAMPLE_EVERY = 10
+
+
+def ingest_client(
+    args: tuple[str, str, int, int, float, float, Any, list[str], int],
+) -> tuple[int, list[float], float, float]:
     """One client process: send batches back to back for ``seconds`` (encoding each takes ~1 ms, like the agent)."""
-    url, run, rank, steps_per_batch, seconds, scale, barrier = args
+    url, run, rank, steps_per_batch, seconds, scale, barrier, metrics, stride = args
     values = workload_values(rank, scale)
     latencies: list[float] = []
     points = 0
@@ -91,7 +101,8 @@ def ingest_client(args: tuple[str, str, int, int, float, float, Any]) -> tuple[i
         barrier.wait()
         start = time.perf_counter()
         for i in range(10**9):
-            body = encode_batch(run, rank, range(i * steps_per_batch, (i + 1) * steps_per_batch), METRICS, values)
+            steps = range(i * steps_per_batch * stride, (i + 1) * steps_per_batch * stride, stride)
+            body = encode_batch(run, rank, steps, metrics, values)
             t0 = time.perf_counter()
             r = http.post("/api/v1/ingest", content=body, headers=headers)
             latencies.append(time.perf_counter() - t0)
@@ -104,15 +115,23 @@ def ingest_client(args: tuple[str, str, int, int, float, float, Any]) -> tuple[i
 
 
 def run_clients(
-    url: str, run: str, clients: int, steps_per_batch: int, seconds: float, scale: float
+    url: str,
+    run: str,
+    clients: int,
+    steps_per_batch: int,
+    seconds: float,
+    scale: float,
+    metrics: list[str] = METRICS,
+    stride: int = 1,
 ) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         barrier = manager.Barrier(clients)
         with ctx.Pool(clients) as pool:
-            results = pool.map(
-                ingest_client, [(url, run, rank, steps_per_batch, seconds, scale, barrier) for rank in range(clients)]
-            )
+            jobs = [
+                (url, run, rank, steps_per_batch, seconds, scale, barrier, metrics, stride) for rank in range(clients)
+            ]
+            results = pool.map(ingest_client, jobs)
     points = sum(r[0] for r in results)
     latencies = sorted(x for r in results for x in r[1])
     wall = max(r[3] for r in results) - min(r[2] for r in results)
@@ -204,9 +223,11 @@ def bench_backend(name: str, url: str, size_of: Any, args: argparse.Namespace) -
             base,
             "bench-ingest",
             args.clients,
-            args.steps_per_batch,
+            1 if args.many_ranks else args.steps_per_batch,
             args.seconds,
             FLAPPING_SCALE if args.flapping else HEALTHY_SCALE,
+            MANY_RANKS_METRICS if args.many_ranks else METRICS,
+            SAMPLE_EVERY if args.many_ranks else 1,
         )
         print(
             f"ingest: {ingest['points_per_second']:,.0f} points/s acknowledged "
@@ -331,12 +352,17 @@ def main() -> None:
     parser.add_argument(
         "--flapping", action="store_true", help="values in [0, 1): most layers cross the default 5%% rule every step"
     )
+    parser.add_argument(
+        "--many-ranks",
+        action="store_true",
+        help=f"each client a rank posting one sampled step (every {SAMPLE_EVERY}th) of 12 metrics per request",
+    )
     args = parser.parse_args()
+    steps, metrics = (1, MANY_RANKS_METRICS) if args.many_ranks else (args.steps_per_batch, METRICS)
     print(
-        f"workload: {args.clients} client processes × batches of {args.steps_per_batch} steps × {len(LAYERS)} layers × "
-        f"{len(METRICS)} metrics (msgpack float32 bin, "
-        f"{args.steps_per_batch * len(LAYERS) * len(METRICS):,} points/batch), values uniform in "
-        f"[0, {FLAPPING_SCALE if args.flapping else HEALTHY_SCALE}) with the shipped alert rules on"
+        f"workload: {args.clients} client processes × batches of {steps} steps × {len(LAYERS)} layers × "
+        f"{len(metrics)} metrics (msgpack float32 bin, {steps * len(LAYERS) * len(metrics):,} points/batch), "
+        f"values uniform in [0, {FLAPPING_SCALE if args.flapping else HEALTHY_SCALE}) with the shipped alert rules on"
     )
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="qw-bench-") as tmp:

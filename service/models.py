@@ -17,6 +17,7 @@ from sqlalchemy import (
     MetaData,
     String,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -62,6 +63,8 @@ class RunRank(Base):
     last_step: Mapped[int] = mapped_column(BigInteger)
     last_seen_at: Mapped[float] = mapped_column(Double)
     points: Mapped[int] = mapped_column(BigInteger)
+    # Rollup blocks ending before this step are complete; reads take later steps from the raw points (issue 21).
+    compacted_step: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
 
 
 class Layer(Base):

@@ -43,6 +43,11 @@ class Store:
         """Store ``batch`` atomically, or recognise it as a duplicate; run the observers (see IngestObserver)."""
         return self._writer.ingest(batch, observers)
 
+    def compact_rollups(self, run: str) -> None:
+        """Build every rollup block of ``run`` now, each rank's partial last block included (raises NotFoundError).
+        Ingest builds blocks once they are complete; this is for a downgrade below migration 0004 and for tests."""
+        self._writer.compact_all(run)
+
     def delete_run(self, name: str) -> None:
         """Delete a run and everything stored for it (foreign keys cascade)."""
         self._writer.delete_run(name)

@@ -83,7 +83,15 @@ class HistoryReader:
         # Everything a series read needs to know before reading values, in one round trip: the run, the layer's
         # index, the metric's id (only if the run has sent it) and the rank's step range (NULL where absent).
         self._series_keys = (
-            select(Run.id, Run.layer_count, Layer.idx, RunMetric.name_id, RunRank.first_step, RunRank.last_step)
+            select(
+                Run.id,
+                Run.layer_count,
+                Layer.idx,
+                RunMetric.name_id,
+                RunRank.first_step,
+                RunRank.last_step,
+                RunRank.compacted_step,
+            )
             .select_from(Run)
             .outerjoin(Layer, and_(Layer.run_id == Run.id, Layer.name == bindparam("layer")))
             .outerjoin(MetricName, MetricName.name == bindparam("metric"))
@@ -221,8 +229,12 @@ class HistoryReader:
         width: int,
         layer: int | None,
         n_layers: int,
+        frontier: int,
     ) -> tuple[I64, Partials]:
-        """Partials per aligned bucket of ``width`` steps over [lo, hi]; keys are bucket indexes (step // width)."""
+        """Partials per aligned bucket of ``width`` steps over [lo, hi]; keys are bucket indexes (step // width).
+
+        Rollup blocks are used only where they end before the rank's ``frontier`` (``compacted_step``): later steps
+        come from the raw points, whose blocks may not be built yet."""
         levels = [lv for lv in LEVELS if lv <= width]
         if not levels:
             steps, part = self._raw_partials(conn, run_id, rank, nid, lo, hi, layer, n_layers)
@@ -230,7 +242,7 @@ class HistoryReader:
             return keys, part.reduce(starts) if keys.size else part
         level = levels[-1]
         first_full = -(-lo // level)
-        last_full = (hi + 1) // level - 1
+        last_full = min(hi + 1, frontier) // level - 1
         if first_full > last_full:
             steps, part = self._raw_partials(conn, run_id, rank, nid, lo, hi, layer, n_layers)
         else:
@@ -257,7 +269,7 @@ class HistoryReader:
             ).first()
             if keys_row is None:
                 raise NotFoundError(f"run {run!r} not found")
-            run_id, n_layers, idx, nid, first_step, last_step = keys_row
+            run_id, n_layers, idx, nid, first_step, last_step, frontier = keys_row
             if idx is None:
                 raise NotFoundError(f"layer {layer!r} not found in run {run!r}")
             if nid is None:
@@ -272,7 +284,7 @@ class HistoryReader:
                 params = {"run_id": run_id, "rank": rank, "nid": nid, "lo": lo, "hi": hi, "limit": max_points + 1}
                 if conn.execute(self._raw_count, params).scalar_one() > max_points:
                     width = choose_width(lo, hi, max_points)
-            keys, part = self._bucketed(conn, run_id, rank, nid, lo, hi, width, int(idx), int(n_layers))
+            keys, part = self._bucketed(conn, run_id, rank, nid, lo, hi, width, int(idx), int(n_layers), int(frontier))
             params = {"run_id": run_id, "rank": rank, "nid": nid, "lo": lo, "hi": hi}
             marked = {int(step) for (step,) in conn.execute(self._estimated_steps, params)}
         answer = self._series_answer(
@@ -365,7 +377,19 @@ class HistoryReader:
                 }
             lo, hi = rng
             width = choose_width(lo, hi, max_steps)
-            keys, part = self._bucketed(session.connection(), r.id, rank, nid, lo, hi, width, None, r.layer_count)
+            frontier = session.get(RunRank, (r.id, rank))  # in the session already: read by _range
+            keys, part = self._bucketed(
+                session.connection(),
+                r.id,
+                rank,
+                nid,
+                lo,
+                hi,
+                width,
+                None,
+                r.layer_count,
+                0 if frontier is None else frontier.compacted_step,
+            )
         grid = np.arange(lo // width, hi // width + 1, dtype=np.int64)
         pos = np.searchsorted(grid, keys)
         n_cols = grid.size

@@ -63,12 +63,20 @@ class RollupWriter:
         matrices: dict[int, tuple[I64, F32]],
         replaced: set[int],
         n_layers: int,
+        *,
+        merge: bool = True,
     ) -> None:
-        """Bring every rollup level up to date for the batch's steps, all metrics at once per level."""
+        """Bring every rollup level up to date for the given steps, all metrics at once per level.
+
+        For a name id in ``replaced`` the touched base blocks are recomputed from the raw points (written first);
+        for the others the values are merged into the stored blocks, or, with ``merge=False``, are taken as the
+        whole content of their blocks (the compactor's case: it read them from raw).
+        """
         base = LEVELS[0]
         level_parts: dict[int, tuple[I64, Partials]] = {}
         fresh = [nid for nid in matrices if nid not in replaced]
-        if fresh:
+        stored_all: dict[int, tuple[I64, Partials]] = {}
+        if fresh and merge:
             lo = min(int(matrices[nid][0][0]) for nid in fresh) // base
             hi = max(int(matrices[nid][0][-1]) for nid in fresh) // base
             stored_all = self.read(conn, run_id, rank, fresh, base, lo, hi, n_layers)

@@ -1,0 +1,44 @@
+"""Rollups: a per-rank compaction frontier, so ingest writes raw points and builds rollups from complete blocks.
+
+``run_ranks.compacted_step``: every rollup block that ends before this step is complete; reads combine those blocks
+with the raw points from the frontier on (the raw tail), so answers stay exact while the rollups trail the ingest
+path (issue 21). Rows stored before this revision had every rollup written per batch, so their frontier starts just
+past their last step.
+
+Revision ID: 0007_rollup_frontier
+Revises: 0006_estimated
+Create Date: 2026-12-01
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+
+from alembic import op
+
+revision: str = "0007_rollup_frontier"
+down_revision: str | None = "0006_estimated"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("run_ranks") as batch:
+        batch.add_column(sa.Column("compacted_step", sa.BigInteger(), nullable=False, server_default="0"))
+    op.execute("UPDATE run_ranks SET compacted_step = last_step + 1")
+
+
+def downgrade() -> None:
+    # The code before this revision reads every rollup block as current, so it would answer wrongly for a raw tail
+    # that has no blocks yet: refuse rather than drop the frontier of such a rank.
+    behind = op.get_bind().execute(sa.text("SELECT count(*) FROM run_ranks WHERE compacted_step <= last_step"))
+    count = int(behind.scalar_one())
+    if count:
+        raise RuntimeError(
+            f"{count} run ranks hold steps past their rollup frontier (run_ranks.compacted_step); "
+            "downgrading below 0007_rollup_frontier would make their reads wrong"
+        )
+    with op.batch_alter_table("run_ranks") as batch:
+        batch.drop_column("compacted_step")

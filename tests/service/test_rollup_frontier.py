@@ -1,0 +1,183 @@
+"""Rollups built behind the ingest path (issue 21): reads that combine finished blocks with the raw tail are exact,
+whatever the batch shapes, late steps and re-sent steps; a crash between a batch's commit and its block's compaction
+loses and duplicates nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import select
+
+from quantwatch.service import Settings
+from quantwatch.service.batch import decode_json
+from quantwatch.service.core.db import make_engine, make_sessionmaker
+from quantwatch.service.models import Rollup, RunRank
+from quantwatch.service.store import Store, choose_width
+from tests.service.conftest import batch_doc
+
+LAYERS = ["a", "b", "c", "d"]
+
+
+@dataclass
+class Reference:
+    """What the store must answer: step → float32 values per layer (NaN where never measured), layers sent."""
+
+    values: dict[int, np.ndarray] = field(default_factory=dict)
+    layers: set[str] = field(default_factory=set)
+
+
+@pytest.fixture
+def store(database_url: str) -> Iterator[Store]:
+    engine = make_engine(Settings(database_url=database_url))
+    yield Store(engine, make_sessionmaker(engine))
+    engine.dispose()
+
+
+def _ingest(store: Store, run: str, steps: list[int], values: np.ndarray, layers: list[str], ref: Reference) -> None:
+    doc = batch_doc(run, layers, steps, {"m": values})
+    assert not store.ingest(decode_json(json.dumps(doc).encode())).duplicate
+    cols = [LAYERS.index(n) for n in layers]
+    ref.layers.update(layers)
+    for step, row in zip(steps, values, strict=True):
+        old = ref.values.get(step, np.full(len(LAYERS), np.nan, dtype=np.float32))
+        new = old.copy()
+        new[cols] = np.where(np.isnan(row), old[cols], row)  # last write wins per measured (layer, step)
+        ref.values[step] = new
+
+
+def _expected(ref: Reference, layer: int, max_points: int) -> dict[str, Any]:
+    """The series answer computed from the reference alone (start and end open: the rank's whole range)."""
+    steps = np.array(sorted(ref.values), dtype=np.int64)
+    lo, hi = int(steps[0]), int(steps[-1])
+    width = 1 if steps.size <= max_points else choose_width(lo, hi, max_points)
+    buckets: dict[int, list[float]] = {}
+    for s in steps.tolist():
+        v = float(ref.values[s][layer])
+        if not np.isnan(v):
+            buckets.setdefault(s // width, []).append(v)
+    keys = sorted(buckets)
+    return {
+        "steps": [max(k * width, lo) for k in keys],
+        "min": [min(buckets[k]) for k in keys],
+        "max": [max(buckets[k]) for k in keys],
+        "mean": [float(np.mean(np.array(buckets[k], dtype=np.float64))) for k in keys],
+        "bucket_steps": width,
+    }
+
+
+def _assert_exact(store: Store, run: str, ref: Reference) -> None:
+    for layer, name in enumerate(LAYERS):
+        if name not in ref.layers:
+            continue
+        for max_points in (1, 3, 12, 40, 100_000):  # bucket widths of 1024, 256, 64, 16 (for ~700 steps), 1
+            got = store.series(run, "m", name, 0, None, None, max_points)
+            want = _expected(ref, layer, max_points)
+            assert np.asarray(got["steps"]).tolist() == want["steps"], (name, max_points)
+            assert got["bucket_steps"] == want["bucket_steps"]
+            assert np.float32(got["min"]).tolist() == np.float32(want["min"]).tolist()
+            assert np.float32(got["max"]).tolist() == np.float32(want["max"]).tolist()
+            np.testing.assert_allclose(np.asarray(got["mean"], dtype=np.float64), want["mean"], rtol=1e-6)
+
+
+def _frontier(store: Store, run: str) -> int:
+    with store.factory() as session:
+        return int(session.scalars(select(RunRank.compacted_step).where(RunRank.run_id == store.run_id(run))).one())
+
+
+batches = st.lists(
+    st.tuples(
+        # Steps: late, re-sent, far ahead, and often a block's last step (then the newest block is complete).
+        st.lists(
+            st.one_of(st.integers(0, 700), st.integers(0, 10).map(lambda k: 64 * k + 63)),
+            min_size=1,
+            max_size=40,
+            unique=True,
+        ),
+        st.lists(st.sampled_from(LAYERS), min_size=1, max_size=4, unique=True),
+        st.integers(0, 2**32 - 1),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shapes=batches)
+def test_reads_across_the_raw_tail_and_finished_blocks_are_exact(store: Store, shapes: list[Any]) -> None:
+    run = f"prop-{uuid.uuid4().hex[:8]}"
+    ref = Reference()
+    for steps, layers, seed in shapes:
+        rng = np.random.default_rng(seed)
+        values = rng.standard_normal((len(steps), len(layers))).astype(np.float32)
+        values[rng.random(values.shape) < 0.2] = np.nan  # not measured in this batch
+        _ingest(store, run, sorted(steps), values, layers, ref)
+        _assert_exact(store, run, ref)
+    assert _frontier(store, run) == max(ref.values) // 64 * 64  # every block before the newest one is built
+    store.compact_rollups(run)
+    assert _frontier(store, run) == max(ref.values) + 1
+    _assert_exact(store, run, ref)
+
+
+CRASHING_INGEST = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from quantwatch.service import Settings
+    from quantwatch.service.batch import decode_json
+    from quantwatch.service.core.db import make_engine, make_sessionmaker
+    from quantwatch.service.store import Store
+    from quantwatch.service.store.compaction import Compactor
+
+    def killed(*args, **kwargs):  # the process dies after the batch's commit, before its compaction
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    Compactor.compact = killed
+    engine = make_engine(Settings(database_url=sys.argv[1], auto_upgrade=False))
+    Store(engine, make_sessionmaker(engine)).ingest(decode_json(sys.argv[2].encode()))
+    """
+)
+
+
+def test_a_crash_between_commit_and_compaction_loses_and_duplicates_nothing(
+    store: Store, database_url: str, tmp_path: Path
+) -> None:
+    run = "crash"
+    ref = Reference()
+    first = np.arange(60, dtype=np.float32)[:, None] * np.ones((1, 4), dtype=np.float32)
+    _ingest(store, run, list(range(60)), first, LAYERS, ref)
+    assert _frontier(store, run) == 0  # block 0 is not complete yet
+    # Up to a block's last step: blocks 0 and 1 (and the first 128-step block) are complete, none is built yet.
+    crossing = np.full((68, 4), 100.0, dtype=np.float32)
+    doc = batch_doc(run, LAYERS, list(range(60, 128)), {"m": crossing}, batch_id="crossing")
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASHING_INGEST, database_url, json.dumps(doc)],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == -9, proc.stderr.decode()
+    for step, row in zip(range(60, 128), crossing, strict=True):
+        ref.values[step] = row
+    assert _frontier(store, run) == 0  # committed, not compacted
+    _assert_exact(store, run, ref)
+    assert store.ingest(decode_json(json.dumps(doc).encode())).duplicate  # the batch was durable
+    assert store.get_run(run)["points"] == 128 * 4
+    _ingest(store, run, [130], np.full((1, 4), 5.0, dtype=np.float32), LAYERS, ref)  # the next batch compacts
+    assert _frontier(store, run) == 128
+    _assert_exact(store, run, ref)
+    with store.engine.connect() as conn:
+        blocks = conn.execute(select(Rollup.level, Rollup.bucket).order_by(Rollup.level, Rollup.bucket)).all()
+    assert [tuple(b) for b in blocks] == [(64, 0), (64, 1), (128, 0), (256, 0), (1024, 0), (4096, 0)]
+    assert store.get_run(run)["points"] == 129 * 4
