@@ -24,7 +24,7 @@ from typing import Any, Literal
 import msgpack
 import numpy as np
 
-from quantwatch.protocol import CONTENT_TYPES, LAYER_FORMATS_FIELD, PROTOCOL_VERSION, check_layer_format
+from quantwatch.protocol import CONTENT_TYPES, LAYER_FORMATS_FIELD, PROTOCOL_VERSION, BatchFields, check_layer_format
 
 logger = logging.getLogger("quantwatch.agent")
 
@@ -61,15 +61,8 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
-class Batch:
+class Batch(BatchFields[StepRecord]):
     """What one ingest request carries; ``batch_id`` makes a retried request idempotent."""
-
-    run: str
-    rank: int
-    batch_id: str
-    layers: tuple[str, ...]
-    steps: tuple[StepRecord, ...]
-    layer_formats: tuple[Mapping[str, str] | None, ...] | None = None
 
     def point_count(self) -> int:
         """Number of stored points the batch yields."""
