@@ -31,6 +31,7 @@ from quantwatch.protocol import (
     FINGERPRINT_FIELD,
     LAYER_FORMATS_FIELD,
     PROTOCOL_VERSION,
+    BatchFields,
     check_layer_format,
 )
 
@@ -94,15 +95,8 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
-class Batch:
+class Batch(BatchFields[StepRecord]):
     """What one ingest request carries; ``batch_id`` makes a retried request idempotent."""
-
-    run: str
-    rank: int
-    batch_id: str
-    layers: tuple[str, ...]
-    steps: tuple[StepRecord, ...]
-    layer_formats: tuple[Mapping[str, str] | None, ...] | None = None
 
     def point_count(self) -> int:
         """Number of stored points the batch yields."""

@@ -7,15 +7,17 @@ Create Date: ${create_date}
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import sqlalchemy as sa
 from alembic import op
 ${imports if imports else ""}
 revision: str = ${repr(up_revision)}
 down_revision: str | None = ${repr(down_revision)}
-branch_labels: str | Sequence[str] | None = ${repr(branch_labels)}
-depends_on: str | Sequence[str] | None = ${repr(depends_on)}
+% if branch_labels:
+branch_labels: str | tuple[str, ...] = ${repr(branch_labels)}
+% endif
+% if depends_on:
+depends_on: str | tuple[str, ...] = ${repr(depends_on)}
+% endif
 
 
 def upgrade() -> None:

@@ -12,6 +12,7 @@ import argparse
 import sqlite3
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,25 +33,41 @@ def size(path: Path, conn: sqlite3.Connection) -> int:
     return sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))
 
 
+Row = tuple[object, ...]
+
+
+def write_batches(
+    path: Path, conn: sqlite3.Connection, steps: int, insert: str, rows: Callable[[range], list[Row]]
+) -> tuple[float, float]:
+    """Insert ``rows(batch_steps)`` one transaction per batch, like the collector; points/s and bytes per point."""
+    t0 = time.perf_counter()
+    for s0 in range(0, steps, BATCH_STEPS):
+        batch = rows(range(s0, s0 + BATCH_STEPS))
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(insert, batch)
+        conn.execute("COMMIT")
+    rate = steps * LAYERS * METRICS / (time.perf_counter() - t0)
+    return rate, size(path, conn) / (steps * LAYERS * METRICS)
+
+
 def narrow(path: Path, values: np.ndarray, steps: int) -> tuple[float, float]:
     conn = connect(path, 4096)
     conn.execute(
         "CREATE TABLE p (run INTEGER, rank INTEGER, layer INTEGER, metric INTEGER, step INTEGER, value REAL,"
         " PRIMARY KEY (run, rank, layer, metric, step)) WITHOUT ROWID"
     )
-    t0 = time.perf_counter()
-    for s0 in range(0, steps, BATCH_STEPS):
-        rows = [
+    return write_batches(
+        path,
+        conn,
+        steps,
+        "INSERT INTO p VALUES (?, ?, ?, ?, ?, ?)",
+        lambda batch_steps: [
             (1, 0, layer, m, s, float(values[s % 16, m, layer]))
-            for s in range(s0, s0 + BATCH_STEPS)
+            for s in batch_steps
             for m in range(METRICS)
             for layer in range(LAYERS)
-        ]
-        conn.execute("BEGIN IMMEDIATE")
-        conn.executemany("INSERT INTO p VALUES (?, ?, ?, ?, ?, ?)", rows)
-        conn.execute("COMMIT")
-    rate = steps * LAYERS * METRICS / (time.perf_counter() - t0)
-    return rate, size(path, conn) / (steps * LAYERS * METRICS)
+        ],
+    )
 
 
 def blobs(path: Path, values: np.ndarray, steps: int) -> tuple[float, float]:
@@ -59,18 +76,15 @@ def blobs(path: Path, values: np.ndarray, steps: int) -> tuple[float, float]:
         "CREATE TABLE p (id INTEGER PRIMARY KEY, run INTEGER, rank INTEGER, step INTEGER, metric INTEGER, vals BLOB)"
     )
     conn.execute("CREATE UNIQUE INDEX k ON p (run, rank, step, metric)")
-    t0 = time.perf_counter()
-    for s0 in range(0, steps, BATCH_STEPS):
-        rows = [
-            (1, 0, s, m, values[s % 16, m].astype("<f4").tobytes())
-            for s in range(s0, s0 + BATCH_STEPS)
-            for m in range(METRICS)
-        ]
-        conn.execute("BEGIN IMMEDIATE")
-        conn.executemany("INSERT INTO p (run, rank, step, metric, vals) VALUES (?, ?, ?, ?, ?)", rows)
-        conn.execute("COMMIT")
-    rate = steps * LAYERS * METRICS / (time.perf_counter() - t0)
-    return rate, size(path, conn) / (steps * LAYERS * METRICS)
+    return write_batches(
+        path,
+        conn,
+        steps,
+        "INSERT INTO p (run, rank, step, metric, vals) VALUES (?, ?, ?, ?, ?)",
+        lambda batch_steps: [
+            (1, 0, s, m, values[s % 16, m].astype("<f4").tobytes()) for s in batch_steps for m in range(METRICS)
+        ],
+    )
 
 
 def main() -> None:

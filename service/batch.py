@@ -15,21 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import msgpack
 import numpy as np
 
-from quantwatch.protocol import (
-    ESTIMATED_FIELD,
-    LAYER_FORMATS_FIELD,
-    MAX_BATCH_ID_LENGTH,
-    MAX_LAYER_NAME_LENGTH,
-    MAX_RANK,
-    MAX_STEP,
-    NONFINITE_TOKENS,
-    PROTOCOL_VERSION,
-    RUN_NAME_PATTERN,
-    RUN_NAME_RULE,
-    SERIES_NAME_PATTERN,
-    TENSOR_KINDS,
-    check_layer_format,
-)
+from quantwatch.protocol import ESTIMATED_FIELD, TENSOR_KINDS, BatchFields, check_layer_format, wire
 from quantwatch.service.ranks.decode import RankReport, decode_rank_reports
 from quantwatch.service.rollups import F32, canonicalise
 from quantwatch.service.wire_error import WireError
@@ -58,20 +44,10 @@ class IngestStep:
 
 
 @dataclass(frozen=True)
-class IngestBatch:
-    """A validated batch: run, rank, batch id, layer names (in the agent's model order) and steps.
+class IngestBatch(BatchFields[IngestStep]):
+    """A validated batch: run, rank, batch id, layer names (in the agent's model order), steps and layer formats;
+    ``rank_reports`` are its steps' weight fingerprints and environment (:mod:`quantwatch.service.ranks`)."""
 
-    ``layer_formats`` is aligned with ``layers`` when the agent sent it: each layer's ``{kind: format}``, or ``None``
-    for a layer of unknown format; ``None`` as a whole for a batch without formats (older agents).
-    ``rank_reports`` are its steps' weight fingerprints and environment (:mod:`quantwatch.service.ranks`).
-    """
-
-    run: str
-    rank: int
-    batch_id: str
-    layers: tuple[str, ...]
-    steps: tuple[IngestStep, ...]
-    layer_formats: tuple[Mapping[str, str] | None, ...] | None = None
     rank_reports: tuple[RankReport, ...] = ()
 
     @property
@@ -114,9 +90,9 @@ def _number(value: Any, field: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise WireError(422, field, "must be a number, null, or one of 'nan', 'inf', '-inf'")
     if isinstance(value, str):
-        if value not in NONFINITE_TOKENS:
+        if value not in wire.NONFINITE_TOKENS:
             raise WireError(422, field, f"string {value[:20]!r} is not one of 'nan', 'inf', '-inf'")
-        return NONFINITE_TOKENS[value]
+        return wire.NONFINITE_TOKENS[value]
     return float(value)
 
 
@@ -148,7 +124,7 @@ def _int(value: Any, field: str, low: int, high: int) -> int:
 def _step(raw: Any, n_layers: int, field: str, seen: set[int]) -> IngestStep:
     _require(isinstance(raw, dict), field, "must be an object")
     _require("step" in raw, f"{field}.step", "is required")
-    step = _int(raw["step"], f"{field}.step", 0, MAX_STEP)
+    step = _int(raw["step"], f"{field}.step", 0, wire.MAX_STEP)
     _require(step not in seen, f"{field}.step", f"step {step} appears twice in the batch")
     seen.add(step)
     time = _number(raw.get("time"), f"{field}.time")
@@ -159,7 +135,9 @@ def _step(raw: Any, n_layers: int, field: str, seen: set[int]) -> IngestStep:
     missing: dict[str, np.ndarray] = {}
     for name, values in raw_metrics.items():
         where = f"{field}.metrics.{name}"
-        _require(isinstance(name, str) and SERIES_NAME_PATTERN.fullmatch(name) is not None, where, "bad metric name")
+        _require(
+            isinstance(name, str) and wire.SERIES_NAME_PATTERN.fullmatch(name) is not None, where, "bad metric name"
+        )
         arr, miss = _metric_values(values, n_layers, where)
         metrics[name] = arr
         if miss is not None:
@@ -169,7 +147,9 @@ def _step(raw: Any, n_layers: int, field: str, seen: set[int]) -> IngestStep:
     scalars: dict[str, float] = {}
     for name, value in raw_scalars.items():
         where = f"{field}.scalars.{name}"
-        _require(isinstance(name, str) and SERIES_NAME_PATTERN.fullmatch(name) is not None, where, "bad scalar name")
+        _require(
+            isinstance(name, str) and wire.SERIES_NAME_PATTERN.fullmatch(name) is not None, where, "bad scalar name"
+        )
         number = _number(value, where)
         if number is not None:
             scalars[name] = number
@@ -190,7 +170,7 @@ def _estimated(raw: Any, metrics: Mapping[str, F32], field: str) -> frozenset[st
 def _layer_formats(raw: Any, n_layers: int) -> tuple[Mapping[str, str] | None, ...] | None:
     if raw is None:
         return None
-    field = LAYER_FORMATS_FIELD
+    field = wire.LAYER_FORMATS_FIELD
     _require(isinstance(raw, list), field, "must be an array aligned with `layers`")
     _require(len(raw) == n_layers, field, f"length {len(raw)} ≠ {n_layers} layers")
     formats: list[Mapping[str, str] | None] = []
@@ -215,24 +195,28 @@ def batch_from_obj(obj: Any) -> IngestBatch:
     """Validate a decoded JSON/msgpack document into an :class:`IngestBatch` (raises :class:`WireError`)."""
     _require(isinstance(obj, dict), "", "the batch must be an object")
     run = obj.get("run")
-    _require(isinstance(run, str) and RUN_NAME_PATTERN.fullmatch(run) is not None, "run", f"must match {RUN_NAME_RULE}")
-    rank = _int(obj.get("rank", 0), "rank", 0, MAX_RANK)
+    _require(
+        isinstance(run, str) and wire.RUN_NAME_PATTERN.fullmatch(run) is not None,
+        "run",
+        f"must match {wire.RUN_NAME_RULE}",
+    )
+    rank = _int(obj.get("rank", 0), "rank", 0, wire.MAX_RANK)
     # A batch without a version is an older agent's (version 0); every version so far is read the same way.
-    _int(obj.get("protocol", 0), "protocol", 0, PROTOCOL_VERSION)
+    _int(obj.get("protocol", 0), "protocol", 0, wire.PROTOCOL_VERSION)
     batch_id = obj.get("batch_id")
     _require(
-        isinstance(batch_id, str) and 1 <= len(batch_id) <= MAX_BATCH_ID_LENGTH,
+        isinstance(batch_id, str) and 1 <= len(batch_id) <= wire.MAX_BATCH_ID_LENGTH,
         "batch_id",
-        f"must be a string of 1..{MAX_BATCH_ID_LENGTH} chars",
+        f"must be a string of 1..{wire.MAX_BATCH_ID_LENGTH} chars",
     )
     _require("\x00" not in batch_id, "batch_id", "must not contain NUL")  # PostgreSQL text cannot store it
     layers = obj.get("layers", [])
     _require(isinstance(layers, list), "layers", "must be an array of layer names")
     for i, name in enumerate(layers):
         _require(
-            isinstance(name, str) and 0 < len(name) <= MAX_LAYER_NAME_LENGTH,
+            isinstance(name, str) and 0 < len(name) <= wire.MAX_LAYER_NAME_LENGTH,
             f"layers[{i}]",
-            f"must be 1..{MAX_LAYER_NAME_LENGTH} chars",
+            f"must be 1..{wire.MAX_LAYER_NAME_LENGTH} chars",
         )
         _require("\x00" not in name, f"layers[{i}]", "must not contain NUL")
     _require(len(set(layers)) == len(layers), "layers", "layer names must be unique")
@@ -240,7 +224,7 @@ def batch_from_obj(obj: Any) -> IngestBatch:
     _require(isinstance(raw_steps, list) and len(raw_steps) > 0, "steps", "must be a non-empty array")
     seen: set[int] = set()
     steps = tuple(_step(raw, len(layers), f"steps[{i}]", seen) for i, raw in enumerate(raw_steps))
-    formats = _layer_formats(obj.get(LAYER_FORMATS_FIELD), len(layers))
+    formats = _layer_formats(obj.get(wire.LAYER_FORMATS_FIELD), len(layers))
     reports = decode_rank_reports(raw_steps, len(layers), rank)
     return IngestBatch(
         run=run,

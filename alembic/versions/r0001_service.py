@@ -7,7 +7,7 @@ Create Date: 2026-11-30
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -15,14 +15,31 @@ from alembic import op
 
 revision: str = "0001_service"
 down_revision: str | None = None
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 RowId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
-def _run_fk() -> sa.ForeignKey:
-    return sa.ForeignKey("runs.id", ondelete="CASCADE")
+def _runs_fk(table: str) -> sa.ForeignKeyConstraint:
+    return sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=f"fk_{table}_run_id_runs", ondelete="CASCADE")
+
+
+def _metric_names_fk(table: str) -> sa.ForeignKeyConstraint:
+    return sa.ForeignKeyConstraint(["name_id"], ["metric_names.id"], name=f"fk_{table}_name_id_metric_names")
+
+
+def _series_table(table: str, *columns: sa.Column[Any], key: tuple[str, ...], **options: Any) -> None:
+    """A table of one metric series' rows: (run, rank, metric name) and ``columns``, keyed by the series and ``key``."""
+    op.create_table(
+        table,
+        sa.Column("run_id", RowId, nullable=False),
+        sa.Column("rank", sa.Integer(), nullable=False),
+        sa.Column("name_id", RowId, nullable=False),
+        *columns,
+        _runs_fk(table),
+        _metric_names_fk(table),
+        sa.PrimaryKeyConstraint("run_id", "rank", "name_id", *key, name=f"pk_{table}"),
+        **options,
+    )
 
 
 def upgrade() -> None:
@@ -45,7 +62,7 @@ def upgrade() -> None:
         sa.Column("last_step", sa.BigInteger(), nullable=False),
         sa.Column("last_seen_at", sa.Double(), nullable=False),
         sa.Column("points", sa.BigInteger(), nullable=False),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_run_ranks_run_id_runs", ondelete="CASCADE"),
+        _runs_fk("run_ranks"),
         sa.PrimaryKeyConstraint("run_id", "rank", name="pk_run_ranks"),
     )
     op.create_table(
@@ -53,7 +70,7 @@ def upgrade() -> None:
         sa.Column("run_id", RowId, nullable=False),
         sa.Column("idx", sa.Integer(), nullable=False),
         sa.Column("name", sa.String(500), nullable=False),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_layers_run_id_runs", ondelete="CASCADE"),
+        _runs_fk("layers"),
         sa.PrimaryKeyConstraint("run_id", "idx", name="pk_layers"),
         sa.UniqueConstraint("run_id", "name", name="uq_layers_run_id_name"),
     )
@@ -69,8 +86,8 @@ def upgrade() -> None:
         sa.Column("run_id", RowId, nullable=False),
         sa.Column("name_id", RowId, nullable=False),
         sa.Column("kind", sa.String(8), nullable=False),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_run_metrics_run_id_runs", ondelete="CASCADE"),
-        sa.ForeignKeyConstraint(["name_id"], ["metric_names.id"], name="fk_run_metrics_name_id_metric_names"),
+        _runs_fk("run_metrics"),
+        _metric_names_fk("run_metrics"),
         sa.PrimaryKeyConstraint("run_id", "name_id", "kind", name="pk_run_metrics"),
     )
     op.create_table(
@@ -80,7 +97,7 @@ def upgrade() -> None:
         sa.Column("rank", sa.Integer(), nullable=False),
         sa.Column("received_at", sa.Double(), nullable=False),
         sa.Column("points", sa.BigInteger(), nullable=False),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_batches_run_id_runs", ondelete="CASCADE"),
+        _runs_fk("batches"),
         sa.PrimaryKeyConstraint("run_id", "batch_id", name="pk_batches"),
     )
     op.create_table(
@@ -92,35 +109,25 @@ def upgrade() -> None:
         sa.Column("name_id", RowId, nullable=False),
         sa.Column("time", sa.Double(), nullable=True),
         sa.Column("vals", sa.LargeBinary(), nullable=False),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_points_run_id_runs", ondelete="CASCADE"),
-        sa.ForeignKeyConstraint(["name_id"], ["metric_names.id"], name="fk_points_name_id_metric_names"),
+        _runs_fk("points"),
+        _metric_names_fk("points"),
         sa.PrimaryKeyConstraint("id", name="pk_points"),
     )
     op.create_index("ix_points_key", "points", ["run_id", "rank", "step", "name_id"], unique=True)
-    op.create_table(
+    _series_table(
         "rollups",
-        sa.Column("run_id", RowId, nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
-        sa.Column("name_id", RowId, nullable=False),
         sa.Column("level", sa.Integer(), nullable=False),
         sa.Column("bucket", sa.BigInteger(), nullable=False),
         sa.Column("stats", sa.LargeBinary(), nullable=False),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_rollups_run_id_runs", ondelete="CASCADE"),
-        sa.ForeignKeyConstraint(["name_id"], ["metric_names.id"], name="fk_rollups_name_id_metric_names"),
-        sa.PrimaryKeyConstraint("run_id", "rank", "name_id", "level", "bucket", name="pk_rollups"),
+        key=("level", "bucket"),
         sqlite_with_rowid=False,
     )
-    op.create_table(
+    _series_table(
         "scalar_points",
-        sa.Column("run_id", RowId, nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
-        sa.Column("name_id", RowId, nullable=False),
         sa.Column("step", sa.BigInteger(), nullable=False),
         sa.Column("time", sa.Double(), nullable=True),
         sa.Column("value", sa.LargeBinary(), nullable=False),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_scalar_points_run_id_runs", ondelete="CASCADE"),
-        sa.ForeignKeyConstraint(["name_id"], ["metric_names.id"], name="fk_scalar_points_name_id_metric_names"),
-        sa.PrimaryKeyConstraint("run_id", "rank", "name_id", "step", name="pk_scalar_points"),
+        key=("step",),
     )
     if op.get_bind().dialect.name == "postgresql":
         # Keep the float32 blobs in the heap row, uncompressed (noise does not compress; TOAST would split a

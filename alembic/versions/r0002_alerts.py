@@ -7,16 +7,12 @@ Create Date: 2026-11-30
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import sqlalchemy as sa
 
 from alembic import op
 
 revision: str = "0002_alerts"
 down_revision: str | None = "0001_service"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 OPEN = sa.text("state IN ('pending', 'firing')")
 

@@ -23,8 +23,6 @@ from alembic import op
 
 revision: str = "0003_rollup_level_128"
 down_revision: str | None = "0002_alerts"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 RECORD = np.dtype([("min", "<f4"), ("max", "<f4"), ("sum", "<f8"), ("count", "<u2")])
 # Level-64 blocks read per round trip (even, so a level-128 block never straddles two pages): ~9 MiB at 512 layers.

@@ -12,16 +12,12 @@ Create Date: 2026-12-01
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import sqlalchemy as sa
 
 from alembic import op
 
 revision: str = "0004_layer_formats"
 down_revision: str | None = "0003_rollup_level_128"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 RowId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 

@@ -43,6 +43,7 @@ from quantwatch.protocol.wire import (
     RUN_NAME_PATTERN,
     RUN_NAME_RULE,
     SERIES_NAME_PATTERN,
+    BatchFields,
     ingest_json_schema,
 )
 
@@ -78,6 +79,7 @@ __all__ = [
     "TENSOR_KINDS",
     "TRANSIENT_4XX",
     "Backoff",
+    "BatchFields",
     "Measure",
     "catalog_document",
     "check_layer_format",

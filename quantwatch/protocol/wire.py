@@ -7,7 +7,9 @@ generated from them by :func:`ingest_json_schema`.
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from quantwatch.protocol.catalog import CATALOG
 from quantwatch.protocol.formats import MAX_FORMAT_LENGTH, TENSOR_KINDS
@@ -32,6 +34,7 @@ __all__ = [
     "RUN_NAME_PATTERN",
     "RUN_NAME_RULE",
     "SERIES_NAME_PATTERN",
+    "BatchFields",
     "ingest_json_schema",
 ]
 
@@ -40,6 +43,26 @@ PROTOCOL_VERSION = 1
 agents), which the collector keeps accepting."""
 
 INGEST_PATH = "/api/v1/ingest"
+
+StepT = TypeVar("StepT")
+
+
+@dataclass(frozen=True)
+class BatchFields(Generic[StepT]):
+    """The fields of one ingest batch, in wire order; the agent's ``Batch`` and the collector's ``IngestBatch`` add
+    their own step type and behaviour.
+
+    ``layer_formats`` is aligned with ``layers`` when the agent sends it: each layer's ``{kind: format}``, or ``None``
+    for a layer of unknown format; ``None`` as a whole for a batch without formats (older agents).
+    """
+
+    run: str
+    rank: int
+    batch_id: str
+    layers: tuple[str, ...]
+    steps: tuple[StepT, ...]
+    layer_formats: tuple[Mapping[str, str] | None, ...] | None = None
+
 
 RUN_NAME_RULE = "[A-Za-z0-9._:/-]{1,200}"
 RUN_NAME_PATTERN = re.compile(RUN_NAME_RULE)

@@ -99,15 +99,15 @@ class AlertEngine:
     ) -> None:
         self.external_url = external_url
         self.delivery_horizon_seconds = delivery_horizon_seconds
-        self._wake = wake
-        self._dispatch = dispatch
-        self._clock = clock
-        self._rules = RuleCache()
         self.formats = formats if formats is not None else LayerFormatRecorder()
         """The layer formats' observer; it must see a batch before this engine does (see ``create_app``)."""
-        self._enqueued = threading.local()
+        self._clock = clock
+        self._wake = wake
+        self._dispatch = dispatch
+        self._rules = RuleCache()
         self._latest: dict[tuple[str, str, int, str], SeriesSnapshot] = {}
         self._latest_lock = threading.Lock()
+        self._enqueued = threading.local()
 
     # -- rules -------------------------------------------------------------------------------------------------
     def active_rules(self, session: Session) -> list[tuple[int, Rule]]:

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from quantwatch.service.alerts.catalog import NotFoundError
 from quantwatch.service.api.problems import ProblemError
 
 
-def not_found(kind: str, name: str) -> ProblemError:
-    """The 404 answer for an unknown ``kind`` (``"rule"``, ``"receiver"``) called ``name``."""
-    return ProblemError(404, f"no {kind} named {name!r}")
+@contextmanager
+def answer_404(kind: str, name: str) -> Iterator[None]:
+    """Turn the catalog's :class:`NotFoundError` inside the block into the 404 answer for an unknown ``kind``
+    (``"rule"``, ``"receiver"``) called ``name``."""
+    try:
+        yield
+    except NotFoundError:
+        raise ProblemError(404, f"no {kind} named {name!r}") from None
 
 
 def require_path_name(body_name: str, path_name: str) -> None:

@@ -213,6 +213,17 @@ def _fp8_update_cosine(captured: list[tuple[Tensor, Tensor]]) -> float:
     return dots / math.sqrt(qn * rn)
 
 
+def _report_two_micro_batches(layer: QuantLinear, run: str, metric: str) -> qw.InMemoryExporter:
+    """One reported step of ``layer`` measuring ``metric`` alone over two micro-batches; the monitor is closed."""
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(nn.Sequential(layer), run=run, exporter=sink, metrics=[metric], every=1)
+    for _ in range(2):
+        layer(torch.randn(3, 5, 8)).square().mean().backward()
+    monitor.step()
+    assert monitor.close(10)
+    return sink
+
+
 def test_quant_linear_update_cosine_from_its_direct_reference_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
     # QuantLinear gives its FP32 reference weight gradient directly: with update_cosine alone no reference forward
     # runs, and over two micro-batches the figure is the hand-computed cosine of both gradient pairs.
@@ -220,12 +231,7 @@ def test_quant_linear_update_cosine_from_its_direct_reference_gradient(monkeypat
     reference_calls: list[Tensor] = []
     real_reference = layer.reference_forward
     monkeypatch.setattr(layer, "reference_forward", lambda x: reference_calls.append(x) or real_reference(x))
-    sink = qw.InMemoryExporter()
-    monitor = qw.attach(nn.Sequential(layer), run="direct", exporter=sink, metrics=["update_cosine"], every=1)
-    for _ in range(2):
-        layer(torch.randn(3, 5, 8)).square().mean().backward()
-    monitor.step()
-    assert monitor.close(10)
+    sink = _report_two_micro_batches(layer, "direct", "update_cosine")
     assert reference_calls == []
     assert len(captured) == 2
     assert sink.value("update_cosine", "0", 0) == pytest.approx(_fp8_update_cosine(captured), rel=1e-5)
@@ -235,12 +241,7 @@ def test_update_rel_l2_is_the_hand_computed_distance_of_the_gradients() -> None:
     # ‖g_q − g_ref‖ / ‖g_ref‖ over the micro-batches' mergeable sums, with Σ(g_q − g_ref)² taken directly: at FP8-sized
     # errors, Σq² − 2Σqx + Σx² would have cancelled most of its digits.
     layer, captured = _fp8_layer_capturing_output_grads(seed=5)
-    sink = qw.InMemoryExporter()
-    monitor = qw.attach(nn.Sequential(layer), run="rel", exporter=sink, metrics=["update_rel_l2"], every=1)
-    for _ in range(2):
-        layer(torch.randn(3, 5, 8)).square().mean().backward()
-    monitor.step()
-    assert monitor.close(10)
+    sink = _report_two_micro_batches(layer, "rel", "update_rel_l2")
     err2 = ref2 = 0.0
     for xin, dy in captured:
         q = quantize(dy, "fp8_e5m2", "tensor").reshape(-1, 4).T @ quantize(xin, "fp8_e4m3", "tensor").reshape(-1, 8)

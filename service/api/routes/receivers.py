@@ -7,11 +7,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Response
 
 from quantwatch.service.alerts import queries
-from quantwatch.service.alerts.catalog import ConflictError, NotFoundError
+from quantwatch.service.alerts.catalog import ConflictError
 from quantwatch.service.alerts.rules import ReceiverSpec
 from quantwatch.service.alerts.schemas import ReceiverOut
 from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep, reject_nul
-from quantwatch.service.api.named import not_found, require_path_name
+from quantwatch.service.api.named import answer_404, require_path_name
 from quantwatch.service.api.problems import ProblemError
 
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown receiver"}}
@@ -31,10 +31,8 @@ def list_receivers(store: StoreDep) -> list[ReceiverOut]:
 @router.get("/{name}", response_model=ReceiverOut, dependencies=[ReadAuth], responses=NOT_FOUND)
 def get_receiver(name: str, store: StoreDep) -> ReceiverOut:
     """One receiver by name, without secrets or header values."""
-    try:
+    with answer_404("receiver", name):
         return queries.get_receiver(store.factory, name)
-    except NotFoundError:
-        raise not_found("receiver", name) from None
 
 
 @router.post("", response_model=ReceiverOut, status_code=201, dependencies=[AdminAuth], responses=CONFLICT)
@@ -50,17 +48,13 @@ def create_receiver(receiver: ReceiverBody, store: StoreDep) -> ReceiverOut:
 def replace_receiver(name: str, receiver: ReceiverBody, store: StoreDep) -> ReceiverOut:
     """Replace a receiver (this also re-enables one disabled after a 410 when ``enabled`` is true)."""
     require_path_name(receiver.name, name)
-    try:
+    with answer_404("receiver", name):
         return queries.save_receiver(store.factory, receiver, create=False)
-    except NotFoundError:
-        raise not_found("receiver", name) from None
 
 
 @router.delete("/{name}", status_code=204, dependencies=[AdminAuth], responses=NOT_FOUND)
 def remove_receiver(name: str, store: StoreDep) -> Response:
     """Delete a receiver and its undelivered notifications."""
-    try:
+    with answer_404("receiver", name):
         queries.remove_receiver(store.factory, name)
-    except NotFoundError:
-        raise not_found("receiver", name) from None
     return Response(status_code=204)

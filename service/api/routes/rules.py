@@ -7,11 +7,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Response
 
 from quantwatch.service.alerts import queries
-from quantwatch.service.alerts.catalog import ConflictError, NotFoundError
+from quantwatch.service.alerts.catalog import ConflictError
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.schemas import RuleOut
 from quantwatch.service.api.deps import AdminAuth, AlertsDep, ReadAuth, StoreDep, reject_nul
-from quantwatch.service.api.named import not_found, require_path_name
+from quantwatch.service.api.named import answer_404, require_path_name
 from quantwatch.service.api.problems import ProblemError
 
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown rule"}}
@@ -37,10 +37,8 @@ def list_rules(store: StoreDep) -> list[RuleOut]:
 @router.get("/{name}", response_model=RuleOut, dependencies=[ReadAuth], responses=NOT_FOUND)
 def get_rule(name: str, store: StoreDep) -> RuleOut:
     """One rule by name."""
-    try:
+    with answer_404("rule", name):
         return queries.get_rule(store.factory, name)
-    except NotFoundError:
-        raise not_found("rule", name) from None
 
 
 @router.post("", response_model=RuleOut, status_code=201, dependencies=[AdminAuth], responses=CONFLICT)
@@ -56,12 +54,11 @@ def create_rule(rule: RuleBody, store: StoreDep, alerts: AlertsDep) -> RuleOut:
 def replace_rule(name: str, rule: RuleBody, store: StoreDep, alerts: AlertsDep) -> RuleOut:
     """Replace a rule; its open episodes resolve and its series start over under the new definition."""
     require_path_name(rule.name, name)
-    try:
-        answer = queries.save_rule(store.factory, alerts, rule, create=False)
-    except ConflictError as exc:
-        raise _conflict(exc) from None
-    except NotFoundError:
-        raise not_found("rule", name) from None
+    with answer_404("rule", name):
+        try:
+            answer = queries.save_rule(store.factory, alerts, rule, create=False)
+        except ConflictError as exc:
+            raise _conflict(exc) from None
     alerts.send_enqueued()
     return answer
 
@@ -69,9 +66,7 @@ def replace_rule(name: str, rule: RuleBody, store: StoreDep, alerts: AlertsDep) 
 @router.delete("/{name}", status_code=204, dependencies=[AdminAuth], responses=NOT_FOUND)
 def remove_rule(name: str, store: StoreDep, alerts: AlertsDep) -> Response:
     """Delete an API rule, or disable a default or rules-file rule; firing episodes resolve."""
-    try:
+    with answer_404("rule", name):
         queries.remove_rule(store.factory, alerts, name)
-    except NotFoundError:
-        raise not_found("rule", name) from None
     alerts.send_enqueued()
     return Response(status_code=204)

@@ -30,8 +30,7 @@ def _trained_batches() -> list[Batch]:
     monitor = qw.attach(model, run="recorded/agent-v0", exporter=sink, every=1, rank=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
-        x = torch.randn(4, 16)
-        loss = model(x).square().mean()
+        loss = model(torch.randn(4, 16)).square().mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
