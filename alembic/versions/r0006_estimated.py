@@ -10,16 +10,12 @@ Create Date: 2026-12-01
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import sqlalchemy as sa
 
 from alembic import op
 
 revision: str = "0006_estimated"
 down_revision: str | None = "0005_ranks"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 RowId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 

@@ -12,16 +12,12 @@ Create Date: 2026-12-01
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import sqlalchemy as sa
 
 from alembic import op
 
 revision: str = "0007_rollup_frontier"
 down_revision: str | None = "0006_estimated"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
