@@ -229,12 +229,15 @@ def test_readme_python_blocks_run(collector: Any) -> None:
         "opt": torch.optim.SGD(net.parameters(), lr=0.01),
     }
     exec(attach_block.replace('"http://127.0.0.1:8000"', repr(collector.url)), namespace)
-    # every=10 over 12 steps: steps 0 and 10 are sampled, with the layers' figures and the loss.
+    # every=10 over 12 steps: the layers' figures at the sampled steps 0 and 10, the loss at every step (issue 22).
     run = httpx.get(f"{collector.url}/api/v1/runs/gpt-fp4-a").json()
-    assert run["last_step"] == 10
-    for query in ({"metric": "output_rel_l2", "layer": "head"}, {"scalar": "loss"}):
-        series = httpx.get(f"{collector.url}/api/v1/runs/gpt-fp4-a/series", params=query).json()
-        assert series["steps"] == [0, 10], query
+    assert run["last_step"] == 11
+    layer = httpx.get(
+        f"{collector.url}/api/v1/runs/gpt-fp4-a/series", params={"metric": "output_rel_l2", "layer": "head"}
+    )
+    assert layer.json()["steps"] == [0, 10]
+    loss = httpx.get(f"{collector.url}/api/v1/runs/gpt-fp4-a/series", params={"scalar": "loss"}).json()
+    assert loss["steps"] == list(range(12))
 
     # Kernels: quantize, fused statistics, and a model converted by rules (last layer FP8, the rest NVFP4).
     namespace = {}
