@@ -31,3 +31,6 @@ def check(path: Annotated[Path, typer.Argument(help="YAML rules file to validate
     )
     for rule in effective:
         typer.echo(f"  {rule.describe()}")
+    for rule in effective:
+        for warning in rule.warnings():
+            typer.echo(f"{path}: warning: {warning}", err=True)

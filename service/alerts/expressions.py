@@ -56,8 +56,8 @@ class ScalarExpression:
         names: set[str] = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Name):
-                if node.id not in SCALARS:
-                    raise ValueError(f"scalar: unknown scalar {node.id!r}; known: {', '.join(sorted(SCALARS))}")
+                # Any scalar a run may send: the catalogued ones, the agent's counters (agent_*), the user's own
+                # (grad_norm=, lr=); `quantwatch rules check` warns about names outside the catalogue.
                 names.add(node.id)
             elif isinstance(node, ast.Constant):
                 if isinstance(node.value, bool) or not isinstance(node.value, int | float):

@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from quantwatch.protocol import CATALOG, LAYER_METRICS
-from quantwatch.service.alerts.expressions import ScalarExpression
+from quantwatch.service.alerts.expressions import SCALARS, ScalarExpression
 
 __all__ = [
     "DEFAULT_DESCRIPTION",
@@ -363,6 +363,22 @@ class Rule(BaseModel):
     def on_cosine(self) -> bool:
         """Whether the rule watches a cosine (whose deviation is ``1 - cosine``)."""
         return self.metric is not None and CATALOG[self.metric].unit == "cosine"
+
+    def warnings(self) -> list[str]:
+        """What is valid but probably not meant: a scalar outside the catalogue (fine when runs send it), a
+        threshold above 1 on a ratio metric (ratios are stored as ratios: 5% is 0.05)."""
+        found: list[str] = []
+        if self.scalar is not None:
+            for name in sorted(self.expression().names - SCALARS):
+                if not name.startswith("agent_"):
+                    found.append(f"{self.name}: scalar {name!r} is not catalogued; the rule waits for runs to send it")
+        measure = CATALOG.get(self.metric) if self.metric is not None else None
+        if measure is not None and measure.is_ratio and abs(self.threshold) > 1:
+            found.append(
+                f"{self.name}: threshold {self.threshold:g} on the ratio {self.metric} looks like a percentage; "
+                f"ratios are stored as ratios (5% is 0.05)"
+            )
+        return found
 
     def describe(self) -> str:
         """One line saying what the rule watches, e.g. for ``quantwatch rules check``."""

@@ -75,8 +75,16 @@ def test_layers_takes_one_glob_or_a_list_of_which_any_may_match() -> None:
 def test_rule_kind_and_expressions() -> None:
     with pytest.raises(ValidationError, match="exactly one of"):
         Rule(name="r", op=">", threshold=1.0)
-    with pytest.raises(ValidationError, match="unknown scalar"):
-        Rule(name="r", scalar="loss / shadow", op=">", threshold=1.0)
+    # Any scalar a run may send can be watched (issue 22): a custom one, the agent's counters.
+    custom = Rule(name="r", scalar="grad_norm / loss", op=">", threshold=1.0)
+    assert custom.expression().names == {"grad_norm", "loss"}
+    assert custom.warnings() == ["r: scalar 'grad_norm' is not catalogued; the rule waits for runs to send it"]
+    assert Rule(name="c", scalar="agent_dropped_batches", op=">", threshold=0.0).warnings() == []
+    percent = Rule(name="p", metric="output_rel_l2", op=">", threshold=5)
+    assert percent.warnings() == [
+        "p: threshold 5 on the ratio output_rel_l2 looks like a percentage; ratios are stored as ratios (5% is 0.05)"
+    ]
+    assert Rule(name="q", metric="output_sqnr_db", op="<", threshold=20).warnings() == []
     with pytest.raises(ValidationError, match="not allowed"):
         Rule(name="r", scalar="__import__('os').system('x')", op=">", threshold=1.0)
     with pytest.raises(ValidationError, match="only \\+ - \\* /"):
@@ -252,6 +260,15 @@ def test_rules_check_cli_prints_lines(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "1 enabled in effect" in result.output
     assert CliRunner().invoke(app, ["rules", "check", str(tmp_path / "missing.yml")]).exit_code == 2
+    odd = tmp_path / "odd.yml"
+    odd.write_text(
+        "default_rules: false\nrules:\n  - {name: pct, metric: output_rel_l2, op: '>', threshold: 5}\n"
+        "  - {name: custom, scalar: grad_norm, op: '>', threshold: 10}\n"
+    )
+    result = CliRunner().invoke(app, ["rules", "check", str(odd)])
+    assert result.exit_code == 0, result.output
+    assert f"{odd}: warning: pct: threshold 5 on the ratio output_rel_l2 looks like a percentage" in result.output
+    assert f"{odd}: warning: custom: scalar 'grad_norm' is not catalogued" in result.output
 
 
 def test_serve_refuses_a_bad_rules_file_with_its_line(tmp_path: Path) -> None:
