@@ -275,9 +275,11 @@ def alerts(
     as_json: JsonOption = False,
     timeout: TimeoutOption = 30.0,
 ) -> None:
-    """List alert episodes (rule, run, layer, state, step) from the collector."""
-    from quantwatch.client import API_PREFIX
+    """List alert episodes (rule, run, layer, state, step) from the collector; an unknown --run exits 4."""
+    from quantwatch.client import API_PREFIX, CollectorClient
 
+    if run is not None:
+        _get_json(url, token, timeout, CollectorClient.run_path(run))  # a run the collector does not know: 404
     _, body = _get_json(
         url, token, timeout, f"{API_PREFIX}/alerts", {"run": run, "state": state.value if state else None}
     )
@@ -384,8 +386,13 @@ def export(
     with _client(url, token, timeout) as client:
         try:
             if output is None:
-                client.download(client.run_path(run, "/export"), params, sys.stdout.buffer)
-                sys.stdout.buffer.flush()
+                try:
+                    client.download(client.run_path(run, "/export"), params, sys.stdout.buffer)
+                    sys.stdout.buffer.flush()
+                except BrokenPipeError:
+                    # `quantwatch export RUN | head`: the reader had enough, which is not a failure. Point stdout
+                    # at /dev/null so the interpreter's own flush at exit does not fail on the closed pipe.
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
                 return
             # Write next to the target and rename, so a failed export never leaves a partial file behind.
             directory = output.resolve().parent

@@ -7,6 +7,8 @@ import gzip
 import io
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,7 @@ def test_series_bucketed_and_scalar(collector: Any) -> None:
         (["series", "no-such-run", "--scalar", "loss"], "404"),
         (["series", "RUN", "--metric", "output_rel_l2", "--layer", "no.such.layer"], "404"),
         (["export", "no-such-run", "--format", "csv"], "404"),
+        (["alerts", "--run", "no-such-run"], "404"),
     ],
 )
 def test_unknown_things_exit_4(collector: Any, args: list[str], message: str) -> None:
@@ -129,6 +132,28 @@ def test_export_csv_and_parquet_hold_every_point(collector: Any, tmp_path: Path)
     result = invoke(collector, "export", collector.run, "--format", "parquet", "-o", str(parquet_path))
     assert result.exit_code == 0, result.stderr
     assert pq.read_table(parquet_path).num_rows == EXPECTED_POINTS
+
+
+def test_export_into_a_pipe_closed_early_is_not_a_failure(collector: Any) -> None:
+    # `quantwatch export RUN | head -c 100`: the reader closes the pipe after 100 bytes of the CSV.
+    command = [
+        sys.executable,
+        "-m",
+        "quantwatch.cli",
+        "export",
+        collector.run,
+        "--format",
+        "csv",
+        "--url",
+        collector.url,
+    ]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        assert process.stdout is not None
+        assert process.stdout.read(100).startswith(b"rank,step,")
+        process.stdout.close()
+        stderr = process.stderr.read() if process.stderr else b""
+        assert process.wait(timeout=60) == 0, stderr
+    assert stderr == b""
 
 
 def test_failed_export_leaves_no_file(collector: Any, tmp_path: Path) -> None:
