@@ -248,3 +248,16 @@ def test_readme_python_blocks_run(collector: Any) -> None:
     assert converted[0].weight_quantizer.spec.fmt == "nvfp4"
     assert converted[2].weight_quantizer.spec.fmt.startswith("fp8")
     assert namespace["q"].shape == namespace["x"].shape
+
+
+def test_readme_lists_every_attach_option() -> None:
+    import inspect
+    import re
+
+    from quantwatch.agent import attach
+
+    table = README[README.index("Every option of `attach()`") :]
+    table = table[: table.index("\n\n", table.index("| option |"))]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    listed = [name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])]
+    assert sorted(listed) == sorted(inspect.signature(attach).parameters)
