@@ -81,9 +81,13 @@ def test_every_readme_command_is_run_or_validated() -> None:
 
 def test_make_targets_run_the_readme_commands() -> None:
     # `make -n` prints the recipe without running it (the suite itself runs under `make test`).
-    demo = subprocess.run(["make", "-n", "demo"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    demo = subprocess.run(
+        ["make", "--no-print-directory", "-n", "demo"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
     assert re.search(r"^\.venv/bin/quantwatch demo$", demo, flags=re.MULTILINE), demo
-    test = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    test = subprocess.run(
+        ["make", "--no-print-directory", "-n", "test"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
     for tool in ("ruff check .", "ruff format --check .", "mypy", "python -m pytest"):
         assert tool in test, test
     ci = (REPO / ".ci" / "run").read_text()
