@@ -53,11 +53,11 @@ from quantwatch.agent.readout import ESTIMATED_METRICS, METRIC_KINDS, NF, ROW, S
 from quantwatch.agent.sampling import Schedule
 from quantwatch.agent.scalars import resident_memory_bytes, scalar_step, split_scalars
 from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel, ShadowOptions
-from quantwatch.agent.validation import detect_rank, periods, reports
+from quantwatch.agent.validation import check_run, check_scalars_every, check_shadow, detect_rank, periods, reports
 from quantwatch.agent.wire import Encoding, StepRecord, wire_formats
 from quantwatch.agent.wrappers import CompiledRegions, unwrap
 from quantwatch.kernels import native as native_kernels
-from quantwatch.protocol import LAYER_METRICS, RUN_NAME_PATTERN, RUN_NAME_RULE
+from quantwatch.protocol import LAYER_METRICS
 
 __all__ = ["DEFAULT_EVERY", "Monitor", "attach"]
 
@@ -123,6 +123,7 @@ class Monitor:
         for index, adapter in enumerate(self._adapters):
             adapter.configure(shadow_options or ShadowOptions(), index)
         self._wire_formats = {str(info): wire_formats(str(info), info.formats) for info in self._infos}
+        self._wire_layers = self._layers_on_the_wire()
         first_param = next(model.parameters(), None)
         self._device = first_param.device if first_param is not None else torch.device("cpu")
         if reporting and self._device.type == "cpu":
@@ -211,6 +212,7 @@ class Monitor:
             self._adapters.append(adapter)
             self._infos.append(LayerInfo(name, KernelEntry.name, KernelEntry.formats))
             self._wire_formats[name] = wire_formats(name, KernelEntry.formats)
+            self._wire_layers = self._layers_on_the_wire()
             if self._armed:
                 adapter.arm(self._kinds(self._armed))
         return adapter.wrap(fn)
@@ -388,9 +390,13 @@ class Monitor:
         tokens = tokens if tokens is not None else self._tokens_per_step
         if tokens is not None and step_seconds > 0:
             numbers["tokens_per_second"] = float(tokens) / step_seconds
-        layers = tuple(str(info) for info in self._infos)
-        formats = tuple(self._wire_formats.get(n) for n in layers)
+        layers, formats = self._wire_layers
         self._engine.submit(PendingStep(layers, scalar_step(step, numbers, names, tensors), formats))
+
+    def _layers_on_the_wire(self) -> tuple[tuple[str, ...], tuple[Mapping[str, str] | None, ...]]:
+        """The layer names and their wire formats, as every step's record carries them (kept, not rebuilt per step)."""
+        layers = tuple(str(info) for info in self._infos)
+        return layers, tuple(self._wire_formats.get(n) for n in layers)
 
     def _submit(
         self,
@@ -526,17 +532,13 @@ def attach(
     """
     if not isinstance(model, nn.Module):
         raise ConfigError("model", f"must be a torch.nn.Module, got {type(model).__name__}")
-    run = run or os.environ.get("QUANTWATCH_RUN")
-    if not isinstance(run, str) or not RUN_NAME_PATTERN.fullmatch(run):
-        raise ConfigError("run", f"must match {RUN_NAME_RULE}, got {run!r}")
-    if shadow not in ("layer", "model"):
-        raise ConfigError("shadow", f"must be 'layer' or 'model', got {shadow!r}")
+    run = check_run(run or os.environ.get("QUANTWATCH_RUN"))
+    check_shadow(shadow)
     if shadow == "model" and shadow_optimizer is None:
         raise ConfigError("shadow_optimizer", "shadow='model' needs shadow_optimizer=lambda params: ...")
     if tokens_per_step is not None and (not isinstance(tokens_per_step, int | float) or tokens_per_step <= 0):
         raise ConfigError("tokens_per_step", f"must be a number > 0, got {tokens_per_step!r}")
-    if not isinstance(scalars_every, int) or isinstance(scalars_every, bool) or scalars_every < 1:
-        raise ConfigError("scalars_every", f"must be an integer >= 1, got {scalars_every!r}")
+    check_scalars_every(scalars_every)
     schedule = Schedule(periods(metrics, every, shadow), start=start, end=end)
     shadow_options = ShadowOptions.parse(reference_dtype, shadow_rows)
     found = find_layers(model, layers)

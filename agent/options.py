@@ -12,8 +12,7 @@ from typing import Any
 from quantwatch.agent.errors import ConfigError
 from quantwatch.agent.monitor import DEFAULT_EVERY, attach
 from quantwatch.agent.sampling import Schedule
-from quantwatch.agent.validation import periods, reports
-from quantwatch.protocol import RUN_NAME_PATTERN, RUN_NAME_RULE
+from quantwatch.agent.validation import check_run, check_scalars_every, check_shadow, periods, reports
 
 __all__ = ["check_attach_options"]
 
@@ -28,21 +27,17 @@ def check_attach_options(**options: Any) -> None:
     for name in options:
         if name not in known:
             raise ConfigError(name, f"is not an option of attach(); options: {', '.join(known)}")
-    run = options.get("run")
-    if run is not None and (not isinstance(run, str) or not RUN_NAME_PATTERN.fullmatch(run)):
-        raise ConfigError("run", f"must match {RUN_NAME_RULE}, got {run!r}")
+    if options.get("run") is not None:
+        check_run(options["run"])
     shadow = options.get("shadow", "layer")
-    if shadow not in ("layer", "model"):
-        raise ConfigError("shadow", f"must be 'layer' or 'model', got {shadow!r}")
+    check_shadow(shadow)
     Schedule(
         periods(options.get("metrics"), options.get("every", DEFAULT_EVERY), shadow),
         start=options.get("start", 0),
         end=options.get("end"),
     )
     reports(0, options.get("ranks", "all"))
-    scalars_every = options.get("scalars_every", 1)
-    if not isinstance(scalars_every, int) or isinstance(scalars_every, bool) or scalars_every < 1:
-        raise ConfigError("scalars_every", f"must be an integer >= 1, got {scalars_every!r}")
+    check_scalars_every(options.get("scalars_every", 1))
     url = options.get("url")
     if url is not None and not isinstance(url, str):
         raise ConfigError("url", f"must be a string, got {type(url).__name__}")

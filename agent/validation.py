@@ -9,9 +9,9 @@ import torch
 
 from quantwatch.agent.errors import ConfigError
 from quantwatch.agent.readout import METRIC_KINDS
-from quantwatch.protocol import LAYER_METRICS
+from quantwatch.protocol import LAYER_METRICS, RUN_NAME_PATTERN, RUN_NAME_RULE
 
-__all__ = ["DEFAULT_METRICS", "detect_rank", "periods", "reports"]
+__all__ = ["DEFAULT_METRICS", "check_run", "check_scalars_every", "check_shadow", "detect_rank", "periods", "reports"]
 
 #: Measured by default (the catalogued metrics this agent measures); ``weight_drift_rel_l2`` joins them with
 #: ``shadow="model"``.
@@ -63,3 +63,22 @@ def periods(metrics: Sequence[str] | Mapping[str, int] | None, every: int, shado
     if "weight_drift_rel_l2" in periods and shadow != "model":
         raise ConfigError("metrics", "weight_drift_rel_l2 needs shadow='model'")
     return periods
+
+
+def check_run(run: object) -> str:
+    """``run`` if it is a valid run name, else ConfigError."""
+    if not isinstance(run, str) or not RUN_NAME_PATTERN.fullmatch(run):
+        raise ConfigError("run", f"must match {RUN_NAME_RULE}, got {run!r}")
+    return run
+
+
+def check_shadow(shadow: object) -> None:
+    """ConfigError unless ``shadow`` is ``"layer"`` or ``"model"``."""
+    if shadow not in ("layer", "model"):
+        raise ConfigError("shadow", f"must be 'layer' or 'model', got {shadow!r}")
+
+
+def check_scalars_every(scalars_every: object) -> None:
+    """ConfigError unless ``scalars_every`` is an integer >= 1."""
+    if not isinstance(scalars_every, int) or isinstance(scalars_every, bool) or scalars_every < 1:
+        raise ConfigError("scalars_every", f"must be an integer >= 1, got {scalars_every!r}")
