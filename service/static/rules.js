@@ -148,3 +148,19 @@ export function rowBound(metric, layer) {
   const low = lowIsBad(pool[0]);
   return pool.filter((b) => lowIsBad(b) === low).reduce((a, b) => ((low ? b.threshold > a.threshold : b.threshold < a.threshold) ? b : a));
 }
+
+// Each row (layer) against its own rule bound, and the legend's entries: one per distinct bound, the most common
+// first, with how many rows it colours; `unwatched` when some rows have no rule while others do.
+export function rowBounds(metric, layers) {
+  const bounds = layers.map((layer) => rowBound(metric, layer));
+  const tally = new Map();
+  for (const b of bounds) {
+    if (!b) continue;
+    const key = `${b.op} ${b.threshold}`;
+    const seen = tally.get(key);
+    if (seen) seen.rows++;
+    else tally.set(key, { bound: b, rows: 1 });
+  }
+  const legend = [...tally.values()].sort((a, b) => b.rows - a.rows);
+  return { bounds, legend, unwatched: legend.length > 0 && bounds.includes(null) };
+}
