@@ -77,7 +77,20 @@ export function drawSeries() {
     ? `≈ ${estimated.size} of ${points} points estimated from a subset of rows (shadow_rows)`
     : "";
   canvas.dataset.estimated = JSON.stringify([...estimated]);
-  canvas.dataset.lines = JSON.stringify(seriesLines().map((line) => line.name));
+  const lines = seriesLines();
+  canvas.dataset.lines = JSON.stringify(lines.map((line) => line.name));
+  // Every rank drawn: which colour is which rank.
+  const key = $("series-ranks");
+  key.hidden = state.rank !== ALL;
+  key.innerHTML = "";
+  if (state.rank === ALL) {
+    for (const line of lines) {
+      const swatch = document.createElement("i");
+      swatch.className = "line";
+      swatch.style.borderColor = line.color;
+      key.append(swatch, line.name);
+    }
+  }
 }
 
 export async function loadLoss() {
@@ -97,6 +110,7 @@ export async function loadLoss() {
     );
   const [loss, shadow] = await Promise.all([get("loss"), get("loss_shadow")]);
   if (seq !== lossSeq) return;
+  $("loss-rank").textContent = state.rank === ALL ? `(rank ${params.rank})` : "";
   const lines = [];
   if (loss.body) lines.push({ name: "loss", ...seriesFromBody(loss.body), color: "#2f6fd6" });
   if (shadow.body) lines.push({ name: "loss_shadow", ...seriesFromBody(shadow.body), color: "#7a8699", dash: [6, 4] });

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -209,8 +208,3 @@ def test_a_single_rank_run_shows_no_rank_selector_nor_ranks_view(page: Page, col
     assert page.locator("#ranks-card").is_hidden()
     # rank=all in the link of a one-rank run falls back to the run's rank: the heatmap holds its values.
     assert hover_cell(page, 0, 5)["rank"] == ""
-
-
-def test_modules_stay_small() -> None:
-    static = Path(__file__).resolve().parents[2] / "service" / "static"
-    assert all(len(p.read_text().splitlines()) < 450 for p in static.glob("*.js"))
