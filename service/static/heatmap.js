@@ -372,8 +372,9 @@ export async function loadHeatmap() {
   } else {
     showOverlay("heatmap-empty", null);
   }
+  const ranksText = hm.worstRank ? `, the worst of ${runRanks().length} ranks` : "";
   $("heatmap-info").textContent =
-    hm.rows && hm.cols ? `${hm.rows} layers × ${hm.cols} columns, steps ${hm.steps[0]}–${hm.lastStep ?? hm.steps[hm.cols - 1]}` : "";
+    hm.rows && hm.cols ? `${hm.rows} layers × ${hm.cols} columns, steps ${hm.steps[0]}–${hm.lastStep ?? hm.steps[hm.cols - 1]}${ranksText}` : "";
   drawHeatmap();
   canvas.removeAttribute("aria-busy");
   canvas.dataset.ready = String(seq);

@@ -139,7 +139,7 @@ export function ruleBounds(metric, layer) {
 
 // The bound a layer's cells are coloured against: the tightest one in the metric's bad direction (the first to
 // breach), or null when no rule watches the layer.
-export function rowBound(metric, layer) {
+function rowBound(metric, layer) {
   const bounds = ruleBounds(metric, layer);
   if (bounds.length === 0) return null;
   const wantLow = lowerIsWorse(metric);

@@ -118,6 +118,7 @@ def test_the_rank_selector_switches_what_the_heatmap_and_the_history_show(page: 
     assert same_float32(shown["value"], value(2, last, BAD[0]))
     assert shown["rank"] == "2"
     assert "rank 2" in (shown["text"] or "")
+    assert page.locator("#heatmap-info").inner_text().endswith("the worst of 3 ranks")
     shown = hover_cell(page, LAYERS.index("head"), _last_column(page))
     assert same_float32(shown["value"], value(2, last, "head"))  # the highest rank sends the highest values
     page.wait_for_function("() => document.getElementById('series').dataset.lines?.includes('rank 2')")

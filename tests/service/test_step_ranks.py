@@ -57,6 +57,22 @@ def test_a_step_nobody_measured_answers_the_next_measured_one_or_none(client: An
     assert past["values"] == [[None, None, None]] * len(LAYERS)
 
 
+def test_a_layer_added_later_is_not_measured_at_earlier_steps(client: Any) -> None:
+    _ingest(client)
+    later = batch_doc("dp", [*LAYERS, "head"], [40], {"output_rel_l2": np.array([[0.5, 0.5, 0.5, 0.25]])}, rank=2)
+    body, headers = encode(later)
+    assert client.post("/api/v1/ingest", content=body, headers=headers).status_code == 200
+    early = client.get("/api/v1/runs/dp/steps/10", params={"metric": "output_rel_l2"}).json()
+    assert early["layers"] == [*LAYERS, "head"]
+    assert early["values"][3] == [None, None, None]
+    assert early["values"][0] == [_value(0, 10, 0), _value(1, 10, 0), None]
+    assert client.get("/api/v1/runs/dp/steps/40", params={"metric": "output_rel_l2"}).json()["values"][3] == [
+        None,
+        None,
+        0.25,
+    ]
+
+
 def test_bad_input_is_a_problem(client: Any) -> None:
     _ingest(client)
     for path, params, status, field in (
