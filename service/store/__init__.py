@@ -74,6 +74,10 @@ class Store:
         """min/mean/max of one layer's metric over [start, end]: exact when the range holds ≤ max_points samples."""
         return self._reader.series(run, metric, layer, rank, start, end, max_points)
 
+    def step_ranks(self, run: str, metric: str, step: int) -> dict[str, Any]:
+        """Layers × ranks of ``metric`` at the first step at or after ``step`` that some rank measured it."""
+        return self._reader.step_ranks(run, metric, step)
+
     def scalar_series(
         self, run: str, scalar: str, rank: int, start: int | None, end: int | None, max_points: int
     ) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""History reads: run summaries, layers, series (min/mean/max over aligned buckets) and layer × step heatmaps."""
+"""History reads: run summaries, layers, series (min/mean/max over aligned buckets), layer × step heatmaps and one
+step's layers × ranks."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from quantwatch.service.rollups import (
     STATS_DTYPE,
     Partials,
     group_starts,
+    is_missing,
+    missing_row,
     rows_from_blobs,
     to_json_floats,
     to_json_matrix,
@@ -73,6 +76,17 @@ class HistoryReader:
             select(Rollup.bucket, func.substr(Rollup.stats, offset, STATS_DTYPE.itemsize))
             .where(*blocks)
             .order_by(Rollup.bucket)
+        )
+        self._next_step = (
+            select(Point.step)
+            .where(
+                Point.run_id == bindparam("run_id"),
+                Point.rank == bindparam("rank"),
+                Point.step >= bindparam("lo"),
+                Point.name_id == bindparam("nid"),
+            )
+            .order_by(Point.step)
+            .limit(1)
         )
         self._estimated_steps = select(EstimatedPoint.step).where(
             EstimatedPoint.run_id == bindparam("run_id"),
@@ -414,4 +428,41 @@ class HistoryReader:
             "steps": np.maximum(grid * width, lo),
             "values": to_json_matrix(full.T, valid.T),
             "bucket_steps": width,
+        }
+
+    def step_ranks(self, run: str, metric: str, step: int) -> dict[str, Any]:
+        """Layers (model order) × the run's ranks of ``metric`` at the first step at or after ``step`` that some rank
+        measured it (``step`` None when none did); a rank without a point there is not measured (null)."""
+        with self.factory() as session:
+            r = find_run(session, run)
+            nid = self._name_id(session, r.id, metric, "layer")
+            names = [n for (n,) in session.execute(select(Layer.name).where(Layer.run_id == r.id).order_by(Layer.idx))]
+            ranks = [
+                int(k)
+                for (k,) in session.execute(select(RunRank.rank).where(RunRank.run_id == r.id).order_by(RunRank.rank))
+            ]
+            conn = session.connection()
+            # Per rank: each lookup is one walk of the points index from ``step`` on.
+            params = {"run_id": r.id, "lo": step, "nid": nid}
+            firsts = (conn.execute(self._next_step, {**params, "rank": rank}).scalar() for rank in ranks)
+            at = min((s for s in firsts if s is not None), default=None)
+            rows = (
+                []
+                if at is None
+                else session.execute(
+                    select(Point.rank, Point.vals).where(
+                        Point.run_id == r.id, Point.rank.in_(ranks), Point.step == at, Point.name_id == nid
+                    )
+                ).all()
+            )
+        grid = np.repeat(missing_row(len(names))[:, None], len(ranks), axis=1)
+        if rows:
+            measured = rows_from_blobs([bytes(vals) for _, vals in rows], len(names))
+            grid[:, [ranks.index(int(rank)) for rank, _ in rows]] = measured.T
+        return {
+            "step": at,
+            "metric": metric,
+            "layers": names,
+            "ranks": ranks,
+            "values": to_json_matrix(grid, ~is_missing(grid)),
         }
