@@ -11,14 +11,14 @@ from __future__ import annotations
 import time
 from typing import Any, TypeVar
 
-from sqlalchemy import Select, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
 
 from quantwatch.service.alerts.catalog import NotFoundError, delete_receiver, delete_rule, put_receiver, put_rule
 from quantwatch.service.alerts.engine import AlertEngine
 from quantwatch.service.alerts.rules import ReceiverSpec, Rule
 from quantwatch.service.alerts.schemas import AlertOut, DeliveryOut, ReceiverOut, RuleOut
-from quantwatch.service.alerts.tables import DeliveryRow, EpisodeRow, ReceiverRow, RuleRow
+from quantwatch.service.alerts.tables import DeliveryRow, EpisodeRow, ReceiverRow, RuleRow, SeriesStateRow
 from quantwatch.service.core.db import write_session
 from quantwatch.service.store import NotFoundError as UnknownDeliveryError
 
@@ -47,15 +47,28 @@ def _find_named(session: Session, table: type[NamedRow], name: str) -> NamedRow:
 
 
 def list_alerts(factory: Factory, state: str | None, run: str | None, rule: str | None, limit: int) -> list[AlertOut]:
-    """Alert episodes, newest first, narrowed to the given state, run and rule."""
+    """Alert episodes, newest first, narrowed to the given state, run and rule.
+
+    An open episode's latest step is read from its series (one per rank), whose state the evaluator keeps with the
+    newest step it saw: the episode row itself changes only at transitions."""
+    seen = (
+        select(func.max(SeriesStateRow.last_step))
+        .where(
+            SeriesStateRow.rule_id == EpisodeRow.rule_id,
+            SeriesStateRow.run == EpisodeRow.run,
+            SeriesStateRow.layer == EpisodeRow.layer,
+            SeriesStateRow.status == EpisodeRow.state,
+        )
+        .scalar_subquery()
+    )
     query = _only(
-        select(EpisodeRow).order_by(EpisodeRow.id.desc()).limit(limit),
+        select(EpisodeRow, seen).order_by(EpisodeRow.id.desc()).limit(limit),
         (EpisodeRow.state, state),
         (EpisodeRow.run, run),
         (EpisodeRow.rule_name, rule),
     )
     with factory() as session:
-        return [AlertOut.of(row) for row in session.scalars(query)]
+        return [AlertOut.of(row, latest_step) for row, latest_step in session.execute(query)]
 
 
 def list_deliveries(
