@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, Integer, and_, bindparam, func, select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import ColumnElement, Connection, Engine, Integer, and_, bindparam, func, select
+from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
 
 from quantwatch.service.models import (
     EstimatedPoint,
@@ -37,6 +37,19 @@ from quantwatch.service.rollups import (
 from quantwatch.service.store.common import NotFoundError, choose_width, columns, find_run
 
 
+def _one_series(
+    table: type[Point | Rollup | EstimatedPoint], position: InstrumentedAttribute[int]
+) -> tuple[ColumnElement[bool], ...]:
+    """The rows of one (run, rank, name) series of ``table`` whose ``position`` (step or bucket) is in [lo, hi]."""
+    return (
+        table.run_id == bindparam("run_id"),
+        table.rank == bindparam("rank"),
+        table.name_id == bindparam("nid"),
+        position >= bindparam("lo"),
+        position <= bindparam("hi"),
+    )
+
+
 class HistoryReader:
     """The read side of one engine, with its statements prebuilt."""
 
@@ -49,13 +62,7 @@ class HistoryReader:
         """Prebuilt statements of the history reads (a series answer runs four of them; building each per call cost
         more than executing it)."""
         offset = bindparam("offset", type_=Integer)
-        points = (
-            Point.run_id == bindparam("run_id"),
-            Point.rank == bindparam("rank"),
-            Point.name_id == bindparam("nid"),
-            Point.step >= bindparam("lo"),
-            Point.step <= bindparam("hi"),
-        )
+        points = _one_series(Point, Point.step)
         self._raw_rows = select(Point.step, Point.vals).where(*points).order_by(Point.step)
         self._raw_layer_rows = (
             select(Point.step, func.substr(Point.vals, offset, 4)).where(*points).order_by(Point.step)
@@ -63,14 +70,7 @@ class HistoryReader:
         self._raw_count = select(func.count()).select_from(
             select(Point.step).where(*points).limit(bindparam("limit", type_=Integer)).subquery()
         )
-        blocks = (
-            Rollup.run_id == bindparam("run_id"),
-            Rollup.rank == bindparam("rank"),
-            Rollup.name_id == bindparam("nid"),
-            Rollup.level == bindparam("level"),
-            Rollup.bucket >= bindparam("lo"),
-            Rollup.bucket <= bindparam("hi"),
-        )
+        blocks = (*_one_series(Rollup, Rollup.bucket), Rollup.level == bindparam("level"))
         self._block_rows = select(Rollup.bucket, Rollup.stats).where(*blocks).order_by(Rollup.bucket)
         self._block_layer_rows = (
             select(Rollup.bucket, func.substr(Rollup.stats, offset, STATS_DTYPE.itemsize))
@@ -88,12 +88,7 @@ class HistoryReader:
             .order_by(Point.step)
             .limit(1)
         )
-        self._estimated_steps = select(EstimatedPoint.step).where(
-            EstimatedPoint.run_id == bindparam("run_id"),
-            EstimatedPoint.rank == bindparam("rank"),
-            EstimatedPoint.name_id == bindparam("nid"),
-            EstimatedPoint.step.between(bindparam("lo"), bindparam("hi")),
-        )
+        self._estimated_steps = select(EstimatedPoint.step).where(*_one_series(EstimatedPoint, EstimatedPoint.step))
         # Everything a series read needs to know before reading values, in one round trip: the run, the layer's
         # index, the metric's id (only if the run has sent it) and the rank's step range (NULL where absent).
         self._series_keys = (
