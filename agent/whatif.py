@@ -151,7 +151,7 @@ class WhatIf:
                 if x is not None and x.is_floating_point():
                     self._measure(layer, "input", x)
                 if isinstance(output, Tensor) and output.requires_grad:
-                    output.register_hook(functools.partial(self._on_grad, layer))
+                    output.register_hook(functools.partial(self._on_grad, layer))  # type: ignore[no-untyped-call]
             except Exception as exc:
                 self.failures.record("whatif_failed", f"{layer.name}: what-if statistics: {exc}", exc)
 

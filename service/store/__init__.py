@@ -1,5 +1,5 @@
 """All database access of the collector behind one facade, :class:`Store`: ingest (``writes``, with ``rollup_writes``),
-history reads (``reads``), export (``export``) and the health probe.
+history reads (``reads``), export (``export``), the what-if statistics (``whatif``) and the health probe.
 
 See README "Storage" for the layout. Callers hold a ``Store``; the modules behind it are private.
 """
@@ -16,6 +16,7 @@ from quantwatch.service.batch import IngestBatch, IngestObserver
 from quantwatch.service.store.common import IngestResult, NotFoundError, choose_width
 from quantwatch.service.store.export import EXPORT_COLUMNS, Exporter
 from quantwatch.service.store.reads import HistoryReader
+from quantwatch.service.store.whatif import WhatIfStore
 from quantwatch.service.store.writes import BatchWriter
 
 __all__ = ["IngestResult", "NotFoundError", "Store", "choose_width"]
@@ -33,6 +34,8 @@ class Store:
         self._writer = BatchWriter(engine, factory)
         self._reader = HistoryReader(engine, factory)
         self._exporter = Exporter(factory)
+        self.whatif = WhatIfStore(factory)
+        """The what-if statistics' reads."""
 
     @staticmethod
     def _rank_key(run_id: int, rank: int) -> int:
