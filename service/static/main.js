@@ -11,6 +11,7 @@ import { globMatches } from "./rules.js";
 import { loadRules, loadRunDetail, loadRuns, renderRuns, runName } from "./runs.js";
 import { drawLoss, drawSeries, loadLoss, loadSeries } from "./series.js";
 import { readHash, setHash, state } from "./state.js";
+import { loadWhatif } from "./whatif.js";
 
 const LIVE_INTERVAL_MS = 5000;
 
@@ -51,6 +52,7 @@ async function applyHash() {
   }
   if (seriesChanged) loadSeries();
   else if (stepChanged) drawSeries();
+  if (seriesChanged) loadWhatif();
   if (runChanged || heatmapChanged) loadLoss();
   else if (stepChanged) drawLoss();
   if (runChanged) loadAlerts();
@@ -76,6 +78,7 @@ async function refresh(force) {
     loadSeries();
     loadLoss();
     loadAlerts();
+    loadWhatif();
   } else if (rulesChanged) {
     loadHeatmap();
     drawSeries();
