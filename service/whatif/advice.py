@@ -16,7 +16,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -65,8 +65,7 @@ def parse_budget(text: str) -> dict[str, float | None]:
     return bounds
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
     """A candidate for one tensor kind of a layer: its name, bits per element and worst ``rel_l2`` of the window."""
 
     candidate: str

@@ -63,11 +63,11 @@ def whatif(
 def advice(
     run: str,
     store: StoreDep,
+    rank: Rank = 0,
     budget: Annotated[
         str, Query(max_length=200, description="Bound on rel_l2: 0.05, or per kind weight=0.02,input=0.05,grad=0.1.")
     ] = str(DEFAULT_BUDGET),
     window: Annotated[int, Query(ge=1, le=10_000, description="The latest what-if steps to look at.")] = DEFAULT_WINDOW,
-    rank: Rank = 0,
 ) -> dict[str, Any]:
     """Per layer and tensor kind the cheapest candidate (fewest bits, then lower error) whose worst ``rel_l2`` over
     the latest ``window`` what-if steps stays within ``budget`` (null: none does, keep that tensor in high
