@@ -1,5 +1,5 @@
 """What-if statistics in the agent: the figures equal quantizing the tensors the layers saw by hand, on their own
-period, never in the way of training, and through the real wire to a real collector."""
+period, never in the way of training (through the wire to a collector: tests/e2e/test_whatif_e2e.py)."""
 
 from __future__ import annotations
 
