@@ -543,8 +543,6 @@ def attach(
     schedule = Schedule(periods(metrics, every, shadow), start=start, end=end)
     shadow_options = ShadowOptions.parse(reference_dtype, shadow_rows)
     found = find_layers(model, layers)
-    if not found:
-        logger.warning("quantwatch agent: no quantized layer found in the model; only watched kernels will be measured")
     detected_rank = detect_rank(rank)
     reporting = reports(detected_rank, ranks)
     failures = FailureLog()

@@ -228,7 +228,7 @@ def alerts(
                 a.get("layer"),
                 (a.get("labels") or {}).get("metric"),
                 (a.get("firing") or {}).get("step"),
-                a.get("step"),
+                a.get("latest_step", a.get("step")),
                 a.get("value"),
                 a.get("severity"),
             ]

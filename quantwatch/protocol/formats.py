@@ -57,8 +57,9 @@ PRESETS: Mapping[str, int] = {"mxfp8": 8, "mxfp6": 6, "mxfp4": 4, "nvfp4": 4}
 HIGH_PRECISION = "high_precision"
 """A tensor kind the layer keeps unquantized (e.g. the weight-gradient GEMM of torchao's ``rowwise_with_gw_hp``)."""
 
-SCALING_KINDS: tuple[str, ...] = ("none", "tensor", "row", "channel", "group", "block", "nvblock", "delayed")
-"""The scaling granularities a format string may name after its colon (with parameters: ``block:32``)."""
+SCALING_KINDS: tuple[str, ...] = ("none", "tensor", "row", "token", "channel", "group", "block", "nvblock", "delayed")
+"""The scaling granularities a format string may name after its colon (with parameters: ``block:32``); ``token`` is
+one scale per token of an activation (torchao QAT's ``per_token``)."""
 
 TENSOR_KINDS: tuple[str, ...] = ("weight", "input", "grad")
 """The tensor kinds a layer quantizes, the keys of one entry of ``layer_formats``."""

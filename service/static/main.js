@@ -8,6 +8,8 @@ import { installChartHover } from "./chart.js";
 import { $ } from "./dom.js";
 import { drawHeatmap, installHeatmapEvents, loadHeatmap } from "./heatmap.js";
 import { globMatches } from "./rules.js";
+import { ALL } from "./ranks.js";
+import { drawRankView, installRankViewEvents, loadRankView } from "./rankview.js";
 import { loadRules, loadRunDetail, loadRuns, renderRuns, runName } from "./runs.js";
 import { drawLoss, drawSeries, loadLoss, loadSeries } from "./series.js";
 import { readHash, setHash, state } from "./state.js";
@@ -28,6 +30,8 @@ async function applyHash() {
     h.end !== state.end;
   const seriesChanged = heatmapChanged || h.layer !== state.layer;
   const stepChanged = h.step !== state.step;
+  const rankViewChanged = runChanged || stepChanged || h.metric !== state.metric;
+  const rowChanged = h.layer !== state.layer || h.rank !== state.rank;
   Object.assign(state, h);
   $("metric").value = state.metric || "";
   $("agg").value = state.agg;
@@ -56,6 +60,8 @@ async function applyHash() {
   if (runChanged || heatmapChanged) loadLoss();
   else if (stepChanged) drawLoss();
   if (runChanged) loadAlerts();
+  if (rankViewChanged) loadRankView();
+  else if (rowChanged) drawRankView();
 }
 
 // Live refresh: poll the runs list; reload the selected run's panels only when it has new points.
@@ -78,17 +84,19 @@ async function refresh(force) {
     loadSeries();
     loadLoss();
     loadAlerts();
+    loadRankView();
     loadWhatif();
   } else if (rulesChanged) {
     loadHeatmap();
     drawSeries();
+    drawRankView();
   }
 }
 
 function installControls() {
   $("metric").addEventListener("change", (e) => setHash({ metric: e.target.value }));
   $("agg").addEventListener("change", (e) => setHash({ agg: e.target.value }));
-  $("rank").addEventListener("change", (e) => setHash({ rank: Number(e.target.value) }));
+  $("rank").addEventListener("change", (e) => setHash({ rank: e.target.value === ALL ? ALL : Number(e.target.value) }));
   $("layer-glob").addEventListener("change", (e) => setHash({ layers: e.target.value.trim() }));
   $("zoom-reset").addEventListener("click", () => setHash({ start: null, end: null }));
   $("alert-state").addEventListener("change", (e) => {
@@ -130,6 +138,7 @@ async function start() {
   onAuthProblem(showAuthProblem);
   installControls();
   installHeatmapEvents();
+  installRankViewEvents();
   installChartHover("series", "series-tooltip");
   installChartHover("loss", "loss-tooltip");
   await Promise.all([loadRuns(), loadRules(), loadCatalog()]);

@@ -10,11 +10,10 @@ from playwright.sync_api import Page
 
 from quantwatch.service import Settings, create_app
 from quantwatch.service.server import BackgroundServer
-from tests.e2e.test_web import browser, page  # noqa: F401 (the browser fixtures)
 from tests.service.test_whatif import doc
 
 
-def test_the_selected_layers_whatif_table_matches_the_api(page: Page, tmp_path: Path) -> None:  # noqa: F811
+def test_the_selected_layers_whatif_table_matches_the_api(page: Page, tmp_path: Path) -> None:
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'web.db'}")
     with BackgroundServer(create_app(settings)) as server:
         with httpx.Client(base_url=server.url, timeout=30) as http:
