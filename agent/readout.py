@@ -21,7 +21,7 @@ from quantwatch.agent.layers import (
 )
 from quantwatch.kernels import ErrorStats
 
-__all__ = ["ESTIMATED_METRICS", "METRIC_KINDS", "NF", "ROW", "SUMS", "DeviceReader", "derive"]
+__all__ = ["ESTIMATED_METRICS", "METRIC_KINDS", "NF", "ROW", "SUMS", "DeviceReader", "derive", "metric_kinds"]
 
 # Per metric: the partial-sum figure it reads and the measurement kinds a sampled step needs for it. A metric of one
 # kind reads that kind's figure; ``nonfinite_count`` sums over its kinds and ``scale`` is the quantizer's own.
@@ -48,6 +48,16 @@ ESTIMATED_METRICS: dict[int, tuple[str, ...]] = {
     KIND_OUTPUT: ("output_rel_l2", "output_cosine", "output_sqnr_db"),
     KIND_UPDATE: ("update_cosine", "update_rel_l2"),
 }
+
+
+def metric_kinds(metrics: frozenset[str]) -> frozenset[int]:
+    """The measurement kinds that measuring ``metrics`` needs."""
+    kinds: set[int] = set()
+    for metric in metrics:
+        kinds |= METRIC_KINDS[metric]
+    return frozenset(kinds)
+
+
 _FIELDS = ErrorStats.FIELDS
 NF = len(_FIELDS)
 _NK = len(KIND_NAMES)

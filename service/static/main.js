@@ -13,6 +13,7 @@ import { drawRankView, installRankViewEvents, loadRankView } from "./rankview.js
 import { loadRules, loadRunDetail, loadRuns, renderRuns, runName } from "./runs.js";
 import { drawLoss, drawSeries, loadLoss, loadSeries } from "./series.js";
 import { readHash, setHash, state } from "./state.js";
+import { loadWhatif } from "./whatif.js";
 
 const LIVE_INTERVAL_MS = 5000;
 
@@ -55,6 +56,7 @@ async function applyHash() {
   }
   if (seriesChanged) loadSeries();
   else if (stepChanged) drawSeries();
+  if (seriesChanged) loadWhatif();
   if (runChanged || heatmapChanged) loadLoss();
   else if (stepChanged) drawLoss();
   if (runChanged) loadAlerts();
@@ -83,6 +85,7 @@ async function refresh(force) {
     loadLoss();
     loadAlerts();
     loadRankView();
+    loadWhatif();
   } else if (rulesChanged) {
     loadHeatmap();
     drawSeries();

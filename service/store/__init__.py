@@ -1,5 +1,6 @@
 """All database access of the collector behind one facade, :class:`Store`: ingest (``writes``, with ``rollup_writes``),
-history reads (``reads``: a Store is a ``HistoryReader``), export (``export``) and the health probe.
+history reads (``reads``: a Store is a ``HistoryReader``), export (``export``), the what-if statistics (``whatif``) and
+the health probe.
 
 See README "Storage" for the layout. Callers hold a ``Store``; the modules behind it are private.
 """
@@ -15,6 +16,7 @@ from quantwatch.service.batch import IngestBatch, IngestObserver
 from quantwatch.service.store.common import IngestResult, NotFoundError, choose_width
 from quantwatch.service.store.export import EXPORT_COLUMNS, Exporter
 from quantwatch.service.store.reads import HistoryReader
+from quantwatch.service.store.whatif import WhatIfStore
 from quantwatch.service.store.writes import BatchWriter
 
 __all__ = ["IngestResult", "NotFoundError", "Store", "choose_width"]
@@ -31,6 +33,8 @@ class Store(HistoryReader):
         self.pg = engine.dialect.name == "postgresql"
         self._writer = BatchWriter(engine, factory)
         self._exporter = Exporter(factory)
+        self.whatif = WhatIfStore(factory)
+        """The what-if statistics' reads."""
 
     @staticmethod
     def _rank_key(run_id: int, rank: int) -> int:

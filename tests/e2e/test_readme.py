@@ -39,6 +39,7 @@ COVERAGE = {
     "quantwatch series": "test_readme_client_commands",
     "quantwatch alerts": "test_readme_client_commands",
     "quantwatch export": "test_readme_client_commands",
+    "quantwatch advise": "test_readme_client_commands",
     "quantwatch import": "test_readme_client_commands",
     "quantwatch serve": "test_readme_serve_commands",
     "quantwatch db upgrade": "test_readme_db_upgrade_command",
