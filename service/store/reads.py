@@ -414,7 +414,7 @@ class HistoryReader:
         if keys.size == n_cols:
             full, valid = data, part.vcount[:, sel] > 0
         else:
-            full = np.full((n_cols, len(chosen)), np.nan)
+            full = np.full((n_cols, len(chosen)), np.nan, dtype=data.dtype)
             valid = np.zeros((n_cols, len(chosen)), dtype=bool)
             full[pos] = data
             valid[pos] = part.vcount[:, sel] > 0
