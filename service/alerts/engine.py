@@ -184,7 +184,7 @@ class AlertEngine:
             )
             for (name, layer), state in changed.items()
         ]
-        repository.upsert_series_states(session, run, rank, ids, changed)
+        repository.upsert_series_states(session, run, rank, ids, changed, states)
         if not transitions:
             return 0
         by_group: dict[tuple[int, str], list[SeriesTransition]] = {}
@@ -351,10 +351,10 @@ class AlertEngine:
     def series_snapshot(self, session: Session, runs: Iterable[str] | None = None) -> list[SeriesSnapshot]:
         """Every series' streak and status (optionally for some runs) from the database, whichever replica wrote it."""
         snapshots = []
-        for row, name, definition in repository.series_state_rows(session, runs):
+        for name, definition, run, rank, layer, state in repository.series_state_rows(session, runs):
             series = definition.get("metric") or definition.get("scalar") or ""
             snapshots.append(
-                SeriesSnapshot(name, row.run, row.rank, row.layer, str(series), row.status, row.streak, row.last_step)
+                SeriesSnapshot(name, run, rank, layer, str(series), state.status.value, state.streak, state.last_step)
             )
         return snapshots
 
