@@ -32,6 +32,8 @@ from quantwatch.service.alerts.episodes import Episode, EpisodeBatch, EpisodeFie
 from quantwatch.service.alerts.evaluator import (
     BatchColumns,
     MetricColumn,
+    SeriesKey,
+    SeriesState,
     SeriesStatus,
     SeriesTransition,
     StepInput,
@@ -76,6 +78,16 @@ class SeriesSnapshot:
     last_step: int | None
 
 
+@dataclass(frozen=True)
+class _Staged:
+    """The series states one batch changed, published to :meth:`AlertEngine.latest_series` once committed."""
+
+    run: str
+    rank: int
+    changed: dict[SeriesKey, SeriesState]
+    series_names: dict[str, str]
+
+
 class AlertEngine:
     """The alerting ingest observer: ``on_batch`` inside the ingest transaction, ``after_commit`` after it.
 
@@ -105,7 +117,10 @@ class AlertEngine:
         self._wake = wake
         self._dispatch = dispatch
         self._rules = RuleCache()
-        self._latest: dict[tuple[str, str, int, str], SeriesSnapshot] = {}
+        # Each (run, rank)'s latest series states by (rule, layer), and each rule's series name: kept as the
+        # evaluator's dicts (updated whole after a commit), snapshots built only when read.
+        self._latest: dict[tuple[str, int], dict[SeriesKey, SeriesState]] = {}
+        self._series_names: dict[str, str] = {}
         self._latest_lock = threading.Lock()
         self._enqueued = threading.local()
 
@@ -129,12 +144,12 @@ class AlertEngine:
     def after_commit(self, batch: IngestBatch) -> None:
         """:class:`~quantwatch.service.batch.IngestObserver` hook: publish the committed series states to
         :meth:`latest_series` and hand new outbox rows to the delivery worker."""
-        staged: list[SeriesSnapshot] = getattr(self._enqueued, "staged", [])
-        self._enqueued.staged = []
-        if staged:
+        staged: _Staged | None = getattr(self._enqueued, "staged", None)
+        self._enqueued.staged = None
+        if staged is not None:
             with self._latest_lock:
-                for snapshot in staged:
-                    self._latest[(snapshot.rule, snapshot.run, snapshot.rank, snapshot.layer)] = snapshot
+                self._series_names.update(staged.series_names)
+                self._latest.setdefault((staged.run, staged.rank), {}).update(staged.changed)
         self.send_enqueued()
 
     def send_enqueued(self) -> None:
@@ -163,7 +178,7 @@ class AlertEngine:
         layers: Sequence[str],
         columns_of: Callable[[Iterable[str], bool], BatchColumns],
     ) -> int:
-        self._enqueued.staged = []
+        self._enqueued.staged = None
         self.take_enqueued()
         rules = [(rule_id, rule) for rule_id, rule in self.active_rules(session) if rule.matches_run(run)]
         if not rules:
@@ -177,13 +192,7 @@ class AlertEngine:
         names = {rule_id: rule.name for rule_id, rule in rules}
         states = repository.read_series_states(session, run, rank, names)
         changed, transitions = evaluate_columns([rule for _, rule in rules], run, rank, layers, columns, states)
-        by_name = {rule.name: rule for _, rule in rules}
-        self._enqueued.staged = [
-            SeriesSnapshot(
-                name, run, rank, layer, by_name[name].series, state.status.value, state.streak, state.last_step
-            )
-            for (name, layer), state in changed.items()
-        ]
+        self._enqueued.staged = _Staged(run, rank, changed, {rule.name: rule.series for _, rule in rules})
         repository.upsert_series_states(session, run, rank, ids, changed, states)
         if not transitions:
             return 0
@@ -346,7 +355,13 @@ class AlertEngine:
         :meth:`series_snapshot` reads the authoritative state of all replicas from the database.
         """
         with self._latest_lock:
-            return list(self._latest.values())
+            return [
+                SeriesSnapshot(
+                    rule, run, rank, layer, self._series_names[rule], state.status.value, state.streak, state.last_step
+                )
+                for (run, rank), states in self._latest.items()
+                for (rule, layer), state in states.items()
+            ]
 
     def series_snapshot(self, session: Session, runs: Iterable[str] | None = None) -> list[SeriesSnapshot]:
         """Every series' streak and status (optionally for some runs) from the database, whichever replica wrote it."""

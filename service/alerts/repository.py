@@ -117,19 +117,11 @@ def lock_cursor(session: Session, run: str, rank: int) -> None:
 
 def encode_series(state: SeriesState) -> list[Any]:
     """One series' state as stored in :attr:`~quantwatch.service.alerts.tables.SeriesStatesRow.series`."""
-    last_value = state.last_value if state.last_value is None or math.isfinite(state.last_value) else None
-    fields = [
-        _CODES[state.status],
-        state.last_step,
-        state.streak,
-        state.clear_streak,
-        last_value,
-        list(state.baseline) if state.baseline else None,
-        state.baseline_since,
-    ]
-    while fields[-1] is None:
-        fields.pop()
-    return fields
+    value = state.last_value if state.last_value is None or math.isfinite(state.last_value) else None
+    fields = [_CODES[state.status], state.last_step, state.streak, state.clear_streak]
+    if state.baseline or state.baseline_since is not None:
+        return [*fields, value, list(state.baseline) or None, state.baseline_since]
+    return fields if value is None else [*fields, value]
 
 
 def decode_series(fields: Sequence[Any]) -> SeriesState:
