@@ -3,8 +3,8 @@
 Every series of a rank advances at each sampled step, so a batch read and upserted one ``alert_series`` row per
 (rule, layer): 512 per rule for a 512-layer model, the largest cost of a one-step batch (issue 21). A row of
 ``alert_series_states`` maps each layer to ``[status code, last_step, streak, clear_streak, last_value, baseline,
-baseline_since]`` (status codes 0 inactive, 1 pending, 2 firing; trailing nulls left out). Both directions carry the
-stored states over.
+baseline_since]`` (status codes 0 inactive, 1 pending, 2 firing; trailing nulls left out) and a random ``token``
+drawn at each write (0 for the rows carried over). Both directions carry the stored states over.
 
 Revision ID: 0008_alert_series_states
 Revises: 0007_rollup_frontier
@@ -46,6 +46,7 @@ NEW = sa.table(
     sa.column("rule_id", sa.Integer()),
     sa.column("run", sa.String()),
     sa.column("rank", sa.Integer()),
+    sa.column("token", sa.BigInteger()),
     sa.column("series", sa.JSON()),
 )
 
@@ -77,14 +78,14 @@ def _packed(bind: sa.Connection) -> Iterator[dict[str, Any]]:
     ):
         if key != (rule_id, run, rank):
             if key is not None:
-                yield {"rule_id": key[0], "run": key[1], "rank": key[2], "series": series}
+                yield {"rule_id": key[0], "run": key[1], "rank": key[2], "token": 0, "series": series}
             key, series = (rule_id, run, rank), {}
         fields = [STATUSES.index(status), last_step, streak, clear, value, baseline or None, since]
         while fields[-1] is None:
             fields.pop()
         series[layer] = fields
     if key is not None:
-        yield {"rule_id": key[0], "run": key[1], "rank": key[2], "series": series}
+        yield {"rule_id": key[0], "run": key[1], "rank": key[2], "token": 0, "series": series}
 
 
 def upgrade() -> None:
@@ -93,6 +94,7 @@ def upgrade() -> None:
         sa.Column("rule_id", sa.Integer(), nullable=False),
         sa.Column("run", sa.String(200), nullable=False),
         sa.Column("rank", sa.Integer(), nullable=False),
+        sa.Column("token", sa.BigInteger(), nullable=False),
         sa.Column("series", sa.JSON(), nullable=False),
         sa.PrimaryKeyConstraint("rule_id", "run", "rank", name="pk_alert_series_states"),
         _fk("alert_series_states"),

@@ -86,6 +86,7 @@ class _Staged:
     rank: int
     changed: dict[SeriesKey, SeriesState]
     series_names: dict[str, str]
+    written: repository.StoredStates
 
 
 class AlertEngine:
@@ -121,6 +122,8 @@ class AlertEngine:
         # evaluator's dicts (updated whole after a commit), snapshots built only when read.
         self._latest: dict[tuple[str, int], dict[SeriesKey, SeriesState]] = {}
         self._series_names: dict[str, str] = {}
+        # The series state rows this process wrote last, by (rule id, run, rank): (token, states).
+        self._written: dict[tuple[int, str, int], tuple[int, dict[SeriesKey, SeriesState]]] = {}
         self._latest_lock = threading.Lock()
         self._enqueued = threading.local()
 
@@ -150,6 +153,8 @@ class AlertEngine:
             with self._latest_lock:
                 self._series_names.update(staged.series_names)
                 self._latest.setdefault((staged.run, staged.rank), {}).update(staged.changed)
+                for rule_id, written in staged.written.items():
+                    self._written[(rule_id, staged.run, staged.rank)] = written
         self.send_enqueued()
 
     def send_enqueued(self) -> None:
@@ -190,16 +195,36 @@ class AlertEngine:
         repository.lock_cursor(session, run, rank)
         ids = {rule.name: rule_id for rule_id, rule in rules}
         names = {rule_id: rule.name for rule_id, rule in rules}
-        states = repository.read_series_states(session, run, rank, names)
+        states = self._stored_states(session, run, rank, names)
         changed, transitions = evaluate_columns([rule for _, rule in rules], run, rank, layers, columns, states)
-        self._enqueued.staged = _Staged(run, rank, changed, {rule.name: rule.series for _, rule in rules})
-        repository.upsert_series_states(session, run, rank, ids, changed, states)
+        written = repository.upsert_series_states(session, run, rank, ids, changed, states)
+        self._enqueued.staged = _Staged(run, rank, changed, {rule.name: rule.series for _, rule in rules}, written)
         if not transitions:
             return 0
         by_group: dict[tuple[int, str], list[SeriesTransition]] = {}
         for transition in transitions:
             by_group.setdefault((ids[transition.rule], transition.layer), []).append(transition)
         return self._advance_groups(session, dict(rules), run, by_group)
+
+    def _stored_states(
+        self, session: Session, run: str, rank: int, names: dict[int, str]
+    ) -> dict[SeriesKey, SeriesState]:
+        """The stored series states of one (run, rank): those this process wrote last when their row's token is still
+        the one it wrote (another replica's write draws another), the others decoded from the database."""
+        states: dict[SeriesKey, SeriesState] = {}
+        unknown: dict[int, str] = {}
+        tokens = repository.series_tokens(session, run, rank, names)
+        with self._latest_lock:
+            for rule_id, token in tokens.items():
+                cached = self._written.get((rule_id, run, rank))
+                if cached is not None and cached[0] == token:
+                    states.update(cached[1])
+                else:
+                    unknown[rule_id] = names[rule_id]
+        if unknown:
+            for _, read in repository.read_series_states(session, run, rank, unknown).values():
+                states.update(read)
+        return states
 
     def _advance_groups(
         self,

@@ -8,6 +8,7 @@ and receiver catalogue (:mod:`~quantwatch.service.alerts.catalog`) reads and loc
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -62,6 +63,7 @@ __all__ = [
     "rule_by_name",
     "rules_for_update",
     "series_state_rows",
+    "series_tokens",
     "upsert_series_states",
     "write_episodes",
 ]
@@ -74,6 +76,7 @@ _DELIVERIES = cast(Table, DeliveryRow.__table__)
 _BY_CODE = tuple(SeriesStatus(name) for name in SERIES_STATUSES)
 _CODES = {status: code for code, status in enumerate(_BY_CODE)}
 _ABSENT = (None,) * len(SERIES_FIELDS)
+_TOKENS = 2**63 - 1  # a row's token is in [1, 2**63): 0 marks the rows migration 0008 carried over
 _EPISODE_UPDATE = update(_EPISODES).where(_EPISODES.c.id == bindparam("b_id"))
 _GROUP_UPDATE = update(_GROUPS).where(
     _GROUPS.c.rule_id == bindparam("b_rule_id"), _GROUPS.c.layer == bindparam("b_layer")
@@ -92,7 +95,8 @@ def insert_ignore(session: Session, table: Any, rows: list[dict[str, Any]], keys
 def _state_upsert(dialect: str) -> Any:
     statement = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(_STATES)
     return statement.on_conflict_do_update(
-        index_elements=["rule_id", "run", "rank"], set_={"series": statement.excluded.series}
+        index_elements=["rule_id", "run", "rank"],
+        set_={"token": statement.excluded.token, "series": statement.excluded.series},
     )
 
 
@@ -133,15 +137,26 @@ def decode_series(fields: Sequence[Any]) -> SeriesState:
     )
 
 
-def read_series_states(session: Session, run: str, rank: int, names: Mapping[int, str]) -> dict[SeriesKey, SeriesState]:
-    """The stored series states of one (run, rank) for the rules ``names`` (id → name), keyed (rule name, layer)."""
-    query = select(_STATES.c.rule_id, _STATES.c.series).where(
+StoredStates = dict[int, tuple[int, dict[SeriesKey, SeriesState]]]
+"""Per rule id: the token of its (run, rank) row and the row's series states, keyed (rule name, layer)."""
+
+
+def series_tokens(session: Session, run: str, rank: int, rule_ids: Iterable[int]) -> dict[int, int]:
+    """The token of each stored row of one (run, rank) among the rules ``rule_ids``, by rule id."""
+    query = select(_STATES.c.rule_id, _STATES.c.token).where(
+        _STATES.c.run == run, _STATES.c.rank == rank, _STATES.c.rule_id.in_(list(rule_ids))
+    )
+    return {int(rule_id): int(token) for rule_id, token in session.connection().execute(query)}
+
+
+def read_series_states(session: Session, run: str, rank: int, names: Mapping[int, str]) -> StoredStates:
+    """The stored rows of one (run, rank) for the rules ``names`` (id → name)."""
+    query = select(_STATES.c.rule_id, _STATES.c.token, _STATES.c.series).where(
         _STATES.c.run == run, _STATES.c.rank == rank, _STATES.c.rule_id.in_(list(names))
     )
     return {
-        (names[rule_id], layer): decode_series(fields)
-        for rule_id, series in session.connection().execute(query)
-        for layer, fields in series.items()
+        rule_id: (token, {(names[rule_id], layer): decode_series(fields) for layer, fields in series.items()})
+        for rule_id, token, series in session.connection().execute(query)
     }
 
 
@@ -152,21 +167,31 @@ def upsert_series_states(
     ids: Mapping[str, int],
     changed: Mapping[SeriesKey, SeriesState],
     stored: Mapping[SeriesKey, SeriesState],
-) -> None:
+) -> StoredStates:
     """Write the states of one (run, rank): one row per rule (names mapped to ids by ``ids``) with a changed series,
-    holding ``changed`` over the ``stored`` states :func:`read_series_states` gave."""
-    if not changed:
-        return
-    by_rule: dict[str, dict[str, list[Any]]] = {}
-    for (rule_name, layer), state in changed.items():
-        by_rule.setdefault(rule_name, {})[layer] = encode_series(state)
-    for (rule_name, layer), state in stored.items():
-        series = by_rule.get(rule_name)
-        if series is not None and layer not in series:
-            series[layer] = encode_series(state)
-    rows = [{"rule_id": ids[name], "run": run, "rank": rank, "series": series} for name, series in by_rule.items()]
-    conn = session.connection()
-    conn.execute(_STATE_UPSERTS[conn.dialect.name], rows)
+    holding ``changed`` over the ``stored`` states, under a new token. Returns what it wrote."""
+    by_rule: dict[str, dict[SeriesKey, SeriesState]] = {}
+    for key, state in changed.items():
+        by_rule.setdefault(key[0], {})[key] = state
+    for key, state in stored.items():
+        states = by_rule.get(key[0])
+        if states is not None:
+            states.setdefault(key, state)
+    written = {ids[name]: (secrets.randbelow(_TOKENS) + 1, states) for name, states in by_rule.items()}
+    rows = [
+        {
+            "rule_id": rule_id,
+            "run": run,
+            "rank": rank,
+            "token": token,
+            "series": {layer: encode_series(state) for (_, layer), state in states.items()},
+        }
+        for rule_id, (token, states) in written.items()
+    ]
+    if rows:
+        conn = session.connection()
+        conn.execute(_STATE_UPSERTS[conn.dialect.name], rows)
+    return written
 
 
 GroupKey = tuple[int, str]

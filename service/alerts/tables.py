@@ -79,7 +79,8 @@ class SeriesStatesRow(Base):
 
     ``series`` maps each layer (``""`` for a scalar rule) to the list :data:`SERIES_FIELDS` names, trailing
     ``None`` fields left out. One row per rule and rank, so a batch reads and writes one row per rule instead of one
-    per (rule, layer): every series of a rank advances at each sampled step.
+    per (rule, layer): every series of a rank advances at each sampled step. ``token`` is drawn at random on each
+    write: a replica that still holds the states it wrote last reads only the token to know they are current.
     """
 
     __tablename__ = "alert_series_states"
@@ -87,6 +88,7 @@ class SeriesStatesRow(Base):
     rule_id: Mapped[int] = mapped_column(ForeignKey("alert_rules.id", ondelete="CASCADE"), primary_key=True)
     run: Mapped[str] = mapped_column(String(200), primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    token: Mapped[int] = mapped_column(BigInteger)
     series: Mapped[dict[str, list[Any]]] = mapped_column(JSON)
 
 

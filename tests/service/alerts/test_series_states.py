@@ -1,20 +1,29 @@
-"""Migration 0008: the per-series alert state rows become one row per (rule, run, rank), and back, with their data."""
+"""Series states stored one row per (rule, run, rank) (migration 0008): carried over both ways, and safe between
+replicas that each keep the states they wrote last."""
 
 from __future__ import annotations
 
 import json
+import math
+import random
+from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import Connection, text
+import pytest
+from sqlalchemy import Connection, Engine, func, select, text
 from sqlalchemy.orm import sessionmaker
 
 from alembic import command
 from quantwatch.service import Settings
 from quantwatch.service.alerts import repository
 from quantwatch.service.alerts.engine import AlertEngine
-from quantwatch.service.alerts.evaluator import SeriesState, SeriesStatus, StepInput
+from quantwatch.service.alerts.evaluator import SeriesState, SeriesStatus, StepInput, evaluate_batch
 from quantwatch.service.alerts.rules import Rule
+from quantwatch.service.alerts.tables import DeliveryRow, RuleRow
+from quantwatch.service.batch import decode_json
 from quantwatch.service.core.db import alembic_config, make_engine, upgrade, write_session
+from tests.service.alerts.test_bulk_episodes import LAYERS, RULES, flapping_batches, replay, setup_rules
+from tests.service.conftest import batch_doc
 
 RULE = Rule(name="high", metric="output_rel_l2", op=">", threshold=0.5, consecutive=3)
 COLUMNS = ("r", "run", "rank", "layer", "status", "last_step", "streak", "clear", "value", "baseline", "since")
@@ -25,6 +34,10 @@ OLD_ROWS = [
     (1, "old", 1, "a", "firing", 9, 0, 1, None, None, None),
     (1, "other", 0, "", "inactive", None, 0, 0, None, "[0.5, 0.25]", 3),
 ]
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 def _rows(conn: Connection) -> list[tuple[Any, ...]]:
@@ -67,21 +80,27 @@ def test_migration_0008_carries_series_states_over_both_ways(empty_database_url:
         with sessions() as session:
             stored = repository.read_series_states(session, "old", 0, {1: "high"})
             assert stored == {
-                ("high", "a"): SeriesState(SeriesStatus.PENDING, 7, 2, 0, 0.75),
-                ("high", "b"): SeriesState(SeriesStatus.INACTIVE, 7, 0, 0, 0.125),
+                1: (
+                    0,
+                    {
+                        ("high", "a"): SeriesState(SeriesStatus.PENDING, 7, 2, 0, 0.75),
+                        ("high", "b"): SeriesState(SeriesStatus.INACTIVE, 7, 0, 0, 0.125),
+                    },
+                )
             }
             assert repository.read_series_states(session, "old", 1, {1: "high"}) == {
-                ("high", "a"): SeriesState(SeriesStatus.FIRING, 9, 0, 1, None)
+                1: (0, {("high", "a"): SeriesState(SeriesStatus.FIRING, 9, 0, 1, None)})
             }
             assert repository.read_series_states(session, "other", 0, {1: "high"}) == {
-                ("high", ""): SeriesState(SeriesStatus.INACTIVE, None, 0, 0, None, (0.5, 0.25), 3)
+                1: (0, {("high", ""): SeriesState(SeriesStatus.INACTIVE, None, 0, 0, None, (0.5, 0.25), 3)})
             }
         # The engine goes on from the migrated state: a third breach of layer a on rank 0 fires.
         alerts = AlertEngine(external_url="http://x", delivery_horizon_seconds=60)
         with write_session(sessions) as session:
             alerts.evaluate(session, "old", 0, ["a", "b"], [StepInput(8, 8.0, {"output_rel_l2": [0.9, 0.1]}, {})])
         with sessions() as session:
-            after = repository.read_series_states(session, "old", 0, {1: "high"})
+            token, after = repository.read_series_states(session, "old", 0, {1: "high"})[1]
+        assert token > 0
         assert after[("high", "a")] == SeriesState(SeriesStatus.FIRING, 8, 3, 0, 0.9)
         assert after[("high", "b")] == SeriesState(SeriesStatus.INACTIVE, 8, 0, 0, 0.1)
         with engine.begin() as conn:
@@ -96,3 +115,46 @@ def test_migration_0008_carries_series_states_over_both_ways(empty_database_url:
         assert json.loads(str(back[3][9])) == [0.5, 0.25]
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_replicas_taking_turns_on_the_same_ranks_keep_the_definitions_states(
+    engine: Engine, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two engines on one database (two replicas) take the batches of the same ranks in turn, at random: each reuses
+    the states it wrote last only while its row's token is still the one it drew, so what they store is what the
+    definition gives, and every notification of the replayed episodes is written once."""
+    sessions = sessionmaker(engine)
+    setup_rules(sessions)
+    reads: list[int] = []
+    read = repository.read_series_states
+
+    def counted(*args: Any) -> repository.StoredStates:
+        reads.append(args[2])
+        return read(*args)
+
+    monkeypatch.setattr(repository, "read_series_states", counted)
+    replicas = [AlertEngine(external_url="http://x", delivery_horizon_seconds=60) for _ in range(2)]
+    turns = random.Random(seed)
+    batches = flapping_batches(seed, 40)
+    committed = decode_json(json.dumps(batch_doc("run", LAYERS, [1], {})).encode())  # after_commit reads no field
+    for rank, steps in batches:
+        alerts = replicas[turns.randrange(2)]
+        with write_session(sessions) as session:
+            alerts.evaluate(session, "run", rank, LAYERS, steps)
+        alerts.after_commit(committed)
+    assert 0 < len(reads) < len(batches)  # some turns found their own states current, others read the database
+    expected: dict[int, dict[tuple[str, str], SeriesState]] = {}
+    for rank, steps in batches:
+        changed, _ = evaluate_batch(RULES, "run", rank, LAYERS, steps, expected.setdefault(rank, {}))
+        expected[rank].update(changed)
+    stored_as = {  # a non-finite last value is stored as null
+        rank: {key: replace(state, last_value=_finite(state.last_value)) for key, state in states.items()}
+        for rank, states in expected.items()
+    }
+    with sessions() as session:
+        names = {row.id: row.name for row in session.scalars(select(RuleRow))}
+        for rank, states in stored_as.items():
+            stored = read(session, "run", rank, names)
+            assert {key: state for _, rows in stored.values() for key, state in rows.items()} == states
+        assert session.scalar(select(func.count()).select_from(DeliveryRow)) == len(replay(batches)[1])
