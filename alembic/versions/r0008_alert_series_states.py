@@ -27,33 +27,39 @@ STATUSES = ("inactive", "pending", "firing")
 FIELDS = ("status", "last_step", "streak", "clear_streak", "last_value", "baseline", "baseline_since")
 CHUNK = 1000
 
-OLD = sa.table(
-    "alert_series",
-    sa.column("rule_id", sa.Integer()),
-    sa.column("run", sa.String()),
-    sa.column("rank", sa.Integer()),
-    sa.column("layer", sa.String()),
-    sa.column("status", sa.String()),
-    sa.column("last_step", sa.BigInteger()),
-    sa.column("streak", sa.Integer()),
-    sa.column("clear_streak", sa.Integer()),
-    sa.column("last_value", sa.Double()),
-    sa.column("baseline", sa.JSON()),
-    sa.column("baseline_since", sa.BigInteger()),
-)
-NEW = sa.table(
-    "alert_series_states",
-    sa.column("rule_id", sa.Integer()),
-    sa.column("run", sa.String()),
-    sa.column("rank", sa.Integer()),
-    sa.column("token", sa.BigInteger()),
-    sa.column("series", sa.JSON()),
-)
+# name: (type, nullable); the leading (rule_id, run, rank[, layer]) columns are each table's primary key.
+OLD_COLUMNS: dict[str, tuple[Any, bool]] = {
+    "rule_id": (sa.Integer(), False),
+    "run": (sa.String(200), False),
+    "rank": (sa.Integer(), False),
+    "layer": (sa.String(500), False),
+    "status": (sa.String(16), False),
+    "last_step": (sa.BigInteger(), True),
+    "streak": (sa.Integer(), False),
+    "clear_streak": (sa.Integer(), False),
+    "last_value": (sa.Double(), True),
+    "baseline": (sa.JSON(), True),
+    "baseline_since": (sa.BigInteger(), True),
+}
+NEW_COLUMNS: dict[str, tuple[Any, bool]] = {
+    "rule_id": (sa.Integer(), False),
+    "run": (sa.String(200), False),
+    "rank": (sa.Integer(), False),
+    "token": (sa.BigInteger(), False),
+    "series": (sa.JSON(), False),
+}
+OLD = sa.table("alert_series", *(sa.column(name, kind) for name, (kind, _) in OLD_COLUMNS.items()))
+NEW = sa.table("alert_series_states", *(sa.column(name, kind) for name, (kind, _) in NEW_COLUMNS.items()))
 
 
-def _fk(table: str) -> sa.ForeignKeyConstraint:
-    return sa.ForeignKeyConstraint(
-        ["rule_id"], ["alert_rules.id"], name=f"fk_{table}_rule_id_alert_rules", ondelete="CASCADE"
+def _create(table: str, columns: dict[str, tuple[Any, bool]], key: tuple[str, ...]) -> None:
+    op.create_table(
+        table,
+        *(sa.Column(name, kind, nullable=nullable) for name, (kind, nullable) in columns.items()),
+        sa.PrimaryKeyConstraint(*key, name=f"pk_{table}"),
+        sa.ForeignKeyConstraint(
+            ["rule_id"], ["alert_rules.id"], name=f"fk_{table}_rule_id_alert_rules", ondelete="CASCADE"
+        ),
     )
 
 
@@ -89,16 +95,7 @@ def _packed(bind: sa.Connection) -> Iterator[dict[str, Any]]:
 
 
 def upgrade() -> None:
-    op.create_table(
-        "alert_series_states",
-        sa.Column("rule_id", sa.Integer(), nullable=False),
-        sa.Column("run", sa.String(200), nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
-        sa.Column("token", sa.BigInteger(), nullable=False),
-        sa.Column("series", sa.JSON(), nullable=False),
-        sa.PrimaryKeyConstraint("rule_id", "run", "rank", name="pk_alert_series_states"),
-        _fk("alert_series_states"),
-    )
+    _create("alert_series_states", NEW_COLUMNS, ("rule_id", "run", "rank"))
     bind = op.get_bind()
     for chunk in _chunks(_packed(bind)):
         bind.execute(sa.insert(NEW), chunk)
@@ -114,22 +111,7 @@ def _unpacked(bind: sa.Connection) -> Iterator[dict[str, Any]]:
 
 
 def downgrade() -> None:
-    op.create_table(
-        "alert_series",
-        sa.Column("rule_id", sa.Integer(), nullable=False),
-        sa.Column("run", sa.String(200), nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
-        sa.Column("layer", sa.String(500), nullable=False),
-        sa.Column("status", sa.String(16), nullable=False),
-        sa.Column("last_step", sa.BigInteger(), nullable=True),
-        sa.Column("streak", sa.Integer(), nullable=False),
-        sa.Column("clear_streak", sa.Integer(), nullable=False),
-        sa.Column("last_value", sa.Double(), nullable=True),
-        sa.Column("baseline", sa.JSON(), nullable=True),
-        sa.Column("baseline_since", sa.BigInteger(), nullable=True),
-        sa.PrimaryKeyConstraint("rule_id", "run", "rank", "layer", name="pk_alert_series"),
-        _fk("alert_series"),
-    )
+    _create("alert_series", OLD_COLUMNS, ("rule_id", "run", "rank", "layer"))
     bind = op.get_bind()
     for chunk in _chunks(_unpacked(bind)):
         bind.execute(sa.insert(OLD), chunk)
