@@ -3,8 +3,9 @@
 For one batch of one (run, rank), inside the transaction that stores its points:
 
 1. lock the (run, rank) cursor row (``SELECT … FOR UPDATE``), so replicas ingesting that rank take turns;
-2. read the rank's series states, run :func:`~quantwatch.service.alerts.evaluator.evaluate_columns` (numpy over the
-   batch's layers), upsert the states in one statement;
+2. read the rank's series states (one row per rule; only its token when this process wrote the row last), run
+   :func:`~quantwatch.service.alerts.evaluator.evaluate_columns` (numpy over the batch's layers), upsert the rows in
+   one statement;
 3. for the (rule, layer) groups whose series changed status: lock their group rows in sorted order (no deadlocks
    between replicas), re-read every rank's status (committed by whoever held the locks before), advance the
    episodes in memory, then write episodes, group pointers and outbox rows with a few bulk statements per batch
