@@ -3,8 +3,9 @@
 For one batch of one (run, rank), inside the transaction that stores its points:
 
 1. lock the (run, rank) cursor row (``SELECT … FOR UPDATE``), so replicas ingesting that rank take turns;
-2. read the rank's series states, run :func:`~quantwatch.service.alerts.evaluator.evaluate_columns` (numpy over the
-   batch's layers), upsert the states in one statement;
+2. read the rank's series states (one row per rule; only its token when this process wrote the row last), run
+   :func:`~quantwatch.service.alerts.evaluator.evaluate_columns` (numpy over the batch's layers), upsert the rows in
+   one statement;
 3. for the (rule, layer) groups whose series changed status: lock their group rows in sorted order (no deadlocks
    between replicas), re-read every rank's status (committed by whoever held the locks before), advance the
    episodes in memory, then write episodes, group pointers and outbox rows with a few bulk statements per batch
@@ -32,6 +33,8 @@ from quantwatch.service.alerts.episodes import Episode, EpisodeBatch, EpisodeFie
 from quantwatch.service.alerts.evaluator import (
     BatchColumns,
     MetricColumn,
+    SeriesKey,
+    SeriesState,
     SeriesStatus,
     SeriesTransition,
     StepInput,
@@ -78,6 +81,17 @@ class SeriesSnapshot:
     last_step: int | None
 
 
+@dataclass(frozen=True)
+class _Staged:
+    """The series states one batch changed, published to :meth:`AlertEngine.latest_series` once committed."""
+
+    run: str
+    rank: int
+    changed: dict[SeriesKey, SeriesState]
+    series_names: dict[str, str]
+    written: repository.StoredStates
+
+
 class AlertEngine:
     """The alerting ingest observer: ``on_batch`` inside the ingest transaction, ``after_commit`` after it.
 
@@ -107,7 +121,12 @@ class AlertEngine:
         self._wake = wake
         self._dispatch = dispatch
         self._rules = RuleCache()
-        self._latest: dict[tuple[str, str, int, str], SeriesSnapshot] = {}
+        # Each (run, rank)'s latest series states by (rule, layer), and each rule's series name: kept as the
+        # evaluator's dicts (updated whole after a commit), snapshots built only when read.
+        self._latest: dict[tuple[str, int], dict[SeriesKey, SeriesState]] = {}
+        self._series_names: dict[str, str] = {}
+        # The series state rows this process wrote last, by (rule id, run, rank): (token, states).
+        self._written: dict[tuple[int, str, int], tuple[int, dict[SeriesKey, SeriesState]]] = {}
         self._latest_lock = threading.Lock()
         self._enqueued = threading.local()
         self.remediation: Remediation | None = None
@@ -133,12 +152,14 @@ class AlertEngine:
     def after_commit(self, batch: IngestBatch) -> None:
         """:class:`~quantwatch.service.batch.IngestObserver` hook: publish the committed series states to
         :meth:`latest_series` and hand new outbox rows to the delivery worker."""
-        staged: list[SeriesSnapshot] = getattr(self._enqueued, "staged", [])
-        self._enqueued.staged = []
-        if staged:
+        staged: _Staged | None = getattr(self._enqueued, "staged", None)
+        self._enqueued.staged = None
+        if staged is not None:
             with self._latest_lock:
-                for snapshot in staged:
-                    self._latest[(snapshot.rule, snapshot.run, snapshot.rank, snapshot.layer)] = snapshot
+                self._series_names.update(staged.series_names)
+                self._latest.setdefault((staged.run, staged.rank), {}).update(staged.changed)
+                for rule_id, written in staged.written.items():
+                    self._written[(rule_id, staged.run, staged.rank)] = written
         self.send_enqueued()
 
     def send_enqueued(self) -> None:
@@ -167,7 +188,7 @@ class AlertEngine:
         layers: Sequence[str],
         columns_of: Callable[[Iterable[str], bool], BatchColumns],
     ) -> int:
-        self._enqueued.staged = []
+        self._enqueued.staged = None
         self.take_enqueued()
         rules = [(rule_id, rule) for rule_id, rule in self.active_rules(session) if rule.matches_run(run)]
         if not rules:
@@ -179,22 +200,36 @@ class AlertEngine:
         repository.lock_cursor(session, run, rank)
         ids = {rule.name: rule_id for rule_id, rule in rules}
         names = {rule_id: rule.name for rule_id, rule in rules}
-        states = repository.read_series_states(session, run, rank, names)
+        states = self._stored_states(session, run, rank, names)
         changed, transitions = evaluate_columns([rule for _, rule in rules], run, rank, layers, columns, states)
-        by_name = {rule.name: rule for _, rule in rules}
-        self._enqueued.staged = [
-            SeriesSnapshot(
-                name, run, rank, layer, by_name[name].series, state.status.value, state.streak, state.last_step
-            )
-            for (name, layer), state in changed.items()
-        ]
-        repository.upsert_series_states(session, run, rank, ids, changed)
+        written = repository.upsert_series_states(session, run, rank, ids, changed, states)
+        self._enqueued.staged = _Staged(run, rank, changed, {rule.name: rule.series for _, rule in rules}, written)
         if not transitions:
             return 0
         by_group: dict[tuple[int, str], list[SeriesTransition]] = {}
         for transition in transitions:
             by_group.setdefault((ids[transition.rule], transition.layer), []).append(transition)
         return self._advance_groups(session, dict(rules), run, by_group)
+
+    def _stored_states(
+        self, session: Session, run: str, rank: int, names: dict[int, str]
+    ) -> dict[SeriesKey, SeriesState]:
+        """The stored series states of one (run, rank): those this process wrote last when their row's token is still
+        the one it wrote (another replica's write draws another), the others decoded from the database."""
+        states: dict[SeriesKey, SeriesState] = {}
+        unknown: dict[int, str] = {}
+        tokens = repository.series_tokens(session, run, rank, names)
+        with self._latest_lock:
+            for rule_id, token in tokens.items():
+                cached = self._written.get((rule_id, run, rank))
+                if cached is not None and cached[0] == token:
+                    states.update(cached[1])
+                else:
+                    unknown[rule_id] = names[rule_id]
+        if unknown:
+            for _, read in repository.read_series_states(session, run, rank, unknown).values():
+                states.update(read)
+        return states
 
     def _advance_groups(
         self,
@@ -370,15 +405,21 @@ class AlertEngine:
         :meth:`series_snapshot` reads the authoritative state of all replicas from the database.
         """
         with self._latest_lock:
-            return list(self._latest.values())
+            return [
+                SeriesSnapshot(
+                    rule, run, rank, layer, self._series_names[rule], state.status.value, state.streak, state.last_step
+                )
+                for (run, rank), states in self._latest.items()
+                for (rule, layer), state in states.items()
+            ]
 
     def series_snapshot(self, session: Session, runs: Iterable[str] | None = None) -> list[SeriesSnapshot]:
         """Every series' streak and status (optionally for some runs) from the database, whichever replica wrote it."""
         snapshots = []
-        for row, name, definition in repository.series_state_rows(session, runs):
+        for name, definition, run, rank, layer, state in repository.series_state_rows(session, runs):
             series = definition.get("metric") or definition.get("scalar") or ""
             snapshots.append(
-                SeriesSnapshot(name, row.run, row.rank, row.layer, str(series), row.status, row.streak, row.last_step)
+                SeriesSnapshot(name, run, rank, layer, str(series), state.status.value, state.streak, state.last_step)
             )
         return snapshots
 

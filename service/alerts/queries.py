@@ -12,14 +12,22 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, select
 from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
 
 from quantwatch.service.alerts.catalog import NotFoundError, delete_receiver, delete_rule, put_receiver, put_rule
 from quantwatch.service.alerts.engine import AlertEngine
 from quantwatch.service.alerts.rules import ReceiverSpec, Rule
 from quantwatch.service.alerts.schemas import AlertOut, DeliveryOut, ReceiverOut, RuleOut
-from quantwatch.service.alerts.tables import DeliveryRow, EpisodeRow, ReceiverRow, RuleRow, SeriesStateRow
+from quantwatch.service.alerts.tables import (
+    SERIES_FIELDS,
+    SERIES_STATUSES,
+    DeliveryRow,
+    EpisodeRow,
+    ReceiverRow,
+    RuleRow,
+    SeriesStatesRow,
+)
 from quantwatch.service.core.db import write_session
 from quantwatch.service.store import NotFoundError as UnknownDeliveryError
 
@@ -75,26 +83,42 @@ RECEIVERS = NamedReads(ReceiverRow, ReceiverOut.of)
 def list_alerts(factory: Factory, state: str | None, run: str | None, rule: str | None, limit: int) -> list[AlertOut]:
     """Alert episodes, newest first, narrowed to the given state, run and rule.
 
-    An open episode's latest step is read from its series (one per rank), whose state the evaluator keeps with the
-    newest step it saw: the episode row itself changes only at transitions."""
-    seen = (
-        select(func.max(SeriesStateRow.last_step))
-        .where(
-            SeriesStateRow.rule_id == EpisodeRow.rule_id,
-            SeriesStateRow.run == EpisodeRow.run,
-            SeriesStateRow.layer == EpisodeRow.layer,
-            SeriesStateRow.status == EpisodeRow.state,
-        )
-        .scalar_subquery()
-    )
+    An open episode's latest step is read from its series (one per rank, in the (rule, run, rank) state rows), whose
+    state the evaluator keeps with the newest step it saw: the episode row itself changes only at transitions."""
     query = _only(
-        select(EpisodeRow, seen).order_by(EpisodeRow.id.desc()).limit(limit),
+        select(EpisodeRow).order_by(EpisodeRow.id.desc()).limit(limit),
         (EpisodeRow.state, state),
         (EpisodeRow.run, run),
         (EpisodeRow.rule_name, rule),
     )
     with factory() as session:
-        return [AlertOut.of(row, latest_step) for row, latest_step in session.execute(query)]
+        episodes = list(session.scalars(query))
+        open_keys = {(e.rule_id, e.run) for e in episodes if e.state in SERIES_STATUSES}
+        states: dict[tuple[int | None, str], list[dict[str, list[Any]]]] = {}
+        if open_keys:
+            rows = session.execute(
+                select(SeriesStatesRow.rule_id, SeriesStatesRow.run, SeriesStatesRow.series).where(
+                    SeriesStatesRow.rule_id.in_({rule_id for rule_id, _ in open_keys}),
+                    SeriesStatesRow.run.in_({name for _, name in open_keys}),
+                )
+            )
+            for rule_id, name, series in rows:
+                states.setdefault((rule_id, name), []).append(series)
+        return [AlertOut.of(e, _seen_step(e, states.get((e.rule_id, e.run), []))) for e in episodes]
+
+
+def _seen_step(episode: EpisodeRow, ranks: list[dict[str, list[Any]]]) -> int | None:
+    """The newest step at which a rank's series of the episode's layer was in the episode's state (None: none)."""
+    if episode.state not in SERIES_STATUSES:
+        return None
+    status = SERIES_STATUSES.index(episode.state)
+    last = SERIES_FIELDS.index("last_step")
+    steps = [
+        int(fields[last])
+        for series in ranks
+        if (fields := series.get(episode.layer)) is not None and fields[0] == status and fields[last] is not None
+    ]
+    return max(steps, default=None)
 
 
 def list_deliveries(

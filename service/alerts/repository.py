@@ -8,6 +8,7 @@ and receiver catalogue (:mod:`~quantwatch.service.alerts.catalog`) reads and loc
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -19,6 +20,8 @@ from quantwatch.service.alerts.episodes import EPISODE_COLUMNS, Episode, Episode
 from quantwatch.service.alerts.evaluator import SeriesKey, SeriesState, SeriesStatus
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.tables import (
+    SERIES_FIELDS,
+    SERIES_STATUSES,
     AlertCursorRow,
     AlertGroupRow,
     DeliveryRow,
@@ -26,7 +29,7 @@ from quantwatch.service.alerts.tables import (
     LayerFormatRow,
     ReceiverRow,
     RuleRow,
-    SeriesStateRow,
+    SeriesStatesRow,
 )
 from quantwatch.service.models import Run
 
@@ -35,8 +38,10 @@ __all__ = [
     "cancel_delivery",
     "claim_deliveries",
     "clear_rule_state",
+    "decode_series",
     "disable_receiver",
     "enabled_rules",
+    "encode_series",
     "firing_episode_counts",
     "insert_deliveries",
     "insert_ignore",
@@ -58,21 +63,24 @@ __all__ = [
     "rule_by_name",
     "rules_for_update",
     "series_state_rows",
+    "series_tokens",
     "upsert_series_states",
     "write_episodes",
 ]
 
 _CURSORS = cast(Table, AlertCursorRow.__table__)
-_SERIES = cast(Table, SeriesStateRow.__table__)
+_STATES = cast(Table, SeriesStatesRow.__table__)
 _GROUPS = cast(Table, AlertGroupRow.__table__)
 _EPISODES = cast(Table, EpisodeRow.__table__)
 _DELIVERIES = cast(Table, DeliveryRow.__table__)
-_STATUS = {status.value: status for status in SeriesStatus}
+_BY_CODE = tuple(SeriesStatus(name) for name in SERIES_STATUSES)
+_CODES = {status: code for code, status in enumerate(_BY_CODE)}
+_ABSENT = (None,) * len(SERIES_FIELDS)
+_TOKENS = 2**63 - 1  # a row's token is in [1, 2**63): 0 marks the rows migration 0008 carried over
 _EPISODE_UPDATE = update(_EPISODES).where(_EPISODES.c.id == bindparam("b_id"))
 _GROUP_UPDATE = update(_GROUPS).where(
     _GROUPS.c.rule_id == bindparam("b_rule_id"), _GROUPS.c.layer == bindparam("b_layer")
 )
-_STATE_COLUMNS = ("status", "last_step", "streak", "clear_streak", "last_value", "baseline", "baseline_since")
 
 
 def insert_ignore(session: Session, table: Any, rows: list[dict[str, Any]], keys: Sequence[str]) -> None:
@@ -85,10 +93,10 @@ def insert_ignore(session: Session, table: Any, rows: list[dict[str, Any]], keys
 
 
 def _state_upsert(dialect: str) -> Any:
-    statement = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(_SERIES)
+    statement = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(_STATES)
     return statement.on_conflict_do_update(
-        index_elements=["rule_id", "run", "rank", "layer"],
-        set_={name: statement.excluded[name] for name in _STATE_COLUMNS},
+        index_elements=["rule_id", "run", "rank"],
+        set_={"token": statement.excluded.token, "series": statement.excluded.series},
     )
 
 
@@ -111,48 +119,79 @@ def lock_cursor(session: Session, run: str, rank: int) -> None:
     ).all()
 
 
-def read_series_states(session: Session, run: str, rank: int, names: Mapping[int, str]) -> dict[SeriesKey, SeriesState]:
-    """The stored series states of one (run, rank) for the rules ``names`` (id → name), keyed (rule name, layer)."""
+def encode_series(state: SeriesState) -> list[Any]:
+    """One series' state as stored in :attr:`~quantwatch.service.alerts.tables.SeriesStatesRow.series`."""
+    value = state.last_value if state.last_value is None or math.isfinite(state.last_value) else None
+    fields = [_CODES[state.status], state.last_step, state.streak, state.clear_streak]
+    if state.baseline or state.baseline_since is not None:
+        return [*fields, value, list(state.baseline) or None, state.baseline_since]
+    return fields if value is None else [*fields, value]
+
+
+def decode_series(fields: Sequence[Any]) -> SeriesState:
+    """The state :func:`encode_series` stored."""
+    padded: list[Any] = [*fields, *_ABSENT[len(fields) :]]
+    status, last_step, streak, clear_streak, last_value, baseline, baseline_since = padded
+    return SeriesState(
+        _BY_CODE[status], last_step, streak, clear_streak, last_value, tuple(baseline or ()), baseline_since
+    )
+
+
+StoredStates = dict[int, tuple[int, dict[SeriesKey, SeriesState]]]
+"""Per rule id: the token of its (run, rank) row and the row's series states, keyed (rule name, layer)."""
+
+
+def series_tokens(session: Session, run: str, rank: int, rule_ids: Iterable[int]) -> dict[int, int]:
+    """The token of each stored row of one (run, rank) among the rules ``rule_ids``, by rule id."""
+    query = select(_STATES.c.rule_id, _STATES.c.token).where(
+        _STATES.c.run == run, _STATES.c.rank == rank, _STATES.c.rule_id.in_(list(rule_ids))
+    )
+    return {int(rule_id): int(token) for rule_id, token in session.connection().execute(query)}
+
+
+def read_series_states(session: Session, run: str, rank: int, names: Mapping[int, str]) -> StoredStates:
+    """The stored rows of one (run, rank) for the rules ``names`` (id → name)."""
+    query = select(_STATES.c.rule_id, _STATES.c.token, _STATES.c.series).where(
+        _STATES.c.run == run, _STATES.c.rank == rank, _STATES.c.rule_id.in_(list(names))
+    )
     return {
-        (names[rule_id], layer): SeriesState(
-            _STATUS[status], last_step, streak, clear_streak, last_value, tuple(baseline or ()), baseline_since
-        )
-        for rule_id, layer, status, last_step, streak, clear_streak, last_value, baseline, baseline_since in (
-            session.connection().execute(
-                select(
-                    _SERIES.c.rule_id,
-                    _SERIES.c.layer,
-                    *(_SERIES.c[name] for name in _STATE_COLUMNS),
-                ).where(_SERIES.c.run == run, _SERIES.c.rank == rank, _SERIES.c.rule_id.in_(list(names)))
-            )
-        )
+        rule_id: (token, {(names[rule_id], layer): decode_series(fields) for layer, fields in series.items()})
+        for rule_id, token, series in session.connection().execute(query)
     }
 
 
 def upsert_series_states(
-    session: Session, run: str, rank: int, ids: Mapping[str, int], changed: Mapping[SeriesKey, SeriesState]
-) -> None:
-    """Write the changed series states of one (run, rank) in one statement (rule names mapped to ids by ``ids``)."""
-    if not changed:
-        return
+    session: Session,
+    run: str,
+    rank: int,
+    ids: Mapping[str, int],
+    changed: Mapping[SeriesKey, SeriesState],
+    stored: Mapping[SeriesKey, SeriesState],
+) -> StoredStates:
+    """Write the states of one (run, rank): one row per rule (names mapped to ids by ``ids``) with a changed series,
+    holding ``changed`` over the ``stored`` states, under a new token. Returns what it wrote."""
+    by_rule: dict[str, dict[SeriesKey, SeriesState]] = {}
+    for key, state in changed.items():
+        by_rule.setdefault(key[0], {})[key] = state
+    for key, state in stored.items():
+        states = by_rule.get(key[0])
+        if states is not None:
+            states.setdefault(key, state)
+    written = {ids[name]: (secrets.randbelow(_TOKENS) + 1, states) for name, states in by_rule.items()}
     rows = [
         {
-            "rule_id": ids[rule_name],
+            "rule_id": rule_id,
             "run": run,
             "rank": rank,
-            "layer": layer,
-            "status": state.status.value,
-            "last_step": state.last_step,
-            "streak": state.streak,
-            "clear_streak": state.clear_streak,
-            "last_value": state.last_value if state.last_value is None or math.isfinite(state.last_value) else None,
-            "baseline": list(state.baseline) if state.baseline else None,
-            "baseline_since": state.baseline_since,
+            "token": token,
+            "series": {layer: encode_series(state) for (_, layer), state in states.items()},
         }
-        for (rule_name, layer), state in changed.items()
+        for rule_id, (token, states) in written.items()
     ]
-    conn = session.connection()
-    conn.execute(_STATE_UPSERTS[conn.dialect.name], rows)
+    if rows:
+        conn = session.connection()
+        conn.execute(_STATE_UPSERTS[conn.dialect.name], rows)
+    return written
 
 
 GroupKey = tuple[int, str]
@@ -186,12 +225,13 @@ def lock_groups(
             .with_for_update()
         ):
             opened[(rule_id, layer)] = episode_id
-        for rank, layer, status in conn.execute(
-            select(_SERIES.c.rank, _SERIES.c.layer, _SERIES.c.status).where(
-                _SERIES.c.rule_id == rule_id, _SERIES.c.run == run, _SERIES.c.layer.in_(layers)
-            )
+        for rank, series in conn.execute(
+            select(_STATES.c.rank, _STATES.c.series).where(_STATES.c.rule_id == rule_id, _STATES.c.run == run)
         ):
-            statuses[(rule_id, layer)][rank] = _STATUS[status]
+            for layer in layers:
+                fields = series.get(layer)
+                if fields is not None:
+                    statuses[(rule_id, layer)][rank] = _BY_CODE[fields[0]]
     return opened, statuses
 
 
@@ -290,12 +330,18 @@ def add_deliveries(session: Session, rows: list[dict[str, Any]]) -> list[tuple[i
 
 def series_state_rows(
     session: Session, runs: Iterable[str] | None = None
-) -> list[tuple[SeriesStateRow, str, dict[str, Any]]]:
-    """Every stored series state (optionally of some runs) with its rule's name and definition."""
-    query = select(SeriesStateRow, RuleRow.name, RuleRow.definition).join(RuleRow, RuleRow.id == SeriesStateRow.rule_id)
+) -> list[tuple[str, dict[str, Any], str, int, str, SeriesState]]:
+    """Every stored series state (optionally of some runs): (rule name, rule definition, run, rank, layer, state)."""
+    query = select(RuleRow.name, RuleRow.definition, _STATES.c.run, _STATES.c.rank, _STATES.c.series).join(
+        RuleRow, RuleRow.id == _STATES.c.rule_id
+    )
     if runs is not None:
-        query = query.where(SeriesStateRow.run.in_(list(runs)))
-    return [(row, name, definition) for row, name, definition in session.execute(query)]
+        query = query.where(_STATES.c.run.in_(list(runs)))
+    return [
+        (name, definition, run, rank, layer, decode_series(fields))
+        for name, definition, run, rank, series in session.execute(query)
+        for layer, fields in series.items()
+    ]
 
 
 # -- the delivery worker --------------------------------------------------------------------------------------------
@@ -371,7 +417,7 @@ def open_episodes(session: Session, rule_id: int) -> list[EpisodeRow]:
 
 def clear_rule_state(session: Session, rule_id: int) -> None:
     """Delete a rule's series states and group rows (its series start from scratch)."""
-    session.execute(delete(SeriesStateRow).where(SeriesStateRow.rule_id == rule_id))
+    session.execute(delete(SeriesStatesRow).where(SeriesStatesRow.rule_id == rule_id))
     session.execute(delete(AlertGroupRow).where(AlertGroupRow.rule_id == rule_id))
 
 

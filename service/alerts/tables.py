@@ -14,6 +14,8 @@ from sqlalchemy.orm import Mapped, mapped_column
 from quantwatch.service.models import Base, RowId
 
 __all__ = [
+    "SERIES_FIELDS",
+    "SERIES_STATUSES",
     "AlertCursorRow",
     "AlertGroupRow",
     "DeliveryRow",
@@ -21,7 +23,7 @@ __all__ = [
     "LayerFormatRow",
     "ReceiverRow",
     "RuleRow",
-    "SeriesStateRow",
+    "SeriesStatesRow",
 ]
 
 OPEN_EPISODE_STATES = ("pending", "firing")
@@ -72,24 +74,28 @@ class AlertCursorRow(Base):
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
 
 
-class SeriesStateRow(Base):
-    """Evaluator state of one series (rule, run, rank, layer); ``layer`` is ``""`` for scalar rules."""
+class SeriesStatesRow(Base):
+    """Evaluator state of every series of one (rule, run, rank), in one row (migration 0008).
 
-    __tablename__ = "alert_series"
+    ``series`` maps each layer (``""`` for a scalar rule) to the list :data:`SERIES_FIELDS` names, trailing
+    ``None`` fields left out. One row per rule and rank, so a batch reads and writes one row per rule instead of one
+    per (rule, layer): every series of a rank advances at each sampled step. ``token`` is drawn at random on each
+    write: a replica that still holds the states it wrote last reads only the token to know they are current.
+    """
+
+    __tablename__ = "alert_series_states"
 
     rule_id: Mapped[int] = mapped_column(ForeignKey("alert_rules.id", ondelete="CASCADE"), primary_key=True)
     run: Mapped[str] = mapped_column(String(200), primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    layer: Mapped[str] = mapped_column(String(500), primary_key=True)
-    status: Mapped[str] = mapped_column(String(16))  # inactive | pending | firing
-    last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    streak: Mapped[int] = mapped_column(Integer, default=0)
-    clear_streak: Mapped[int] = mapped_column(Integer, default=0)
-    last_value: Mapped[float | None] = mapped_column(Double, nullable=True)
-    # Baseline-relative rules: the first samples of the series (its own reference) and the step of the layer's
-    # format change they were collected after (migration 0004).
-    baseline: Mapped[list[float] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
-    baseline_since: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    token: Mapped[int] = mapped_column(BigInteger)
+    series: Mapped[dict[str, list[Any]]] = mapped_column(JSON)
+
+
+SERIES_FIELDS = ("status", "last_step", "streak", "clear_streak", "last_value", "baseline", "baseline_since")
+"""The fields of one series in :attr:`SeriesStatesRow.series`; ``status`` as its index in :data:`SERIES_STATUSES`."""
+
+SERIES_STATUSES = ("inactive", "pending", "firing")
 
 
 class AlertGroupRow(Base):

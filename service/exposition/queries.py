@@ -16,7 +16,8 @@ import numpy.typing as npt
 from sqlalchemy import Connection, Integer, bindparam, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from quantwatch.service.alerts.tables import OPEN_EPISODE_STATES, DeliveryRow, EpisodeRow, RuleRow, SeriesStateRow
+from quantwatch.service.alerts.repository import decode_series
+from quantwatch.service.alerts.tables import OPEN_EPISODE_STATES, DeliveryRow, EpisodeRow, RuleRow, SeriesStatesRow
 from quantwatch.service.exposition.alert_states import DeliveryCounts, StoredSeries, severity_order
 from quantwatch.service.exposition.cache import StoredRank
 from quantwatch.service.models import Layer, MetricName, Point, Run, RunMetric, RunRank, ScalarPoint
@@ -233,31 +234,32 @@ class RankReader:
 def open_alert_series(session: Session, runs: Sequence[str], per_group: int) -> list[StoredSeries]:
     """Pending and firing series of ``runs`` whose (rule, run, layer) has an open episode, per rank.
 
-    Read from the open episodes (index ``ix_alert_episodes_run_state``) to their series (primary key): at most
-    ``per_group`` per (rule, run, rank), the most severe and longest streaks first, as the exposition exports them.
+    Read from the open episodes (index ``ix_alert_episodes_run_state``) to their ranks' series states (primary key):
+    at most ``per_group`` per (rule, run, rank), the most severe and longest streaks first, as the exposition
+    exports them.
     """
     if not runs:
         return []
+    opened: dict[tuple[int, str], tuple[str, list[str]]] = {}
+    for rule_id, rule, run, layer in session.execute(
+        select(RuleRow.id, RuleRow.name, EpisodeRow.run, EpisodeRow.layer)
+        .join(RuleRow, RuleRow.id == EpisodeRow.rule_id)
+        .where(EpisodeRow.run.in_(list(runs)), EpisodeRow.state.in_(OPEN_EPISODE_STATES))
+    ):
+        opened.setdefault((rule_id, run), (rule, []))[1].append(layer)
     rows = session.execute(
-        select(RuleRow.name, SeriesStateRow.run, SeriesStateRow.rank, SeriesStateRow.layer, SeriesStateRow.status)
-        .add_columns(SeriesStateRow.streak)
-        .join(
-            EpisodeRow,
-            (EpisodeRow.rule_id == SeriesStateRow.rule_id)
-            & (EpisodeRow.run == SeriesStateRow.run)
-            & (EpisodeRow.layer == SeriesStateRow.layer),
-        )
-        .join(RuleRow, RuleRow.id == SeriesStateRow.rule_id)
-        .where(
-            EpisodeRow.run.in_(list(runs)),
-            EpisodeRow.state.in_(OPEN_EPISODE_STATES),
-            SeriesStateRow.status.in_(OPEN_EPISODE_STATES),
+        select(SeriesStatesRow.rule_id, SeriesStatesRow.run, SeriesStatesRow.rank, SeriesStatesRow.series).where(
+            SeriesStatesRow.run.in_(list(runs)), SeriesStatesRow.rule_id.in_(sorted({key[0] for key in opened}))
         )
     ).all()
     groups: dict[tuple[str, str, int], list[StoredSeries]] = {}
-    for rule, run, rank, layer, status, streak in rows:
-        series = StoredSeries(str(rule), str(run), int(rank), str(layer), str(status), int(streak))
-        groups.setdefault((series.rule, series.run, series.rank), []).append(series)
+    for rule_id, run, rank, stored in rows:
+        rule, layers = opened.get((rule_id, run), ("", []))
+        for layer in layers:
+            state = decode_series(stored[layer]) if layer in stored else None
+            if state is not None and state.status.value in OPEN_EPISODE_STATES:
+                series = StoredSeries(rule, str(run), int(rank), layer, state.status.value, state.streak)
+                groups.setdefault((series.rule, series.run, series.rank), []).append(series)
     return [
         series
         for group in groups.values()

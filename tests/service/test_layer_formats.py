@@ -14,7 +14,7 @@ from quantwatch.protocol import LAYER_FORMATS_FIELD, ingest_json_schema
 from quantwatch.service.alerts.formats import FormatChange, layer_format_history, layer_formats
 from quantwatch.service.batch import decode_json
 from quantwatch.service.core.config import Settings
-from quantwatch.service.core.db import alembic_config, make_engine, make_sessionmaker, upgrade
+from quantwatch.service.core.db import alembic_config, make_engine, make_sessionmaker
 from quantwatch.service.wire_error import WireError
 
 FP8 = {"weight": "fp8_e4m3:tensor", "input": "fp8_e4m3:tensor", "grad": "fp8_e5m2:tensor"}
@@ -111,7 +111,9 @@ def test_migration_0004_keeps_stored_data_and_adds_formats_and_baseline_state(em
                     "VALUES (1, 'old', 0, 'a', 'pending', 7, 2, 0)"
                 )
             )
-        upgrade(engine)
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "0008_whatif")  # the last revision with one alert_series row per series
         assert "layer_formats" in inspect(engine).get_table_names()
         with engine.begin() as conn:
             row = conn.execute(text("SELECT status, streak, baseline, baseline_since FROM alert_series")).one()

@@ -25,7 +25,7 @@ from quantwatch.service.alerts.tables import (
     EpisodeRow,
     ReceiverRow,
     RuleRow,
-    SeriesStateRow,
+    SeriesStatesRow,
 )
 from quantwatch.service.core.db import write_session
 
@@ -175,7 +175,7 @@ def test_failed_batch_keeps_no_alert_state(engine: Engine) -> None:
     with pytest.raises(RuntimeError, match="storage failed"):
         evaluate_then_fail()
     with sessions() as session:
-        for table in (SeriesStateRow, AlertGroupRow, EpisodeRow, DeliveryRow):
+        for table in (SeriesStatesRow, AlertGroupRow, EpisodeRow, DeliveryRow):
             assert session.scalar(select(func.count()).select_from(table)) == 0
     with write_session(sessions) as session:
         assert alerts.evaluate(session, "run", 0, LAYERS, steps) == 2 * len(LAYERS)
