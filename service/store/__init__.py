@@ -13,6 +13,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.batch import IngestBatch, IngestObserver
+from quantwatch.service.store.actions import list_actions
 from quantwatch.service.store.common import IngestResult, NotFoundError, choose_width
 from quantwatch.service.store.export import EXPORT_COLUMNS, Exporter
 from quantwatch.service.store.reads import HistoryReader
@@ -63,6 +64,10 @@ class Store:
     def run_id(self, name: str) -> int:
         """The database id of run ``name`` (raises NotFoundError)."""
         return self._reader.run_id(name)
+
+    def list_actions(self, name: str) -> list[dict[str, Any]]:
+        """The actions the agent took on run ``name``, by step (raises NotFoundError)."""
+        return list_actions(self.factory, name)
 
     def list_layers(self, name: str) -> list[dict[str, Any]]:
         """Layers of a run in model order."""
