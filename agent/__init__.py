@@ -15,6 +15,8 @@ try:
 except ImportError as _missing:
     raise ImportError("quantwatch.agent needs PyTorch: pip install 'quantwatch[agent]'") from _missing
 
+from quantwatch.agent import actions
+from quantwatch.agent.actions import Alert
 from quantwatch.agent.adapters import (
     Adapter,
     AdapterContext,
@@ -48,6 +50,7 @@ __all__ = [
     "AdapterContext",
     "AdapterHandle",
     "AgentError",
+    "Alert",
     "Batch",
     "ConfigError",
     "CredentialExportError",
@@ -66,6 +69,7 @@ __all__ = [
     "StepRecord",
     "TransientExportError",
     "UnsupportedLayerError",
+    "actions",
     "attach",
     "encode_batch",
     "register_adapter",
