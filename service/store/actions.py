@@ -36,7 +36,9 @@ def list_actions(factory: sessionmaker[Session], run: str) -> list[dict[str, Any
     with factory() as session:
         run_id = find_run(session, run).id
         rows = session.execute(
-            select(RunAction).where(RunAction.run_id == run_id).order_by(RunAction.step, RunAction.rank)
+            select(RunAction)
+            .where(RunAction.run_id == run_id)
+            .order_by(RunAction.step, RunAction.rank, RunAction.action, RunAction.layer)
         ).scalars()
         return [
             {
