@@ -61,3 +61,39 @@ def test_every_optimizer_step_arrives_with_the_modules_layer_names(tmp_path: Any
 def test_invalid_options_fail_when_the_callback_is_built() -> None:
     with pytest.raises(qw.ConfigError, match="ranks"):
         QuantWatchCallback(run="pl", ranks="some")
+
+
+class _StopAt(lightning.pytorch.Callback):  # type: ignore[misc]
+    """Asks QuantWatch to stop training after optimizer step ``step``, as an ``on_alert`` callback would."""
+
+    def __init__(self, quantwatch: QuantWatchCallback, step: int) -> None:
+        self.quantwatch, self.step = quantwatch, step
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == self.step and self.quantwatch.monitor is not None:
+            qw.actions.stop_training(monitor=self.quantwatch.monitor)
+
+
+def test_stop_training_stops_the_fit_at_the_next_step_boundary(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    module = Regression()
+    quantize_model(module, Recipe(default=QuantConfig()))
+    data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randn(96, 1))
+    sink = qw.InMemoryExporter()
+    callback = QuantWatchCallback(run="lightning-stop", exporter=sink, every=1)
+    trainer = lightning.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[callback, _StopAt(callback, 4)],
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    assert trainer.global_step < STEPS
+    steps = [r.step for batch in sink.batches for r in batch.steps]
+    assert steps == list(range(1, trainer.global_step + 1))
+    assert [(a.step, a.action) for batch in sink.batches for a in batch.actions] == [(4, "stop_training")]
