@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import quantwatch.agent as qw
+from quantwatch.agent.precision import switch_precision
 from quantwatch.kernels import QuantConfig, QuantSpec, Recipe, quantize_model
 
 FP4 = QuantSpec("fp4_e2m1", scaling="tensor")
@@ -182,8 +183,6 @@ def test_torchao_float8_and_qat_layers_are_kept_in_high_precision() -> None:
     x = torch.randn(3, 32)
     assert torch.equal(float8[1](x), nn.functional.linear(x, float8[1].weight, float8[1].bias))
     with pytest.raises(qw.ConfigError, match="format"):
-        from quantwatch.agent.precision import switch_precision
-
         switch_precision(float8[0], "fp8")
 
     qat = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
