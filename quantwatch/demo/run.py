@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from urllib.parse import quote
 
 import httpx
 import torch
@@ -176,7 +175,7 @@ def _train_and_report(
             webhook_secret=receiver.secret if receiver is not None else None,
             alerts=http.get("/api/v1/alerts", params={"run": run}).raise_for_status().json(),
             summary=collect_summary(http, run),
-            actions=http.get(f"/api/v1/runs/{quote(run, safe='')}/actions").raise_for_status().json(),
+            actions=http.get("/api/v1/actions", params={"run": run}).raise_for_status().json(),
         )
     print_summary(console, options, result)
     return result

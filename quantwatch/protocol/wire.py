@@ -147,7 +147,7 @@ ranks it fires on, the step it started firing at, and the rule's severity."""
 
 ACTIONS_FIELD = "actions"
 """The optional batch field of the actions the agent took on the training job (``quantwatch.agent.actions``): each a
-map of :data:`ACTION_KEYS`; stored on the run and listed by ``GET /api/v1/runs/{run}/actions``."""
+map of :data:`ACTION_KEYS`; stored on the run and listed by ``GET /api/v1/actions?run=``."""
 
 ACTION_KINDS = ("keep_high_precision", "save_shadow_checkpoint", "stop_training")
 """What an action can be."""

@@ -21,6 +21,7 @@ export const state = {
   heatmap: null, // last heatmap answer plus derived colours
   series: null,
   loss: null,
+  actions: [], // GET /actions?run=: what the agent did to the training job, drawn on the charts
 };
 
 export function readHash() {

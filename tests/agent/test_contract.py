@@ -157,7 +157,7 @@ def test_actions_from_the_agent_encoder_are_accepted_and_listed(client: Any) -> 
         encoded = encode_batch(batch, encoding, compress)  # type: ignore[arg-type]
         response = client.post("/api/v1/ingest", content=encoded.body, headers=encoded.headers())
         assert response.status_code == 200, response.text
-    listed = client.get("/api/v1/runs/acts/actions").json()
+    listed = client.get("/api/v1/actions", params={"run": "acts"}).json()
     # Stored once although sent in four batches: keyed by (rank, step, action, layer).
     assert [(a["step"], a["action"], a["layer"], a["detail"], a["episode"]) for a in listed] == [
         (4, "keep_high_precision", "fc2", "weight fp4_e2m1:tensor → fp8_e4m3:tensor", 9),

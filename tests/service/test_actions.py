@@ -1,6 +1,6 @@
 """The closed loop on the collector's side: the ingest answer names the run's firing episodes (and nothing when none
 fires), batches carry the agent's actions, stored once in ``run_actions`` (migration 0008) and listed by
-``GET /api/v1/runs/{run}/actions``."""
+``GET /api/v1/actions?run=``."""
 
 from __future__ import annotations
 
@@ -54,12 +54,15 @@ def test_actions_are_stored_once_and_listed_by_step(post_batch: Callable[..., An
     stop = {"step": 9, "action": "stop_training"}
     _cosines(post_batch, range(6), 1.0, [KEEP])
     _cosines(post_batch, range(6, 10), 1.0, [KEEP, stop])  # the first again (a re-sent batch): kept once
-    listed = client.get("/api/v1/runs/loop/actions").json()
+    listed = client.get("/api/v1/actions", params={"run": "loop"}).json()
     assert [{k: a[k] for k in ("step", "rank", "action", "layer", "detail", "episode")} for a in listed] == [
         {**KEEP, "rank": 0},
         {"step": 9, "rank": 0, "action": "stop_training", "layer": "", "detail": "", "episode": None},
     ]
-    assert client.get("/api/v1/runs/nope/actions").status_code == 404
+    assert client.get("/api/v1/actions", params={"run": "nope"}).status_code == 404
+    # A query parameter, not a path under the run: a run whose name ends in /actions keeps its detail route.
+    post_batch(batch_doc("x/actions", ["a"], [0], {"m": np.ones((1, 1))}), "json")
+    assert client.get("/api/v1/runs/x/actions").json()["name"] == "x/actions"
     bad = batch_doc("loop", ["a"], [30], {"update_cosine": np.ones((1, 1))})
     bad["actions"] = [{"step": 3, "action": "reboot"}]
     refused = post_batch(bad, "json")
@@ -97,7 +100,9 @@ def test_migration_0008_upgrades_a_database_holding_data(empty_database_url: str
             post(client, doc)
             series = client.get("/api/v1/runs/old/series", params={"metric": "m", "layer": "a"}).json()
             assert series["steps"] == [0, 1, 2]
-            assert [a["action"] for a in client.get("/api/v1/runs/old/actions").json()] == ["keep_high_precision"]
+            assert [a["action"] for a in client.get("/api/v1/actions", params={"run": "old"}).json()] == [
+                "keep_high_precision"
+            ]
         app.state.engine.dispose()
     finally:
         engine.dispose()

@@ -49,12 +49,11 @@ def list_runs(store: StoreDep, firing: FiringAlertCountsDep) -> list[RunSummary]
     return _with_alerts(firing, store.list_runs())
 
 
-@router.get(
-    "/runs/{run:path}/actions", response_model=list[RunActionInfo], dependencies=[ReadAuth], responses=NOT_FOUND
-)
-def list_actions(run: str, store: StoreDep) -> list[RunActionInfo]:
-    """What the agent did to the training job (``quantwatch.agent.actions``: a layer kept in higher precision, a
-    checkpoint saved, training stopped), by step."""
+@router.get("/actions", response_model=list[RunActionInfo], dependencies=[ReadAuth], responses=NOT_FOUND)
+def list_actions(run: Annotated[str, Query(description="The run.")], store: StoreDep) -> list[RunActionInfo]:
+    """What the agent did to run ``run``'s training job (``quantwatch.agent.actions``: a layer kept in higher
+    precision, a checkpoint saved, training stopped), by step. A query parameter, not a path below the run's: a run
+    name may end in ``/actions``."""
     return [RunActionInfo.model_validate(action) for action in store.list_actions(run)]
 
 
