@@ -181,7 +181,9 @@ class ActionLoop:
 
     def _agreed(self, step: int) -> list[Request]:
         """The requests to apply at this boundary: all pending ones alone, the ranks' union at an agreement step."""
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if step % self.cadence and not self._pending:
+            return []  # the common case, decided without asking torch.distributed
+        if not _distributed():
             pending, self._pending = self._pending, []
             return pending
         if step % self.cadence:
@@ -223,6 +225,10 @@ class ActionLoop:
             _record(monitor, step, taken)
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _keep(loop: ActionLoop, monitor: Monitor, step: int, request: Request) -> list[Action]:
     modules = dict(named_modules(monitor._model))
     taken = []
@@ -241,7 +247,7 @@ def _keep(loop: ActionLoop, monitor: Monitor, step: int, request: Request) -> li
 
 
 def _checkpoint(loop: ActionLoop, monitor: Monitor, step: int, request: Request) -> list[Action]:
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if _distributed() and dist.get_rank() != 0:
         return []  # the replicas hold the same weights: rank 0 writes them
     path = str(request.path)
     if monitor._shadow is not None:
