@@ -79,8 +79,9 @@ ACTION_COLUMNS = [
 MIXED = model.DataSourceRef(type_val="datasource", uid="-- Mixed --")
 
 
-class InfinityQuery(cogvariants.Dataquery):
-    """A query of the Infinity data source (yesoreyeram-infinity-datasource) against the collector's REST API."""
+class Infinity(cogvariants.Dataquery, cogbuilder.Builder[cogvariants.Dataquery]):
+    """A query of the Infinity data source (yesoreyeram-infinity-datasource) against the collector's REST API; its
+    own builder, so panels take it like any SDK query."""
 
     def __init__(
         self,
@@ -95,6 +96,10 @@ class InfinityQuery(cogvariants.Dataquery):
         self.params = params
         self.root_selector = root_selector
         self.columns = columns or []
+
+    def build(self) -> cogvariants.Dataquery:
+        """The query."""
+        return self
 
     def to_json(self) -> dict[str, object]:
         """The panel target as Grafana stores it."""
@@ -113,24 +118,6 @@ class InfinityQuery(cogvariants.Dataquery):
             "root_selector": self.root_selector,
             "columns": self.columns,
         }
-
-
-class Infinity(cogbuilder.Builder[cogvariants.Dataquery]):
-    """Builder of an :class:`InfinityQuery`, so panels take it like any SDK query."""
-
-    def __init__(
-        self,
-        ref_id: str,
-        path: str,
-        params: dict[str, str],
-        root_selector: str,
-        columns: list[dict[str, str]] | None = None,
-    ) -> None:
-        self._query = InfinityQuery(ref_id, path, params, root_selector, columns)
-
-    def build(self) -> cogvariants.Dataquery:
-        """The query."""
-        return self._query
 
 
 def promql(ref_id: str, expr: str, legend: str = "__auto", *, instant: bool = False) -> prom.Dataquery:

@@ -31,16 +31,26 @@ def _model() -> nn.Module:
     )
 
 
-def _train(model: nn.Module, monitor: qw.Monitor, steps: range, during: Callable[[int], None] | None = None) -> None:
+def _train(
+    model: nn.Module,
+    monitor: qw.Monitor,
+    steps: range,
+    during: Callable[[int], None] | None = None,
+    *,
+    width: int = 8,
+    scalars: Callable[[int, torch.Tensor], dict[str, float]] | None = None,
+) -> None:
+    """SGD steps on random inputs of ``width``; ``during(step)`` after the optimizer step, before ``monitor.step``,
+    which gets ``scalars(step, loss)`` (default: the loss)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in steps:
-        loss = model(torch.randn(4, 8)).square().mean()
+        loss = model(torch.randn(4, width)).square().mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if during is not None:
             during(step)
-        monitor.step(step, loss=loss.detach())
+        monitor.step(step, **(scalars(step, loss) if scalars is not None else {"loss": loss.detach()}))
 
 
 def test_an_alert_learnt_mid_step_is_acted_on_only_at_the_next_step_boundary() -> None:
@@ -93,15 +103,14 @@ def test_the_ingest_answer_brings_the_collectors_alert_to_the_callback(live_coll
     monitor = qw.attach(model, run="live-loop", url=live_collector.url, every=1, flush_interval_seconds=0.1)
     alerts: list[qw.Alert] = []
     monitor.on_alert(alerts.append)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(8):
-        loss = model(torch.randn(4, 8)).square().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        # A loss 2x the FP32 one from step 2 on: the shipped loss rule fires on what the agent sends, 3 steps later.
-        monitor.step(step, loss=2.0 if step >= 2 else 1.0, loss_shadow=1.0)
-        assert monitor.flush(10).delivered
+    # A loss 2x the FP32 one from step 2 on: the shipped loss rule fires on what the agent sends, 3 steps later.
+    _train(
+        model,
+        monitor,
+        range(8),
+        lambda step: monitor.flush(10),  # the previous step's answer is in before this step's boundary
+        scalars=lambda step, loss: {"loss": 2.0 if step >= 2 else 1.0, "loss_shadow": 1.0},
+    )
     monitor.close()
     episodes = httpx.get(f"{live_collector.url}/api/v1/alerts", params={"run": "live-loop"}).json()
     firing = [(e["id"], e["rule"]) for e in episodes if e["state"] == "firing"]
@@ -152,15 +161,7 @@ def _switched(model: nn.Module, layer: str) -> tuple[dict[str, str], str]:
     """Train a step, keep ``layer`` in high precision, train another: its formats after, and the action's detail."""
     sink = qw.InMemoryExporter()
     monitor = qw.attach(model, run="torchao", exporter=sink, every=1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(2):
-        loss = model(torch.randn(4, 16)).square().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if step == 0:
-            qw.actions.keep_high_precision(layer)
-        monitor.step(step)
+    _train(model, monitor, range(2), lambda step: step == 0 and qw.actions.keep_high_precision(layer), width=16)
     monitor.close()
     [action] = [a for b in sink.batches for a in b.actions]
     return dict(next(i for i in monitor.layers if i == layer).formats), action.detail

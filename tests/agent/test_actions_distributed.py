@@ -4,12 +4,10 @@ replicas' weights stay bit-identical (their fingerprints agree at every sampled 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-from tests.agent.test_distributed import _free_port
+from tests.agent.test_distributed import run_two_ranks
 
 WORKER = textwrap.dedent(
     """
@@ -64,21 +62,7 @@ WORKER = textwrap.dedent(
 
 
 def test_an_action_requested_on_one_rank_takes_effect_on_both_at_the_same_step(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), port, str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
+    run_two_ranks(tmp_path, WORKER)
     first, second = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
     assert (first["seen"], second["seen"]) == ([], [3])  # rank 1 alone learnt the alert, at step 5
     assert first["failures"] == second["failures"] == {}

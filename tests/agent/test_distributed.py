@@ -137,11 +137,10 @@ WRAPPED_WORKER = textwrap.dedent(
 )
 
 
-def test_ddp_and_fsdp2_report_every_metric_on_every_rank_under_the_bare_names(tmp_path: Path) -> None:
-    import quantwatch.agent as qw
-
+def run_two_ranks(tmp_path: Path, worker: str) -> None:
+    """Run ``worker`` as ranks 0 and 1 of a gloo group (argv: rank, port, ``tmp_path``); fail on either's error."""
     script = tmp_path / "worker.py"
-    script.write_text(WRAPPED_WORKER)
+    script.write_text(worker)
     port = str(_free_port())
     procs = [
         subprocess.Popen(
@@ -155,6 +154,12 @@ def test_ddp_and_fsdp2_report_every_metric_on_every_rank_under_the_bare_names(tm
     for proc in procs:
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err
+
+
+def test_ddp_and_fsdp2_report_every_metric_on_every_rank_under_the_bare_names(tmp_path: Path) -> None:
+    import quantwatch.agent as qw
+
+    run_two_ranks(tmp_path, WRAPPED_WORKER)
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for wrapper in ("ddp", "fsdp2"):

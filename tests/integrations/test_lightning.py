@@ -30,26 +30,32 @@ class Regression(lightning.LightningModule):  # type: ignore[misc]
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def test_every_optimizer_step_arrives_with_the_modules_layer_names(tmp_path: Any) -> None:
-    torch.manual_seed(0)
-    module = Regression()
-    quantize_model(module, Recipe(default=QuantConfig()))
+def _fit(module: Any, root: Any, callbacks: list[Any], **options: Any) -> Any:
+    """Fit ``module`` for STEPS optimizer steps on CPU with ``callbacks``; the trainer."""
     data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randn(96, 1))
-    sink = qw.InMemoryExporter()
-    callback = QuantWatchCallback(run="lightning-mlp", exporter=sink, every=1)
     trainer = lightning.Trainer(
         max_steps=STEPS,
-        accumulate_grad_batches=2,
         accelerator="cpu",
         devices=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[callback],
+        default_root_dir=root,
+        callbacks=callbacks,
+        **options,
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    return trainer
+
+
+def test_every_optimizer_step_arrives_with_the_modules_layer_names(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    module = Regression()
+    quantize_model(module, Recipe(default=QuantConfig()))
+    sink = qw.InMemoryExporter()
+    callback = QuantWatchCallback(run="lightning-mlp", exporter=sink, every=1)
+    _fit(module, tmp_path, [callback], accumulate_grad_batches=2)
     steps = [record for batch in sink.batches for record in batch.steps]
     assert [r.step for r in steps] == list(range(1, STEPS + 1))
     assert sink.batches[0].layers == ("body.0", "body.2")
@@ -78,21 +84,9 @@ def test_stop_training_stops_the_fit_at_the_next_step_boundary(tmp_path: Any) ->
     torch.manual_seed(0)
     module = Regression()
     quantize_model(module, Recipe(default=QuantConfig()))
-    data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randn(96, 1))
     sink = qw.InMemoryExporter()
     callback = QuantWatchCallback(run="lightning-stop", exporter=sink, every=1)
-    trainer = lightning.Trainer(
-        max_steps=STEPS,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[callback, _StopAt(callback, 4)],
-    )
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    trainer = _fit(module, tmp_path, [callback, _StopAt(callback, 4)])
     assert trainer.global_step < STEPS
     steps = [r.step for batch in sink.batches for r in batch.steps]
     assert steps == list(range(1, trainer.global_step + 1))
