@@ -15,7 +15,7 @@ try:
 except ImportError as _missing:
     raise ImportError("quantwatch.agent needs PyTorch: pip install 'quantwatch[agent]'") from _missing
 
-from quantwatch.agent import actions
+from quantwatch.agent import actions, errors
 from quantwatch.agent.actions import Alert
 from quantwatch.agent.adapters import (
     Adapter,
@@ -27,14 +27,7 @@ from quantwatch.agent.adapters import (
     register_adapter,
 )
 from quantwatch.agent.engine import DeliveryResult
-from quantwatch.agent.errors import (
-    AgentError,
-    ConfigError,
-    CredentialExportError,
-    ExportError,
-    PermanentExportError,
-    TransientExportError,
-)
+from quantwatch.agent.errors import *  # noqa: F403 (the whole error hierarchy, listed once: errors.__all__)
 from quantwatch.agent.exporters import Exporter, HttpExporter, InMemoryExporter, JsonLinesExporter, RetryPolicy
 from quantwatch.agent.monitor import DEFAULT_EVERY, Monitor, attach
 from quantwatch.agent.sampling import Schedule
@@ -49,28 +42,23 @@ __all__ = [
     "Adapter",
     "AdapterContext",
     "AdapterHandle",
-    "AgentError",
     "Alert",
     "Batch",
-    "ConfigError",
-    "CredentialExportError",
     "DeliveryResult",
-    "ExportError",
     "Exporter",
     "HttpExporter",
     "InMemoryExporter",
     "JsonLinesExporter",
     "LayerInfo",
     "Monitor",
-    "PermanentExportError",
     "RetryPolicy",
     "Schedule",
     "ShadowedLayer",
     "StepRecord",
-    "TransientExportError",
     "UnsupportedLayerError",
     "actions",
     "attach",
     "encode_batch",
     "register_adapter",
 ]
+__all__ += errors.__all__

@@ -243,6 +243,10 @@ class _ShadowedModuleAdapter(LayerAdapter):
         self._computing_reference_grad = False
         self.options = ShadowOptions()
         self.rows: RowSampler | None = None
+        self._bind()
+
+    def _bind(self) -> None:
+        """Read what a subclass needs of its module, once, at the end of construction."""
 
     @property
     def weight(self) -> Tensor | None:
@@ -436,16 +440,8 @@ class ModuleAdapter(_ShadowedModuleAdapter):
 
     A module with a ``stats_batch`` attribute (``QuantLinear``) gets ``deferred.batch`` on sampled steps."""
 
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        failures: FailureLog,
-        clock: OverheadClock,
-        deferred: DeferredStatistics | None = None,
-    ) -> None:
-        super().__init__(name, module, failures, clock, deferred)
-        self._batches = deferred is not None and hasattr(module, "stats_batch")
+    def _bind(self) -> None:
+        self._batches = self.deferred is not None and hasattr(self.module, "stats_batch")
 
     def reference(self, x: Tensor) -> Tensor:
         """``module.reference_forward(x)``."""
@@ -503,17 +499,9 @@ class QatAdapter(_ShadowedModuleAdapter):
     ``act_rel_l2`` (and the ratios, ``amax``, ``scale``) describe the module's ``activation_post_process``: in eager
     QAT that is the fake quantization of the module's output activation."""
 
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        failures: FailureLog,
-        clock: OverheadClock,
-        deferred: DeferredStatistics | None = None,
-    ) -> None:
-        super().__init__(name, module, failures, clock, deferred)
-        self.weight_fake_quant = getattr(module, "weight_fake_quant", None)
-        self.activation_fake_quant = getattr(module, "activation_post_process", None)
+    def _bind(self) -> None:
+        self.weight_fake_quant = getattr(self.module, "weight_fake_quant", None)
+        self.activation_fake_quant = getattr(self.module, "activation_post_process", None)
 
     def reference(self, x: Tensor) -> Tensor:
         """The module's own ``forward`` with every fake quantizer and observer inside it disabled."""

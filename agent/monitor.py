@@ -50,11 +50,12 @@ from quantwatch.agent.layers import (
     LayerAdapter,
     OverheadClock,
 )
-from quantwatch.agent.readout import ESTIMATED_METRICS, METRIC_KINDS, NF, ROW, SUMS, DeviceReader, derive
+from quantwatch.agent.readout import ESTIMATED_METRICS, NF, ROW, SUMS, DeviceReader, derive, metric_kinds
 from quantwatch.agent.sampling import Schedule
 from quantwatch.agent.scalars import agent_scalars, scalar_step, split_scalars
 from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel, ShadowOptions
-from quantwatch.agent.validation import check_run, check_scalars_every, check_shadow, detect_rank, periods, reports
+from quantwatch.agent.validation import check_run, check_shadow, check_step_options, detect_rank, periods, reports
+from quantwatch.agent.whatif import DEFAULT_WHATIF_EVERY, WhatIf
 from quantwatch.agent.wire import Encoding, StepRecord, wire_formats
 from quantwatch.agent.wrappers import CompiledRegions, unwrap
 from quantwatch.kernels import native as native_kernels
@@ -101,6 +102,7 @@ class Monitor:
         failures: FailureLog,
         shadow_options: ShadowOptions | None = None,
         rank_reporter: RankReporter | None = None,
+        whatif_every: int = 0,
     ) -> None:
         self.run = run
         self.rank = rank
@@ -121,6 +123,7 @@ class Monitor:
         self._optimizer_hook: RemovableHandle | None = None
         self._context = AdapterContext(failures, self._clock, self._deferred, reference_dtype)
         self._adapters, self._infos = build_layer_adapters(found, self._context)
+        self._whatif = WhatIf(whatif_every, found, failures, self._clock)
         for index, adapter in enumerate(self._adapters):
             adapter.configure(shadow_options or ShadowOptions(), index)
         self._wire_formats = {str(info): wire_formats(str(info), info.formats) for info in self._infos}
@@ -185,9 +188,8 @@ class Monitor:
             self.failures.record("step", f"monitor.step failed: {exc}", exc)
 
     def on_alert(self, callback: Callable[[Alert], object]) -> None:
-        """Call ``callback(alert)`` once for each alert episode that starts firing on the run, on the training thread
-        in the next :meth:`step` (never mid-step); it may queue ``qw.actions``. Its exceptions are logged and counted,
-        never raised (:mod:`quantwatch.agent.actions`)."""
+        """Call ``callback(alert)`` once per alert episode firing on the run, on the training thread in the next
+        :meth:`step`, never mid-step; its exceptions are logged, never raised (:mod:`quantwatch.agent.actions`)."""
         self._loop.on_alert(callback)
 
     @property
@@ -227,7 +229,7 @@ class Monitor:
             self._wire_formats[name] = wire_formats(name, KernelEntry.formats)
             self._wire_layers = self._layers_on_the_wire()
             if self._armed:
-                adapter.arm(self._kinds(self._armed))
+                adapter.arm(metric_kinds(self._armed))
         return adapter.wrap(fn)
 
     def kernel(self, name: str) -> Callable[[F], F]:
@@ -297,12 +299,6 @@ class Monitor:
         self.close()
 
     # ----------------------------------------------------------------------------------------------- internals
-    @staticmethod
-    def _kinds(metrics: frozenset[str]) -> frozenset[int]:
-        kinds: set[int] = set()
-        for metric in metrics:
-            kinds |= METRIC_KINDS[metric]
-        return frozenset(kinds)
 
     def _metrics_at(self, step: int) -> frozenset[str]:
         """The metrics measured at ``step``; empty unless it is the next sampled step (the gate: one integer
@@ -318,8 +314,9 @@ class Monitor:
         if not metrics:
             return
         self._armed = metrics
+        self._whatif.arm(self._sampled_steps)
         self._compiled.run_eager()
-        kinds = self._kinds(metrics)
+        kinds = metric_kinds(metrics)
         with self._lock:
             for adapter in self._adapters:
                 adapter.arm(kinds)
@@ -342,6 +339,7 @@ class Monitor:
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
             self._optimizer_hook = None
+        self._whatif.disarm()
         for adapter in adapters:
             adapter.disarm()
         self._deferred.flush()
@@ -375,7 +373,7 @@ class Monitor:
             armed = self._armed
             with self._lock:
                 adapters = list(self._adapters)
-            if upcoming and self._kinds(upcoming) == self._kinds(armed):
+            if upcoming and metric_kinds(upcoming) == metric_kinds(armed):
                 # every=1 and the like: the next step needs the same hooks, so they stay (removing and installing
                 # them again costs more than a step's comparisons of a small layer).
                 self._armed = upcoming
@@ -386,6 +384,8 @@ class Monitor:
                 self._disarm(adapters)
             self._sampled_steps += 1
             self._submit(current, armed, adapters, step_seconds, tokens, shadow_loss, scalars)
+            if self._armed:  # kept armed for the next step: its what-if hooks too, when it is a what-if step
+                self._whatif.arm(self._sampled_steps)
         elif (scalars or shadow_loss is not None) and current % self._scalars_every == 0:
             self._submit_scalars(current, step_seconds, tokens, shadow_loss, scalars)
         self._loop.boundary(current)
@@ -465,6 +465,7 @@ class Monitor:
         metric_names = [m for m in LAYER_METRICS if m in armed]
         estimated = frozenset(m for k in estimated_kinds for m in ESTIMATED_METRICS.get(k, ()) if m in armed)
         rank_extras = self._rank_reporter.capture(layers) if self._rank_reporter is not None else None
+        whatif = self._whatif.take(layers)
 
         def resolve() -> StepRecord:
             values = reader.read()
@@ -473,8 +474,8 @@ class Monitor:
             metrics = derive(np.concatenate([sums, scales[:, None]], axis=1), present, metric_names)
             scalars = dict(host_scalars)
             scalars.update(zip(tensor_names, values[n * ROW :].tolist(), strict=True))
-            fingerprints, environment = rank_extras() if rank_extras is not None else (None, None)
-            return StepRecord(step, wall_time, metrics, scalars, estimated & metrics.keys(), fingerprints, environment)
+            extras = (*(rank_extras() if rank_extras is not None else (None, None)), whatif() if whatif else None)
+            return StepRecord(step, wall_time, metrics, scalars, estimated & metrics.keys(), *extras)
 
         if self._engine is not None:
             formats = tuple(self._wire_formats.get(n) for n in layers)
@@ -500,6 +501,7 @@ def attach(
     reference_dtype: Literal["float32", "bfloat16"] = "float32",
     tokens_per_step: float | None = None,
     scalars_every: int = 1,
+    whatif_every: int = DEFAULT_WHATIF_EVERY,
     exporter: Exporter | None = None,
     encoding: Encoding = "msgpack",
     compress: bool = True,
@@ -527,7 +529,8 @@ def attach(
     are named in ``StepRecord.estimated``); ``reference_dtype`` (``"float32"``, autocast off, or ``"bfloat16"``) is
     the precision of the layer references (:func:`quantwatch.agent.shadow.run_reference`).
     Scalars given to :meth:`Monitor.step` go out for every step (``scalars_every``: every N-th) whatever the
-    sampling.  Every rank sends weight fingerprints whatever ``ranks`` says (:mod:`~quantwatch.agent.fingerprint`;
+    sampling; every ``whatif_every``-th sampled step (0: none) also measures :mod:`~quantwatch.agent.whatif`
+    statistics.  Every rank sends weight fingerprints whatever ``ranks`` says (:mod:`~quantwatch.agent.fingerprint`;
     its replica group is detected or ``replica_group``) and its environment once.
 
     Raises :class:`ConfigError` naming the field for configuration mistakes; nothing raises after this returns.
@@ -538,14 +541,10 @@ def attach(
     check_shadow(shadow)
     if shadow == "model" and shadow_optimizer is None:
         raise ConfigError("shadow_optimizer", "shadow='model' needs shadow_optimizer=lambda params: ...")
-    if tokens_per_step is not None and (not isinstance(tokens_per_step, int | float) or tokens_per_step <= 0):
-        raise ConfigError("tokens_per_step", f"must be a number > 0, got {tokens_per_step!r}")
-    check_scalars_every(scalars_every)
+    check_step_options(tokens_per_step, scalars_every, whatif_every)
     schedule = Schedule(periods(metrics, every, shadow), start=start, end=end)
     shadow_options = ShadowOptions.parse(reference_dtype, shadow_rows)
     found = find_layers(model, layers)
-    if not found:
-        logger.warning("quantwatch agent: no quantized layer found in the model; only watched kernels will be measured")
     detected_rank = detect_rank(rank)
     reporting = reports(detected_rank, ranks)
     failures = FailureLog()
@@ -597,4 +596,5 @@ def attach(
         failures=failures,
         shadow_options=shadow_options,
         rank_reporter=rank_reporter,
+        whatif_every=whatif_every,
     )

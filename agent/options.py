@@ -12,7 +12,8 @@ from typing import Any
 from quantwatch.agent.errors import ConfigError
 from quantwatch.agent.monitor import DEFAULT_EVERY, attach
 from quantwatch.agent.sampling import Schedule
-from quantwatch.agent.validation import check_run, check_scalars_every, check_shadow, periods, reports
+from quantwatch.agent.validation import check_run, check_shadow, check_step_options, periods, reports
+from quantwatch.agent.whatif import DEFAULT_WHATIF_EVERY
 
 __all__ = ["check_attach_options"]
 
@@ -37,7 +38,11 @@ def check_attach_options(**options: Any) -> None:
         end=options.get("end"),
     )
     reports(0, options.get("ranks", "all"))
-    check_scalars_every(options.get("scalars_every", 1))
+    check_step_options(
+        options.get("tokens_per_step"),
+        options.get("scalars_every", 1),
+        options.get("whatif_every", DEFAULT_WHATIF_EVERY),
+    )
     url = options.get("url")
     if url is not None and not isinstance(url, str):
         raise ConfigError("url", f"must be a string, got {type(url).__name__}")

@@ -21,30 +21,43 @@ from quantwatch.agent.layers import (
 )
 from quantwatch.kernels import ErrorStats
 
-__all__ = ["ESTIMATED_METRICS", "METRIC_KINDS", "NF", "ROW", "SUMS", "DeviceReader", "derive"]
+__all__ = ["ESTIMATED_METRICS", "METRIC_KINDS", "NF", "ROW", "SUMS", "DeviceReader", "derive", "metric_kinds"]
 
-# Which measurements each metric needs on a sampled step.
-METRIC_KINDS: dict[str, frozenset[int]] = {
-    "weight_rel_l2": frozenset({KIND_WEIGHT}),
-    "act_rel_l2": frozenset({KIND_INPUT}),
-    "grad_rel_l2": frozenset({KIND_GRAD}),
-    "output_rel_l2": frozenset({KIND_OUTPUT}),
-    "output_cosine": frozenset({KIND_OUTPUT}),
-    "output_sqnr_db": frozenset({KIND_OUTPUT}),
-    "update_cosine": frozenset({KIND_UPDATE}),
-    "update_rel_l2": frozenset({KIND_UPDATE}),
-    "underflow_ratio": frozenset({KIND_INPUT}),
-    "overflow_ratio": frozenset({KIND_INPUT}),
-    "nonfinite_count": frozenset({KIND_WEIGHT, KIND_INPUT, KIND_GRAD}),
-    "amax": frozenset({KIND_INPUT}),
-    "scale": frozenset({KIND_INPUT}),
-    "weight_drift_rel_l2": frozenset({KIND_DRIFT}),
+# Per metric: the partial-sum figure it reads and the measurement kinds a sampled step needs for it. A metric of one
+# kind reads that kind's figure; ``nonfinite_count`` sums over its kinds and ``scale`` is the quantizer's own.
+_SOURCES: dict[str, tuple[str, frozenset[int]]] = {
+    "weight_rel_l2": ("rel_l2", frozenset({KIND_WEIGHT})),
+    "act_rel_l2": ("rel_l2", frozenset({KIND_INPUT})),
+    "grad_rel_l2": ("rel_l2", frozenset({KIND_GRAD})),
+    "output_rel_l2": ("rel_l2", frozenset({KIND_OUTPUT})),
+    "output_cosine": ("cosine", frozenset({KIND_OUTPUT})),
+    "output_sqnr_db": ("sqnr_db", frozenset({KIND_OUTPUT})),
+    "update_cosine": ("cosine", frozenset({KIND_UPDATE})),
+    "update_rel_l2": ("rel_l2", frozenset({KIND_UPDATE})),
+    "underflow_ratio": ("underflow_ratio", frozenset({KIND_INPUT})),
+    "overflow_ratio": ("overflow_ratio", frozenset({KIND_INPUT})),
+    "nonfinite_count": ("nonfinite_count", frozenset({KIND_WEIGHT, KIND_INPUT, KIND_GRAD})),
+    "amax": ("amax", frozenset({KIND_INPUT})),
+    "scale": ("scale", frozenset({KIND_INPUT})),
+    "weight_drift_rel_l2": ("rel_l2", frozenset({KIND_DRIFT})),
 }
+# Which measurements each metric needs on a sampled step.
+METRIC_KINDS: dict[str, frozenset[int]] = {metric: kinds for metric, (_, kinds) in _SOURCES.items()}
 # The metrics a kind's estimate (``shadow_rows``) makes estimated.
 ESTIMATED_METRICS: dict[int, tuple[str, ...]] = {
     KIND_OUTPUT: ("output_rel_l2", "output_cosine", "output_sqnr_db"),
     KIND_UPDATE: ("update_cosine", "update_rel_l2"),
 }
+
+
+def metric_kinds(metrics: frozenset[str]) -> frozenset[int]:
+    """The measurement kinds that measuring ``metrics`` needs."""
+    kinds: set[int] = set()
+    for metric in metrics:
+        kinds |= METRIC_KINDS[metric]
+    return frozenset(kinds)
+
+
 _FIELDS = ErrorStats.FIELDS
 NF = len(_FIELDS)
 _NK = len(KIND_NAMES)
@@ -95,20 +108,6 @@ def derive(block: np.ndarray, present: list[list[bool]], metric_names: list[str]
         "amax": stats.amax.numpy(),
         "nonfinite_count": stats.nonfinite_count.numpy(),
     }
-    sources: dict[str, tuple[str, int]] = {
-        "weight_rel_l2": ("rel_l2", KIND_WEIGHT),
-        "act_rel_l2": ("rel_l2", KIND_INPUT),
-        "grad_rel_l2": ("rel_l2", KIND_GRAD),
-        "output_rel_l2": ("rel_l2", KIND_OUTPUT),
-        "output_cosine": ("cosine", KIND_OUTPUT),
-        "output_sqnr_db": ("sqnr_db", KIND_OUTPUT),
-        "update_cosine": ("cosine", KIND_UPDATE),
-        "update_rel_l2": ("rel_l2", KIND_UPDATE),
-        "underflow_ratio": ("underflow_ratio", KIND_INPUT),
-        "overflow_ratio": ("overflow_ratio", KIND_INPUT),
-        "amax": ("amax", KIND_INPUT),
-        "weight_drift_rel_l2": ("rel_l2", KIND_DRIFT),
-    }
     out: dict[str, list[float | None]] = {}
     have: np.ndarray
     for metric in metric_names:
@@ -116,11 +115,11 @@ def derive(block: np.ndarray, present: list[list[bool]], metric_names: list[str]
             values = block[:, _NK * NF]
             have = mask[:, _NK]
         elif metric == "nonfinite_count":
-            kinds = [KIND_WEIGHT, KIND_INPUT, KIND_GRAD]
+            kinds = sorted(METRIC_KINDS[metric])
             have = np.asarray(mask[:, kinds].any(axis=1))
             values = np.where(mask[:, kinds], derived["nonfinite_count"][:, kinds], 0.0).sum(axis=1)
         else:
-            field, kind = sources[metric]
+            field, (kind,) = _SOURCES[metric]
             values = derived[field][:, kind]
             have = mask[:, kind]
         if have.any():

@@ -11,7 +11,17 @@ from quantwatch.agent.errors import ConfigError
 from quantwatch.agent.readout import METRIC_KINDS
 from quantwatch.protocol import LAYER_METRICS, RUN_NAME_PATTERN, RUN_NAME_RULE
 
-__all__ = ["DEFAULT_METRICS", "check_run", "check_scalars_every", "check_shadow", "detect_rank", "periods", "reports"]
+__all__ = [
+    "DEFAULT_METRICS",
+    "check_run",
+    "check_scalars_every",
+    "check_shadow",
+    "check_step_options",
+    "check_whatif_every",
+    "detect_rank",
+    "periods",
+    "reports",
+]
 
 #: Measured by default (the catalogued metrics this agent measures); ``weight_drift_rel_l2`` joins them with
 #: ``shadow="model"``.
@@ -82,3 +92,21 @@ def check_scalars_every(scalars_every: object) -> None:
     """ConfigError unless ``scalars_every`` is an integer >= 1."""
     if not isinstance(scalars_every, int) or isinstance(scalars_every, bool) or scalars_every < 1:
         raise ConfigError("scalars_every", f"must be an integer >= 1, got {scalars_every!r}")
+
+
+def check_whatif_every(whatif_every: object) -> int:
+    """``whatif_every`` if it is an integer >= 0 (0: no what-if statistics), else ConfigError."""
+    if not isinstance(whatif_every, int) or isinstance(whatif_every, bool) or whatif_every < 0:
+        raise ConfigError("whatif_every", f"must be an integer >= 0 (0: no what-if statistics), got {whatif_every!r}")
+    return whatif_every
+
+
+def check_step_options(tokens_per_step: object, scalars_every: object, whatif_every: object) -> None:
+    """ConfigError naming the first of ``tokens_per_step`` (None or a number > 0), ``scalars_every`` and
+    ``whatif_every`` that is wrong."""
+    if tokens_per_step is not None and (
+        not isinstance(tokens_per_step, int | float) or isinstance(tokens_per_step, bool) or tokens_per_step <= 0
+    ):
+        raise ConfigError("tokens_per_step", f"must be a number > 0, got {tokens_per_step!r}")
+    check_scalars_every(scalars_every)
+    check_whatif_every(whatif_every)

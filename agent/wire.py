@@ -32,6 +32,7 @@ from quantwatch.protocol import (
     FINGERPRINT_FIELD,
     LAYER_FORMATS_FIELD,
     PROTOCOL_VERSION,
+    WHATIF_FIELD,
     BatchFields,
     check_layer_format,
 )
@@ -79,7 +80,8 @@ class StepRecord:
     """The figures of one step: per-layer ``metrics`` (aligned with the batch's layers, ``None`` = not measured)
     and run-level ``scalars``.  ``estimated`` names the metrics some layer of this step estimated from a subset of
     rows (``attach(shadow_rows=...)``) rather than computed exactly (sent as the step's ``estimated`` when any);
-    ``fingerprints`` of the master weights and the rank's ``environment`` when sent."""
+    ``fingerprints`` of the master weights and the rank's ``environment`` when sent; ``whatif`` the what-if
+    statistics of a what-if step (``{kind: {candidate: {stat: values}}}``, :mod:`quantwatch.agent.whatif`)."""
 
     step: int
     time: float
@@ -88,6 +90,7 @@ class StepRecord:
     estimated: frozenset[str] = frozenset()
     fingerprints: Fingerprints | None = None
     environment: Mapping[str, str] | None = None
+    whatif: Mapping[str, Mapping[str, Mapping[str, Sequence[float | None]]]] | None = None
 
     def empty(self) -> bool:
         """Nothing but the step: no metric, scalar, fingerprint or environment."""
@@ -141,6 +144,10 @@ def _float_or_none(value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
+def _json_metric(values: Sequence[float | None]) -> list[float | str | None]:
+    return [_json_number(v) for v in values]
+
+
 def _msgpack_metric(values: Sequence[float | None]) -> bytes | list[float | None]:
     if any(v is None for v in values):
         return [None if v is None else float(v) for v in values]
@@ -152,7 +159,7 @@ def to_wire_dict(batch: Batch, encoding: Encoding) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     for record in batch.steps:
         if encoding == "json":
-            metrics: dict[str, Any] = {k: [_json_number(v) for v in vs] for k, vs in record.metrics.items()}
+            metrics: dict[str, Any] = {k: _json_metric(vs) for k, vs in record.metrics.items()}
             scalars: dict[str, Any] = {k: _json_number(v) for k, v in record.scalars.items()}
         else:
             metrics = {k: _msgpack_metric(vs) for k, vs in record.metrics.items()}
@@ -164,6 +171,12 @@ def to_wire_dict(batch: Batch, encoding: Encoding) -> dict[str, Any]:
             step[ENVIRONMENT_FIELD] = dict(record.environment)
         if record.estimated:
             step[ESTIMATED_FIELD] = sorted(record.estimated)
+        if record.whatif:
+            encode = _msgpack_metric if encoding == "msgpack" else _json_metric
+            step[WHATIF_FIELD] = {
+                kind: {name: {stat: encode(vs) for stat, vs in stats.items()} for name, stats in candidates.items()}
+                for kind, candidates in record.whatif.items()
+            }
         steps.append(step)
     wire: dict[str, Any] = {
         "protocol": PROTOCOL_VERSION,

@@ -4,17 +4,10 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-# The metrics a training run reports per layer (as in the agent's defaults), in wire order.
-METRICS = [
-    "output_rel_l2",
-    "output_cosine",
-    "output_sqnr_db",
-    "weight_rel_l2",
-    "act_rel_l2",
-    "grad_rel_l2",
-    "underflow_ratio",
-    "overflow_ratio",
-]
+from quantwatch.protocol import OVERVIEW_METRICS
+
+# The metrics each layer of the synthetic runs reports, in wire order.
+METRICS = list(OVERVIEW_METRICS)
 
 
 @contextmanager

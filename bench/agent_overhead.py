@@ -6,7 +6,9 @@ drift of a shared machine hits all of them alike:
 * ``none``        no agent;
 * ``defaults``    ``attach(model, run=..., url=...)`` with every default (``every=DEFAULT_EVERY``);
 * ``every1``      ``every=1`` and every per-layer metric (all but ``weight_drift_rel_l2``, which needs a full
-  shadow model and so a second training step), exact;
+  shadow model and so a second training step), exact, without what-if statistics (``whatif_every=0``);
+* ``every1_whatif`` the same with the what-if statistics on every sampled step (``whatif_every=1``: every layer's
+  weight, input and gradient quantized to every candidate, stochastic rounding on the reference path included);
 * ``every1_rows`` the same with ``shadow_rows=1/8`` (``output_*`` and ``update_cosine`` estimated from an eighth of
   the rows);
 * ``tensorboard`` the same per-layer figures, written through TensorBoard's ``SummaryWriter`` on the training
@@ -46,6 +48,7 @@ from torch import nn
 
 import quantwatch.agent as qw
 from quantwatch.agent.spool import DiskSpool
+from quantwatch.agent.whatif import DEFAULT_WHATIF_EVERY, layer_candidates
 from quantwatch.kernels import QuantConfig, QuantSpec, Recipe, quantize_model
 from quantwatch.service.server import free_port, wait_until_ready
 
@@ -243,6 +246,29 @@ def gate_cost(calls: int = 5000) -> float:
     return per_call
 
 
+def candidate_costs(args: argparse.Namespace, repeats: int = 20) -> None:
+    """Milliseconds one what-if candidate costs on a gradient of the MLP's fc1 output (tokens x 4 x WIDTH): the
+    fused kernels for nearest rounding, the reference path for stochastic rounding (the native kernels decline it)."""
+    from quantwatch.kernels import quantize
+    from quantwatch.protocol import candidate_spec
+
+    x = torch.randn(args.batch * args.seq, 4 * WIDTH)
+    generator = torch.Generator().manual_seed(0)
+    formats = {"weight": "nvfp4", "input": "nvfp4", "grad": "fp8_e5m2:tensor"}
+    print(f"\n== what-if candidates on a {tuple(x.shape)} gradient (median of {repeats} calls after one) ==")
+    print(f"{'candidate':<22} {'wall ms':>9} {'CPU ms':>9}")
+    for candidate in dict.fromkeys([*layer_candidates(formats)["grad"], "nvfp4+sr"]):
+        fmt, scaling, rounding = candidate_spec(candidate)
+        quantize(x, fmt, scaling, rounding, generator=generator, with_stats=True)  # a first call builds or loads
+        wall, cpu = [], []
+        for _ in range(repeats):
+            started, started_cpu = time.perf_counter(), time.process_time()
+            quantize(x, fmt, scaling, rounding, generator=generator, with_stats=True)
+            wall.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - started_cpu)
+        print(f"{candidate:<22} {1000 * statistics.median(wall):9.3f} {1000 * statistics.median(cpu):9.3f}", flush=True)
+
+
 def overhead(
     args: argparse.Namespace, collector: Collector, tmp: Path, gate_seconds: float, family: str
 ) -> dict[str, float]:
@@ -260,7 +286,7 @@ def overhead(
         args.seq,
         False,
     )
-    for name, shadow_rows in (("every1", None), ("every1_rows", 1 / 8)):
+    for name, shadow_rows, whatif_every in (("every1", None, 0), ("every1_whatif", None, 1), ("every1_rows", 1 / 8, 0)):
         model = copy.deepcopy(base)
         monitor = qw.attach(
             model,
@@ -269,6 +295,7 @@ def overhead(
             every=1,
             metrics=every1_metrics,
             shadow_rows=shadow_rows,
+            whatif_every=whatif_every,
             spool_dir=tmp / f"{family}-{name}",
         )
         trainers[name] = Trainer(model, monitor, args.batch, args.seq, False)
@@ -279,6 +306,7 @@ def overhead(
         exporter=TensorBoardExporter(str(tmp / f"{family}-tb")),
         every=1,
         metrics=every1_metrics,
+        whatif_every=0,
     )
     trainers["tensorboard"] = Trainer(model, monitor, args.batch, args.seq, True)
     print(
@@ -331,6 +359,18 @@ def overhead(
         from_gate = ((every - 1) * (medians["none"] + gate_seconds) + medians["every1"]) / (every * medians["none"])
         ratios[f"defaults_from_gate_{clock}"] = from_gate
         print(f"defaults (every={every}) from none + gate: {from_gate:.3f}")
+        # With what-if at its default period, one sampled step in DEFAULT_WHATIF_EVERY also measures the what-if
+        # statistics (the every1_whatif copy's steps); the rest are the every1 copy's.
+        period = DEFAULT_WHATIF_EVERY
+        sampled = ((period - 1) * medians["every1"] + medians["every1_whatif"]) / period
+        with_whatif = ((every - 1) * (medians["none"] + gate_seconds) + sampled) / (every * medians["none"])
+        ratios[f"defaults_whatif_{clock}"] = with_whatif
+        whatif_ms = 1000 * (medians["every1_whatif"] - medians["every1"])
+        print(
+            f"what-if on a sampled step: +{whatif_ms:.1f} ms ({medians['every1_whatif'] / medians['every1']:.3f} x the"
+            f" sampled step, {medians['every1_whatif'] / medians['none']:.3f} x the unmonitored one); defaults"
+            f" (every={every}, whatif_every={period}) from none + gate: {with_whatif:.3f}"
+        )
     for name, trainer in trainers.items():
         if trainer.monitor is not None:
             trainer.monitor.close(60)
@@ -403,6 +443,7 @@ def main() -> None:
         collector.start()
         try:
             gate_seconds = gate_cost()
+            candidate_costs(args)
             if not args.skip_overhead:
                 summary = {
                     family: overhead(args, collector, tmp, gate_seconds, family) for family in args.families.split(",")
@@ -411,7 +452,14 @@ def main() -> None:
                 for family, ratios in summary.items():
                     cells = [
                         f"{name} {ratios[f'{name}_wall']:.3f}/{ratios[f'{name}_cpu']:.3f}"
-                        for name in ("defaults_from_gate", "every1", "every1_rows", "tensorboard")
+                        for name in (
+                            "defaults_from_gate",
+                            "defaults_whatif",
+                            "every1",
+                            "every1_whatif",
+                            "every1_rows",
+                            "tensorboard",
+                        )
                     ]
                     print(f"{family:<12} " + "  ".join(cells))
             if not args.skip_outage:

@@ -28,7 +28,7 @@ from grafana_foundation_sdk.models import dashboard as model
 from grafana_foundation_sdk.models import heatmap as heatmap_model
 from grafana_foundation_sdk.models import prometheus as prom_model
 
-from quantwatch.protocol import CATALOG
+from quantwatch.protocol import CATALOG, OVERVIEW_METRICS
 
 OUT = Path(__file__).resolve().parent / "grafana" / "dashboards"
 
@@ -37,17 +37,7 @@ COLLECTOR = model.DataSourceRef(type_val="yesoreyeram-infinity-datasource", uid=
 
 # Canonical metric (what the collector's API takes) : exported Prometheus family. Grafana's custom variable syntax
 # "text : value" gives both: ${metric:text} in collector URLs, ${metric} in PromQL.
-DASHBOARD_METRICS = (
-    "output_rel_l2",
-    "output_cosine",
-    "output_sqnr_db",
-    "weight_rel_l2",
-    "act_rel_l2",
-    "grad_rel_l2",
-    "underflow_ratio",
-    "overflow_ratio",
-)
-METRICS = {name: CATALOG[name].family for name in DASHBOARD_METRICS}
+METRICS = {name: CATALOG[name].family for name in OVERVIEW_METRICS}
 
 # JSONata for the Infinity backend parser. The heatmap endpoint answers {"layers", "steps", "values"[layer][step]};
 # Grafana's pre-bucketed ("heatmap-rows") heatmap wants one row per step and one numeric field per layer, in model

@@ -36,7 +36,6 @@ from .casts import overflow_threshold as overflow_threshold  # re-exported: the 
 from .formats import (
     E8M0_EXPONENT_MAX,
     E8M0_EXPONENT_MIN,
-    FP4_E2M1,
     FP8_E4M3,
     NVFP4_BLOCK_SCALE_MIN,
     FormatSpec,
@@ -45,7 +44,7 @@ from .formats import (
 )
 from .options import Backend, BackendUnavailableError, Rounding, Scaling, ScalingSpec
 from .partial_sums import ErrorStats, lane_sums_in_range, masked_float64
-from .reference import from_blocks, to_blocks
+from .reference import from_blocks, nvfp4_tensor_scale, to_blocks
 
 MAX_NUMEL = 1 << 31
 
@@ -329,8 +328,7 @@ def _block_scales(block_amax: Tensor, amax: Tensor, config: FusedConfig) -> tupl
         shared = (binade_exponent(block_amax) - fmt.emax).clamp(E8M0_EXPONENT_MIN, E8M0_EXPONENT_MAX)
         scale = pow2_bits(shared)
         return scale, scale, None
-    tensor_scale = amax / (FP8_E4M3.max_value * FP4_E2M1.max_value)
-    tensor_scale = torch.where(tensor_scale > 0, tensor_scale, 1.0)
+    tensor_scale = nvfp4_tensor_scale(amax)
     raw = (block_amax / fmt.max_value) / tensor_scale
     block_scale = cast_bits(raw.clamp(NVFP4_BLOCK_SCALE_MIN, FP8_E4M3.max_value), FP8_E4M3, True, None)[0]
     return tensor_scale * block_scale, block_scale, tensor_scale

@@ -9,10 +9,11 @@ transpose, so scaling runs along the output rows and blocks along the input dime
 
 from __future__ import annotations
 
+from typing import Unpack
+
 from torch import Tensor, nn
 
-from .layers import DEFAULT_GRAD, DEFAULT_INPUT, DEFAULT_WEIGHT, QuantLinear
-from .quantizer import QuantSpec
+from .layers import LayerSpecs, QuantLinear
 
 __all__ = ["CONV1D_CLASS_PATH", "QuantConv1D", "is_conv1d"]
 
@@ -32,14 +33,7 @@ class QuantConv1D(QuantLinear):
     its own shape, and `reference_weight_grad` returns that shape too."""
 
     @classmethod
-    def from_conv1d(
-        cls,
-        conv: nn.Module,
-        *,
-        weight: QuantSpec | None = DEFAULT_WEIGHT,
-        input: QuantSpec | None = DEFAULT_INPUT,
-        grad: QuantSpec | None = DEFAULT_GRAD,
-    ) -> QuantConv1D:
+    def from_conv1d(cls, conv: nn.Module, **specs: Unpack[LayerSpecs]) -> QuantConv1D:
         """A QuantConv1D that takes over ``conv``'s own Parameter objects (an existing optimizer keeps working)."""
         if not is_conv1d(conv):
             raise TypeError(f"conv must be a transformers Conv1D, got {type(conv).__name__}")
@@ -50,7 +44,7 @@ class QuantConv1D(QuantLinear):
         if conv_bias is not None and not isinstance(conv_bias, nn.Parameter):
             raise ValueError(f"a Conv1D bias must be a Parameter or None, got {type(conv_bias).__name__}")
         in_features, out_features = conv_weight.shape
-        return cls._adopt(conv, (int(in_features), int(out_features)), (conv_weight, conv_bias), (weight, input, grad))
+        return cls._adopt(conv, (int(in_features), int(out_features)), (conv_weight, conv_bias), specs)
 
     def linear_weight(self) -> Tensor:
         """``weight.T``: the ``(out, in)`` view ``F.linear`` takes."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Any, Self, TypedDict, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -17,6 +17,16 @@ Observer = Callable[[str, ErrorStats], None]
 DEFAULT_WEIGHT = QuantSpec("fp8_e4m3")
 DEFAULT_INPUT = QuantSpec("fp8_e4m3")
 DEFAULT_GRAD = QuantSpec("fp8_e5m2")
+
+
+class LayerSpecs(TypedDict, total=False):
+    """The specs of a layer's weight, input and output gradient, as the ``from_…`` constructors take them: a key
+    left out takes the layer's default (``DEFAULT_WEIGHT``, ``DEFAULT_INPUT``, ``DEFAULT_GRAD``), ``None`` leaves
+    that tensor unquantized."""
+
+    weight: QuantSpec | None
+    input: QuantSpec | None
+    grad: QuantSpec | None
 
 
 class QuantLinear(nn.Linear):
@@ -60,19 +70,12 @@ class QuantLinear(nn.Linear):
         self.stats_batch: StatsBatch | None = None
 
     @classmethod
-    def from_linear(
-        cls,
-        linear: nn.Linear,
-        *,
-        weight: QuantSpec | None = DEFAULT_WEIGHT,
-        input: QuantSpec | None = DEFAULT_INPUT,
-        grad: QuantSpec | None = DEFAULT_GRAD,
-    ) -> QuantLinear:
+    def from_linear(cls, linear: nn.Linear, **specs: Unpack[LayerSpecs]) -> QuantLinear:
         """A QuantLinear that takes over ``linear``'s own Parameter objects (an existing optimizer keeps working)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         shape = (linear.in_features, linear.out_features)
-        return cls._adopt(linear, shape, (linear.weight, linear.bias), (weight, input, grad))
+        return cls._adopt(linear, shape, (linear.weight, linear.bias), specs)
 
     @classmethod
     def _adopt(
@@ -80,12 +83,12 @@ class QuantLinear(nn.Linear):
         source: nn.Module,
         shape: tuple[int, int],
         params: tuple[Tensor, nn.Parameter | None],
-        specs: tuple[QuantSpec | None, QuantSpec | None, QuantSpec | None],
+        specs: LayerSpecs,
     ) -> Self:
         """A layer of ``shape`` ``(in_features, out_features)``, built without memory, that takes over ``params``
         (weight, bias: the same Parameter objects) and ``source``'s training mode."""
         weight, bias = params
-        layer = cls(shape[0], shape[1], bias is not None, weight=specs[0], input=specs[1], grad=specs[2], device="meta")
+        layer = cls(shape[0], shape[1], bias is not None, **specs, device="meta")
         layer.weight = weight
         layer.register_parameter("bias", bias)  # None too: a layer without bias
         layer.train(source.training)

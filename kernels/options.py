@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .formats import MX_BLOCK_SIZE, NVFP4_BLOCK_SIZE
 
@@ -126,26 +127,29 @@ def parse_scaling(scaling: str | Scaling | ScalingSpec) -> ScalingSpec:
     raise _bad_scaling(scaling, "unknown scaling")
 
 
+_Choice = TypeVar("_Choice", bound=enum.Enum)
+
+
+def _parse_choice(field: str, kind: type[_Choice], value: str | _Choice) -> _Choice:
+    """``value`` as a member of ``kind`` (by its value, case and surrounding space ignored); ``ValueError`` naming
+    ``field`` and listing the accepted values otherwise."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(str(value).strip().lower())
+    except ValueError:
+        accepted = ", ".join(member.value for member in kind)
+        raise ValueError(f"{field}: unknown {field} {value!r}; accepted: {accepted}") from None
+
+
 def parse_rounding(rounding: str | Rounding) -> Rounding:
     """Parse ``"nearest"`` / ``"stochastic"``; ``ValueError`` listing them otherwise."""
-    if isinstance(rounding, Rounding):
-        return rounding
-    try:
-        return Rounding(str(rounding).strip().lower())
-    except ValueError:
-        accepted = ", ".join(r.value for r in Rounding)
-        raise ValueError(f"rounding: unknown rounding {rounding!r}; accepted: {accepted}") from None
+    return _parse_choice("rounding", Rounding, rounding)
 
 
 def parse_backend(backend: str | Backend) -> Backend:
     """Parse a backend name; ``ValueError`` listing ``auto, reference, compiled, native, triton`` otherwise."""
-    if isinstance(backend, Backend):
-        return backend
-    try:
-        return Backend(str(backend).strip().lower())
-    except ValueError:
-        accepted = ", ".join(b.value for b in Backend)
-        raise ValueError(f"backend: unknown backend {backend!r}; accepted: {accepted}") from None
+    return _parse_choice("backend", Backend, backend)
 
 
 class BackendUnavailableError(RuntimeError):

@@ -21,15 +21,23 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from quantwatch import __version__
+from quantwatch.advise_cli import advise
+from quantwatch.cli_common import DEFAULT_URL, JsonOption, TimeoutOption, TokenOption, UrlOption
+from quantwatch.cli_common import client_for as _client
+from quantwatch.cli_common import fail as _fail
+from quantwatch.cli_common import get_json as _get_json
+from quantwatch.cli_common import print_json as _print_json
+from quantwatch.cli_common import table as _table
+from quantwatch.cli_common import usage as _usage
 from quantwatch.service.alerts.cli import app as rules_app
 from quantwatch.service.cli import register as register_service
 
 if TYPE_CHECKING:
-    from quantwatch.client import CollectorClient, CollectorError, Params
+    pass
 
 # "\b" keeps click from re-wrapping the table.
 EXIT_CODES_HELP = """\b
-Exit codes of the client commands (runs, alerts, series, export, import, replay):
+Exit codes of the client commands (runs, alerts, series, advise, export, import, replay):
   0  success
   1  the collector failed (5xx) or answered something that is not the API
   2  bad arguments, or an unreadable input file
@@ -46,25 +54,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 app.add_typer(rules_app, name="rules")
-
-UrlOption = Annotated[
-    str,
-    typer.Option(
-        "--url",
-        envvar="QUANTWATCH_URL",
-        help="Collector base URL.",
-        show_default=True,
-    ),
-]
-TokenOption = Annotated[
-    str | None,
-    typer.Option("--token", envvar="QUANTWATCH_TOKEN", help="Bearer token (scope read; ingest for import)."),
-]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print the API's JSON instead of a table (for scripts).")]
-TimeoutOption = Annotated[
-    float, typer.Option("--timeout", min=0.1, help="Seconds to wait for each answer of the collector.")
-]
-DEFAULT_URL = "http://127.0.0.1:8000"
+app.command()(advise)
 
 
 class AlertState(str, enum.Enum):
@@ -80,69 +70,6 @@ class ExportFormat(str, enum.Enum):
 
     csv = "csv"
     parquet = "parquet"
-
-
-def _fail(error: CollectorError) -> NoReturn:
-    typer.echo(f"error: {error}", err=True)
-    raise typer.Exit(code=int(error.exit_code))
-
-
-def _usage(message: str) -> NoReturn:
-    from quantwatch.client import ExitCode
-
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=int(ExitCode.USAGE))
-
-
-def _client(url: str, token: str | None, timeout: float) -> CollectorClient:
-    from quantwatch.client import CollectorClient
-
-    try:
-        return CollectorClient(url, token=token or None, timeout_seconds=timeout)
-    except ValueError as exc:
-        _usage(str(exc))
-
-
-def _get_json(url: str, token: str | None, timeout: float, path: str, params: Params | None = None) -> tuple[str, Any]:
-    """GET ``path`` from the collector at ``url``: its base URL and the decoded body; exits on an error answer."""
-    from quantwatch.client import CollectorError
-
-    with _client(url, token, timeout) as client:
-        try:
-            return client.url, client.get_json(path, params)
-        except CollectorError as exc:
-            _fail(exc)
-
-
-def _print_json(value: object) -> None:
-    from quantwatch.client import dumps
-
-    typer.echo(dumps(value))
-
-
-def _cell(value: object) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, list):
-        return ", ".join(str(v) for v in value)
-    return str(value)
-
-
-def _table(title: str, columns: list[str], rows: list[list[object]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    typer.echo(title)
-    table = Table(show_lines=False)
-    for column in columns:
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        table.add_row(*(_cell(v) for v in row))
-    # On a terminal fit its width; into a pipe or file never fold cells, so scripts can grep whole names.
-    width = None if sys.stdout.isatty() else 1000
-    Console(soft_wrap=False, width=width).print(table)
 
 
 def _step_range(first: object, last: object) -> str | None:
@@ -305,7 +232,7 @@ def alerts(
                 a.get("layer"),
                 (a.get("labels") or {}).get("metric"),
                 (a.get("firing") or {}).get("step"),
-                a.get("step"),
+                a.get("latest_step", a.get("step")),
                 a.get("value"),
                 a.get("severity"),
             ]

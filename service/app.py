@@ -20,6 +20,8 @@ from quantwatch.service.core.db import WriteHealth, make_engine, make_sessionmak
 from quantwatch.service.exposition import StartupRestore, alert_series_source, delivery_counts, install_exposition
 from quantwatch.service.ranks.setup import install_ranks
 from quantwatch.service.store import Store
+from quantwatch.service.whatif import routes as whatif_routes
+from quantwatch.service.whatif.setup import install_whatif
 
 __all__ = ["FiringAlertCounts", "create_app"]
 
@@ -71,11 +73,13 @@ def create_app(
     app.include_router(health.router)
     app.include_router(ingest.router)
     install_ranks(app, settings, store)  # before runs: its /runs/{run}/ranks must win over /runs/{run}
+    app.include_router(whatif_routes.router)  # before runs, as the ranks' route
     app.include_router(runs.router)
     app.include_router(catalog.router)
     alerts, worker = install_alerts(app, settings, store)
     ingest_observers_of(app).insert(0, alerts)
     ingest_observers_of(app).insert(0, alerts.formats)  # layer formats are recorded before alerts read them
+    install_whatif(app, store, alerts)  # first among the observers
     if firing_alert_counts is None:
         app.state.firing_alert_counts = firing_counts(store.factory)
     restore = StartupRestore(store.factory)  # the state of the runs stored before a restart

@@ -15,7 +15,17 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import msgpack
 import numpy as np
 
-from quantwatch.protocol import ESTIMATED_FIELD, TENSOR_KINDS, Action, BatchFields, check_layer_format, wire
+from quantwatch.protocol import (
+    ESTIMATED_FIELD,
+    TENSOR_KINDS,
+    WHATIF_FIELD,
+    WHATIF_STATS,
+    Action,
+    BatchFields,
+    check_candidate,
+    check_layer_format,
+    wire,
+)
 from quantwatch.service.ranks.decode import RankReport, decode_rank_reports
 from quantwatch.service.rollups import F32, canonicalise
 from quantwatch.service.wire_error import WireError
@@ -24,6 +34,17 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from quantwatch.service.models import Run
+
+
+@dataclass(frozen=True)
+class WhatIfEntry:
+    """One layer's tensor ``kind`` quantized to ``candidate`` at a step: ``values[stat]`` for the stats of
+    ``WHATIF_STATS`` it carries (None: not measured; NaN/±inf kept)."""
+
+    layer: int
+    kind: str
+    candidate: str
+    values: Mapping[str, float | None]
 
 
 @dataclass(frozen=True)
@@ -41,6 +62,7 @@ class IngestStep:
     scalars: Mapping[str, float]
     missing: Mapping[str, np.ndarray] = field(default_factory=dict)
     estimated: frozenset[str] = frozenset()
+    whatif: tuple[WhatIfEntry, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,7 +176,39 @@ def _step(raw: Any, n_layers: int, field: str, seen: set[int]) -> IngestStep:
         if number is not None:
             scalars[name] = number
     estimated = _estimated(raw.get(ESTIMATED_FIELD), metrics, f"{field}.{ESTIMATED_FIELD}")
-    return IngestStep(step=step, time=time, metrics=metrics, scalars=scalars, missing=missing, estimated=estimated)
+    whatif = _whatif(raw.get(WHATIF_FIELD), n_layers, f"{field}.{WHATIF_FIELD}")
+    return IngestStep(step, time, metrics, scalars, missing, estimated, whatif)
+
+
+def _whatif(raw: Any, n_layers: int, field: str) -> tuple[WhatIfEntry, ...]:
+    """A step's what-if statistics, one entry per (layer, kind, candidate) with at least one measured value."""
+    if raw is None:
+        return ()
+    _require(isinstance(raw, dict), field, "must be an object of tensor kinds")
+    entries: list[WhatIfEntry] = []
+    for kind, candidates in raw.items():
+        where = f"{field}.{kind}"
+        _require(kind in TENSOR_KINDS, where, f"unknown tensor kind; known: {', '.join(TENSOR_KINDS)}")
+        _require(isinstance(candidates, dict), where, "must be an object of candidates")
+        for candidate, stats in candidates.items():
+            at = f"{where}.{candidate}"
+            try:
+                check_candidate(candidate)
+            except ValueError as exc:
+                raise WireError(422, at, str(exc)) from None
+            _require(isinstance(stats, dict), at, f"must be an object of {', '.join(WHATIF_STATS)}")
+            columns: dict[str, tuple[F32, np.ndarray | None]] = {}
+            for stat, values in stats.items():
+                _require(stat in WHATIF_STATS, f"{at}.{stat}", f"unknown statistic; known: {', '.join(WHATIF_STATS)}")
+                columns[stat] = _metric_values(values, n_layers, f"{at}.{stat}")
+            for layer in range(n_layers):
+                got = {
+                    stat: None if miss is not None and miss[layer] else float(arr[layer])
+                    for stat, (arr, miss) in columns.items()
+                }
+                if any(v is not None for v in got.values()):
+                    entries.append(WhatIfEntry(layer, kind, candidate, got))
+    return tuple(entries)
 
 
 def _estimated(raw: Any, metrics: Mapping[str, F32], field: str) -> frozenset[str]:

@@ -47,15 +47,44 @@ def _database_failed(settings: Settings, action: str, exc: Exception) -> typer.E
     return typer.Exit(code=EXIT_DATABASE)
 
 
+#: The settings ``serve`` has an option for; every other one is set by its environment variable only.
+_SERVE_OPTIONS = ("host", "port", "database_url", "rules_file", "token_file", "insecure")
+
+
+def _env_var(field: str) -> str:
+    return f"{Settings.model_config.get('env_prefix', '')}{field}".upper()
+
+
+def _default(field: str) -> str:
+    info = Settings.model_fields[field]
+    value = info.get_default(call_default_factory=True)
+    return "none" if value in (None, {}) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _setting_help(field: str) -> str:
+    """An option's help from its setting: description, environment variable and default, as the client commands show
+    theirs."""
+    return f"{Settings.model_fields[field].description}  [env var: {_env_var(field)}; default: {_default(field)}]"
+
+
+def _environment_help() -> str:
+    """The settings without an option, one ``NAME=DEFAULT  meaning`` line each."""
+    lines = [
+        f"  {_env_var(field)}={_default(field)}  {info.description}"
+        for field, info in Settings.model_fields.items()
+        if field not in _SERVE_OPTIONS
+    ]
+    # "\b" keeps click from re-wrapping the lines.
+    return "\b\nMore settings, from the environment only (an option wins over its variable):\n" + "\n".join(lines)
+
+
 def serve(
-    host: Annotated[str | None, typer.Option(help="Address to listen on (default 127.0.0.1).")] = None,
-    port: Annotated[int | None, typer.Option(help="TCP port (default 8000).")] = None,
-    database_url: Annotated[str | None, typer.Option(help="sqlite:///… or postgresql+psycopg://…")] = None,
-    rules: Annotated[Path | None, typer.Option(help="YAML file of alert rules.")] = None,
-    token_file: Annotated[Path | None, typer.Option(help="File of 'TOKEN SCOPE[,SCOPE…]' lines.")] = None,
-    insecure: Annotated[
-        bool, typer.Option("--insecure", help="Allow listening beyond loopback without tokens.")
-    ] = False,
+    host: Annotated[str | None, typer.Option(help=_setting_help("host"))] = None,
+    port: Annotated[int | None, typer.Option(help=_setting_help("port"))] = None,
+    database_url: Annotated[str | None, typer.Option(help=_setting_help("database_url"))] = None,
+    rules: Annotated[Path | None, typer.Option(help=_setting_help("rules_file"))] = None,
+    token_file: Annotated[Path | None, typer.Option(help=_setting_help("token_file"))] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help=_setting_help("insecure"))] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Run the collector on uvicorn (upgrades the database schema first).
@@ -119,5 +148,5 @@ def db_upgrade(
 
 def register(app: typer.Typer) -> None:
     """Mount ``serve`` and the ``db`` group on the top-level command."""
-    app.command("serve")(serve)
+    app.command("serve", epilog=_environment_help())(serve)
     app.add_typer(db_app, name="db")

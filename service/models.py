@@ -181,7 +181,7 @@ class RunAction(Base):
     """An action the agent took on the training job (``quantwatch.agent.actions``, the batch's ``actions``): from
     ``step`` on, ``layer`` (``""``: the whole run) changed as ``detail`` says, asked for by alert ``episode_id`` if any.
 
-    Keyed by what it is, so a re-sent batch stores each action once (migration 0008)."""
+    Keyed by what it is, so a re-sent batch stores each action once (migration 0009)."""
 
     __tablename__ = "run_actions"
 

@@ -108,6 +108,20 @@ class Heatmap(BaseModel):
     bucket_steps: int
 
 
+class StepRanks(BaseModel):
+    """One metric at one step, layers (model order) × the run's ranks; ``values[i][j]`` is layer i on ``ranks[j]``
+    (null: that rank did not measure it at this step)."""
+
+    step: int | None = Field(
+        description="The first step at or after the requested one at which some rank measured the metric "
+        "(null when none did)."
+    )
+    metric: str
+    layers: list[str]
+    ranks: list[int]
+    values: list[list[Value]]
+
+
 class Health(BaseModel):
     """Liveness or readiness."""
 

@@ -101,7 +101,8 @@ def find_layers(
 ) -> dict[str, Found]:
     """The model's modules that some adapter recognises, by qualified name, narrowed by ``layers`` (glob patterns).
 
-    Raises :class:`ConfigError` for malformed patterns and for patterns that match no recognised module."""
+    Raises :class:`ConfigError` for malformed patterns and for patterns that match no recognised module; warns when
+    the model has no recognised module at all."""
     adapters = registered_adapters() if adapters is None else list(adapters)
     candidates: dict[str, tuple[nn.Module, Adapter]] = {}
     broken: set[int] = set()
@@ -121,6 +122,12 @@ def find_layers(
             known = ", ".join(list(candidates)[:20]) or "none"
             raise ConfigError("layers", f"no quantized layer matches {patterns}; quantized layers: {known}")
         candidates = chosen
+    if not candidates:
+        logger.warning(
+            "quantwatch agent: no quantized layer found in the model (a plain nn.Linear quantizes nothing: convert the "
+            "model first, with quantwatch.kernels.quantize_model or a torchao stack); only watched kernels will be "
+            "measured"
+        )
     return {
         name: Found(module, adapter, _formats(adapter, name, module)) for name, (module, adapter) in candidates.items()
     }

@@ -16,6 +16,7 @@ __all__ = [
     "CATALOG",
     "LAYER_METRICS",
     "LOWER_IS_WORSE",
+    "OVERVIEW_METRICS",
     "SCALARS",
     "Measure",
     "Polarity",
@@ -178,6 +179,19 @@ AGENT_METRICS: tuple[str, ...] = tuple(m.name for m in _LAYER_MEASURES if m.sour
 
 SCALARS: tuple[str, ...] = tuple(m.name for m in _SCALAR_MEASURES)
 """Canonical per-run scalars."""
+
+OVERVIEW_METRICS: tuple[str, ...] = (
+    "output_rel_l2",
+    "output_cosine",
+    "output_sqnr_db",
+    "weight_rel_l2",
+    "act_rel_l2",
+    "grad_rel_l2",
+    "underflow_ratio",
+    "overflow_ratio",
+)
+"""The per-layer metrics an overview of a run shows, output deviation first: the Grafana dashboards' metric choices,
+and what the benchmarks' synthetic runs send."""
 
 LOWER_IS_WORSE: frozenset[str] = frozenset(m.name for m in CATALOG.values() if m.polarity == "lower_is_worse")
 """Names whose smaller values are the worse ones (cosines, SQNR, throughput)."""

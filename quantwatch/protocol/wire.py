@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from quantwatch.protocol.catalog import CATALOG
-from quantwatch.protocol.formats import MAX_FORMAT_LENGTH, TENSOR_KINDS
+from quantwatch.protocol.formats import MAX_CANDIDATE_LENGTH, MAX_FORMAT_LENGTH, TENSOR_KINDS
 
 __all__ = [
     "ACTIONS_FIELD",
@@ -41,6 +41,8 @@ __all__ = [
     "RUN_NAME_PATTERN",
     "RUN_NAME_RULE",
     "SERIES_NAME_PATTERN",
+    "WHATIF_FIELD",
+    "WHATIF_STATS",
     "Action",
     "BatchFields",
     "ingest_json_schema",
@@ -159,6 +161,15 @@ asked for it (``null``: none)."""
 
 MAX_ACTIONS = 1024
 MAX_ACTION_DETAIL_LENGTH = 2000
+WHATIF_FIELD = "whatif"
+"""The optional step field of what-if statistics: ``{kind: {candidate: {stat: [values aligned with layers]}}}``
+with ``kind`` one of :data:`~quantwatch.protocol.formats.TENSOR_KINDS`, ``candidate`` a name
+:func:`~quantwatch.protocol.formats.check_candidate` accepts and ``stat`` one of :data:`WHATIF_STATS`; values as
+metric values (``null``: the layer did not try that candidate; msgpack may send a float32 ``bin``). Sent on the
+agent's what-if steps only (``attach(whatif_every=...)``); older agents never send it."""
+
+WHATIF_STATS: tuple[str, ...] = ("rel_l2", "underflow_ratio", "overflow_ratio")
+"""What a what-if entry says about a tensor quantized to a candidate (``ErrorStats``' figures of those names)."""
 
 
 ENVIRONMENT_FIELD_DOC = "the rank's software and device (torch, CUDA, NCCL, driver, device, quantwatch versions)"
@@ -181,6 +192,21 @@ def _fingerprint_schema(value: dict[str, Any]) -> dict[str, Any]:
             "sumsq": {"type": "array", "items": value},
             "hash": {"type": "array", "items": nullable_hash},
         },
+    }
+
+
+def _whatif_schema(values: dict[str, Any]) -> dict[str, Any]:
+    per_candidate = {"type": "object", "properties": dict.fromkeys(WHATIF_STATS, values), "additionalProperties": False}
+    per_kind = {
+        "type": "object",
+        "propertyNames": {"minLength": 1, "maxLength": MAX_CANDIDATE_LENGTH},
+        "additionalProperties": per_candidate,
+    }
+    return {
+        "type": "object",
+        "description": "What-if statistics: each tensor kind's error under candidate formats, aligned with `layers`.",
+        "properties": dict.fromkeys(TENSOR_KINDS, per_kind),
+        "additionalProperties": False,
     }
 
 
@@ -255,6 +281,7 @@ def ingest_json_schema() -> dict[str, Any]:
                             "properties": {key: {"type": "string"} for key in ENVIRONMENT_KEYS},
                             "additionalProperties": {"type": "string", "maxLength": MAX_ENVIRONMENT_VALUE_LENGTH},
                         },
+                        WHATIF_FIELD: _whatif_schema(values),
                         ESTIMATED_FIELD: {
                             "type": "array",
                             "description": "Metrics of this step estimated from a subset of rows (each in `metrics`).",

@@ -20,35 +20,58 @@ UPDATE_NOISE_BOUND = 1 / math.sqrt(3)
 """``update_rel_l2`` beyond which quantized training stops being effective ("FP4 All the Way", arXiv 2505.19115:
 once the gradient norm falls below about √3 times the quantization noise)."""
 
-DEFAULT_RULES: tuple[Rule, ...] = (
-    Rule(
-        name="quantwatch_output_deviation",
+
+def _output_deviation(
+    name: str,
+    summary: str,
+    description: str,
+    *,
+    formats: list[str] | None = None,
+    exclude_formats: list[str] | None = None,
+    baseline: Baseline | None = None,
+) -> Rule:
+    """``output_rel_l2`` above 5% for 3 consecutive reported steps, in the layers the format globs select."""
+    return Rule(
+        name=name,
         metric="output_rel_l2",
         op=">",
         threshold=0.05,
         consecutive=3,
-        exclude_formats=list(LOW_BIT_FORMATS),
+        formats=formats,
+        exclude_formats=exclude_formats,
+        baseline=baseline,
         severity="warning",
-        annotations={
-            "summary": "Layer ${layer} of run ${run} deviates from its FP32 shadow by more than 5%",
-            "description": DEFAULT_DESCRIPTION,
-        },
-    ),
-    Rule(
-        name="quantwatch_output_deviation_low_bit",
-        metric="output_rel_l2",
+        annotations={"summary": summary, "description": description},
+    )
+
+
+def _any_nonzero(name: str, metric: str, summary: str, description: str) -> Rule:
+    """A critical alert from the first reported step on which ``metric`` is above 0."""
+    return Rule(
+        name=name,
+        metric=metric,
         op=">",
-        threshold=0.05,
-        consecutive=3,
+        threshold=0.0,
+        consecutive=1,
+        severity="critical",
+        annotations={"summary": summary, "description": description},
+    )
+
+
+DEFAULT_RULES: tuple[Rule, ...] = (
+    _output_deviation(
+        "quantwatch_output_deviation",
+        "Layer ${layer} of run ${run} deviates from its FP32 shadow by more than 5%",
+        DEFAULT_DESCRIPTION,
+        exclude_formats=list(LOW_BIT_FORMATS),
+    ),
+    _output_deviation(
+        "quantwatch_output_deviation_low_bit",
+        "Low-bit layer ${layer} of run ${run} deviates from its FP32 shadow twice as much as it did at its start",
+        "output_rel_l2 was ${value} at step ${step}: above 5% and above twice the median of its first 5 samples in "
+        "this format, for ${consecutive} consecutive reported steps (ranks ${ranks}).",
         formats=list(LOW_BIT_FORMATS),
         baseline=Baseline(samples=5, factor=2.0),
-        severity="warning",
-        annotations={
-            "summary": "Low-bit layer ${layer} of run ${run} deviates from its FP32 shadow twice as much as it "
-            "did at its start",
-            "description": "output_rel_l2 was ${value} at step ${step}: above 5% and above twice the median of its "
-            "first 5 samples in this format, for ${consecutive} consecutive reported steps (ranks ${ranks}).",
-        },
     ),
     Rule(
         name="quantwatch_update_direction",
@@ -78,29 +101,17 @@ DEFAULT_RULES: tuple[Rule, ...] = (
             "falls below about √3 times the quantization noise (FP4 All the Way, arXiv 2505.19115).",
         },
     ),
-    Rule(
-        name="quantwatch_nonfinite",
-        metric="nonfinite_count",
-        op=">",
-        threshold=0.0,
-        consecutive=1,
-        severity="critical",
-        annotations={
-            "summary": "Non-finite values in layer ${layer} of run ${run}",
-            "description": "${metric} was ${value} at step ${step} (ranks ${ranks}).",
-        },
+    _any_nonzero(
+        "quantwatch_nonfinite",
+        "nonfinite_count",
+        "Non-finite values in layer ${layer} of run ${run}",
+        "${metric} was ${value} at step ${step} (ranks ${ranks}).",
     ),
-    Rule(
-        name="quantwatch_rank_weight_mismatch",
-        metric="rank_weight_mismatch",
-        op=">",
-        threshold=0.0,
-        consecutive=1,
-        severity="critical",
-        annotations={
-            "summary": "Ranks ${ranks} of run ${run} hold other weights in layer ${layer} than their replica group",
-            "description": "${metric} was ${value} at step ${step}: data-parallel replicas that must agree do not.",
-        },
+    _any_nonzero(
+        "quantwatch_rank_weight_mismatch",
+        "rank_weight_mismatch",
+        "Ranks ${ranks} of run ${run} hold other weights in layer ${layer} than their replica group",
+        "${metric} was ${value} at step ${step}: data-parallel replicas that must agree do not.",
     ),
     Rule(
         name="quantwatch_loss_divergence",

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from quantwatch.service.batch import IngestBatch
     from quantwatch.service.models import Run
 
+Remediation = Callable[[Session, str, str, int], str | None]
+
 LEASE_SECONDS = 120.0
 """How long a delivery worker owns an outbox row it is sending; after that any worker may retry it."""
 
@@ -108,6 +110,8 @@ class AlertEngine:
         self._latest: dict[tuple[str, str, int, str], SeriesSnapshot] = {}
         self._latest_lock = threading.Lock()
         self._enqueued = threading.local()
+        self.remediation: Remediation | None = None
+        """``(session, run, layer, rank) -> text or None``: the ``remediation`` annotation of a notification."""
 
     # -- rules -------------------------------------------------------------------------------------------------
     def active_rules(self, session: Session) -> list[tuple[int, Rule]]:
@@ -237,10 +241,27 @@ class AlertEngine:
 
     def _write_episodes(self, session: Session, rules: dict[int, Rule], run: str, batch: EpisodeBatch) -> int:
         """Write what :meth:`_advance_groups` decided: episodes, group pointers, then the outbox rows."""
+        self._remediate(session, batch)
         repository.write_episodes(session, run, batch)
         if not batch.notifications:
             return 0
         return self._write_outbox(session, rules, batch)
+
+    def _remediate(self, session: Session, batch: EpisodeBatch) -> None:
+        """Give the batch's notifications their remediation (one reading per layer), before the episodes' rows
+        take their annotations from them."""
+        if self.remediation is None:
+            return
+        texts: dict[tuple[str, int], str | None] = {}
+        for index, (episode, notification) in enumerate(batch.notifications):
+            key = (notification.layer, min(notification.ranks, default=0))
+            if key not in texts:
+                texts[key] = self.remediation(session, notification.run, *key)
+            if texts[key] is not None:
+                sent = replace(notification, remediation=texts[key])
+                batch.notifications[index] = (episode, sent)
+                if episode.notified is notification:
+                    episode.notified = sent
 
     def _write_outbox(self, session: Session, rules: dict[int, Rule], batch: EpisodeBatch) -> int:
         now = self._clock()
@@ -297,6 +318,9 @@ class AlertEngine:
     def notify(self, session: Session, episode: EpisodeRow, rule: Rule, status: str) -> int:
         """Write the outbox rows of ``episode``'s ``status`` notification for the rule's receivers."""
         notification = self.notification(episode, rule, status)
+        if self.remediation is not None:
+            text = self.remediation(session, episode.run, episode.layer, min(episode.ranks, default=0))
+            notification = replace(notification, remediation=text)
         episode.labels = notification.labels()
         episode.annotations = notification.annotations()
         receivers = repository.receivers_for(session, rule)

@@ -9,21 +9,23 @@ the store's :class:`~quantwatch.service.store.NotFoundError` (a 404 from the app
 from __future__ import annotations
 
 import time
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
-from sqlalchemy import Select, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
 
 from quantwatch.service.alerts.catalog import NotFoundError, delete_receiver, delete_rule, put_receiver, put_rule
 from quantwatch.service.alerts.engine import AlertEngine
 from quantwatch.service.alerts.rules import ReceiverSpec, Rule
 from quantwatch.service.alerts.schemas import AlertOut, DeliveryOut, ReceiverOut, RuleOut
-from quantwatch.service.alerts.tables import DeliveryRow, EpisodeRow, ReceiverRow, RuleRow
+from quantwatch.service.alerts.tables import DeliveryRow, EpisodeRow, ReceiverRow, RuleRow, SeriesStateRow
 from quantwatch.service.core.db import write_session
 from quantwatch.service.store import NotFoundError as UnknownDeliveryError
 
 SelectT = TypeVar("SelectT", bound=Select[*tuple[Any, ...]])
 NamedRow = TypeVar("NamedRow", RuleRow, ReceiverRow)
+OutT = TypeVar("OutT")
 Factory = sessionmaker[Session]
 
 
@@ -46,16 +48,53 @@ def _find_named(session: Session, table: type[NamedRow], name: str) -> NamedRow:
     return row
 
 
+class NamedReads(Generic[NamedRow, OutT]):
+    """The reads of one catalog table whose rows are named (rules, receivers), answered as ``out`` makes them."""
+
+    def __init__(self, table: type[NamedRow], out: Callable[[NamedRow], OutT]) -> None:
+        self.table: type[NamedRow] = table
+        self.out: Callable[[NamedRow], OutT] = out
+
+    def list(self, factory: Factory) -> list[OutT]:
+        """Every row, by name."""
+        with factory() as session:
+            return [self.out(row) for row in session.scalars(select(self.table).order_by(self.table.name))]
+
+    def get(self, factory: Factory, name: str) -> OutT:
+        """The row called ``name`` (raises NotFoundError)."""
+        with factory() as session:
+            return self.out(_find_named(session, self.table, name))
+
+
+RULES = NamedReads(RuleRow, RuleOut.of)
+"""Rules as the API shows them: shipped defaults, rules-file rules and API rules, enabled or not."""
+RECEIVERS = NamedReads(ReceiverRow, ReceiverOut.of)
+"""Receivers as the API shows them: without secrets or header values (see ReceiverOut)."""
+
+
 def list_alerts(factory: Factory, state: str | None, run: str | None, rule: str | None, limit: int) -> list[AlertOut]:
-    """Alert episodes, newest first, narrowed to the given state, run and rule."""
+    """Alert episodes, newest first, narrowed to the given state, run and rule.
+
+    An open episode's latest step is read from its series (one per rank), whose state the evaluator keeps with the
+    newest step it saw: the episode row itself changes only at transitions."""
+    seen = (
+        select(func.max(SeriesStateRow.last_step))
+        .where(
+            SeriesStateRow.rule_id == EpisodeRow.rule_id,
+            SeriesStateRow.run == EpisodeRow.run,
+            SeriesStateRow.layer == EpisodeRow.layer,
+            SeriesStateRow.status == EpisodeRow.state,
+        )
+        .scalar_subquery()
+    )
     query = _only(
-        select(EpisodeRow).order_by(EpisodeRow.id.desc()).limit(limit),
+        select(EpisodeRow, seen).order_by(EpisodeRow.id.desc()).limit(limit),
         (EpisodeRow.state, state),
         (EpisodeRow.run, run),
         (EpisodeRow.rule_name, rule),
     )
     with factory() as session:
-        return [AlertOut.of(row) for row in session.scalars(query)]
+        return [AlertOut.of(row, latest_step) for row, latest_step in session.execute(query)]
 
 
 def list_deliveries(
@@ -100,18 +139,6 @@ def redeliver(factory: Factory, delivery_id: int, horizon_seconds: float) -> Del
         return DeliveryOut.of(row, receiver.name)
 
 
-def list_rules(factory: Factory) -> list[RuleOut]:
-    """Every rule by name."""
-    with factory() as session:
-        return [RuleOut.of(row) for row in session.scalars(select(RuleRow).order_by(RuleRow.name))]
-
-
-def get_rule(factory: Factory, name: str) -> RuleOut:
-    """The rule called ``name`` (raises NotFoundError)."""
-    with factory() as session:
-        return RuleOut.of(_find_named(session, RuleRow, name))
-
-
 def save_rule(factory: Factory, alerts: AlertEngine, rule: Rule, *, create: bool) -> RuleOut:
     """Create (``create=True``) or replace a rule in one transaction (raises ConflictError, NotFoundError)."""
     with write_session(factory) as session:
@@ -122,18 +149,6 @@ def remove_rule(factory: Factory, alerts: AlertEngine, name: str) -> None:
     """Delete an API rule or disable a default or rules-file rule, in one transaction (raises NotFoundError)."""
     with write_session(factory) as session:
         delete_rule(session, alerts, name)
-
-
-def list_receivers(factory: Factory) -> list[ReceiverOut]:
-    """Every receiver by name, without secrets or header values."""
-    with factory() as session:
-        return [ReceiverOut.of(row) for row in session.scalars(select(ReceiverRow).order_by(ReceiverRow.name))]
-
-
-def get_receiver(factory: Factory, name: str) -> ReceiverOut:
-    """The receiver called ``name`` (raises NotFoundError)."""
-    with factory() as session:
-        return ReceiverOut.of(_find_named(session, ReceiverRow, name))
 
 
 def save_receiver(factory: Factory, spec: ReceiverSpec, *, create: bool) -> ReceiverOut:

@@ -78,6 +78,10 @@ class AlertOut(BaseModel):
     ranks: list[int] = Field(description="Ranks whose series took part.")
     step: int = Field(description="Step of the latest transition.")
     value: Value = Field(description="Value at that step ('nan', 'inf', '-inf' for non-finite values).")
+    latest_step: int = Field(
+        description="Latest step the episode was seen in its state: while pending or firing, the newest step its "
+        "series were evaluated at in that state; once resolved, the step it resolved at."
+    )
     pending: Transition | None
     firing: Transition | None
     resolved: Transition | None
@@ -85,8 +89,8 @@ class AlertOut(BaseModel):
     annotations: dict[str, str]
 
     @classmethod
-    def of(cls, row: EpisodeRow) -> AlertOut:
-        """The answer for a stored episode."""
+    def of(cls, row: EpisodeRow, latest_step: int | None = None) -> AlertOut:
+        """The answer for a stored episode; ``latest_step`` from its series (None: the latest transition's)."""
 
         def at(step: int | None, moment: float | None) -> Transition | None:
             return Transition(step=step, time=moment) if step is not None and moment is not None else None
@@ -101,6 +105,7 @@ class AlertOut(BaseModel):
             ranks=list(row.ranks),
             step=row.step,
             value=row.value if row.value is not None else row.value_text,
+            latest_step=max(row.step, latest_step) if latest_step is not None else row.step,
             pending=at(row.pending_step, row.pending_at),
             firing=at(row.firing_step, row.firing_at),
             resolved=at(row.resolved_step, row.resolved_at),

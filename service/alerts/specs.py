@@ -96,6 +96,15 @@ def _check_label_name(key: str, kind: str) -> None:
 _ObjectName = Annotated[str, AfterValidator(_check_name)]
 
 
+def _check_finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
+
+
+_Finite = Annotated[float, AfterValidator(_check_finite)]
+
+
 def breaches(value: float, op: str, threshold: float) -> bool:
     """Whether one sample breaches ``value <op> threshold``.
 
@@ -175,14 +184,7 @@ class Baseline(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     samples: int = Field(ge=1, le=10_000, description="Reported samples the median is taken over.")
-    factor: float = Field(gt=0, description="Breach when the deviation exceeds factor × the baseline median.")
-
-    @field_validator("factor")
-    @classmethod
-    def _check_factor(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
+    factor: _Finite = Field(gt=0, description="Breach when the deviation exceeds factor × the baseline median.")
 
 
 Selection = tuple[tuple[str, ...], tuple[str, ...] | None, tuple[str, ...] | None, str | None]
@@ -231,7 +233,7 @@ class Rule(BaseModel):
     )
     runs: str = Field(default="*", description="Glob over run names.")
     op: Op = Field(description="Comparison: `>`, `>=`, `<` or `<=`.")
-    threshold: float = Field(description="Finite threshold; ratios as ratios (5% is 0.05).")
+    threshold: _Finite = Field(description="Finite threshold; ratios as ratios (5% is 0.05).")
     formats: list[str] | None = Field(
         default=None,
         description="Globs over layer formats (`fp8*`, `nvfp4`): only layers with a matching format (metric rules).",
@@ -295,13 +297,6 @@ class Rule(BaseModel):
     @classmethod
     def _check_runs(cls, value: str) -> str:
         return _check_glob(value, "runs")
-
-    @field_validator("threshold")
-    @classmethod
-    def _check_threshold(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
 
     @field_validator("labels")
     @classmethod

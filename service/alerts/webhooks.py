@@ -90,6 +90,8 @@ class Notification:
     ends_at: float | None
     episode_id: int
     external_url: str
+    remediation: str | None = None
+    """What the layer's what-if statistics advise (``service/whatif/advice.py``); None without them."""
 
     def labels(self) -> dict[str, str]:
         """Alert labels: the rule's own plus ``alertname``, ``run``, ``layer``, ``metric``, ``severity``."""
@@ -114,7 +116,10 @@ class Notification:
             "ranks": ",".join(str(rank) for rank in self.ranks),
             "severity": self.rule.severity,
         }
-        return {key: render_template(text, variables) for key, text in self.rule.annotations.items()}
+        annotations = {key: render_template(text, variables) for key, text in self.rule.annotations.items()}
+        if self.remediation is not None:
+            annotations["remediation"] = self.remediation
+        return annotations
 
     def history_url(self) -> str:
         """Link to the history API for the watched series."""

@@ -1,8 +1,8 @@
 """Typed dependencies of the routes: every shared object the app factory keeps on ``app.state``, and bearer-token auth
 by scope.
 
-``app.state`` is an untyped bag; only this module reads it (``*_of(app)`` accessors, and the ``…Dep`` aliases built on
-them), so each object has one name and one type.
+``app.state`` is an untyped bag; only this module reads it (one :class:`AppPart` per object, and the ``…Dep``
+aliases built on them), so each object has one name and one type.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Generic, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.params import Depends as DependsParam
@@ -29,112 +29,62 @@ bearer = HTTPBearer(auto_error=False, description="A token configured with the s
 
 
 FiringAlertCounts = Callable[[Sequence[str]], Mapping[str, int]]
+T = TypeVar("T")
 
 
-def settings_of(app: FastAPI) -> Settings:
-    """The settings the app was built with."""
-    settings: Settings = app.state.settings
-    return settings
+class AppPart(Generic[T]):
+    """One object the app factory keeps on ``app.state``: its attribute name and its type, in one place."""
+
+    def __init__(self, attribute: str) -> None:
+        self.attribute = attribute
+
+    def of(self, app: FastAPI) -> T:
+        """The object on ``app``."""
+        value: T = getattr(app.state, self.attribute)
+        return value
+
+    async def get(self, request: Request) -> T:
+        """The route dependency. It does no I/O, so it is a coroutine: FastAPI runs a plain ``def`` dependency in the
+        thread pool, and the two hops cost a series request ~0.5 ms of its p50 on a loaded machine (BENCHMARKS.md,
+        issue 3)."""
+        return self.of(request.app)
 
 
-def store_of(app: FastAPI) -> Store:
-    """The app's data-access object."""
-    store: Store = app.state.store
-    return store
+SETTINGS = AppPart[Settings]("settings")
+"""The settings the app was built with."""
+STORE = AppPart[Store]("store")
+"""The app's data-access object."""
+ALERTS = AppPart[AlertEngine]("alerts")
+"""The app's alert engine (rules, evaluation on ingest, the outbox's sender)."""
+INGEST_GATE = AppPart[IngestGate]("ingest_gate")
+"""The app's ingest admission control."""
+INGEST_OBSERVERS = AppPart[list[IngestObserver]]("ingest_observers")
+"""The observers every stored batch goes through, in order (a list: the factory's parts append to it)."""
+WRITE_HEALTH = AppPart[WriteHealth]("write_health")
+"""Whether the database took the app's latest writes (what ``/readyz`` and the 503 answers report)."""
+RANK_CHECKS = AppPart[RankChecks]("rank_checks")
+"""The app's cross-rank checks (weight fingerprints, environments)."""
+FIRING_ALERT_COUNTS = AppPart[FiringAlertCounts | None]("firing_alert_counts")
+"""Run names → their firing alert count, for the run listings (None: no alerts part)."""
+TOKEN_SCOPES = AppPart[dict[str, frozenset[str]]]("token_scopes")
+"""Token digest → scopes; empty when no tokens are configured (then every request passes)."""
 
-
-def alerts_of(app: FastAPI) -> AlertEngine:
-    """The app's alert engine (rules, evaluation on ingest, the outbox's sender)."""
-    alerts: AlertEngine = app.state.alerts
-    return alerts
-
-
-def ingest_gate_of(app: FastAPI) -> IngestGate:
-    """The app's ingest admission control."""
-    gate: IngestGate = app.state.ingest_gate
-    return gate
-
-
-def ingest_observers_of(app: FastAPI) -> list[IngestObserver]:
-    """The observers every stored batch goes through, in order (a list: the factory's parts append to it)."""
-    observers: list[IngestObserver] = app.state.ingest_observers
-    return observers
-
-
-def write_health_of(app: FastAPI) -> WriteHealth:
-    """Whether the database took the app's latest writes (what ``/readyz`` and the 503 answers report)."""
-    health: WriteHealth = app.state.write_health
-    return health
-
-
-def rank_checks_of(app: FastAPI) -> RankChecks:
-    """The app's cross-rank checks (weight fingerprints, environments)."""
-    checks: RankChecks = app.state.rank_checks
-    return checks
-
-
-def firing_alert_counts_of(app: FastAPI) -> FiringAlertCounts | None:
-    """Run names → their firing alert count, for the run listings (None: no alerts part)."""
-    counts: FiringAlertCounts | None = app.state.firing_alert_counts
-    return counts
-
-
-def token_scopes_of(app: FastAPI) -> dict[str, frozenset[str]]:
-    """Token digest → scopes; empty when no tokens are configured (then every request passes)."""
-    tokens: dict[str, frozenset[str]] = app.state.token_scopes
-    return tokens
-
-
-# The dependencies below do no I/O, so they are coroutines: FastAPI runs a plain ``def`` dependency in the thread
-# pool, and the two hops cost a series request ~0.5 ms of its p50 on a loaded machine (BENCHMARKS.md, issue 3).
-async def get_settings(request: Request) -> Settings:
-    """The app's settings."""
-    return settings_of(request.app)
-
-
-async def get_store(request: Request) -> Store:
-    """The app's data-access object."""
-    return store_of(request.app)
-
-
-async def get_alerts(request: Request) -> AlertEngine:
-    """The app's alert engine."""
-    return alerts_of(request.app)
-
-
-async def get_ingest_gate(request: Request) -> IngestGate:
-    """The app's ingest admission control."""
-    return ingest_gate_of(request.app)
+ingest_observers_of = INGEST_OBSERVERS.of
 
 
 async def get_ingest_observers(request: Request) -> tuple[IngestObserver, ...]:
     """The ingest observers as they are now (a snapshot for one request)."""
-    return tuple(ingest_observers_of(request.app))
+    return tuple(INGEST_OBSERVERS.of(request.app))
 
 
-async def get_write_health(request: Request) -> WriteHealth:
-    """The app's record of database write failures."""
-    return write_health_of(request.app)
-
-
-async def get_rank_checks(request: Request) -> RankChecks:
-    """The app's cross-rank checks."""
-    return rank_checks_of(request.app)
-
-
-async def get_firing_alert_counts(request: Request) -> FiringAlertCounts | None:
-    """The firing alert counter of the run listings."""
-    return firing_alert_counts_of(request.app)
-
-
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-StoreDep = Annotated[Store, Depends(get_store)]
-AlertsDep = Annotated[AlertEngine, Depends(get_alerts)]
-IngestGateDep = Annotated[IngestGate, Depends(get_ingest_gate)]
+SettingsDep = Annotated[Settings, Depends(SETTINGS.get)]
+StoreDep = Annotated[Store, Depends(STORE.get)]
+AlertsDep = Annotated[AlertEngine, Depends(ALERTS.get)]
+IngestGateDep = Annotated[IngestGate, Depends(INGEST_GATE.get)]
 ObserversDep = Annotated[tuple[IngestObserver, ...], Depends(get_ingest_observers)]
-WriteHealthDep = Annotated[WriteHealth, Depends(get_write_health)]
-RankChecksDep = Annotated[RankChecks, Depends(get_rank_checks)]
-FiringAlertCountsDep = Annotated[FiringAlertCounts | None, Depends(get_firing_alert_counts)]
+WriteHealthDep = Annotated[WriteHealth, Depends(WRITE_HEALTH.get)]
+RankChecksDep = Annotated[RankChecks, Depends(RANK_CHECKS.get)]
+FiringAlertCountsDep = Annotated[FiringAlertCounts | None, Depends(FIRING_ALERT_COUNTS.get)]
 
 
 def _nul_field(value: Any, field: str) -> str | None:
@@ -178,7 +128,7 @@ def require(scope: Scope) -> DependsParam:
         request: Request,
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
     ) -> None:
-        tokens = token_scopes_of(request.app)
+        tokens = TOKEN_SCOPES.of(request.app)
         if not tokens:
             return
         challenge = {"WWW-Authenticate": "Bearer"}

@@ -2,7 +2,7 @@
 import { isRatioMetric, lowerIsWorse } from "./catalog.js";
 import { breaches, lowIsBad } from "./rules.js";
 
-// Colour scales. Where alert rules watch the metric, each layer's row is split at its own rule bound (`rowBound`):
+// Colour scales. Where alert rules watch the metric, each layer's row is split at its own rule bound (`rowBounds`):
 // blues on the safe side, reds past the bound, so a breaching layer stands out at a glance and an FP4 layer held to
 // 25% is not painted red for a 10% its rule accepts; rows no rule watches are grey. Ratio metrics (the catalogue's
 // is_ratio) are drawn on a log scale. Without any rule on the metric: a sequential scale, reversed where the catalogue

@@ -1,12 +1,13 @@
 // The layers × steps heatmap: loading, colouring, drawing, hover and brushing.
-import { api, pick } from "./api.js";
+import { pick } from "./api.js";
 import { describeError } from "./banner.js";
 import { lowerIsWorse } from "./catalog.js";
 import { HATCH_DARK, HATCH_LIGHT, makeScale, NONFINITE } from "./colour.js";
 import { $, ellipsizeLeft, placeTooltip, setupCanvas, showOverlay } from "./dom.js";
 import { formatBound, formatLabel, formatsText, formatValue, niceTicks, toNumber } from "./format.js";
 import { drawLegend } from "./legend.js";
-import { breaches, rowBound } from "./rules.js";
+import { heatmapForRanks, runRanks } from "./ranks.js";
+import { breaches, rowBounds } from "./rules.js";
 import { loadSeries } from "./series.js";
 import { setHash, state } from "./state.js";
 
@@ -68,19 +69,8 @@ function prepareHeatmap(body, metric) {
       if (v !== null) flat.push(v);
     }
   }
-  // Each row against its own rule bound; the legend draws one bar per distinct bound, the most common first.
-  const bounds = layers.map((layer) => rowBound(metric, layer));
-  const tally = new Map();
-  for (const b of bounds) {
-    if (!b) continue;
-    const key = `${b.op} ${b.threshold}`;
-    const seen = tally.get(key);
-    if (seen) seen.rows++;
-    else tally.set(key, { bound: b, rows: 1 });
-  }
-  const legend = [...tally.values()].sort((a, b) => b.rows - a.rows);
-  const distinct = legend.map((entry) => entry.bound);
-  const scale = makeScale(metric, flat, distinct);
+  const { bounds, legend, unwatched } = rowBounds(metric, layers);
+  const scale = makeScale(metric, flat, legend.map((entry) => entry.bound));
   // Pre-computed RGB per cell; kind 0 = value, 1 = not measured, 2 = non-finite.
   const rgb = new Uint8ClampedArray(rows * cols * 3);
   const kind = new Uint8Array(rows * cols);
@@ -100,9 +90,10 @@ function prepareHeatmap(body, metric) {
       }
     }
   }
-  const unwatched = distinct.length > 0 && bounds.includes(null);
   const formats = layers.map((layer) => state.formats.get(layer) || null);
-  return { layers, steps, rows, cols, raw, values, scale, bounds, formats, legend, unwatched, rgb, kind, metric };
+  // With every rank shown: the rank each cell's value came from (see ranks.js).
+  const worstRank = body.worst_rank ? layers.map((_, r) => keep.map((c) => body.worst_rank[r]?.[c] ?? null)) : null;
+  return { layers, steps, rows, cols, raw, values, scale, bounds, formats, legend, unwatched, rgb, kind, metric, worstRank };
 }
 
 export function drawHeatmap() {
@@ -218,7 +209,7 @@ export function drawHeatmap() {
   canvas.dataset.plot = JSON.stringify(hm.plot);
   canvas.dataset.rowBounds = JSON.stringify(boundTexts);
   canvas.dataset.rowFormats = JSON.stringify(formatTexts);
-  drawLegend(hm.scale, hm.metric, hm.legend, hm.unwatched);
+  drawLegend("legend", hm.scale, hm.metric, hm.legend, hm.unwatched);
 }
 
 function columnOfStep(hm, step) {
@@ -278,6 +269,9 @@ function showHeatmapTooltip(cell) {
   if (hm.formats[cell.r]) line("formats", formatsText(hm.formats[cell.r]));
   line(hm.exact || first === last ? "step" : "steps", stepText.replace(/^steps? /, ""));
   line(hm.metric, formatValue(value, hm.metric));
+  const rank = hm.worstRank ? hm.worstRank[cell.r][cell.c] : null;
+  tooltip.dataset.rank = rank === null ? "" : String(rank);
+  if (rank !== null) line("rank", `${rank} (the worst of ${runRanks().length})`);
   const bound = hm.bounds[cell.r];
   if (bound) {
     const past = value !== null && breaches(bound, value);
@@ -349,15 +343,15 @@ export async function loadHeatmap() {
   canvas.setAttribute("aria-busy", "true");
   let body;
   try {
-    body = await api(`/runs/${encodeURIComponent(state.run)}/heatmap`, {
+    const params = {
       metric: state.metric,
       agg: bucketAggregate(state.metric),
-      rank: state.rank,
       layers: state.glob,
       start: state.start,
       end: state.end,
       max_steps: heatmapColumns(),
-    });
+    };
+    body = await heatmapForRanks(`/runs/${encodeURIComponent(state.run)}/heatmap`, params, lowerIsWorse(state.metric));
   } catch (err) {
     if (seq !== heatmapSeq) return;
     state.heatmap = null;
@@ -378,8 +372,9 @@ export async function loadHeatmap() {
   } else {
     showOverlay("heatmap-empty", null);
   }
+  const ranksText = hm.worstRank ? `, the worst of ${runRanks().length} ranks` : "";
   $("heatmap-info").textContent =
-    hm.rows && hm.cols ? `${hm.rows} layers × ${hm.cols} columns, steps ${hm.steps[0]}–${hm.lastStep ?? hm.steps[hm.cols - 1]}` : "";
+    hm.rows && hm.cols ? `${hm.rows} layers × ${hm.cols} columns, steps ${hm.steps[0]}–${hm.lastStep ?? hm.steps[hm.cols - 1]}${ranksText}` : "";
   drawHeatmap();
   canvas.removeAttribute("aria-busy");
   canvas.dataset.ready = String(seq);

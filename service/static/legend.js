@@ -19,8 +19,8 @@ function barColour(style, reverse, t) {
 }
 
 // `entries`: the distinct row bounds with how many rows each colours ({bound, rows}), most rows first.
-export function drawLegend(scale, metric, entries, unwatched) {
-  const canvas = $("legend");
+export function drawLegend(canvasId, scale, metric, entries, unwatched) {
+  const canvas = $(canvasId);
   const shown = scale.kind === "bounded" ? entries.slice(0, MAX_BARS) : [null];
   const height = 4 + shown.length * BLOCK + (scale.kind === "bounded" ? 16 : 0);
   const { ctx, width } = setupCanvas(canvas, WIDTH, height);

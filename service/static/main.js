@@ -9,9 +9,12 @@ import { installChartHover } from "./chart.js";
 import { $ } from "./dom.js";
 import { drawHeatmap, installHeatmapEvents, loadHeatmap } from "./heatmap.js";
 import { globMatches } from "./rules.js";
+import { ALL } from "./ranks.js";
+import { drawRankView, installRankViewEvents, loadRankView } from "./rankview.js";
 import { loadRules, loadRunDetail, loadRuns, renderRuns, runName } from "./runs.js";
 import { drawLoss, drawSeries, loadLoss, loadSeries } from "./series.js";
 import { readHash, setHash, state } from "./state.js";
+import { loadWhatif } from "./whatif.js";
 
 const LIVE_INTERVAL_MS = 5000;
 
@@ -28,6 +31,8 @@ async function applyHash() {
     h.end !== state.end;
   const seriesChanged = heatmapChanged || h.layer !== state.layer;
   const stepChanged = h.step !== state.step;
+  const rankViewChanged = runChanged || stepChanged || h.metric !== state.metric;
+  const rowChanged = h.layer !== state.layer || h.rank !== state.rank;
   Object.assign(state, h);
   $("metric").value = state.metric || "";
   $("agg").value = state.agg;
@@ -52,10 +57,13 @@ async function applyHash() {
   }
   if (seriesChanged) loadSeries();
   else if (stepChanged) drawSeries();
+  if (seriesChanged) loadWhatif();
   if (runChanged || heatmapChanged) loadLoss();
   else if (stepChanged) drawLoss();
   if (runChanged) loadAlerts();
   if (runChanged) redrawWithActions();
+  if (rankViewChanged) loadRankView();
+  else if (rowChanged) drawRankView();
 }
 
 // The charts drawn again once the run's actions are in (they are drawn without them until then).
@@ -90,16 +98,19 @@ async function refresh(force) {
     loadLoss();
     loadAlerts();
     redrawWithActions();
+    loadRankView();
+    loadWhatif();
   } else if (rulesChanged) {
     loadHeatmap();
     drawSeries();
+    drawRankView();
   }
 }
 
 function installControls() {
   $("metric").addEventListener("change", (e) => setHash({ metric: e.target.value }));
   $("agg").addEventListener("change", (e) => setHash({ agg: e.target.value }));
-  $("rank").addEventListener("change", (e) => setHash({ rank: Number(e.target.value) }));
+  $("rank").addEventListener("change", (e) => setHash({ rank: e.target.value === ALL ? ALL : Number(e.target.value) }));
   $("layer-glob").addEventListener("change", (e) => setHash({ layers: e.target.value.trim() }));
   $("zoom-reset").addEventListener("click", () => setHash({ start: null, end: null }));
   $("alert-state").addEventListener("change", (e) => {
@@ -141,6 +152,7 @@ async function start() {
   onAuthProblem(showAuthProblem);
   installControls();
   installHeatmapEvents();
+  installRankViewEvents();
   installChartHover("series", "series-tooltip");
   installChartHover("loss", "loss-tooltip");
   await Promise.all([loadRuns(), loadRules(), loadCatalog()]);

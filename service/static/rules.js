@@ -139,7 +139,7 @@ export function ruleBounds(metric, layer) {
 
 // The bound a layer's cells are coloured against: the tightest one in the metric's bad direction (the first to
 // breach), or null when no rule watches the layer.
-export function rowBound(metric, layer) {
+function rowBound(metric, layer) {
   const bounds = ruleBounds(metric, layer);
   if (bounds.length === 0) return null;
   const wantLow = lowerIsWorse(metric);
@@ -147,4 +147,20 @@ export function rowBound(metric, layer) {
   const pool = sameWay.length ? sameWay : bounds;
   const low = lowIsBad(pool[0]);
   return pool.filter((b) => lowIsBad(b) === low).reduce((a, b) => ((low ? b.threshold > a.threshold : b.threshold < a.threshold) ? b : a));
+}
+
+// Each row (layer) against its own rule bound, and the legend's entries: one per distinct bound, the most common
+// first, with how many rows it colours; `unwatched` when some rows have no rule while others do.
+export function rowBounds(metric, layers) {
+  const bounds = layers.map((layer) => rowBound(metric, layer));
+  const tally = new Map();
+  for (const b of bounds) {
+    if (!b) continue;
+    const key = `${b.op} ${b.threshold}`;
+    const seen = tally.get(key);
+    if (seen) seen.rows++;
+    else tally.set(key, { bound: b, rows: 1 });
+  }
+  const legend = [...tally.values()].sort((a, b) => b.rows - a.rows);
+  return { bounds, legend, unwatched: legend.length > 0 && bounds.includes(null) };
 }

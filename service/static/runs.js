@@ -4,6 +4,7 @@ import { clearBanner, describeError, showBanner } from "./banner.js";
 import { describeMetric } from "./catalog.js";
 import { $ } from "./dom.js";
 import { formatTime } from "./format.js";
+import { ALL, runRanks } from "./ranks.js";
 import { state } from "./state.js";
 
 export async function loadRuns() {
@@ -152,19 +153,7 @@ function renderRunHead() {
     const count = `${ranks.length} rank${ranks.length === 1 ? "" : "s"}`;
     add("ranks", ranks.length === 1 && ranks[0] === 0 ? count : `${count} (${ranks.join(", ")})`);
   }
-  // A rank picker only when there is more than one rank to pick from.
-  const rankSelect = $("rank");
-  rankSelect.innerHTML = "";
-  const rankList = Array.isArray(ranks) ? ranks : [];
-  for (const r of rankList) {
-    const opt = document.createElement("option");
-    opt.value = String(r);
-    opt.textContent = String(r);
-    rankSelect.append(opt);
-  }
-  $("rank-label").hidden = rankList.length < 2;
-  if (state.rank !== null && !rankList.includes(state.rank)) state.rank = null;
-  rankSelect.value = String(state.rank ?? (rankList.includes(0) ? 0 : rankList[0] ?? ""));
+  renderRankPicker(runRanks());
   add("firing alerts", pick(d, "firing_alerts", "firing_alert_count"));
   add("points", pick(d, "points") !== null ? Number(pick(d, "points")).toLocaleString() : null);
   add("last seen", formatTime(pick(d, "last_seen_at")));
@@ -183,4 +172,20 @@ function renderRunHead() {
     state.metric = metrics.includes("output_rel_l2") ? "output_rel_l2" : metrics[0] || null;
   }
   select.value = state.metric || "";
+}
+
+// A rank picker ("all", then each rank) only when there is more than one rank to pick from; a single-rank run shows
+// none, and an "all" or a rank in the URL that the run does not have falls back to the default.
+function renderRankPicker(ranks) {
+  const select = $("rank");
+  select.innerHTML = "";
+  for (const r of [ALL, ...ranks]) {
+    const opt = document.createElement("option");
+    opt.value = String(r);
+    opt.textContent = r === ALL ? "all (worst)" : String(r);
+    select.append(opt);
+  }
+  $("rank-label").hidden = ranks.length < 2;
+  if (state.rank !== null && (ranks.length < 2 || !(state.rank === ALL || ranks.includes(state.rank)))) state.rank = null;
+  select.value = String(state.rank ?? (ranks.includes(0) ? 0 : ranks[0] ?? ""));
 }

@@ -5,6 +5,7 @@ import { describeError } from "./banner.js";
 import { isRatioMetric } from "./catalog.js";
 import { drawChart, seriesFromBody } from "./chart.js";
 import { $, setupCanvas, showOverlay } from "./dom.js";
+import { ALL, RANK_COLOURS, shownRanks } from "./ranks.js";
 import { ruleBounds } from "./rules.js";
 import { state } from "./state.js";
 
@@ -22,16 +23,19 @@ export async function loadSeries() {
     showOverlay("series-empty", "Click a heatmap cell to see that layer's history.");
     return;
   }
-  let body;
+  const ranks = shownRanks();
+  let bodies;
   try {
-    body = await api(`/runs/${encodeURIComponent(state.run)}/series`, {
-      metric: state.metric,
-      layer: state.layer,
-      rank: state.rank,
-      start: state.start,
-      end: state.end,
-      max_points: Math.max(50, Math.floor(canvas.parentElement.clientWidth)),
-    });
+    const get = (rank) =>
+      api(`/runs/${encodeURIComponent(state.run)}/series`, {
+        metric: state.metric,
+        layer: state.layer,
+        rank,
+        start: state.start,
+        end: state.end,
+        max_points: Math.max(50, Math.floor(canvas.parentElement.clientWidth)),
+      });
+    bodies = await Promise.all(ranks.map(get));
   } catch (err) {
     if (seq !== seriesSeq) return;
     state.series = null;
@@ -41,8 +45,17 @@ export async function loadSeries() {
     return;
   }
   if (seq !== seriesSeq) return;
-  state.series = seriesFromBody(body);
+  state.series = bodies.map((body, k) => ({ rank: ranks[k], ...seriesFromBody(body) }));
   drawSeries();
+}
+
+// One rank: its mean with the min/max band; every rank: a line per rank (colours in RANK_COLOURS).
+function seriesLines() {
+  if (state.rank !== ALL) {
+    const band = { band: true, bandColor: "rgba(47,111,214,0.18)" };
+    return [{ name: state.metric, ...state.series[0], color: RANK_COLOURS[0], ...band }];
+  }
+  return state.series.map((s, k) => ({ name: `rank ${s.rank}`, ...s, color: RANK_COLOURS[k % RANK_COLOURS.length] }));
 }
 
 export function drawSeries() {
@@ -54,24 +67,40 @@ export function drawSeries() {
     marker: state.step,
     annotations: annotationsFor(state.layer),
     zeroBased: isRatioMetric(state.metric),
-    lines: [{ name: state.metric, ...state.series, color: "#2f6fd6", band: true, bandColor: "rgba(47,111,214,0.18)" }],
+    lines: seriesLines(),
   });
   showOverlay("series-empty", drawn ? null : "No points for this layer in this step range.");
   // Figures estimated from a subset of rows (the agent's shadow_rows) are marked "≈" in the tooltip; say so here.
   const note = $("series-note");
-  const estimated = state.series.estimated.size;
-  note.hidden = estimated === 0;
-  note.textContent = estimated
-    ? `≈ ${estimated} of ${state.series.steps.length} points estimated from a subset of rows (shadow_rows)`
+  const estimated = new Set(state.series.flatMap((s) => [...s.estimated]));
+  const points = state.series.reduce((n, s) => n + s.steps.length, 0);
+  note.hidden = estimated.size === 0;
+  note.textContent = estimated.size
+    ? `≈ ${estimated.size} of ${points} points estimated from a subset of rows (shadow_rows)`
     : "";
-  canvas.dataset.estimated = JSON.stringify([...state.series.estimated]);
+  canvas.dataset.estimated = JSON.stringify([...estimated]);
+  const lines = seriesLines();
+  canvas.dataset.lines = JSON.stringify(lines.map((line) => line.name));
+  // Every rank drawn: which colour is which rank.
+  const key = $("series-ranks");
+  key.hidden = state.rank !== ALL;
+  key.innerHTML = "";
+  if (state.rank === ALL) {
+    for (const line of lines) {
+      const swatch = document.createElement("i");
+      swatch.className = "line";
+      swatch.style.borderColor = line.color;
+      key.append(swatch, line.name);
+    }
+  }
 }
 
 export async function loadLoss() {
   const seq = ++lossSeq;
   const canvas = $("loss");
   const params = {
-    rank: state.rank,
+    rank: shownRanks()[0], // every rank shown: the loss of the lowest
+
     start: state.start,
     end: state.end,
     max_points: Math.max(50, Math.floor(canvas.parentElement.clientWidth)),
@@ -83,6 +112,7 @@ export async function loadLoss() {
     );
   const [loss, shadow] = await Promise.all([get("loss"), get("loss_shadow")]);
   if (seq !== lossSeq) return;
+  $("loss-rank").textContent = state.rank === ALL ? `(rank ${params.rank})` : "";
   const lines = [];
   if (loss.body) lines.push({ name: "loss", ...seriesFromBody(loss.body), color: "#2f6fd6" });
   if (shadow.body) lines.push({ name: "loss_shadow", ...seriesFromBody(shadow.body), color: "#7a8699", dash: [6, 4] });

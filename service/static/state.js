@@ -1,5 +1,5 @@
 // What the page shows, in one object, and its mirror in the URL hash (#run=...&metric=...&layer=...&step=...&start=...
-// &end=...&agg=...), so every view can be linked to and the browser's back button works.
+// &end=...&agg=...&rank=...), so every view can be linked to and the browser's back button works.
 
 export const state = {
   runs: [],
@@ -14,12 +14,13 @@ export const state = {
   end: null,
   layer: null,
   step: null,
-  rank: null, // null: the collector's default (rank 0)
+  rank: null, // null: the collector's default (rank 0); a rank; or "all" (ranks.js)
   alertState: "",
   rules: [], // GET /rules: the alert rules, whose bounds the heatmap and the charts draw
   formats: new Map(), // GET /runs/{run}/layers: layer name → its current format per tensor kind (unknown: absent)
   heatmap: null, // last heatmap answer plus derived colours
-  series: null,
+  series: null, // the layer history: one series per rank shown
+  rankView: null, // GET /runs/{run}/steps/{step}: the layers × ranks view
   loss: null,
   actions: [], // GET /actions?run=: what the agent did to the training job, drawn on the charts
 };
@@ -36,7 +37,7 @@ export function readHash() {
     end: num("end"),
     layer: p.get("layer"),
     step: num("step"),
-    rank: num("rank"),
+    rank: p.get("rank") === "all" ? "all" : num("rank"),
   };
 }
 

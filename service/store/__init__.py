@@ -1,5 +1,6 @@
 """All database access of the collector behind one facade, :class:`Store`: ingest (``writes``, with ``rollup_writes``),
-history reads (``reads``), export (``export``) and the health probe.
+history reads (``reads``: a Store is a ``HistoryReader``), export (``export``), the what-if statistics (``whatif``) and
+the health probe.
 
 See README "Storage" for the layout. Callers hold a ``Store``; the modules behind it are private.
 """
@@ -17,23 +18,25 @@ from quantwatch.service.store.actions import list_actions
 from quantwatch.service.store.common import IngestResult, NotFoundError, choose_width
 from quantwatch.service.store.export import EXPORT_COLUMNS, Exporter
 from quantwatch.service.store.reads import HistoryReader
+from quantwatch.service.store.whatif import WhatIfStore
 from quantwatch.service.store.writes import BatchWriter
 
 __all__ = ["IngestResult", "NotFoundError", "Store", "choose_width"]
 
 
-class Store:
-    """Data access for one engine: the writer, the reader and the exporter over one session factory."""
+class Store(HistoryReader):
+    """Data access for one engine over one session factory: the history reads themselves (:class:`HistoryReader`),
+    ingest through the writer and export through the exporter."""
 
     EXPORT_COLUMNS = EXPORT_COLUMNS
 
     def __init__(self, engine: Engine, factory: sessionmaker[Session]) -> None:
-        self.engine = engine
-        self.factory = factory
+        super().__init__(engine, factory)
         self.pg = engine.dialect.name == "postgresql"
         self._writer = BatchWriter(engine, factory)
-        self._reader = HistoryReader(engine, factory)
         self._exporter = Exporter(factory)
+        self.whatif = WhatIfStore(factory)
+        """The what-if statistics' reads."""
 
     @staticmethod
     def _rank_key(run_id: int, rank: int) -> int:
@@ -53,51 +56,9 @@ class Store:
         """Delete a run and everything stored for it (foreign keys cascade)."""
         self._writer.delete_run(name)
 
-    def list_runs(self) -> list[dict[str, Any]]:
-        """Summaries of every run, by name."""
-        return self._reader.list_runs()
-
-    def get_run(self, name: str) -> dict[str, Any]:
-        """Summary of one run (raises NotFoundError)."""
-        return self._reader.get_run(name)
-
-    def run_id(self, name: str) -> int:
-        """The database id of run ``name`` (raises NotFoundError)."""
-        return self._reader.run_id(name)
-
     def list_actions(self, name: str) -> list[dict[str, Any]]:
         """The actions the agent took on run ``name``, by step (raises NotFoundError)."""
         return list_actions(self.factory, name)
-
-    def list_layers(self, name: str) -> list[dict[str, Any]]:
-        """Layers of a run in model order."""
-        return self._reader.list_layers(name)
-
-    def series(
-        self, run: str, metric: str, layer: str, rank: int, start: int | None, end: int | None, max_points: int
-    ) -> dict[str, Any]:
-        """min/mean/max of one layer's metric over [start, end]: exact when the range holds ≤ max_points samples."""
-        return self._reader.series(run, metric, layer, rank, start, end, max_points)
-
-    def scalar_series(
-        self, run: str, scalar: str, rank: int, start: int | None, end: int | None, max_points: int
-    ) -> dict[str, Any]:
-        """The same as :meth:`series` for a per-run scalar (float64, from raw rows)."""
-        return self._reader.scalar_series(run, scalar, rank, start, end, max_points)
-
-    def heatmap(
-        self,
-        run: str,
-        metric: str,
-        rank: int,
-        start: int | None,
-        end: int | None,
-        max_steps: int,
-        layers: str | None,
-        agg: str,
-    ) -> dict[str, Any]:
-        """Layers (model order) × aligned step buckets of ``metric``, aggregated by ``agg`` (max, mean or min)."""
-        return self._reader.heatmap(run, metric, rank, start, end, max_steps, layers, agg)
 
     def export_csv(self, run: str) -> Iterator[bytes]:
         """CSV of every stored point (header first); float32 values printed exactly (round-trip)."""

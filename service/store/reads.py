@@ -1,4 +1,5 @@
-"""History reads: run summaries, layers, series (min/mean/max over aligned buckets) and layer × step heatmaps."""
+"""History reads: run summaries, layers, series (min/mean/max over aligned buckets), layer × step heatmaps and one
+step's layers × ranks."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, Integer, and_, bindparam, func, select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import ColumnElement, Connection, Engine, Integer, and_, bindparam, func, select
+from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
 
 from quantwatch.service.models import (
     EstimatedPoint,
@@ -27,11 +28,26 @@ from quantwatch.service.rollups import (
     STATS_DTYPE,
     Partials,
     group_starts,
+    is_missing,
+    missing_row,
     rows_from_blobs,
     to_json_floats,
     to_json_matrix,
 )
 from quantwatch.service.store.common import NotFoundError, choose_width, columns, find_run
+
+
+def _one_series(
+    table: type[Point | Rollup | EstimatedPoint], position: InstrumentedAttribute[int]
+) -> tuple[ColumnElement[bool], ...]:
+    """The rows of one (run, rank, name) series of ``table`` whose ``position`` (step or bucket) is in [lo, hi]."""
+    return (
+        table.run_id == bindparam("run_id"),
+        table.rank == bindparam("rank"),
+        table.name_id == bindparam("nid"),
+        position >= bindparam("lo"),
+        position <= bindparam("hi"),
+    )
 
 
 class HistoryReader:
@@ -46,13 +62,7 @@ class HistoryReader:
         """Prebuilt statements of the history reads (a series answer runs four of them; building each per call cost
         more than executing it)."""
         offset = bindparam("offset", type_=Integer)
-        points = (
-            Point.run_id == bindparam("run_id"),
-            Point.rank == bindparam("rank"),
-            Point.name_id == bindparam("nid"),
-            Point.step >= bindparam("lo"),
-            Point.step <= bindparam("hi"),
-        )
+        points = _one_series(Point, Point.step)
         self._raw_rows = select(Point.step, Point.vals).where(*points).order_by(Point.step)
         self._raw_layer_rows = (
             select(Point.step, func.substr(Point.vals, offset, 4)).where(*points).order_by(Point.step)
@@ -60,26 +70,25 @@ class HistoryReader:
         self._raw_count = select(func.count()).select_from(
             select(Point.step).where(*points).limit(bindparam("limit", type_=Integer)).subquery()
         )
-        blocks = (
-            Rollup.run_id == bindparam("run_id"),
-            Rollup.rank == bindparam("rank"),
-            Rollup.name_id == bindparam("nid"),
-            Rollup.level == bindparam("level"),
-            Rollup.bucket >= bindparam("lo"),
-            Rollup.bucket <= bindparam("hi"),
-        )
+        blocks = (*_one_series(Rollup, Rollup.bucket), Rollup.level == bindparam("level"))
         self._block_rows = select(Rollup.bucket, Rollup.stats).where(*blocks).order_by(Rollup.bucket)
         self._block_layer_rows = (
             select(Rollup.bucket, func.substr(Rollup.stats, offset, STATS_DTYPE.itemsize))
             .where(*blocks)
             .order_by(Rollup.bucket)
         )
-        self._estimated_steps = select(EstimatedPoint.step).where(
-            EstimatedPoint.run_id == bindparam("run_id"),
-            EstimatedPoint.rank == bindparam("rank"),
-            EstimatedPoint.name_id == bindparam("nid"),
-            EstimatedPoint.step.between(bindparam("lo"), bindparam("hi")),
+        self._next_step = (
+            select(Point.step)
+            .where(
+                Point.run_id == bindparam("run_id"),
+                Point.rank == bindparam("rank"),
+                Point.step >= bindparam("lo"),
+                Point.name_id == bindparam("nid"),
+            )
+            .order_by(Point.step)
+            .limit(1)
         )
+        self._estimated_steps = select(EstimatedPoint.step).where(*_one_series(EstimatedPoint, EstimatedPoint.step))
         # Everything a series read needs to know before reading values, in one round trip: the run, the layer's
         # index, the metric's id (only if the run has sent it) and the rank's step range (NULL where absent).
         self._series_keys = (
@@ -405,7 +414,7 @@ class HistoryReader:
         if keys.size == n_cols:
             full, valid = data, part.vcount[:, sel] > 0
         else:
-            full = np.full((n_cols, len(chosen)), np.nan)
+            full = np.full((n_cols, len(chosen)), np.nan, dtype=data.dtype)
             valid = np.zeros((n_cols, len(chosen)), dtype=bool)
             full[pos] = data
             valid[pos] = part.vcount[:, sel] > 0
@@ -414,4 +423,41 @@ class HistoryReader:
             "steps": np.maximum(grid * width, lo),
             "values": to_json_matrix(full.T, valid.T),
             "bucket_steps": width,
+        }
+
+    def step_ranks(self, run: str, metric: str, step: int) -> dict[str, Any]:
+        """Layers (model order) × the run's ranks of ``metric`` at the first step at or after ``step`` that some rank
+        measured it (``step`` None when none did); a rank without a point there is not measured (null)."""
+        with self.factory() as session:
+            r = find_run(session, run)
+            nid = self._name_id(session, r.id, metric, "layer")
+            names = [n for (n,) in session.execute(select(Layer.name).where(Layer.run_id == r.id).order_by(Layer.idx))]
+            ranks = [
+                int(k)
+                for (k,) in session.execute(select(RunRank.rank).where(RunRank.run_id == r.id).order_by(RunRank.rank))
+            ]
+            conn = session.connection()
+            # Per rank: each lookup is one walk of the points index from ``step`` on.
+            params = {"run_id": r.id, "lo": step, "nid": nid}
+            firsts = (conn.execute(self._next_step, {**params, "rank": rank}).scalar() for rank in ranks)
+            at = min((s for s in firsts if s is not None), default=None)
+            rows = (
+                []
+                if at is None
+                else session.execute(
+                    select(Point.rank, Point.vals).where(
+                        Point.run_id == r.id, Point.rank.in_(ranks), Point.step == at, Point.name_id == nid
+                    )
+                ).all()
+            )
+        grid = np.repeat(missing_row(len(names))[:, None], len(ranks), axis=1)
+        if rows:
+            measured = rows_from_blobs([bytes(vals) for _, vals in rows], len(names))
+            grid[:, [ranks.index(int(rank)) for rank, _ in rows]] = measured.T
+        return {
+            "step": at,
+            "metric": metric,
+            "layers": names,
+            "ranks": ranks,
+            "values": to_json_matrix(grid, ~is_missing(grid)),
         }

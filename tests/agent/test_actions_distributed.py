@@ -3,11 +3,10 @@ replicas' weights stay bit-identical (their fingerprints agree at every sampled 
 
 from __future__ import annotations
 
-import json
 import textwrap
 from pathlib import Path
 
-from tests.agent.test_distributed import run_two_ranks
+from tests.agent.test_distributed import _run_two_ranks
 
 WORKER = textwrap.dedent(
     """
@@ -62,8 +61,7 @@ WORKER = textwrap.dedent(
 
 
 def test_an_action_requested_on_one_rank_takes_effect_on_both_at_the_same_step(tmp_path: Path) -> None:
-    run_two_ranks(tmp_path, WORKER)
-    first, second = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+    first, second = _run_two_ranks(WORKER, tmp_path, 180)
     assert (first["seen"], second["seen"]) == ([], [3])  # rank 1 alone learnt the alert, at step 5
     assert first["failures"] == second["failures"] == {}
     # Agreed at step 8, the first multiple of the sampling period (every=4) after the request: both ranks switch

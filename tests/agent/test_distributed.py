@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,14 +56,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize(("ranks", "reporting"), [("all", [True, True]), ("first", [True, False])])
-def test_two_gloo_ranks(tmp_path: Path, ranks: object, reporting: list[bool]) -> None:
+def _run_two_ranks(worker: str, tmp_path: Path, timeout: float, *args: str) -> list[Any]:
+    """Run ``worker`` as ranks 0 and 1 of one process group (argv: rank, port, output folder, ``args``); what each
+    rank wrote to ``rank{N}.json``, by rank."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(worker)
     port = str(_free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(rank), port, str(tmp_path), json.dumps(ranks)],
+            [sys.executable, str(script), str(rank), port, str(tmp_path), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -70,10 +72,14 @@ def test_two_gloo_ranks(tmp_path: Path, ranks: object, reporting: list[bool]) ->
         for rank in range(2)
     ]
     for proc in procs:
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=timeout)
         assert proc.returncode == 0, err
-    for rank in range(2):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize(("ranks", "reporting"), [("all", [True, True]), ("first", [True, False])])
+def test_two_gloo_ranks(tmp_path: Path, ranks: object, reporting: list[bool]) -> None:
+    for rank, result in enumerate(_run_two_ranks(WORKER, tmp_path, 120, json.dumps(ranks))):
         assert result["rank"] == rank
         assert result["reporting"] is reporting[rank]
         # Every rank of the replica group sends its weight fingerprints on sampled steps; only reporting ranks
@@ -137,31 +143,10 @@ WRAPPED_WORKER = textwrap.dedent(
 )
 
 
-def run_two_ranks(tmp_path: Path, worker: str) -> None:
-    """Run ``worker`` as ranks 0 and 1 of a gloo group (argv: rank, port, ``tmp_path``); fail on either's error."""
-    script = tmp_path / "worker.py"
-    script.write_text(worker)
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), port, str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
-
-
 def test_ddp_and_fsdp2_report_every_metric_on_every_rank_under_the_bare_names(tmp_path: Path) -> None:
     import quantwatch.agent as qw
 
-    run_two_ranks(tmp_path, WRAPPED_WORKER)
-    for rank in range(2):
-        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for results in _run_two_ranks(WRAPPED_WORKER, tmp_path, 180):
         for wrapper in ("ddp", "fsdp2"):
             result = results[wrapper]
             assert result["layers"] == ["0", "2"], wrapper  # no `module.` prefix

@@ -259,7 +259,9 @@ def test_consecutive_sampled_steps_keep_the_hooks_and_forget_unpaired_reference_
     # forgotten at monitor.step instead of being paired with the next step's weight gradient.
     layer, captured = _fp8_layer_capturing_output_grads(seed=4)
     sink = qw.InMemoryExporter()
-    monitor = qw.attach(nn.Sequential(layer), run="keep", exporter=sink, metrics=["update_cosine"], every=1)
+    monitor = qw.attach(
+        nn.Sequential(layer), run="keep", exporter=sink, metrics=["update_cosine"], every=1, whatif_every=0
+    )
     forward_hooks = len(layer._forward_hooks)
     x = torch.randn(3, 5, 8, requires_grad=True)
     torch.autograd.grad(layer(x).square().mean(), x)  # output gradient, no weight gradient

@@ -16,6 +16,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 import quantwatch.agent as qw
+from quantwatch.protocol import check_layer_format
 
 with warnings.catch_warnings():  # torchao's CUDA-only extensions warn on a CPU
     warnings.simplefilter("ignore")
@@ -257,6 +258,8 @@ def test_qat_figures_are_the_fake_quantizers_errors(configs: str) -> None:
         {"weight": "int4:group32", "input": "high_precision", "grad": "high_precision"},
         *[{"weight": weight_format, "input": input_format, "grad": "high_precision"}] * 2,
     ]
+    # The collector accepts them: each is sent as layer_formats (a name it does not know is left out, with a warning).
+    assert [check_layer_format(f) for f in (input_format, weight_format)] == [input_format, weight_format]
     capture = one_step(model, monitor, torch.randint(0, 50, (4, 8)))
     for name in ("emb", "fc1", "fc2"):
         layer, c = getattr(model, name), capture[name]

@@ -1,8 +1,10 @@
 """Fixtures of the end-to-end tests: a real collector on loopback (uvicorn in a thread, SQLite in a temp dir) holding
-a short run, and the Debian binaries the tests run (a failure, never a skip, when missing)."""
+a short run, the Debian binaries the tests run (a failure, never a skip, when missing), and Debian's Chromium with a
+page for the web view's tests."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from playwright.sync_api import Browser, Page, sync_playwright
 
 from quantwatch.service import Settings, create_app
 from quantwatch.service.server import BackgroundServer
@@ -118,3 +121,58 @@ def prometheus_binary() -> str:
     if path is None:
         pytest.fail("prometheus is not installed: .ci/run installs the Debian package prometheus")
     return path
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Debian's Chromium; Playwright never downloads a browser here."""
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--no-first-run",
+            ],
+        )
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    """A fresh page that fails the test on any script error."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield page
+    context.close()
+    assert errors == [], f"script errors in the page: {errors}"
+
+
+def hover_cell(page: Page, row: int, column: int) -> dict[str, str | None]:
+    """Move the mouse over a heatmap cell; what its tooltip says (layer, step, value, the rank when all are shown)."""
+    canvas = page.locator("#heatmap")
+    box = canvas.bounding_box()
+    assert box is not None
+    plot = json.loads(canvas.get_attribute("data-plot") or "{}")
+    rows = int(canvas.get_attribute("data-rows") or 0)
+    columns = int(canvas.get_attribute("data-cols") or 0)
+    x = box["x"] + plot["x"] + (column + 0.5) * plot["w"] / columns
+    y = box["y"] + plot["y"] + (row + 0.5) * plot["h"] / rows
+    page.mouse.move(x, y)
+    tooltip = page.locator("#heatmap-tooltip")
+    tooltip.wait_for(state="visible")
+    return {
+        "layer": tooltip.get_attribute("data-layer"),
+        "step": tooltip.get_attribute("data-step"),
+        "value": tooltip.get_attribute("data-value"),
+        "rank": tooltip.get_attribute("data-rank"),
+        "text": tooltip.inner_text(),
+    }

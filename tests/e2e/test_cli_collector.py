@@ -101,11 +101,19 @@ def test_alerts_lists_the_firing_episode(collector: Any) -> None:
     firing = [a for a in alerts if a["layer"] == collector.bad_layer]
     assert [a["state"] for a in firing] == ["firing"]
     assert firing[0]["firing"]["step"] == collector.drift_step + 2
+    # Still firing at the run's last step: the episode row changed only when it fired, its series saw every step.
+    assert firing[0]["step"] == collector.drift_step + 2
+    assert firing[0]["latest_step"] == collector.steps - 1
 
     table = invoke(collector, "alerts", "--run", collector.run, "--state", "firing")
     assert table.exit_code == 0
     assert "quantwatch_output_deviation" in table.stdout
-    assert collector.bad_layer in table.stdout
+    (row,) = [line for line in table.stdout.splitlines() if collector.bad_layer in line]
+    cells = [cell.strip() for cell in row.strip("│ ").split("│")]
+    header = next(line for line in table.stdout.splitlines() if "latest step" in line)
+    columns = [cell.strip() for cell in header.strip("┃ ").split("┃")]
+    assert cells[columns.index("fired at step")] == str(collector.drift_step + 2)
+    assert cells[columns.index("latest step")] == str(collector.steps - 1)
 
     none = invoke(collector, "alerts", "--run", collector.run, "--state", "resolved")
     assert none.exit_code == 0

@@ -15,7 +15,7 @@ from quantwatch.client import ExitCode
 
 runner = CliRunner()
 
-CLIENT_COMMANDS = ["runs", "alerts", "series", "export", "import"]
+CLIENT_COMMANDS = ["runs", "alerts", "series", "advise", "export", "import"]
 
 
 def _closed_port_url() -> str:
@@ -48,6 +48,7 @@ def test_top_level_help_documents_the_exit_codes() -> None:
         (["alerts", "--run", "r"], "cannot reach the collector"),
         (["series", "r", "--metric", "output_rel_l2", "--layer", "fc1"], "cannot reach the collector"),
         (["export", "r", "--format", "csv"], "cannot reach the collector"),
+        (["advise", "r"], "cannot reach the collector"),
     ],
 )
 def test_unreachable_collector_exits_3_with_a_clear_message(args: list[str], message: str) -> None:
@@ -85,6 +86,8 @@ def test_url_from_environment_is_used() -> None:
         (["series", "r", "--scalar", "loss", "--rank", "-1"], "--rank"),
         (["alerts", "--state", "exploded"], "--state"),
         (["export", "r", "--format", "xlsx"], "--format"),
+        (["advise", "r", "--format", "toml"], "--format"),
+        (["advise", "r", "--budget", "0.05,activation=0.1"], "--budget: unknown tensor kind 'activation'"),
         (["series"], "RUN"),
         (["import"], "FILE"),
         (["runs", "--timeout", "0"], "--timeout"),

@@ -7,6 +7,7 @@ Every shell command of the README must be claimed by :data:`COVERAGE` (a new one
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import shlex
@@ -38,6 +39,7 @@ COVERAGE = {
     "quantwatch series": "test_readme_client_commands",
     "quantwatch alerts": "test_readme_client_commands",
     "quantwatch export": "test_readme_client_commands",
+    "quantwatch advise": "test_readme_client_commands",
     "quantwatch import": "test_readme_client_commands",
     "quantwatch serve": "test_readme_serve_commands",
     "quantwatch db upgrade": "test_readme_db_upgrade_command",
@@ -49,6 +51,22 @@ COVERAGE = {
 def fenced_blocks(language: str) -> list[str]:
     """The README's fenced code blocks of ``language``, in order."""
     return re.findall(rf"^```{language}\n(.*?)^```", README, flags=re.MULTILINE | re.DOTALL)
+
+
+def section(heading: str) -> str:
+    """The README's ``## heading`` section, up to the next ``## `` heading."""
+    start = README.index(f"\n## {heading}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start : end if end != -1 else len(README)]
+
+
+def python_blocks(heading: str) -> list[str]:
+    """The ``python`` blocks of one section, in order."""
+    return re.findall(r"^```python\n(.*?)^```", section(heading), flags=re.MULTILINE | re.DOTALL)
+
+
+# Every Python block of the README, by section; the test of each section runs them.
+PYTHON_SECTIONS = ("Attaching the agent", "Attach to your own model", "Kernels")
 
 
 def shell_commands() -> list[str]:
@@ -214,8 +232,13 @@ def test_readme_db_upgrade_command(tmp_path: Path) -> None:
     assert (tmp_path / "upgraded.db").stat().st_size > 0
 
 
+def test_every_python_block_is_run() -> None:
+    assert fenced_blocks("python") == [block for heading in PYTHON_SECTIONS for block in python_blocks(heading)]
+
+
 def test_readme_python_blocks_run(collector: Any) -> None:
-    attach_block, kernels_block = fenced_blocks("python")
+    (attach_block,) = python_blocks("Attaching the agent")
+    (kernels_block,) = python_blocks("Kernels")
 
     # Attaching the agent: the README's loop, with a model, data and optimizer of its kind, against a live collector.
     net = quantize_model(TinyTransformer(), make_recipe("mixed"))
@@ -265,3 +288,56 @@ def test_readme_lists_every_attach_option() -> None:
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     listed = [name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])]
     assert sorted(listed) == sorted(inspect.signature(attach).parameters)
+
+
+# Runs blocks in order in one namespace; a marker line on both streams before each, so output is told apart per block.
+_WALK_THROUGH_DRIVER = """
+import json, sys
+namespace = {}
+for index, block in enumerate(json.load(sys.stdin)):
+    for stream in (sys.stdout, sys.stderr):
+        print(f"@@block {index}", file=stream, flush=True)
+    exec(compile(block, f"README block {index}", "exec"), namespace)
+"""
+
+
+def _per_block(output: str, count: int) -> list[list[str]]:
+    parts = re.split(r"^@@block \d+\n", output, flags=re.MULTILINE)
+    assert len(parts) == count + 1, output
+    return [part.splitlines() for part in parts[1:]]
+
+
+def _printed(block: str) -> list[str]:
+    """What a block says it prints: its ``# → …`` lines, as patterns (``…`` stands for what varies)."""
+    expected = re.findall(r"^# → (.*)$", block, flags=re.MULTILINE)
+    return [re.escape(line).replace("…", ".+") for line in expected]
+
+
+def test_readme_walk_through_runs_as_printed() -> None:
+    # The "Attach to your own model" walk-through, with the real torch and torchao, in a fresh interpreter.
+    pytest.importorskip("torchao")
+    blocks = python_blocks("Attach to your own model")
+    assert len(blocks) == 4
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", _WALK_THROUGH_DRIVER],
+        input=json.dumps(blocks),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    stdout, stderr = _per_block(done.stdout, len(blocks)), _per_block(done.stderr, len(blocks))
+    for block, printed in zip(blocks, stdout, strict=True):
+        patterns = _printed(block)
+        assert patterns, block
+        assert len(printed) == len(patterns), (printed, block)
+        for line, pattern in zip(printed, patterns, strict=True):
+            assert re.fullmatch(pattern, line), (line, block)
+    # A plain model: warned, with the way out; every converted one: found and measured without a warning or failure.
+    agent_lines = [[line for line in lines if line.startswith("quantwatch agent:")] for lines in stderr]
+    assert len(agent_lines[0]) == 1
+    assert "no quantized layer found" in agent_lines[0][0]
+    assert "quantize_model" in agent_lines[0][0]
+    assert agent_lines[1:] == [[]] * (len(blocks) - 1)

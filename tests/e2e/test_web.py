@@ -6,7 +6,6 @@ import fnmatch
 import json
 import random
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -14,44 +13,14 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 import pytest
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Page
 
 from quantwatch.service import Settings, create_app
 from quantwatch.service.alerts.rules import breaches
 from quantwatch.service.server import BackgroundServer
+from tests.e2e.conftest import hover_cell
 
-CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    """Debian's Chromium; Playwright never downloads a browser here."""
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--no-first-run",
-            ],
-        )
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    """A fresh page that fails the test on any script error."""
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    yield page
-    context.close()
-    assert errors == [], f"script errors in the page: {errors}"
 
 
 def _open_run(page: Page, collector: Any) -> list[str]:
@@ -61,26 +30,6 @@ def _open_run(page: Page, collector: Any) -> list[str]:
     page.goto(f"{collector.url}/#run={quote(collector.run, safe='')}")
     page.wait_for_selector("#heatmap[data-rows]")
     return heatmap_requests
-
-
-def _hover_cell(page: Page, row: int, column: int) -> dict[str, str | None]:
-    canvas = page.locator("#heatmap")
-    box = canvas.bounding_box()
-    assert box is not None
-    plot = json.loads(canvas.get_attribute("data-plot") or "{}")
-    rows = int(canvas.get_attribute("data-rows") or 0)
-    columns = int(canvas.get_attribute("data-cols") or 0)
-    x = box["x"] + plot["x"] + (column + 0.5) * plot["w"] / columns
-    y = box["y"] + plot["y"] + (row + 0.5) * plot["h"] / rows
-    page.mouse.move(x, y)
-    tooltip = page.locator("#heatmap-tooltip")
-    tooltip.wait_for(state="visible")
-    return {
-        "layer": tooltip.get_attribute("data-layer"),
-        "step": tooltip.get_attribute("data-step"),
-        "value": tooltip.get_attribute("data-value"),
-        "text": tooltip.inner_text(),
-    }
 
 
 def test_heatmap_renders_and_hover_matches_the_api(page: Page, collector: Any) -> None:
@@ -112,7 +61,7 @@ def test_heatmap_renders_and_hover_matches_the_api(page: Page, collector: Any) -
     # Hover the drifting layer in the last column: the tooltip's value is the API's value for that cell.
     row = collector.layers.index(collector.bad_layer)
     column = len(answer["steps"]) - 1
-    shown = _hover_cell(page, row, column)
+    shown = hover_cell(page, row, column)
     assert shown["layer"] == collector.bad_layer
     assert shown["step"] == str(answer["steps"][column])
     assert shown["value"] is not None
@@ -125,7 +74,7 @@ def test_heatmap_renders_and_hover_matches_the_api(page: Page, collector: Any) -
     hole_row = collector.layers.index(hole_layer)
     hole_column = answer["steps"].index(hole_step)
     assert answer["values"][hole_row][hole_column] is None
-    shown = _hover_cell(page, hole_row, hole_column)
+    shown = hover_cell(page, hole_row, hole_column)
     assert shown["value"] == "null"
     assert "not measured" in (shown["text"] or "")
 
@@ -141,7 +90,7 @@ def test_heatmap_renders_and_hover_matches_the_api(page: Page, collector: Any) -
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.locator("#alerts-body tr").first.wait_for()
-    _hover_cell(page, row, column)
+    hover_cell(page, row, column)
     page.screenshot(path=str(ARTIFACTS / "web-view.png"), full_page=True)
     assert (ARTIFACTS / "web-view.png").stat().st_size > 10_000
 
@@ -301,7 +250,7 @@ def test_rule_bounds_colour_each_row_and_mark_the_chart(
 
         # The tooltip names the rule of the hovered row and whether its value is past the bound.
         row = expected.index("past")
-        shown = _hover_cell(page, row, len(answer["steps"]) - 1)
+        shown = hover_cell(page, row, len(answer["steps"]) - 1)
         assert "(past it)" in (shown["text"] or "")
         rule_name = next(r["name"] for r in rules if any(fnmatch.fnmatchcase(layers[row], g) for g in _globs(r)))
         assert rule_name in (shown["text"] or "")
@@ -463,7 +412,7 @@ def _catalog_view(page: Page, collector: Any, metric: str) -> tuple[str, list[tu
     page.goto(f"{collector.url}/#run={quote(collector.run, safe='')}&metric={metric}")
     page.wait_for_selector("#heatmap[data-rows]")
     row = 1  # underflow_ratio 0.001, output_rel_l2 about 0.008 there
-    shown = _hover_cell(page, row, collector.steps - 1)
+    shown = hover_cell(page, row, collector.steps - 1)
     return requests[-1], _cell_colours(page), shown["text"] or ""
 
 
@@ -569,7 +518,7 @@ def test_a_sampled_run_draws_the_sampled_steps(page: Page, tmp_path: Path) -> No
         assert len(grid[0]) == sampled
         assert hatched >= 1  # the hole itself
         assert hatched / (len(grid) * len(grid[0])) <= 1 / (len(layers) * sampled)
-        shown = _hover_cell(page, hole[0], hole[1] // every)
+        shown = hover_cell(page, hole[0], hole[1] // every)
         assert shown["step"] == str(hole[1])
         assert "not measured" in (shown["text"] or "")
         page.wait_for_function("() => document.getElementById('series')._chart")
@@ -615,10 +564,10 @@ def test_rows_show_their_layer_format_and_the_bound_of_the_rule_selecting_that_f
         assert json.loads(canvas.get_attribute("data-row-bounds") or "[]") == ["> 5%", "> 25%", "> 10%"]
         # 7% is past the FP8 layer's 5% and within the unknown layer's 10%; 20% is within the FP4 layer's 25%.
         assert [_kind_of(colour) for colour in _cell_colours(page)] == ["past", "within", "within"]
-        shown = _hover_cell(page, 1, 0)
+        shown = hover_cell(page, 1, 0)
         assert "weight nvfp4, input nvfp4, grad fp8_e5m2:tensor" in (shown["text"] or "")
         assert "fp4_bound" in (shown["text"] or "")
-        assert "formats" not in (_hover_cell(page, 2, 0)["text"] or "")
+        assert "formats" not in (hover_cell(page, 2, 0)["text"] or "")
 
 
 def test_estimated_points_are_marked_in_the_layer_chart(page: Page, tmp_path: Path) -> None:

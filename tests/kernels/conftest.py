@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantwatch.kernels import ErrorStats
+from quantwatch.kernels import ErrorStats, quantize
 from quantwatch.kernels.formats import FormatSpec
 
 # Independent oracles for the formats ml_dtypes implements (OCP OFP8 / OCP MX element and scale formats).
@@ -145,6 +145,39 @@ def nvfp4_block_sweep() -> torch.Tensor:
     blocks = torch.rand((*block_amax.shape, 16), generator=generator) * block_amax[..., None]
     blocks[..., 3] = block_amax
     return blocks.reshape(-1, 64).contiguous()
+
+
+ADVERSARIAL_CASES = ("fp8 e4m3, tensor scale", "nvfp4, wide range", "one element one ulp off", "q == x", "q == -x")
+
+
+def adversarial_pairs(seed: int, n: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``(x, q)`` pairs of ``n`` elements where float32 sums are hardest, by the names of ADVERSARIAL_CASES: cosine
+    within 1e-7 of 1, rel_l2 down to 1e-10, exact and negated copies, and magnitudes from 1e-15 to 1e11 (squares
+    spanning 52 decades, most of them below float32's). ``"q == x"`` pairs the plain normal sample with its copy."""
+    gen = torch.Generator().manual_seed(seed)
+    normal = torch.randn(n, generator=gen)
+    wide = normal * 10.0 ** (torch.rand(n, generator=gen) * 26 - 15)
+    one_ulp = normal.clone()
+    one_ulp[12345] = torch.nextafter(one_ulp[12345], torch.tensor(torch.inf))
+    pairs = [
+        (normal, quantize(normal, "fp8_e4m3", "tensor")),
+        (wide, quantize(wide, "nvfp4")),
+        (normal, one_ulp),
+        (normal, normal.clone()),
+        (wide, -wide),
+    ]
+    return dict(zip(ADVERSARIAL_CASES, pairs, strict=True))
+
+
+# (name, x, q) whose statistics float32 sums cannot hold: non-finite values, magnitudes beyond 2^40, squares below
+# float32's range.
+UNSUMMABLE_PAIRS = [
+    ("NaN in x", torch.tensor([1.0, float("nan"), 2.0]), torch.tensor([1.0, 0.0, 2.0])),
+    ("inf in q", torch.tensor([1.0, 2.0]), torch.tensor([1.0, float("inf")])),
+    ("|x| above 2^40", torch.tensor([1.0, 2.0**41]), torch.tensor([1.0, 2.0**41])),
+    ("tiny errors only", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 2.0**-22]) * 2.0**-60),
+    ("squares underflow", torch.full((4,), 1e-30), torch.full((4,), 1.5e-30)),
+]
 
 
 class BackendCheck:

@@ -23,6 +23,7 @@ from quantwatch.kernels.compiled import LANE_WIDTH
 from quantwatch.kernels.formats import FormatSpec, Kind
 from quantwatch.kernels.options import Scaling, ScalingSpec
 from quantwatch.kernels.reference import cast_with_overflow
+from tests.kernels.conftest import ADVERSARIAL_CASES, UNSUMMABLE_PAIRS, adversarial_pairs
 
 FLOAT_FORMATS = [spec for spec in FORMATS.values() if spec.kind is Kind.FLOAT]
 
@@ -69,6 +70,19 @@ def finite_sample(shape: tuple[int, int], seed: int) -> torch.Tensor:
     return x
 
 
+def kernels_built(monkeypatch: pytest.MonkeyPatch, field: str) -> list[bool]:
+    """The ``field`` of every configuration `compiled_for` is asked for from now on, in order (it still builds them)."""
+    used: list[bool] = []
+    real = compiled_module.compiled_for
+
+    def spy(config: compiled_module.FusedConfig) -> Any:
+        used.append(getattr(config, field))
+        return real(config)
+
+    monkeypatch.setattr(compiled_module, "compiled_for", spy)
+    return used
+
+
 @pytest.mark.parametrize(
     ("fmt", "scaling", "kwargs", "kernels"),
     [
@@ -89,14 +103,7 @@ def test_compiled_statistics_on_finite_inputs_match_the_reference(
     backends: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    used: list[bool] = []
-    real = compiled_module.compiled_for
-
-    def spy(config: compiled_module.FusedConfig) -> Any:
-        used.append(config.assume_finite)
-        return real(config)
-
-    monkeypatch.setattr(compiled_module, "compiled_for", spy)
+    used = kernels_built(monkeypatch, "assume_finite")
     x = finite_sample((33, 70), 11)
     if scaling == "none":
         x = x * 2.0**12
@@ -144,41 +151,22 @@ def test_cast_saturating_matches_the_reference_on_every_finite_rounding_case(bac
             assert_bitwise_equal(next(results), expected)
 
 
-LANE_CASES = [
-    "fp8 e4m3, tensor scale",
-    "nvfp4, wide range",
-    "near float32 underflow",
-    "same sign, one magnitude",
-    "one element one ulp off",
-    "q == x",
-    "q == -x",
-]
+LANE_CASES = [*ADVERSARIAL_CASES, "near float32 underflow", "same sign, one magnitude"]
 
 
 @functools.cache
 def _lane_pairs() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(9)
-    n = (1 << 22) + 37  # not a whole number of lane groups: the last one is zero-padded
-    normal = torch.randn(n, generator=gen)
-    # Magnitudes from 1e-15 to 1e11 (the lane range ends at 2^40): squares span 52 decades, most below float32's.
-    wide = normal * 10.0 ** (torch.rand(n, generator=gen) * 26 - 15)
+    pairs = adversarial_pairs(9, (1 << 22) + 37)  # not a whole number of lane groups: the last one is zero-padded
+    normal = pairs["q == x"][0]
     # Squares below float32's normal range (|x| < 2^-63) everywhere but one element in 1024, which carries the sums.
     tiny = normal * 2.0**-70
     tiny[::1024] *= 2.0**50
     # Same-sign values of one magnitude: where a float32 running sum loses the most.
     offset = 1 + 1e-3 * normal
-    one_ulp = normal.clone()
-    one_ulp[12345] = torch.nextafter(one_ulp[12345], torch.tensor(torch.inf))
-    pairs = [
-        (normal, quantize(normal, "fp8_e4m3", "tensor")),
-        (wide, quantize(wide, "nvfp4")),
-        (tiny, quantize(tiny, "fp8_e4m3", "tensor")),
-        (offset, quantize(offset, "fp8_e5m2", "tensor")),
-        (normal, one_ulp),
-        (normal, normal.clone()),
-        (wide, -wide),
-    ]
-    return dict(zip(LANE_CASES, pairs, strict=True))
+    return pairs | {
+        "near float32 underflow": (tiny, quantize(tiny, "fp8_e4m3", "tensor")),
+        "same sign, one magnitude": (offset, quantize(offset, "fp8_e5m2", "tensor")),
+    }
 
 
 def flat_lane_stats(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -216,13 +204,7 @@ def test_lane_statistics_hold_1e6_on_adversarial_inputs(case: str, backends: Any
 
 @pytest.mark.parametrize(
     ("name", "x", "q"),
-    [
-        ("NaN in x", torch.tensor([1.0, float("nan"), 2.0]), torch.tensor([1.0, 0.0, 2.0])),
-        ("inf in q", torch.tensor([1.0, 2.0]), torch.tensor([1.0, float("inf")])),
-        ("|x| above 2^40", torch.tensor([1.0, 2.0**41]), torch.tensor([1.0, 2.0**41])),
-        ("tiny errors only", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 2.0**-22]) * 2.0**-60),
-        ("squares underflow", torch.full((4,), 1e-30), torch.full((4,), 1.5e-30)),
-    ],
+    UNSUMMABLE_PAIRS,
 )
 def test_lane_range_check_rejects_what_float32_cannot_sum(name: str, x: torch.Tensor, q: torch.Tensor) -> None:
     assert not compiled_module.lane_sums_in_range(flat_lane_stats(x, q).tolist()), name
@@ -232,14 +214,7 @@ def test_compiled_statistics_below_the_float32_range_rerun_masked(
     backends: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every square below float32's normal range: the lane sums would lose them, so the masked float64 kernels rerun.
-    used: list[bool] = []
-    real = compiled_module.compiled_for
-
-    def spy(config: compiled_module.FusedConfig) -> Any:
-        used.append(config.lanes)
-        return real(config)
-
-    monkeypatch.setattr(compiled_module, "compiled_for", spy)
+    used = kernels_built(monkeypatch, "lanes")
     x = finite_sample((33, 70), 12) * 2.0**-70
     fast = quantize(x, "fp8_e4m3", "tensor", with_stats=True, backend="compiled")
     assert used == [True, False]

@@ -13,6 +13,7 @@ import torch
 
 from quantwatch.kernels import ErrorStats, StatsBatch, error_stats, native, quantize
 from quantwatch.kernels.stats import FlushResult, _chunked_stats, comparison_fields, stats_from_masks
+from tests.kernels.conftest import ADVERSARIAL_CASES, UNSUMMABLE_PAIRS, adversarial_pairs
 
 # On the CPU, statistics of finite float32 (and narrower) tensors sum in float32 chunks combined in float64
 # (ARCHITECTURE.md "Formulas": float32 or wider): sums and the figures derived from them are held to 1e-6 relative of
@@ -120,38 +121,20 @@ def test_quantize_stats_match_numpy(fmt: str, scaling: str | None, nonfinite: bo
     assert torch.equal(stats.as_tensor(), found.as_tensor())
 
 
-ADVERSARIAL = [
-    "fp8 e4m3, tensor scale",
-    "nvfp4, wide range",
-    "fp16 cast, rel_l2 ~3e-4",
-    "fp8 e5m2, offset",
-    "one element one ulp off",
-    "q == x",
-    "q == -x",
-]
+ADVERSARIAL = [*ADVERSARIAL_CASES, "fp16 cast, rel_l2 ~3e-4", "fp8 e5m2, offset"]
 
 
 @functools.cache
 def _adversarial_pairs() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(5)
     n = 1 << 22
-    normal = torch.randn(n, generator=gen)
-    # Magnitudes from 1e-15 to 1e11 (the chunked range ends at 2^40): squares span 52 decades, most inputs underflow.
-    wide = normal * 10.0 ** (torch.rand(n, generator=gen) * 26 - 15)
+    pairs = adversarial_pairs(5, n)
+    normal = pairs["q == x"][0]
     # Same-sign values of one magnitude: the case where a plain float32 running sum loses the most.
     offset = 1 + 1e-3 * normal[: n + 3 - (1 << 10)]  # a length no power of two ≥ 256 divides: the zero-padded rows
-    one_ulp = normal.clone()
-    one_ulp[12345] = torch.nextafter(one_ulp[12345], torch.tensor(torch.inf))
-    pairs = [
-        (normal, quantize(normal, "fp8_e4m3", "tensor")),
-        (wide, quantize(wide, "nvfp4")),
-        (normal, normal.half().float()),
-        (offset, quantize(offset, "fp8_e5m2", "tensor")),
-        (normal, one_ulp),
-        (normal, normal.clone()),
-        (wide, -wide),
-    ]
-    return dict(zip(ADVERSARIAL, pairs, strict=True))
+    return pairs | {
+        "fp16 cast, rel_l2 ~3e-4": (normal, normal.half().float()),
+        "fp8 e5m2, offset": (offset, quantize(offset, "fp8_e5m2", "tensor")),
+    }
 
 
 @pytest.fixture(params=["numpy", "native"])
@@ -191,14 +174,7 @@ def test_chunked_float32_sums_hold_1e6_on_adversarial_inputs(case: str, host_pat
 
 @pytest.mark.parametrize(
     ("name", "x", "q"),
-    [
-        ("NaN in x", torch.tensor([1.0, float("nan"), 2.0]), torch.tensor([1.0, 0.0, 2.0])),
-        ("inf in q", torch.tensor([1.0, 2.0]), torch.tensor([1.0, float("inf")])),
-        ("|x| above 2^40", torch.tensor([1.0, 2.0**41]), torch.tensor([1.0, 2.0**41])),
-        ("tiny errors only", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 2.0**-22]) * 2.0**-60),
-        ("q all zero", torch.tensor([1e-3, 2e-3]), torch.zeros(2)),
-        ("squares underflow", torch.full((4,), 1e-30), torch.full((4,), 1.5e-30)),
-    ],
+    [*UNSUMMABLE_PAIRS, ("q all zero", torch.tensor([1e-3, 2e-3]), torch.zeros(2))],
 )
 def test_inputs_outside_the_chunked_range_take_the_float64_path(
     name: str, x: torch.Tensor, q: torch.Tensor, host_path: str

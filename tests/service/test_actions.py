@@ -1,5 +1,5 @@
 """The closed loop on the collector's side: the ingest answer names the run's firing episodes (and nothing when none
-fires), batches carry the agent's actions, stored once in ``run_actions`` (migration 0008) and listed by
+fires), batches carry the agent's actions, stored once in ``run_actions`` (migration 0009) and listed by
 ``GET /api/v1/actions?run=``."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_actions_are_stored_once_and_listed_by_step(post_batch: Callable[..., An
     assert "actions[0].action" in refused.text
 
 
-def test_migration_0008_upgrades_a_database_holding_data(empty_database_url: str) -> None:
+def test_migration_0009_upgrades_a_database_holding_data(empty_database_url: str) -> None:
     from fastapi.testclient import TestClient
 
     from quantwatch.service import create_app
@@ -84,14 +84,14 @@ def test_migration_0008_upgrades_a_database_holding_data(empty_database_url: str
     cfg = alembic_config(empty_database_url)
     try:
         app = create_app(Settings(database_url=empty_database_url))
-        with TestClient(app) as client:  # data stored, then the schema taken back to 0007 under it
+        with TestClient(app) as client:  # data stored, then the schema taken back to 0008 under it
             post(client, batch_doc("old", ["a"], [0, 1], {"m": np.ones((2, 1))}))
         app.state.engine.dispose()
         with engine.begin() as conn:
             cfg.attributes["connection"] = conn
-            command.downgrade(cfg, "0007_rollup_frontier")
+            command.downgrade(cfg, "0008_whatif")
         assert "run_actions" not in inspect(engine).get_table_names()
-        upgrade(engine)  # 0008 on top of that data
+        upgrade(engine)  # 0009 on top of that data
         assert "run_actions" in inspect(engine).get_table_names()
         app = create_app(Settings(database_url=empty_database_url))
         with TestClient(app) as client:

@@ -67,3 +67,24 @@ def test_serve_freezes_what_startup_built_before_it_serves(tmp_path: Path, monke
     assert result.exit_code == 0, result.output
     assert len(frozen_when_serving) == 1
     assert frozen_when_serving[0] > 10_000
+
+
+def test_serve_help_lists_every_setting_with_its_environment_variable_and_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from quantwatch.service.core.config import Settings
+
+    result = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    help_text = " ".join(result.output.split())  # click wraps option help: compare with the whitespace folded
+    assert "[env var: QUANTWATCH_HOST; default: 127.0.0.1]" in help_text
+    assert "[env var: QUANTWATCH_PORT; default: 8000]" in help_text
+    assert "[env var: QUANTWATCH_DATABASE_URL; default: sqlite:///./quantwatch.db]" in help_text
+    assert "[env var: QUANTWATCH_RULES_FILE; default: none]" in help_text
+    assert "QUANTWATCH_MAX_PENDING_INGEST=64 " in help_text
+    assert "QUANTWATCH_SQLITE_SYNCHRONOUS=FULL " in help_text
+    for field in Settings.model_fields:
+        assert f"QUANTWATCH_{field.upper()}" in help_text, field
+    # The names shown are the ones the collector reads.
+    monkeypatch.setenv("QUANTWATCH_METRICS_TOP_K", "7")
+    assert Settings().metrics_top_k == 7

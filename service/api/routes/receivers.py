@@ -25,14 +25,14 @@ ReceiverBody = Annotated[ReceiverSpec, Body(description="The receiver; `secret`/
 @router.get("", response_model=list[ReceiverOut], dependencies=[ReadAuth])
 def list_receivers(store: StoreDep) -> list[ReceiverOut]:
     """Every receiver, without secrets or header values."""
-    return queries.list_receivers(store.factory)
+    return queries.RECEIVERS.list(store.factory)
 
 
 @router.get("/{name}", response_model=ReceiverOut, dependencies=[ReadAuth], responses=NOT_FOUND)
 def get_receiver(name: str, store: StoreDep) -> ReceiverOut:
     """One receiver by name, without secrets or header values."""
     with answer_404("receiver", name):
-        return queries.get_receiver(store.factory, name)
+        return queries.RECEIVERS.get(store.factory, name)
 
 
 @router.post("", response_model=ReceiverOut, status_code=201, dependencies=[AdminAuth], responses=CONFLICT)

@@ -31,14 +31,14 @@ def _conflict(exc: ConflictError) -> ProblemError:
 @router.get("", response_model=list[RuleOut], dependencies=[ReadAuth])
 def list_rules(store: StoreDep) -> list[RuleOut]:
     """Every rule: shipped defaults, rules-file rules and API rules, enabled or not."""
-    return queries.list_rules(store.factory)
+    return queries.RULES.list(store.factory)
 
 
 @router.get("/{name}", response_model=RuleOut, dependencies=[ReadAuth], responses=NOT_FOUND)
 def get_rule(name: str, store: StoreDep) -> RuleOut:
     """One rule by name."""
     with answer_404("rule", name):
-        return queries.get_rule(store.factory, name)
+        return queries.RULES.get(store.factory, name)
 
 
 @router.post("", response_model=RuleOut, status_code=201, dependencies=[AdminAuth], responses=CONFLICT)

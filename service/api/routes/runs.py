@@ -1,10 +1,10 @@
-"""Run history: list, detail, layers, series, heatmap, export, delete."""
+"""Run history: list, detail, layers, series, heatmap, one step across ranks, export, delete."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Depends, Path, Query, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -19,7 +19,7 @@ from quantwatch.service.api.deps import (
 )
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.rollups import dumps
-from quantwatch.service.schemas import Heatmap, LayerInfo, RunActionInfo, RunSummary, Series
+from quantwatch.service.schemas import Heatmap, LayerInfo, RunActionInfo, RunSummary, Series, StepRanks
 
 
 class NumpyJSONResponse(JSONResponse):
@@ -117,6 +117,18 @@ def heatmap(
     if start is not None and end is not None and start > end:
         raise ProblemError(422, "start must not exceed end", [{"field": "query.start", "message": "start > end"}])
     return NumpyJSONResponse(store.heatmap(run, metric, rank, start, end, max_steps, layers, agg))
+
+
+@router.get("/runs/{run:path}/steps/{step}", response_model=StepRanks, dependencies=[ReadAuth], responses=NOT_FOUND)
+def step_ranks(
+    run: str,
+    step: Annotated[int, Path(ge=0, le=MAX_STEP)],
+    store: StoreDep,
+    metric: Annotated[str, Query(max_length=200)],
+) -> NumpyJSONResponse:
+    """Layers (model order) × ranks of one metric at the first step at or after ``step`` that some rank measured it:
+    compare the ranks of a data-parallel run layer by layer (a rank with no point there is null, not measured)."""
+    return NumpyJSONResponse(store.step_ranks(run, metric, step))
 
 
 @router.get(

@@ -1,0 +1,183 @@
+"""What-if statistics: the error each monitored layer's weight, input and gradient would have under other formats.
+
+On every ``whatif_every``-th sampled step (:data:`DEFAULT_WHATIF_EVERY`; 0: never) forward hooks on the monitored
+modules quantize the tensors the layer saw (its master weight and the input of its first call in the step) and a
+hook on that call's output the gradient that reaches it, to every candidate of :func:`layer_candidates` with the
+fused kernels (``quantize(..., with_stats=True)``; stochastic rounding draws from a generator of the agent's own, so
+training's random stream is untouched). The partial sums stay on the device until the step is taken; the exporter
+thread derives ``rel_l2``, ``underflow_ratio`` and ``overflow_ratio`` (protocol ``WHATIF_FIELD``). Hooks are
+installed for a what-if step only and removed when it is taken; failures are counted as ``whatif_failed``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from quantwatch.agent.failures import FailureLog
+from quantwatch.agent.layers import OverheadClock
+from quantwatch.agent.readout import DeviceReader
+from quantwatch.agent.validation import check_whatif_every
+from quantwatch.kernels import ErrorStats, quantize
+from quantwatch.protocol import TENSOR_KINDS, WHATIF_CANDIDATES, WHATIF_STATS, candidate_spec, own_candidates
+
+__all__ = ["DEFAULT_WHATIF_EVERY", "WhatIf", "WhatIfValues", "layer_candidates"]
+
+DEFAULT_WHATIF_EVERY = 50
+"""What-if statistics on every 50th sampled step (with ``every=25``: one step in 1250), so that the agent at its
+defaults stays within 3% of a step on the CPU: there a what-if step costs about 2.4 times a sampled step, two
+thirds of it the stochastic-rounding candidates, which the native kernels decline (the reference path runs them;
+BENCHMARKS.md, issue 18)."""
+
+SEED = 0x5EED_0F_5A
+WhatIfValues = dict[str, dict[str, dict[str, list[float | None]]]]
+"""``{kind: {candidate: {stat: values aligned with the step's layers (None: not measured)}}}``."""
+
+
+def layer_candidates(formats: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Per tensor kind the candidates a layer of ``formats`` tries: the defaults and its own (see
+    :func:`~quantwatch.protocol.formats.own_candidates`), those the kernels can quantize to."""
+    out: dict[str, tuple[str, ...]] = {}
+    for kind in TENSOR_KINDS:
+        own = formats.get(kind, "unknown")
+        names = [*WHATIF_CANDIDATES, *(own_candidates(kind, own) if own != "unknown" else ())]
+        kept = []
+        for name in dict.fromkeys(names):
+            try:
+                candidate_spec(name)
+            except ValueError:
+                continue
+            kept.append(name)
+        out[kind] = tuple(kept)
+    return out
+
+
+class _Layer:
+    """One module's hooks and this step's statistics by (kind, candidate)."""
+
+    def __init__(self, name: str, module: nn.Module, candidates: dict[str, tuple[str, ...]]) -> None:
+        self.name = name
+        self.module = module
+        self.candidates = candidates
+        self.stats: dict[tuple[str, str], ErrorStats] = {}
+        self.seen = False
+        self.handle: RemovableHandle | None = None
+
+
+class WhatIf:
+    """The what-if statistics of a monitor's modules (``found``: qualified name → object with ``.module`` and
+    ``.formats``)."""
+
+    def __init__(self, every: int, found: Mapping[str, Any], failures: FailureLog, clock: OverheadClock) -> None:
+        self.every = check_whatif_every(every)
+        self.failures = failures
+        self.clock = clock
+        self._layers = [
+            _Layer(name, item.module, layer_candidates(item.formats))
+            for name, item in found.items()
+            if isinstance(getattr(item, "module", None), nn.Module)
+        ]
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._armed = False
+
+    def arm(self, sampled_index: int) -> None:
+        """Hook the modules when the sampled step numbered ``sampled_index`` (from 0) is a what-if step."""
+        if not self.every or sampled_index % self.every:
+            return
+        self._armed = True
+        for layer in self._layers:
+            if layer.handle is None:
+                layer.handle = layer.module.register_forward_hook(functools.partial(self._on_forward, layer))
+
+    def disarm(self) -> None:
+        """Remove the hooks (the statistics stay until :meth:`take`)."""
+        for layer in self._layers:
+            if layer.handle is not None:
+                layer.handle.remove()
+                layer.handle = None
+
+    def take(self, layers: tuple[str, ...]) -> Callable[[], WhatIfValues] | None:
+        """This step's statistics as a function that derives them (on the exporter thread) aligned with ``layers``;
+        None when the step was no what-if step. Removes the hooks."""
+        if not self._armed:
+            return None
+        self._armed = False
+        self.disarm()
+        entries: list[tuple[int, str, str]] = []
+        rows: list[Tensor] = []
+        position = {name: i for i, name in enumerate(layers)}
+        with self.clock.measure():
+            for layer in self._layers:
+                stats, layer.stats, layer.seen = layer.stats, {}, False
+                index = position.get(layer.name)
+                if index is None:
+                    continue
+                for (kind, candidate), part in stats.items():
+                    entries.append((index, kind, candidate))
+                    rows.append(part.as_tensor())
+            if not rows:
+                return None
+            device = rows[0].device
+            reader = DeviceReader(torch.stack([r if r.device == device else r.to(device) for r in rows]))
+        count = len(layers)
+
+        def resolve() -> WhatIfValues:
+            sums = torch.from_numpy(np.ascontiguousarray(reader.read()))
+            stats = ErrorStats(**{name: sums[:, i] for i, name in enumerate(ErrorStats.FIELDS)})
+            derived = {name: getattr(stats, name).tolist() for name in WHATIF_STATS}
+            out: WhatIfValues = {}
+            for row, (index, kind, candidate) in enumerate(entries):
+                per_stat = out.setdefault(kind, {}).setdefault(candidate, {})
+                for name in WHATIF_STATS:
+                    per_stat.setdefault(name, [None] * count)[index] = float(derived[name][row])
+            return out
+
+        return resolve
+
+    # ------------------------------------------------------------------------------------------------- hooks
+    def _on_forward(self, layer: _Layer, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if layer.seen:
+            return
+        layer.seen = True
+        with self.clock.measure():
+            try:
+                weight = getattr(module, "weight", None)
+                if isinstance(weight, Tensor) and weight.is_floating_point():
+                    self._measure(layer, "weight", weight)
+                x = args[0] if args and isinstance(args[0], Tensor) else None
+                if x is not None and x.is_floating_point():
+                    self._measure(layer, "input", x)
+                if isinstance(output, Tensor) and output.requires_grad:
+                    output.register_hook(functools.partial(self._on_grad, layer))  # type: ignore[no-untyped-call]
+            except Exception as exc:
+                self.failures.record("whatif_failed", f"{layer.name}: what-if statistics: {exc}", exc)
+
+    def _on_grad(self, layer: _Layer, grad: Tensor) -> None:
+        with self.clock.measure():
+            try:
+                self._measure(layer, "grad", grad)
+            except Exception as exc:
+                self.failures.record("whatif_failed", f"{layer.name}: what-if statistics: {exc}", exc)
+
+    def _measure(self, layer: _Layer, kind: str, tensor: Tensor) -> None:
+        x = tensor.detach()
+        with torch.no_grad():
+            for candidate in layer.candidates[kind]:
+                fmt, scaling, rounding = candidate_spec(candidate)
+                generator = self._generator(x.device) if rounding == "stochastic" else None
+                _, stats = quantize(x, fmt, scaling, rounding, generator=generator, with_stats=True)
+                layer.stats[(kind, candidate)] = stats
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(SEED)
+            self._generators[device] = generator
+        return generator

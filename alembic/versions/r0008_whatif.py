@@ -1,0 +1,42 @@
+"""What-if statistics: each layer's weight, input and gradient error under candidate formats, per step.
+
+One row per (run, rank, step, layer, tensor kind, candidate) of a step's ``whatif`` on the wire; a new table, so
+existing data needs no change.
+
+Revision ID: 0008_whatif
+Revises: 0007_rollup_frontier
+Create Date: 2026-12-01
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from alembic import op
+
+revision: str = "0008_whatif"
+down_revision: str | None = "0007_rollup_frontier"
+
+RowId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+def upgrade() -> None:
+    op.create_table(
+        "whatif_points",
+        sa.Column("run_id", RowId, nullable=False),
+        sa.Column("rank", sa.Integer(), nullable=False),
+        sa.Column("step", sa.BigInteger(), nullable=False),
+        sa.Column("layer", sa.String(500), nullable=False),
+        sa.Column("kind", sa.String(16), nullable=False),
+        sa.Column("candidate", sa.String(67), nullable=False),
+        sa.Column("own", sa.Boolean(), nullable=False),
+        sa.Column("rel_l2", sa.Double(), nullable=True),
+        sa.Column("underflow_ratio", sa.Double(), nullable=True),
+        sa.Column("overflow_ratio", sa.Double(), nullable=True),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_whatif_points_run_id_runs", ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("run_id", "rank", "step", "layer", "kind", "candidate", name="pk_whatif_points"),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("whatif_points")

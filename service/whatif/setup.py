@@ -1,0 +1,35 @@
+"""Mounting the what-if statistics on the collector: their ingest observer, routes and the alerts' remediation."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from sqlalchemy.orm import Session
+
+from quantwatch.service.alerts.engine import AlertEngine
+from quantwatch.service.api.deps import ingest_observers_of
+from quantwatch.service.store import Store
+from quantwatch.service.store.common import NotFoundError, find_run
+from quantwatch.service.store.whatif import WhatIfRecorder
+from quantwatch.service.whatif.advice import DEFAULT_BUDGET, DEFAULT_WINDOW, parse_budget, remediation
+
+__all__ = ["install_whatif"]
+
+
+def install_whatif(app: FastAPI, store: Store, alerts: AlertEngine) -> None:
+    """Store what-if entries first among the ingest observers (the alerts' remediation reads the batch's own) and
+    give the alert engine its remediation (the routes, :mod:`~quantwatch.service.whatif.routes`, are mounted by
+    ``create_app`` before the runs' router, whose ``/runs/{run}`` would take their paths)."""
+    ingest_observers_of(app).insert(0, WhatIfRecorder())
+    budget = parse_budget(str(DEFAULT_BUDGET))
+
+    def remedy(session: Session, run: str, layer: str, rank: int) -> str | None:
+        if not layer:
+            return None
+        try:
+            run_id = find_run(session, run).id
+        except NotFoundError:
+            return None
+        _, rows = store.whatif.window_in(session, run_id, rank, DEFAULT_WINDOW, layer)
+        return remediation(layer, rows, budget, DEFAULT_WINDOW) if rows else None
+
+    alerts.remediation = remedy
