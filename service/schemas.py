@@ -33,7 +33,7 @@ class IngestAnswer(BaseModel):
 class RunActionInfo(BaseModel):
     """An action the agent took on the training job (``quantwatch.agent.actions``)."""
 
-    step: int = Field(description="The first step that ran with it.")
+    step: int = Field(description="The step it was taken after (in effect from the next step on).")
     rank: int
     action: str = Field(description="keep_high_precision, save_shadow_checkpoint or stop_training.")
     layer: str = Field(description='The layer it changed ("" for the whole run).')

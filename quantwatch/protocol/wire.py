@@ -155,9 +155,9 @@ ACTION_KINDS = ("keep_high_precision", "save_shadow_checkpoint", "stop_training"
 """What an action can be."""
 
 ACTION_KEYS = ("step", "action", "layer", "detail", "episode")
-"""One action: the first step that runs with it, its kind (:data:`ACTION_KINDS`), the layer it changed (``""`` for
-the whole run), what changed in words (``"weight fp4_e2m1:tensor → fp8_e4m3:tensor"``), and the alert episode that
-asked for it (``null``: none)."""
+"""One action: the step it was taken after (in effect from the next one), its kind (:data:`ACTION_KINDS`), the
+layer it changed (``""`` for the whole run), what changed in words (``"weight fp4_e2m1:tensor → fp8_e4m3:tensor"``),
+and the alert episode that asked for it (``null``: none)."""
 
 MAX_ACTIONS = 1024
 MAX_ACTION_DETAIL_LENGTH = 2000
