@@ -15,7 +15,8 @@ try:
 except ImportError as _missing:
     raise ImportError("quantwatch.agent needs PyTorch: pip install 'quantwatch[agent]'") from _missing
 
-from quantwatch.agent import errors
+from quantwatch.agent import actions, errors
+from quantwatch.agent.actions import Alert
 from quantwatch.agent.adapters import (
     Adapter,
     AdapterContext,
@@ -41,6 +42,7 @@ __all__ = [
     "Adapter",
     "AdapterContext",
     "AdapterHandle",
+    "Alert",
     "Batch",
     "DeliveryResult",
     "Exporter",
@@ -54,6 +56,7 @@ __all__ = [
     "ShadowedLayer",
     "StepRecord",
     "UnsupportedLayerError",
+    "actions",
     "attach",
     "encode_batch",
     "register_adapter",

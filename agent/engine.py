@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from quantwatch.agent.exporters import Exporter, SpoolingExporter
 from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.wire import Batch, StepRecord
+from quantwatch.protocol import Action
 
 __all__ = ["BatchEngine", "DeliveryResult", "PendingStep"]
 
@@ -57,6 +58,8 @@ class PendingStep:
     resolve: Callable[[], StepRecord]
     #: Each layer's format per tensor kind, aligned with ``layers`` (None where unknown).
     formats: tuple[Mapping[str, str] | None, ...] | None = None
+    #: Actions taken on the training job (``quantwatch.agent.actions``), sent in the batch that holds this step.
+    actions: tuple[Action, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,24 @@ class _Drain:
 
     number: int
     deadline: float
+
+
+@dataclass
+class _Group:
+    """Consecutive steps of one batch: one layer list and formats, each step once."""
+
+    layers: tuple[str, ...]
+    formats: tuple[Mapping[str, str] | None, ...] | None
+    records: dict[int, StepRecord]
+    actions: list[Action]
+
+    def add(self, record: StepRecord, actions: tuple[Action, ...]) -> None:
+        """Add a step; an empty record of a step already here (the one that carries a step's actions) adds only
+        its actions, and a step's full record replaces its empty one."""
+        self.actions.extend(actions)
+        held = self.records.get(record.step)
+        if held is None or held.empty():
+            self.records[record.step] = record
 
 
 _ENGINES: weakref.WeakSet[BatchEngine] = weakref.WeakSet()
@@ -286,19 +307,21 @@ class BatchEngine:
             self.failures.record("exporter_idle", str(exc), exc)
 
     def _export(self, taken: list[PendingStep]) -> None:
-        groups: list[tuple[tuple[str, ...], tuple[Mapping[str, str] | None, ...] | None, list[StepRecord]]] = []
+        groups: list[_Group] = []
         for pending in taken:
             try:
                 record = pending.resolve()
             except Exception as exc:
                 self.failures.record("resolve_step", f"could not read a step's statistics: {exc}", exc)
                 continue
-            if groups and groups[-1][:2] == (pending.layers, pending.formats):
-                groups[-1][2].append(record)
-            else:
-                groups.append((pending.layers, pending.formats, [record]))
-        for layers, formats, records in groups:
-            batch = Batch(self.run, self.rank, uuid.uuid4().hex, layers, tuple(records), formats)
+            if not groups or (groups[-1].layers, groups[-1].formats) != (pending.layers, pending.formats):
+                groups.append(_Group(pending.layers, pending.formats, {}, []))
+            groups[-1].add(record, pending.actions)
+        for group in groups:
+            records = tuple(group.records.values())
+            batch = Batch(
+                self.run, self.rank, uuid.uuid4().hex, group.layers, records, group.formats, tuple(group.actions)
+            )
             try:
                 self.exporter.export(batch)
             except Exception as exc:

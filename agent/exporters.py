@@ -21,9 +21,9 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
@@ -37,7 +37,7 @@ from quantwatch.agent.errors import (
 from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.spool import DiskSpool
 from quantwatch.agent.wire import Batch, EncodedBatch, Encoding, StepRecord, encode_batch, to_wire_dict
-from quantwatch.protocol import INGEST_PATH, Backoff, is_transient_status, parse_retry_after
+from quantwatch.protocol import FIRING_EPISODES_FIELD, INGEST_PATH, Backoff, is_transient_status, parse_retry_after
 
 __all__ = [
     "MAX_PROBE_INTERVAL_SECONDS",
@@ -139,6 +139,9 @@ class HttpExporter:
         self._transport = transport
         self._pid = os.getpid()
         self._client = self._new_client()
+        #: Called on the exporter thread with each ingest answer's firing episodes (None: none fires); set by the
+        #: monitor (:mod:`quantwatch.agent.actions`).
+        self.on_answer: Callable[[list[dict[str, Any]] | None], None] | None = None
         self._stopping = threading.Event()
         self._not_before = 0.0
         self._probe_failures = 0
@@ -340,6 +343,8 @@ class HttpExporter:
             raise TransientExportError(f"{type(exc).__name__}: {exc}") from exc
         status = response.status_code
         if 200 <= status < 300:
+            if self.on_answer is not None:
+                self.on_answer(_firing_episodes(response))
             return
         detail = response.text[:500]
         if is_transient_status(status):
@@ -349,6 +354,20 @@ class HttpExporter:
         if status in (401, 403):
             raise CredentialExportError(f"HTTP {status} from {self.endpoint}: {_problem_detail(response)}", status)
         raise PermanentExportError(f"HTTP {status} from {self.endpoint}: {detail}", status)
+
+
+def _firing_episodes(response: httpx.Response) -> list[dict[str, Any]] | None:
+    """The ingest answer's ``firing_episodes`` (None when absent: nothing fires); parsed only when it is there."""
+    if _FIRING_MARK not in response.content:
+        return None
+    try:
+        episodes = response.json().get(FIRING_EPISODES_FIELD)
+    except (ValueError, AttributeError):
+        return None
+    return episodes if isinstance(episodes, list) else None
+
+
+_FIRING_MARK = f'"{FIRING_EPISODES_FIELD}"'.encode()
 
 
 def _problem_detail(response: httpx.Response) -> str:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from quantwatch.agent.actions import ActionLoop, Alert
 from quantwatch.agent.adapters import (
     AdapterContext,
     Found,
@@ -51,7 +52,7 @@ from quantwatch.agent.layers import (
 )
 from quantwatch.agent.readout import ESTIMATED_METRICS, NF, ROW, SUMS, DeviceReader, derive, metric_kinds
 from quantwatch.agent.sampling import Schedule
-from quantwatch.agent.scalars import resident_memory_bytes, scalar_step, split_scalars
+from quantwatch.agent.scalars import agent_scalars, scalar_step, split_scalars
 from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel, ShadowOptions
 from quantwatch.agent.validation import check_run, check_shadow, check_step_options, detect_rank, periods, reports
 from quantwatch.agent.whatif import DEFAULT_WHATIF_EVERY, WhatIf
@@ -141,6 +142,7 @@ class Monitor:
         self._last_step_time = time.perf_counter()
         self._window_seconds = 0.0
         self._closed = False
+        self._loop = ActionLoop(self, min(schedule.periods.values()), engine.exporter if engine is not None else None)
         self._arm(self._metrics_at(0))
         _MONITORS.add(self)
 
@@ -184,6 +186,16 @@ class Monitor:
                 self._step(step, shadow_closure, tokens, scalars)
         except Exception as exc:
             self.failures.record("step", f"monitor.step failed: {exc}", exc)
+
+    def on_alert(self, callback: Callable[[Alert], object]) -> None:
+        """Call ``callback(alert)`` once per alert episode firing on the run, on the training thread in the next
+        :meth:`step`, never mid-step; its exceptions are logged, never raised (:mod:`quantwatch.agent.actions`)."""
+        self._loop.on_alert(callback)
+
+    @property
+    def should_stop(self) -> bool:
+        """True once ``qw.actions.stop_training()`` took effect: the training loop should end."""
+        return self._loop.should_stop
 
     def expect_step(self, step: int) -> None:
         """Say that the first :meth:`step` will be for ``step`` (a run resumed from a checkpoint, or a trainer that
@@ -376,6 +388,7 @@ class Monitor:
                 self._whatif.arm(self._sampled_steps)
         elif (scalars or shadow_loss is not None) and current % self._scalars_every == 0:
             self._submit_scalars(current, step_seconds, tokens, shadow_loss, scalars)
+        self._loop.boundary(current)
         self._arm(upcoming)
 
     def _submit_scalars(
@@ -434,22 +447,11 @@ class Monitor:
         if scales:  # every layer's scale after every layer's sums: one float64 conversion for all of them
             rows.append(torch.stack(scales).to(torch.float64))
 
-        host_scalars: dict[str, float] = {"step_seconds": step_seconds}
-        if self._window_seconds > 0:
-            host_scalars["agent_overhead_ratio"] = self._clock.seconds / self._window_seconds
+        overhead = self._clock.seconds / self._window_seconds if self._window_seconds > 0 else None
         self._clock.seconds = 0.0
         self._window_seconds = 0.0
         tokens = tokens if tokens is not None else self._tokens_per_step
-        if tokens is not None and step_seconds > 0:
-            host_scalars["tokens_per_second"] = float(tokens) / step_seconds
-        cuda = self._device.type == "cuda"
-        memory = float(torch.cuda.memory_allocated(self._device)) if cuda else resident_memory_bytes()
-        if memory is not None:
-            host_scalars["device_memory_bytes"] = memory
-        if self._engine is not None:
-            host_scalars.update({f"agent_{k}": float(v) for k, v in self._engine.exporter.counters().items()})
-            host_scalars["agent_dropped_steps"] = float(self._engine.dropped_steps)
-        host_scalars["agent_failures"] = float(self.failures.total())
+        host_scalars = agent_scalars(step_seconds, overhead, tokens, self._device, self._engine, self.failures)
 
         if shadow_loss is not None:
             user_scalars = {**user_scalars, "loss_shadow": shadow_loss}

@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from quantwatch.agent.engine import BatchEngine
 from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.readout import DeviceReader
 from quantwatch.agent.wire import StepRecord
 
-__all__ = ["resident_memory_bytes", "scalar_step", "split_scalars"]
+__all__ = ["agent_scalars", "resident_memory_bytes", "scalar_step", "split_scalars"]
 
 SCALAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
 
@@ -61,6 +62,31 @@ def scalar_step(
         return StepRecord(step, wall_time, {}, scalars)
 
     return resolve
+
+
+def agent_scalars(
+    step_seconds: float,
+    overhead_ratio: float | None,
+    tokens: float | None,
+    device: torch.device,
+    engine: BatchEngine | None,
+    failures: FailureLog,
+) -> dict[str, float]:
+    """The scalars a sampled step reports about itself and the agent: step time, the agent's overhead ratio over the
+    window since the previous sampled step, throughput, memory, the exporter's counters and the failures."""
+    scalars: dict[str, float] = {"step_seconds": step_seconds}
+    if overhead_ratio is not None:
+        scalars["agent_overhead_ratio"] = overhead_ratio
+    if tokens is not None and step_seconds > 0:
+        scalars["tokens_per_second"] = float(tokens) / step_seconds
+    memory = float(torch.cuda.memory_allocated(device)) if device.type == "cuda" else resident_memory_bytes()
+    if memory is not None:
+        scalars["device_memory_bytes"] = memory
+    if engine is not None:
+        scalars.update({f"agent_{k}": float(v) for k, v in engine.exporter.counters().items()})
+        scalars["agent_dropped_steps"] = float(engine.dropped_steps)
+    scalars["agent_failures"] = float(failures.total())
+    return scalars
 
 
 def resident_memory_bytes() -> float | None:

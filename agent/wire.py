@@ -25,6 +25,7 @@ import msgpack
 import numpy as np
 
 from quantwatch.protocol import (
+    ACTIONS_FIELD,
     CONTENT_TYPES,
     ENVIRONMENT_FIELD,
     ESTIMATED_FIELD,
@@ -90,6 +91,10 @@ class StepRecord:
     fingerprints: Fingerprints | None = None
     environment: Mapping[str, str] | None = None
     whatif: Mapping[str, Mapping[str, Mapping[str, Sequence[float | None]]]] | None = None
+
+    def empty(self) -> bool:
+        """Nothing but the step: no metric, scalar, fingerprint or environment."""
+        return not (self.metrics or self.scalars or self.fingerprints is not None or self.environment is not None)
 
     def point_count(self) -> int:
         """Number of stored points this step yields: measured metric values plus scalars."""
@@ -181,6 +186,8 @@ def to_wire_dict(batch: Batch, encoding: Encoding) -> dict[str, Any]:
         "layers": list(batch.layers),
         "steps": steps,
     }
+    if batch.actions:
+        wire[ACTIONS_FIELD] = [action.wire() for action in batch.actions]
     if batch.layer_formats is not None:
         wire[LAYER_FORMATS_FIELD] = [None if kinds is None else dict(kinds) for kinds in batch.layer_formats]
     return wire

@@ -55,18 +55,41 @@ SERIES_ROWS = (
 LAYER_NAMES = "[$map($, function($l) { {'layer': $l.name} })]"
 # ... and, for the worst-layers table, each layer's weight format (absent when the agent declares none).
 LAYER_FORMATS = "[$map($, function($l) { {'layer': $l.name, 'format': $l.formats.weight} })]"
+# The actions endpoint answers the agent's actions on the training job; an annotation wants a time, a title and a text.
+ACTION_ROWS = (
+    "[$map($, function($a) { {'time': $a.recorded_at, 'title': $a.action & ($a.layer ? ' ' & $a.layer : ''), "
+    "'text': 'after step ' & $string($a.step) & ': ' & $a.detail} })]"
+)
+ACTION_COLUMNS = [
+    {"selector": "time", "text": "time", "type": "timestamp_epoch_s"},
+    {"selector": "title", "text": "title", "type": "string"},
+    {"selector": "text", "text": "text", "type": "string"},
+]
 # Grafana's built-in data source of a panel whose targets use different ones.
 MIXED = model.DataSourceRef(type_val="datasource", uid="-- Mixed --")
 
 
-class InfinityQuery(cogvariants.Dataquery):
-    """A query of the Infinity data source (yesoreyeram-infinity-datasource) against the collector's REST API."""
+class Infinity(cogvariants.Dataquery, cogbuilder.Builder[cogvariants.Dataquery]):
+    """A query of the Infinity data source (yesoreyeram-infinity-datasource) against the collector's REST API; its
+    own builder, so panels take it like any SDK query."""
 
-    def __init__(self, ref_id: str, path: str, params: dict[str, str], root_selector: str) -> None:
+    def __init__(
+        self,
+        ref_id: str,
+        path: str,
+        params: dict[str, str],
+        root_selector: str,
+        columns: list[dict[str, str]] | None = None,
+    ) -> None:
         self.ref_id = ref_id
         self.path = path
         self.params = params
         self.root_selector = root_selector
+        self.columns = columns or []
+
+    def build(self) -> cogvariants.Dataquery:
+        """The query."""
+        return self
 
     def to_json(self) -> dict[str, object]:
         """The panel target as Grafana stores it."""
@@ -83,19 +106,8 @@ class InfinityQuery(cogvariants.Dataquery):
                 "params": [{"key": key, "value": value} for key, value in self.params.items()],
             },
             "root_selector": self.root_selector,
-            "columns": [],
+            "columns": self.columns,
         }
-
-
-class Infinity(cogbuilder.Builder[cogvariants.Dataquery]):
-    """Builder of an :class:`InfinityQuery`, so panels take it like any SDK query."""
-
-    def __init__(self, ref_id: str, path: str, params: dict[str, str], root_selector: str) -> None:
-        self._query = InfinityQuery(ref_id, path, params, root_selector)
-
-    def build(self) -> cogvariants.Dataquery:
-        """The query."""
-        return self._query
 
 
 def promql(ref_id: str, expr: str, legend: str = "__auto", *, instant: bool = False) -> prom.Dataquery:
@@ -215,6 +227,18 @@ def worst_layers_table() -> table.Panel:
     )
 
 
+def actions_annotation() -> dash.AnnotationQuery:
+    """The agent's actions on the run's training job (``qw.actions``), at the time the collector stored each."""
+    return (
+        dash.AnnotationQuery()
+        .name("QuantWatch actions")
+        .datasource(COLLECTOR)
+        .enable(True)
+        .icon_color("green")
+        .target(Infinity("actions", "/api/v1/actions", {"run": "${run}"}, ACTION_ROWS, ACTION_COLUMNS))  # type: ignore[arg-type]
+    )
+
+
 def run_overview() -> dash.Dashboard:
     """Run overview: heatmaps per metric, worst layers, loss vs the FP32 shadow, alerts, throughput and memory."""
     metric_row = (
@@ -239,6 +263,7 @@ def run_overview() -> dash.Dashboard:
             .target(dash.AnnotationTarget().limit(100).match_any(False).tags([]).type("dashboard"))
             .expr('quantwatch_alert_state{run="$run", state="firing"}')
         )
+        .annotation(actions_annotation())
         .with_row(dash.Row("Run"))
         .with_panel(
             timeseries.Panel()

@@ -121,6 +121,9 @@ def demo(
     database: Annotated[
         Path, typer.Option("--database", dir_okay=False, help="SQLite file of the demo collector (recreated).")
     ] = Path("quantwatch-demo.db"),
+    remediate: Annotated[
+        bool, typer.Option("--remediate", help="Act on the alert: move the failing layer to FP8 and watch it recover.")
+    ] = False,
 ) -> None:
     """Train a small quantized model with the agent attached, watch an alert fire, and show where to look."""
     from quantwatch.client import validate_url
@@ -142,6 +145,7 @@ def demo(
             token=token,
             database=database,
             port=port,
+            remediate=remediate,
         )
     except ValueError as exc:
         _usage(str(exc))

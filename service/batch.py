@@ -20,6 +20,7 @@ from quantwatch.protocol import (
     TENSOR_KINDS,
     WHATIF_FIELD,
     WHATIF_STATS,
+    Action,
     BatchFields,
     check_candidate,
     check_layer_format,
@@ -244,6 +245,39 @@ def _layer_formats(raw: Any, n_layers: int) -> tuple[Mapping[str, str] | None, .
     return tuple(formats)
 
 
+def _actions(raw: Any) -> tuple[Action, ...]:
+    if raw is None:
+        return ()
+    field = wire.ACTIONS_FIELD
+    _require(
+        isinstance(raw, list) and len(raw) <= wire.MAX_ACTIONS, field, f"must be an array of <= {wire.MAX_ACTIONS}"
+    )
+    actions: list[Action] = []
+    for i, entry in enumerate(raw):
+        where = f"{field}[{i}]"
+        _require(isinstance(entry, dict), where, "must be an object")
+        kind = entry.get("action")
+        _require(kind in wire.ACTION_KINDS, f"{where}.action", f"must be one of {', '.join(wire.ACTION_KINDS)}")
+        texts = {}
+        for key, limit in (("layer", wire.MAX_LAYER_NAME_LENGTH), ("detail", wire.MAX_ACTION_DETAIL_LENGTH)):
+            value = entry.get(key, "")
+            _require(isinstance(value, str) and len(value) <= limit, f"{where}.{key}", f"must be a string <= {limit}")
+            _require("\x00" not in value, f"{where}.{key}", "must not contain NUL")
+            texts[key] = value
+        episode = entry.get("episode")
+        step = _int(entry.get("step"), f"{where}.step", 0, wire.MAX_STEP)
+        actions.append(
+            Action(
+                step,
+                kind,
+                texts["layer"],
+                texts["detail"],
+                None if episode is None else _int(episode, f"{where}.episode", 0, wire.MAX_STEP),
+            )
+        )
+    return tuple(actions)
+
+
 def batch_from_obj(obj: Any) -> IngestBatch:
     """Validate a decoded JSON/msgpack document into an :class:`IngestBatch` (raises :class:`WireError`)."""
     _require(isinstance(obj, dict), "", "the batch must be an object")
@@ -286,6 +320,7 @@ def batch_from_obj(obj: Any) -> IngestBatch:
         layers=tuple(layers),
         steps=steps,
         layer_formats=formats,
+        actions=_actions(obj.get(wire.ACTIONS_FIELD)),
         rank_reports=reports,
     )
 

@@ -16,6 +16,7 @@ from sqlalchemy import (
     LargeBinary,
     MetaData,
     String,
+    Text,
     UniqueConstraint,
     text,
 )
@@ -174,3 +175,21 @@ class EstimatedPoint(Base):
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     name_id: Mapped[int] = mapped_column(RowId, ForeignKey("metric_names.id"), primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+
+
+class RunAction(Base):
+    """An action the agent took on the training job (``quantwatch.agent.actions``, the batch's ``actions``): from
+    ``step`` on, ``layer`` (``""``: the whole run) changed as ``detail`` says, asked for by alert ``episode_id`` if any.
+
+    Keyed by what it is, so a re-sent batch stores each action once (migration 0009)."""
+
+    __tablename__ = "run_actions"
+
+    run_id: Mapped[int] = mapped_column(RowId, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    action: Mapped[str] = mapped_column(String(32), primary_key=True)
+    layer: Mapped[str] = mapped_column(String(500), primary_key=True)
+    detail: Mapped[str] = mapped_column(Text)
+    episode_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    recorded_at: Mapped[float] = mapped_column(Double)

@@ -8,12 +8,38 @@ from pydantic import BaseModel, Field
 Value = float | str | None
 
 
+class FiringEpisode(BaseModel):
+    """An alert episode firing on the run (protocol ``FIRING_EPISODE_KEYS``)."""
+
+    episode: int = Field(description="The episode's id (GET /api/v1/alerts/{episode}).")
+    rule: str
+    layer: str = Field(description='The layer ("" for a run-level rule).')
+    ranks: list[int]
+    since_step: int | None = Field(description="The step it started firing at.")
+    severity: str
+
+
 class IngestAnswer(BaseModel):
     """Answer to an accepted (or duplicate) batch."""
 
     batch_id: str
     duplicate: bool = Field(description="True when this batch_id was stored before; nothing was stored again.")
     points: int = Field(description="Values stored by this request (0 for a duplicate).")
+    firing_episodes: list[FiringEpisode] | None = Field(
+        None, description="The run's firing alert episodes once this batch is stored; absent when none fires."
+    )
+
+
+class RunActionInfo(BaseModel):
+    """An action the agent took on the training job (``quantwatch.agent.actions``)."""
+
+    step: int = Field(description="The step it was taken after (in effect from the next step on).")
+    rank: int
+    action: str = Field(description="keep_high_precision, save_shadow_checkpoint or stop_training.")
+    layer: str = Field(description='The layer it changed ("" for the whole run).')
+    detail: str = Field(description="What changed, in words.")
+    episode: int | None = Field(description="The alert episode that asked for it, if any.")
+    recorded_at: float = Field(description="Seconds since the epoch when the collector stored it.")
 
 
 class RunSummary(BaseModel):

@@ -89,6 +89,13 @@ def _formats(adapter: Adapter, name: str, module: nn.Module) -> dict[str, str]:
     return {kind: str(found.get(kind, "unknown")) for kind in FORMAT_KINDS}
 
 
+def layer_formats(name: str, module: nn.Module) -> dict[str, str] | None:
+    """The format per tensor kind of ``module`` as the adapter recognising it tells now (None: none recognises it),
+    for a layer whose quantization changed during training."""
+    adapter = _recognising(module, registered_adapters(), set())
+    return None if adapter is None else _formats(adapter, name, module)
+
+
 def find_layers(
     model: nn.Module, layers: str | Sequence[str] | None, adapters: Sequence[Adapter] | None = None
 ) -> dict[str, Found]:

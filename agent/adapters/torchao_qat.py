@@ -144,12 +144,14 @@ class TorchAoQatAdapter(Adapter):
         return bool(classes) and isinstance(module, classes)
 
     def formats(self, module: nn.Module) -> dict[str, str]:
-        """From the fake quantizers' configs."""
+        """From the fake quantizers' configs; a switched-off fake quantizer (``enabled = False``) is high precision."""
         weight = getattr(module, "weight_fake_quantizer", None)
         activation = getattr(module, "activation_fake_quantizer", None)
         return {
-            "weight": fake_quantize_format(getattr(weight, "config", None)),
-            "input": fake_quantize_format(getattr(activation, "config", None)),
+            "weight": fake_quantize_format(getattr(weight, "config", None) if getattr(weight, "enabled", 1) else None),
+            "input": fake_quantize_format(
+                getattr(activation, "config", None) if getattr(activation, "enabled", 1) else None
+            ),
             "grad": HIGH_PRECISION,
         }
 

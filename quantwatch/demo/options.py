@@ -25,6 +25,7 @@ class DemoOptions:
     token: str | None = None
     database: Path = DEFAULT_DATABASE
     port: int = 8000
+    remediate: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -50,3 +51,4 @@ class DemoResult:
     webhook_secret: str | None = None
     alerts: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    actions: list[dict[str, Any]] = field(default_factory=list)

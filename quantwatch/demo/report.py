@@ -133,6 +133,13 @@ def print_summary(console: Console, options: DemoOptions, result: DemoResult) ->
     if not result.alerts:
         alerts.add_row("none", "", "", "", "")
     console.print(alerts)
+    if result.actions:
+        taken = Table(title="actions taken on the training job", title_justify="left")
+        for column in ("after step", "action", "layer", "what changed"):
+            taken.add_column(column, overflow="fold")
+        for action in result.actions:
+            taken.add_row(str(action["step"]), action["action"], action["layer"] or "(run)", action["detail"])
+        console.print(taken)
     if result.notifications:
         valid = sum(n.signature_valid for n in result.notifications)
         console.print(f"webhooks received: {len(result.notifications)}, signatures valid: {valid}")

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import quantwatch.agent as qw
 from quantwatch.demo.model import BATCH, SEQUENCE, MarkovTask, TinyTransformer, next_token_loss
 from quantwatch.demo.options import DemoOptions, DemoResult
-from quantwatch.demo.recipes import make_recipe, receiver_rules
+from quantwatch.demo.recipes import UPDATE_RULE, make_recipe, receiver_rules
 from quantwatch.demo.report import collect_summary, print_notification, print_stopped, print_summary
 from quantwatch.demo.webhooks import WebhookReceiver
 from quantwatch.kernels import quantize_model
@@ -175,6 +175,7 @@ def _train_and_report(
             webhook_secret=receiver.secret if receiver is not None else None,
             alerts=http.get("/api/v1/alerts", params={"run": run}).raise_for_status().json(),
             summary=collect_summary(http, run),
+            actions=http.get("/api/v1/actions", params={"run": run}).raise_for_status().json(),
         )
     print_summary(console, options, result)
     return result
@@ -196,6 +197,8 @@ def _train(options: DemoOptions, console: Console, url: str, run: str) -> int:
         tokens_per_step=BATCH * SEQUENCE,
         flush_interval_seconds=0.5,
     )
+    if options.remediate:
+        monitor.on_alert(remediate)
     columns = (
         TextColumn("[bold]training[/]"),
         BarColumn(),
@@ -213,10 +216,20 @@ def _train(options: DemoOptions, console: Console, url: str, run: str) -> int:
             optimizer.step()
             shadow_step = partial(next_token_loss, inputs=inputs, targets=targets)
             monitor.step(step, loss=loss.detach(), shadow_closure=shadow_step)
+            if options.remediate:
+                # Each step's answer is in before the next step: the alert is acted on at the same step every run.
+                monitor.flush()
             progress.update(bar, advance=1, loss=f"{loss.item():.3f}")
     if not monitor.close(timeout_seconds=30).delivered:
         console.print("[yellow]the agent could not send everything within 30 s; the rest is spooled[/]")
     return int(monitor.stats().get("sent_points", 0))
+
+
+def remediate(alert: qw.Alert) -> None:
+    """The demo's ``on_alert`` callback: a layer whose update direction drifts goes to FP8 (E4M3 forward, E5M2
+    gradients) from the next step on."""
+    if alert.rule == UPDATE_RULE and alert.layer:
+        qw.actions.keep_high_precision([alert.layer], format="fp8")
 
 
 def _await_deliveries(http: httpx.Client, run: str, receiver: WebhookReceiver, timeout_seconds: float = 20) -> None:

@@ -76,6 +76,10 @@ class StepRelay:
         self._pending = None
         self._scalars = {}
 
+    def should_stop(self) -> bool:
+        """Whether ``qw.actions.stop_training()`` took effect on the monitor."""
+        return self.monitor is not None and self.monitor.should_stop
+
     def close(self) -> None:
         """Send the last step and close the monitor (its figures are flushed)."""
         self.send()

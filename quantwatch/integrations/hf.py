@@ -10,7 +10,8 @@ conversion made there is what is watched), reports each optimizer step as ``stat
 optimizer step under gradient accumulation: the micro-batches' figures are combined), with the ``loss``,
 ``learning_rate`` and ``grad_norm`` of ``on_log`` and ``tokens_per_second`` (from ``num_input_tokens_seen`` when the
 Trainer counts tokens, else counted from ``input_ids``), and closes at ``on_train_end``. A run resumed from a
-checkpoint goes on with the same run name and step numbers; re-sent steps replace what was stored.
+checkpoint goes on with the same run name and step numbers; re-sent steps replace what was stored. Once
+``qw.actions.stop_training()`` took effect the callback sets ``control.should_training_stop``.
 """
 
 from __future__ import annotations
@@ -53,13 +54,16 @@ class QuantWatchCallback(TrainerCallback):
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Send the previous step (its scalars are in by now) before this step's forward."""
+        """Send the previous step (its scalars are in by now) before this step's forward; stop the Trainer once
+        ``qw.actions.stop_training()`` took effect there."""
         self._relay.send()
+        control.should_training_stop = control.should_training_stop or self._relay.should_stop()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """An optimizer step finished: it is sent once its logged scalars arrived."""
         tokens = float(state.num_input_tokens_seen) if args.include_num_input_tokens_seen != "no" else None
         self._relay.finished(state.global_step, tokens_seen=tokens)
+        control.should_training_stop = control.should_training_stop or self._relay.should_stop()
 
     def on_log(
         self,

@@ -8,7 +8,7 @@ trainer = lightning.Trainer(max_steps=1000, callbacks=[QuantWatchCallback(run="g
 The callback attaches at ``on_fit_start`` to the LightningModule (layer names as in the module), reports each
 optimizer step as ``trainer.global_step`` once it is taken (one step per optimizer step under
 ``accumulate_grad_batches``), with the training step's ``loss`` and the first optimizer's learning rate, and closes
-when fitting ends.
+when fitting ends. Once ``qw.actions.stop_training()`` took effect the callback sets ``trainer.should_stop``.
 """
 
 from __future__ import annotations
@@ -46,8 +46,11 @@ class QuantWatchCallback(lightning.pytorch.Callback):
     def on_train_batch_start(
         self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Send the previous optimizer step before this batch's forward."""
+        """Send the previous optimizer step before this batch's forward; stop the fit once
+        ``qw.actions.stop_training()`` took effect there."""
         self._relay.send()
+        if self._relay.should_stop():
+            trainer.should_stop = True
 
     def on_train_batch_end(
         self,

@@ -15,14 +15,21 @@ from quantwatch.protocol.catalog import CATALOG
 from quantwatch.protocol.formats import MAX_CANDIDATE_LENGTH, MAX_FORMAT_LENGTH, TENSOR_KINDS
 
 __all__ = [
+    "ACTIONS_FIELD",
+    "ACTION_KEYS",
+    "ACTION_KINDS",
     "CONTENT_TYPES",
     "ENVIRONMENT_FIELD",
     "ENVIRONMENT_KEYS",
     "ESTIMATED_FIELD",
     "FINGERPRINT_FIELD",
     "FINGERPRINT_HASH_RULE",
+    "FIRING_EPISODES_FIELD",
+    "FIRING_EPISODE_KEYS",
     "INGEST_PATH",
     "LAYER_FORMATS_FIELD",
+    "MAX_ACTIONS",
+    "MAX_ACTION_DETAIL_LENGTH",
     "MAX_BATCH_ID_LENGTH",
     "MAX_ENVIRONMENT_VALUE_LENGTH",
     "MAX_LAYER_NAME_LENGTH",
@@ -36,6 +43,7 @@ __all__ = [
     "SERIES_NAME_PATTERN",
     "WHATIF_FIELD",
     "WHATIF_STATS",
+    "Action",
     "BatchFields",
     "ingest_json_schema",
 ]
@@ -55,7 +63,8 @@ class BatchFields(Generic[StepT]):
     their own step type and behaviour.
 
     ``layer_formats`` is aligned with ``layers`` when the agent sends it: each layer's ``{kind: format}``, or ``None``
-    for a layer of unknown format; ``None`` as a whole for a batch without formats (older agents).
+    for a layer of unknown format; ``None`` as a whole for a batch without formats (older agents). ``actions``: what
+    the agent did to the training job since its previous batch (:class:`Action`).
     """
 
     run: str
@@ -64,6 +73,22 @@ class BatchFields(Generic[StepT]):
     layers: tuple[str, ...]
     steps: tuple[StepT, ...]
     layer_formats: tuple[Mapping[str, str] | None, ...] | None = None
+    actions: tuple[Action, ...] = ()
+
+
+@dataclass(frozen=True)
+class Action:
+    """One action the agent took on the training job (protocol :data:`ACTIONS_FIELD`, keys :data:`ACTION_KEYS`)."""
+
+    step: int
+    action: str
+    layer: str = ""
+    detail: str = ""
+    episode: int | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """The wire map."""
+        return {key: getattr(self, key) for key in ACTION_KEYS}
 
 
 RUN_NAME_RULE = "[A-Za-z0-9._:/-]{1,200}"
@@ -113,6 +138,29 @@ ESTIMATED_FIELD = "estimated"
 ``shadow_rows``) rather than computed exactly: distinct names, each one of the step's ``metrics``. Absent: all exact."""
 
 
+FIRING_EPISODES_FIELD = "firing_episodes"
+"""The field of the ingest answer listing the run's alert episodes firing once the batch is stored (each a map of
+:data:`FIRING_EPISODE_KEYS`), so the agent learns them with no request of its own; absent when none fires (the
+answer of a quiet run is as it always was)."""
+
+FIRING_EPISODE_KEYS = ("episode", "rule", "layer", "ranks", "since_step", "severity")
+"""One firing episode in the ingest answer: its id, the rule's name, the layer (``""`` for a run-level rule), the
+ranks it fires on, the step it started firing at, and the rule's severity."""
+
+ACTIONS_FIELD = "actions"
+"""The optional batch field of the actions the agent took on the training job (``quantwatch.agent.actions``): each a
+map of :data:`ACTION_KEYS`; stored on the run and listed by ``GET /api/v1/actions?run=``."""
+
+ACTION_KINDS = ("keep_high_precision", "save_shadow_checkpoint", "stop_training")
+"""What an action can be."""
+
+ACTION_KEYS = ("step", "action", "layer", "detail", "episode")
+"""One action: the step it was taken after (in effect from the next one), its kind (:data:`ACTION_KINDS`), the
+layer it changed (``""`` for the whole run), what changed in words (``"weight fp4_e2m1:tensor → fp8_e4m3:tensor"``),
+and the alert episode that asked for it (``null``: none)."""
+
+MAX_ACTIONS = 1024
+MAX_ACTION_DETAIL_LENGTH = 2000
 WHATIF_FIELD = "whatif"
 """The optional step field of what-if statistics: ``{kind: {candidate: {stat: [values aligned with layers]}}}``
 with ``kind`` one of :data:`~quantwatch.protocol.formats.TENSOR_KINDS`, ``candidate`` a name
@@ -197,6 +245,22 @@ def ingest_json_schema() -> dict[str, Any]:
                             "additionalProperties": False,
                         },
                     ]
+                },
+            },
+            ACTIONS_FIELD: {
+                "type": "array",
+                "description": "Actions the agent took on the training job (quantwatch.agent.actions).",
+                "maxItems": MAX_ACTIONS,
+                "items": {
+                    "type": "object",
+                    "required": ["step", "action"],
+                    "properties": {
+                        "step": {"type": "integer", "minimum": 0, "maximum": MAX_STEP},
+                        "action": {"enum": list(ACTION_KINDS)},
+                        "layer": {"type": "string", "maxLength": MAX_LAYER_NAME_LENGTH, "default": ""},
+                        "detail": {"type": "string", "maxLength": MAX_ACTION_DETAIL_LENGTH, "default": ""},
+                        "episode": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}], "default": None},
+                    },
                 },
             },
             "steps": {

@@ -148,6 +148,15 @@ class AlertEngine:
             return replace(columns, formats=self.formats.current(session, run_row.id).view()) if by_format else columns
 
         self._evaluate(session, batch.run, batch.rank, batch.layers, columns_of)
+        # Read in the transaction, after this batch's own episode changes: the ingest answer lists them.
+        self._enqueued.firing = repository.firing_episodes(session, batch.run)
+
+    def take_firing(self) -> list[dict[str, Any]]:
+        """The run's firing episodes as the last batch this thread stored left them (then forgotten): the ingest
+        answer's ``firing_episodes``; empty after a duplicate or a failed batch."""
+        firing: list[dict[str, Any]] = getattr(self._enqueued, "firing", [])
+        self._enqueued.firing = []
+        return firing
 
     def after_commit(self, batch: IngestBatch) -> None:
         """:class:`~quantwatch.service.batch.IngestObserver` hook: publish the committed series states to

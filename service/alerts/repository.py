@@ -16,6 +16,7 @@ from sqlalchemy import Table, and_, bindparam, delete, exists, func, insert, sel
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
+from quantwatch.protocol import FIRING_EPISODE_KEYS
 from quantwatch.service.alerts.episodes import EPISODE_COLUMNS, Episode, EpisodeBatch
 from quantwatch.service.alerts.evaluator import SeriesKey, SeriesState, SeriesStatus
 from quantwatch.service.alerts.rules import Rule
@@ -455,6 +456,27 @@ def firing_episode_counts(session: Session, runs: Sequence[str]) -> dict[str, in
         .group_by(EpisodeRow.run)
     )
     return {run: int(total) for run, total in rows}
+
+
+def firing_episodes(session: Session, run: str) -> list[dict[str, Any]]:
+    """The firing episodes of ``run`` as the ingest answer lists them (protocol ``FIRING_EPISODE_KEYS``), oldest first;
+    one lookup of the (run, state) index."""
+    rows = session.execute(
+        select(
+            EpisodeRow.id,
+            EpisodeRow.rule_name,
+            EpisodeRow.layer,
+            EpisodeRow.ranks,
+            EpisodeRow.firing_step,
+            EpisodeRow.severity,
+        )
+        .where(EpisodeRow.run == run, EpisodeRow.state == "firing")
+        .order_by(EpisodeRow.id)
+    )
+    return [
+        dict(zip(FIRING_EPISODE_KEYS, (episode, rule, layer, list(ranks), since, severity), strict=True))
+        for episode, rule, layer, ranks, since, severity in rows
+    ]
 
 
 # -- layer formats ---------------------------------------------------------------------------------------------------

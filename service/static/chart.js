@@ -156,6 +156,23 @@ export function drawChart(canvas, spec) {
       if (v !== null && !Number.isFinite(v)) ctx.fillRect(xOf(line.steps[i]) - 1.5, plot.y, 3, 6);
     }
   }
+  // The agent's actions (actions.js): a green line at the step each was taken after, labelled at the top.
+  const drawnAnnotations = [];
+  for (const note of spec.annotations || []) {
+    if (note.step < xmin || note.step > xmax) continue;
+    const x = Math.round(xOf(note.step)) + 0.5;
+    ctx.strokeStyle = "#1b873f";
+    ctx.setLineDash([4, 2]);
+    ctx.beginPath();
+    ctx.moveTo(x, plot.y);
+    ctx.lineTo(x, plot.y + plot.h);
+    ctx.stroke();
+    ctx.setLineDash([]);
+    ctx.fillStyle = "#1b873f";
+    ctx.textAlign = x > plot.x + plot.w / 2 ? "right" : "left";
+    ctx.fillText(`▲ ${note.label}`, x + (ctx.textAlign === "right" ? -3 : 3), plot.y + 10);
+    drawnAnnotations.push({ step: note.step, label: note.label });
+  }
   if (spec.marker !== null && spec.marker >= xmin && spec.marker <= xmax) {
     ctx.strokeStyle = "#111";
     ctx.setLineDash([2, 3]);
@@ -168,6 +185,7 @@ export function drawChart(canvas, spec) {
   ctx.restore();
   canvas._chart = { plot, xmin, xmax, spec };
   canvas.dataset.bounds = JSON.stringify(drawnBounds);
+  canvas.dataset.annotations = JSON.stringify(drawnAnnotations);
   return true;
 }
 
@@ -220,6 +238,13 @@ export function installChartHover(canvasId, tooltipId) {
     const head = document.createElement("div");
     head.innerHTML = `<span class="k">step</span> <b>${nearestStep}</b>`;
     tooltip.prepend(head);
+    for (const note of chart.spec.annotations || []) {
+      if (note.step !== nearestStep) continue;
+      const div = document.createElement("div");
+      div.className = "action";
+      div.textContent = `▲ ${note.label}: ${note.detail}`;
+      tooltip.append(div);
+    }
     placeTooltip(tooltip, canvas.parentElement, x, y);
   });
   canvas.addEventListener("mouseleave", () => {

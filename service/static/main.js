@@ -1,5 +1,6 @@
 // QuantWatch web view: plain JavaScript modules over the public REST API (/api/v1/...); no build step, no
 // dependencies. This module wires the panels to the URL hash, the controls and the live refresh.
+import { loadActions } from "./actions.js";
 import { loadAlerts } from "./alerts.js";
 import { onAuthProblem, pick, TOKEN_KEY } from "./api.js";
 import { clearBanner, showAuthProblem } from "./banner.js";
@@ -60,8 +61,20 @@ async function applyHash() {
   if (runChanged || heatmapChanged) loadLoss();
   else if (stepChanged) drawLoss();
   if (runChanged) loadAlerts();
+  if (runChanged) redrawWithActions();
   if (rankViewChanged) loadRankView();
   else if (rowChanged) drawRankView();
+}
+
+// The charts drawn again once the run's actions are in (they are drawn without them until then).
+async function redrawWithActions() {
+  try {
+    if (!(await loadActions())) return;
+  } catch (_) {
+    return; // the other panels of the run say what the collector answered
+  }
+  drawSeries();
+  drawLoss();
 }
 
 // Live refresh: poll the runs list; reload the selected run's panels only when it has new points.
@@ -84,6 +97,7 @@ async function refresh(force) {
     loadSeries();
     loadLoss();
     loadAlerts();
+    redrawWithActions();
     loadRankView();
     loadWhatif();
   } else if (rulesChanged) {

@@ -1,4 +1,5 @@
 // The layer history and loss panels.
+import { annotationsFor } from "./actions.js";
 import { api, ApiError } from "./api.js";
 import { describeError } from "./banner.js";
 import { isRatioMetric } from "./catalog.js";
@@ -64,6 +65,7 @@ export function drawSeries() {
     metric: state.metric,
     bounds: ruleBounds(state.metric, state.layer),
     marker: state.step,
+    annotations: annotationsFor(state.layer),
     zeroBased: isRatioMetric(state.metric),
     lines: seriesLines(),
   });
@@ -130,7 +132,14 @@ export function drawLoss() {
   const lines = state.loss || [];
   const drawn =
     lines.length > 0 &&
-    drawChart(canvas, { metric: "loss", bounds: [], marker: state.step, zeroBased: false, lines });
+    drawChart(canvas, {
+      metric: "loss",
+      bounds: [],
+      marker: state.step,
+      annotations: annotationsFor(null),
+      zeroBased: false,
+      lines,
+    });
   if (!drawn) {
     canvas._chart = null;
     setupCanvas(canvas, Math.max(280, canvas.parentElement.clientWidth), 240);

@@ -22,6 +22,7 @@ export const state = {
   series: null, // the layer history: one series per rank shown
   rankView: null, // GET /runs/{run}/steps/{step}: the layers × ranks view
   loss: null,
+  actions: [], // GET /actions?run=: what the agent did to the training job, drawn on the charts
 };
 
 export function readHash() {

@@ -8,11 +8,13 @@ See README "Storage" for the layout. Callers hold a ``Store``; the modules behin
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.batch import IngestBatch, IngestObserver
+from quantwatch.service.store.actions import list_actions
 from quantwatch.service.store.common import IngestResult, NotFoundError, choose_width
 from quantwatch.service.store.export import EXPORT_COLUMNS, Exporter
 from quantwatch.service.store.reads import HistoryReader
@@ -53,6 +55,10 @@ class Store(HistoryReader):
     def delete_run(self, name: str) -> None:
         """Delete a run and everything stored for it (foreign keys cascade)."""
         self._writer.delete_run(name)
+
+    def list_actions(self, name: str) -> list[dict[str, Any]]:
+        """The actions the agent took on run ``name``, by step (raises NotFoundError)."""
+        return list_actions(self.factory, name)
 
     def export_csv(self, run: str) -> Iterator[bytes]:
         """CSV of every stored point (header first); float32 values printed exactly (round-trip)."""

@@ -32,6 +32,7 @@ from quantwatch.service.models import (
     ScalarPoint,
 )
 from quantwatch.service.rollups import F32, I64, MISSING_BITS, is_missing, missing_row, rows_from_blobs
+from quantwatch.service.store.actions import write_actions
 from quantwatch.service.store.common import IngestResult, RunCache, find_run
 from quantwatch.service.store.compaction import Compactor, frontier_after, read_frontier
 from quantwatch.service.store.rollup_writes import RollupWriter
@@ -105,6 +106,7 @@ class BatchWriter:
                 self._write_points(conn, run_id, batch, layers, index, name_ids, frontier)
                 self._write_scalars(conn, run_id, batch, name_ids)
                 self._write_estimated(conn, run_id, batch, name_ids)
+                write_actions(conn, self._insert, run_id, batch, now)
                 self._write_rank(conn, run_id, batch, now, points)
                 if observers:
                     run_row = session.get(Run, run_id)

@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 import quantwatch.agent as qw
+from quantwatch.agent.actions import Alert
 from quantwatch.agent.wire import encode_batch
 from quantwatch.kernels import QuantConfig, QuantSpec, Recipe, quantize_model
+from quantwatch.protocol import FIRING_EPISODES_FIELD, Action
 from quantwatch.service import IngestBatch
 from quantwatch.service.api.routes.ingest import DECODERS
 
@@ -117,6 +119,7 @@ def test_every_agent_payload_decodes_to_the_same_figures() -> None:
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_the_collector_route_accepts_every_agent_payload(client: Any) -> None:
+    fired = False
     for batch in _agent_batches():
         for encoding, compress in VARIANTS:
             encoded = encode_batch(batch, encoding, compress)  # type: ignore[arg-type]
@@ -127,10 +130,39 @@ def test_the_collector_route_accepts_every_agent_payload(client: Any) -> None:
             encoded = encode_batch(variant, encoding, compress)  # type: ignore[arg-type]
             response = client.post("/api/v1/ingest", content=encoded.body, headers=encoded.headers())
             assert response.status_code == 200, response.text
-            assert response.json() == {"batch_id": variant.batch_id, "duplicate": False, "points": encoded.points}
+            answer = response.json()
+            firing = answer.pop(FIRING_EPISODES_FIELD, None)
+            assert answer == {"batch_id": variant.batch_id, "duplicate": False, "points": encoded.points}
+            # The payloads diverge their loss: the answer names what fires, in the terms the agent parses.
+            for alert in map(Alert.from_wire, firing or []):
+                assert alert.episode > 0
+                assert alert.rule.startswith("quantwatch_")
+                assert alert.ranks == (3,)
+                fired = True
+    assert fired
     runs = client.get("/api/v1/runs").json()
     assert [r["name"] for r in runs] == ["contract/run:1"]
     assert runs[0]["ranks"] == [3]
+
+
+def test_actions_from_the_agent_encoder_are_accepted_and_listed(client: Any) -> None:
+    from quantwatch.agent.wire import StepRecord
+
+    taken = (
+        Action(4, "keep_high_precision", "fc2", "weight fp4_e2m1:tensor → fp8_e4m3:tensor", 9),
+        Action(4, "stop_training", "", "training asked to stop after this step", None),
+    )
+    for encoding, compress in VARIANTS:
+        batch = qw.Batch("acts", 0, f"a-{encoding}-{compress}", ("fc2",), (StepRecord(4, 1.0),), None, taken)
+        encoded = encode_batch(batch, encoding, compress)  # type: ignore[arg-type]
+        response = client.post("/api/v1/ingest", content=encoded.body, headers=encoded.headers())
+        assert response.status_code == 200, response.text
+    listed = client.get("/api/v1/actions", params={"run": "acts"}).json()
+    # Stored once although sent in four batches: keyed by (rank, step, action, layer).
+    assert [(a["step"], a["action"], a["layer"], a["detail"], a["episode"]) for a in listed] == [
+        (4, "keep_high_precision", "fc2", "weight fp4_e2m1:tensor → fp8_e4m3:tensor", 9),
+        (4, "stop_training", "", "training asked to stop after this step", None),
+    ]
 
 
 def test_layer_formats_from_the_agent_encoder_are_accepted_and_stored(client: Any) -> None:

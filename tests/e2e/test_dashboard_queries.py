@@ -126,6 +126,8 @@ def agent_batch(steps: range, rng: np.random.Generator) -> bytes:
         "layer_formats": formats,
         "steps": out,
     }
+    if steps.start <= 4 < steps.stop:  # the agent acts on the deviating layer (qw.actions): the actions annotation
+        doc["actions"] = [{"step": 4, "action": "keep_high_precision", "layer": LAYERS[DEVIATING], "detail": "fp8"}]
     return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -151,6 +153,8 @@ def train_with_agent(url: str, spool: Path) -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if step == 4:  # an action of the real agent: the actions annotation has it
+            qw.actions.keep_high_precision("4", format="fp8", monitor=monitor)
         monitor.step(step, loss=loss)
     assert monitor.close(30)
     stats = monitor.stats()
@@ -295,7 +299,9 @@ def dashboard_queries() -> Iterator[tuple[str, str, dict[str, Any]]]:
             for target in panel.get("targets", []):
                 yield path.name, f"panel {panel['title']!r} target {target['refId']}", target
         for annotation in board.get("annotations", {}).get("list", []):
-            yield path.name, f"annotation {annotation['name']!r}", {**annotation, "refId": "annotation"}
+            # An Infinity annotation wraps a panel-like target; a Prometheus one holds its expression itself.
+            query = annotation["target"] if "url" in annotation.get("target", {}) else annotation
+            yield path.name, f"annotation {annotation['name']!r}", {**query, "refId": "annotation"}
         for variable in board.get("templating", {}).get("list", []):
             if variable["type"] == "query":
                 query = variable["query"]
@@ -374,6 +380,9 @@ def check_rows(target: dict[str, Any], rows: list[dict[str, Any]], layers: list[
     elif "/series" in target["url"]:
         assert set(rows[0]) == {"step", "min", "mean", "max"}, label
         assert all(r["min"] <= r["mean"] <= r["max"] for r in rows), label
+    elif "/actions" in target["url"]:
+        assert [r["title"] for r in rows] == [f"keep_high_precision {r['title'].split()[-1]}" for r in rows], label
+        assert all(isinstance(r["time"], float) and r["text"].startswith("after step 4: ") for r in rows), label
     elif "/layers" in target["url"]:
         assert [r["layer"] for r in rows] == layers, label
         if "format" in target["root_selector"]:  # both runs declare their layers' formats

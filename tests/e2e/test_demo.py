@@ -42,13 +42,14 @@ STEPS = DEFAULT_STEPS
 Run = tuple[DemoResult, dict[str, Any], str]
 
 
-def _run(tmp_path: Path, name: str) -> Run:
+def _run(tmp_path: Path, name: str, *, remediate: bool = False) -> Run:
     seen: dict[str, Any] = {}
 
     def while_serving(result: DemoResult) -> None:
         # Queried while the demo's own collector is still up.
         with httpx.Client(base_url=result.url, timeout=30) as http:
-            seen["layers"] = [x["name"] for x in http.get("/api/v1/runs/demo/layers").json()]
+            seen["layers_info"] = http.get("/api/v1/runs/demo/layers").json()
+            seen["layers"] = [x["name"] for x in seen["layers_info"]]
             seen["heatmap"] = http.get(
                 "/api/v1/runs/demo/heatmap", params={"metric": "output_rel_l2", "max_steps": STEPS}
             ).json()
@@ -63,7 +64,7 @@ def _run(tmp_path: Path, name: str) -> Run:
     out = io.StringIO()
     seen["database"] = tmp_path / f"{name}.db"
     result = run_demo(
-        DemoOptions(steps=STEPS, port=0, database=seen["database"]),
+        DemoOptions(steps=STEPS, port=0, database=seen["database"], remediate=remediate),
         Console(file=out, width=200),
         while_serving=while_serving,
     )
@@ -155,6 +156,48 @@ def test_the_printed_serve_command_shows_the_history_with_the_shipped_rules_and_
         alerts = http.get("/api/v1/alerts", params={"run": "demo"}).json()
         assert [(a["rule"], a["layer"], a["state"]) for a in alerts] == [(UPDATE_RULE, PER_TENSOR_FP4_LAYER, "firing")]
         assert http.get("/api/v1/receivers").json() == []  # the demo's in-process receiver is gone with it
+
+
+@pytest.fixture(scope="module")
+def remediated_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _run(tmp_path_factory.mktemp("demo"), "remediated", remediate=True)
+
+
+def test_demo_remediate_moves_the_failing_layer_to_fp8_and_its_alert_resolves(
+    first_run: Run, remediated_run: Run
+) -> None:
+    first, seen_first, _ = first_run
+    result, seen, printed = remediated_run
+    fired = first.alerts[0]["firing"]["step"]
+    # The same seed fires at the same step; the answer to that step's batch names the episode, and the callback
+    # acts at the next step's boundary (the demo flushes every step, so that is the same step every run).
+    [alert] = result.alerts
+    assert (alert["rule"], alert["layer"], alert["firing"]["step"]) == (UPDATE_RULE, PER_TENSOR_FP4_LAYER, fired)
+    acted = fired + 1
+    assert [(a["step"], a["action"], a["layer"], a["episode"]) for a in result.actions] == [
+        (acted, "keep_high_precision", PER_TENSOR_FP4_LAYER, alert["id"])
+    ]
+    assert result.actions[0]["detail"] == (
+        "weight fp4_e2m1:tensor → fp8_e4m3:tensor; input fp4_e2m1:tensor → fp8_e4m3:tensor; "
+        "grad fp4_e2m1:tensor → fp8_e5m2:tensor"
+    )
+    # Until the action both runs are the same run, value for value; after it the layer's update direction recovers
+    # (it had stayed below 0.95 without the action), and the episode resolves.
+    before = acted + 1
+    assert [row[:before] for row in seen["heatmap"]["values"]] == [
+        row[:before] for row in seen_first["heatmap"]["values"]
+    ]
+    cosine, unremediated = seen["update_cosine"]["mean"], seen_first["update_cosine"]["mean"]
+    assert min(cosine[acted + 1 :]) >= 0.95
+    assert min(unremediated[acted + 1 :]) < 0.95
+    assert alert["state"] == "resolved"
+    assert alert["resolved"]["step"] > acted
+    assert [n.status for n in result.notifications] == ["firing", "resolved"]
+    # The collector knows the layer's formats from then on, and the summary says what was done when.
+    formats = {x["name"]: x for x in seen["layers_info"]}[PER_TENSOR_FP4_LAYER]
+    assert formats["formats"] == {"weight": "fp8_e4m3:tensor", "input": "fp8_e4m3:tensor", "grad": "fp8_e5m2:tensor"}
+    assert "actions taken on the training job" in printed
+    assert re.search(rf"{acted}\s+│ keep_high_precision │ {re.escape(PER_TENSOR_FP4_LAYER)}", printed)
 
 
 def test_demo_is_deterministic_for_a_seed(first_run: Run, tmp_path: Path) -> None:

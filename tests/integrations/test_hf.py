@@ -99,3 +99,27 @@ def test_a_run_resumed_from_its_checkpoint_continues_its_steps(tmp_path: Path, s
         loss = http.get("/api/v1/runs/hf-resume/series", params={"scalar": "loss"}).json()
     assert (run["first_step"], run["last_step"]) == (1, STEPS)
     assert loss["steps"] == list(range(1, STEPS + 1))
+
+
+class _StopAt(transformers.TrainerCallback):  # type: ignore[misc]
+    """Asks QuantWatch to stop training at the end of optimizer step ``step``, as an ``on_alert`` callback would."""
+
+    def __init__(self, quantwatch: QuantWatchCallback, step: int) -> None:
+        self.quantwatch, self.step = quantwatch, step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            qw.actions.stop_training(monitor=self.quantwatch.monitor)
+
+
+def test_stop_training_stops_the_trainer_at_the_next_step_boundary(tmp_path: Path) -> None:
+    sink = qw.InMemoryExporter()
+    callback = QuantWatchCallback(run="hf-stop", exporter=sink, every=1)
+    trainer = _trainer(_tiny_llama(), tmp_path, callback, STEPS, save_strategy="no")
+    trainer.add_callback(_StopAt(callback, 4))
+    trainer.train()
+    # Step 4 reaches the monitor at step 5's start (once its scalars are in): the stop takes effect there, and the
+    # Trainer ends before step 5's optimizer step instead of running to STEPS.
+    assert trainer.state.global_step == 4
+    assert [r.step for batch in sink.batches for r in batch.steps] == [1, 2, 3, 4]
+    assert [(a.step, a.action) for batch in sink.batches for a in batch.actions] == [(4, "stop_training")]

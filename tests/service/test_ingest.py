@@ -39,7 +39,9 @@ def test_every_encoding_stores_exact_float32(
     doc = make_batch("enc/run-1", ["l0", "l1", "l2", "l3"], [10, 11, 12], {"output_rel_l2": vals}, binary=binary)
     r = post_batch(doc, kind, gzipped)
     assert r.status_code == 200, r.text
-    assert r.json() == {"batch_id": doc["batch_id"], "duplicate": False, "points": 12}
+    answer = r.json()
+    answer.pop("firing_episodes", None)  # random values: a rule may fire (tests/service/test_actions.py)
+    assert answer == {"batch_id": doc["batch_id"], "duplicate": False, "points": 12}
     heat = _heat(client, "enc/run-1", "output_rel_l2")
     assert heat["layers"] == ["l0", "l1", "l2", "l3"]
     assert heat["steps"] == [10, 11, 12]

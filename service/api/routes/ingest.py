@@ -11,10 +11,18 @@ from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from quantwatch.protocol import ingest_json_schema
-from quantwatch.service.api.deps import IngestAuth, IngestGateDep, ObserversDep, SettingsDep, StoreDep, WriteHealthDep
+from quantwatch.service.api.deps import (
+    AlertsDep,
+    IngestAuth,
+    IngestGateDep,
+    ObserversDep,
+    SettingsDep,
+    StoreDep,
+    WriteHealthDep,
+)
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.batch import IngestBatch, decode_json, decode_msgpack
-from quantwatch.service.schemas import IngestAnswer
+from quantwatch.service.schemas import FiringEpisode, IngestAnswer
 from quantwatch.service.store import IngestResult
 
 router = APIRouter(prefix="/api/v1", tags=["ingest"])
@@ -70,6 +78,7 @@ async def ingest_allowed() -> Response:
 @router.post(
     "/ingest",
     response_model=IngestAnswer,
+    response_model_exclude_none=True,
     dependencies=[IngestAuth],
     openapi_extra={
         "requestBody": {
@@ -100,8 +109,12 @@ async def ingest(
     store: StoreDep,
     observers: ObserversDep,
     health: WriteHealthDep,
+    alerts: AlertsDep,
 ) -> IngestAnswer:
     """Store a batch atomically; a repeated ``batch_id`` stores nothing and answers ``duplicate: true``.
+
+    The answer lists the run's firing alert episodes (``firing_episodes``) when any fires, so the agent learns them
+    without a request of its own (``monitor.on_alert``).
 
     Re-sent values for the same (run, rank, layer, metric, step) under a new batch id replace the old ones
     (last write wins).
@@ -131,15 +144,22 @@ async def ingest(
                 408, f"the request body did not arrive within {settings.ingest_read_timeout_seconds:g} s; retry"
             ) from None
 
-        def work() -> IngestResult:
+        def work() -> tuple[IngestResult, list[dict[str, Any]]]:
             raw = _gunzip(body, settings.max_decoded_bytes) if encoding == "gzip" else body
             batch: IngestBatch = decoder(raw)
-            return store.ingest(batch, observers)
+            alerts.take_firing()  # what a failed batch on this thread left behind
+            stored = store.ingest(batch, observers)
+            return stored, alerts.take_firing()  # on this thread: the alert engine keeps it per thread
 
-        result = await run_in_threadpool(work)
+        result, firing = await run_in_threadpool(work)
         health.succeeded()
         gate.record(time.perf_counter() - started)
     finally:
         gate.pending -= 1
     request.state.ingest_duplicate = result.duplicate  # read by the exposition's ingest counters
-    return IngestAnswer(batch_id=result.batch_id, duplicate=result.duplicate, points=result.points)
+    return IngestAnswer(
+        batch_id=result.batch_id,
+        duplicate=result.duplicate,
+        points=result.points,
+        firing_episodes=[FiringEpisode.model_validate(episode) for episode in firing] or None,
+    )

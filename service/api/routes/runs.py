@@ -19,7 +19,7 @@ from quantwatch.service.api.deps import (
 )
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.rollups import dumps
-from quantwatch.service.schemas import Heatmap, LayerInfo, RunSummary, Series, StepRanks
+from quantwatch.service.schemas import Heatmap, LayerInfo, RunActionInfo, RunSummary, Series, StepRanks
 
 
 class NumpyJSONResponse(JSONResponse):
@@ -47,6 +47,14 @@ def _with_alerts(counter: FiringAlertCounts | None, runs: list[dict[str, object]
 def list_runs(store: StoreDep, firing: FiringAlertCountsDep) -> list[RunSummary]:
     """Every run with its step range, layer count, metrics and scalars seen, firing alerts and last-seen time."""
     return _with_alerts(firing, store.list_runs())
+
+
+@router.get("/actions", response_model=list[RunActionInfo], dependencies=[ReadAuth], responses=NOT_FOUND)
+def list_actions(run: Annotated[str, Query(description="The run.")], store: StoreDep) -> list[RunActionInfo]:
+    """What the agent did to run ``run``'s training job (``quantwatch.agent.actions``: a layer kept in higher
+    precision, a checkpoint saved, training stopped), by step. A query parameter, not a path below the run's: a run
+    name may end in ``/actions``."""
+    return [RunActionInfo.model_validate(action) for action in store.list_actions(run)]
 
 
 @router.get("/runs/{run:path}/layers", response_model=list[LayerInfo], dependencies=[ReadAuth], responses=NOT_FOUND)

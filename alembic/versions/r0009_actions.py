@@ -1,0 +1,40 @@
+"""Actions: what the agent did to the training job (``quantwatch.agent.actions``), recorded on the run (issue 18).
+
+One row per (run, rank, step, action, layer): the batch's ``actions`` on the wire. A new table; existing data needs no
+change.
+
+Revision ID: 0009_actions
+Revises: 0008_whatif
+Create Date: 2026-12-01
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from alembic import op
+
+revision: str = "0009_actions"
+down_revision: str | None = "0008_whatif"
+
+RowId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+def upgrade() -> None:
+    op.create_table(
+        "run_actions",
+        sa.Column("run_id", RowId, nullable=False),
+        sa.Column("rank", sa.Integer(), nullable=False),
+        sa.Column("step", sa.BigInteger(), nullable=False),
+        sa.Column("action", sa.String(32), nullable=False),
+        sa.Column("layer", sa.String(500), nullable=False),
+        sa.Column("detail", sa.Text(), nullable=False),
+        sa.Column("episode_id", sa.BigInteger(), nullable=True),
+        sa.Column("recorded_at", sa.Double(), nullable=False),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_run_actions_run_id_runs", ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("run_id", "rank", "step", "action", "layer", name="pk_run_actions"),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("run_actions")
