@@ -84,14 +84,14 @@ def test_migration_0009_upgrades_a_database_holding_data(empty_database_url: str
     cfg = alembic_config(empty_database_url)
     try:
         app = create_app(Settings(database_url=empty_database_url))
-        with TestClient(app) as client:  # data stored, then the schema taken back to 0008 under it
+        with TestClient(app) as client:  # data stored, then the schema taken back to 0009 under it
             post(client, batch_doc("old", ["a"], [0, 1], {"m": np.ones((2, 1))}))
         app.state.engine.dispose()
         with engine.begin() as conn:
             cfg.attributes["connection"] = conn
-            command.downgrade(cfg, "0008_whatif")
+            command.downgrade(cfg, "0009_alert_series_states")
         assert "run_actions" not in inspect(engine).get_table_names()
-        upgrade(engine)  # 0009 on top of that data
+        upgrade(engine)  # 0010 on top of that data
         assert "run_actions" in inspect(engine).get_table_names()
         app = create_app(Settings(database_url=empty_database_url))
         with TestClient(app) as client:

@@ -3,8 +3,8 @@
 One row per (run, rank, step, action, layer): the batch's ``actions`` on the wire. A new table; existing data needs no
 change.
 
-Revision ID: 0009_actions
-Revises: 0008_whatif
+Revision ID: 0010_actions
+Revises: 0009_alert_series_states
 Create Date: 2026-12-01
 """
 
@@ -14,8 +14,8 @@ import sqlalchemy as sa
 
 from alembic import op
 
-revision: str = "0009_actions"
-down_revision: str | None = "0008_whatif"
+revision: str = "0010_actions"
+down_revision: str | None = "0009_alert_series_states"
 
 RowId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
