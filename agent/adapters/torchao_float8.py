@@ -113,8 +113,11 @@ def _cast(module: nn.Module, kind: int, cast_config: Any, role: str, axis: int) 
 def _cast_result(hp: Tensor, fp8: Any, fmax: float) -> CastResult:
     """The figures' inputs of one torchao cast: ``fp8`` (a ``Float8TrainingTensor``) of the high-precision ``hp``."""
     scale = fp8._scale
-    dequantized = fp8.to_original_precision()
-    overflow = (hp.to(torch.float32) * scale).abs() > fmax
+    dequantized = fp8._data.to(fp8._orig_dtype) / scale  # to_original_precision() without its autograd Function
+    overflow = (hp.to(torch.float32) * scale).abs_() > fmax
+    if hp.dim() == 2 and not hp.is_contiguous() and hp.t().is_contiguous():
+        # Wᵀ as torchao casts it: the same statistics over W, in the layout the native statistics pass reads.
+        hp, dequantized, overflow = hp.t(), dequantized.t(), overflow.t()
     return CastResult(hp, dequantized, overflow, (1.0 / scale.to(torch.float32)).amax())
 
 
