@@ -361,6 +361,8 @@ def _build_and_load() -> ctypes.CDLL | BackendUnavailableError:
     lib.qw_cast.argtypes += [_PTR, _INT]
     lib.qw_stats.restype = _INT
     lib.qw_stats.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _INT]
+    lib.qw_decode_bytes.restype = _INT
+    lib.qw_decode_bytes.argtypes = [_PTR, _PTR, _PTR, _I64, _INT]
     lib.qw_vector_isa.restype = _INT
     lib.qw_vector_isa.argtypes = []
     return lib

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, plain_linear_forward
 from quantwatch.agent.adapters.registry import HIGH_PRECISION, Adapter, AdapterContext, UnsupportedLayerError
 from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, LayerAdapter
+from quantwatch.kernels.decode import float8_to_float32
 
 __all__ = ["Float8LinearAdapter", "float8_format"]
 
@@ -113,7 +114,9 @@ def _cast(module: nn.Module, kind: int, cast_config: Any, role: str, axis: int) 
 def _cast_result(hp: Tensor, fp8: Any, fmax: float) -> CastResult:
     """The figures' inputs of one torchao cast: ``fp8`` (a ``Float8TrainingTensor``) of the high-precision ``hp``."""
     scale = fp8._scale
-    dequantized = fp8._data.to(fp8._orig_dtype) / scale  # to_original_precision() without its autograd Function
+    # to_original_precision() (`_data.to(orig_dtype) / scale`) without its autograd Function, decoded natively
+    decoded = float8_to_float32(fp8._data) if fp8._orig_dtype == torch.float32 else None
+    dequantized = decoded.div_(scale) if decoded is not None else fp8._data.to(fp8._orig_dtype) / scale
     overflow = (hp.to(torch.float32) * scale).abs_() > fmax
     if hp.dim() == 2 and not hp.is_contiguous() and hp.t().is_contiguous():
         # Wᵀ as torchao casts it: the same statistics over W, in the layout the native statistics pass reads.
