@@ -150,7 +150,7 @@ class _CastCapture:
     def start(self) -> None:
         """One more measurer listens (the first installs the wrapper)."""
         if self.original is None:
-            module = sys.modules["torchao.float8.float8_linear"]
+            module: Any = sys.modules["torchao.float8.float8_linear"]
             self.original = module.hp_tensor_to_float8_dynamic
             module.hp_tensor_to_float8_dynamic = self._capturing
         self.listening += 1
@@ -159,7 +159,7 @@ class _CastCapture:
         """One measurer less (the last puts torchao's function back)."""
         self.listening -= 1
         if self.listening <= 0 and self.original is not None:
-            sys.modules["torchao.float8.float8_linear"].hp_tensor_to_float8_dynamic = self.original
+            setattr(sys.modules["torchao.float8.float8_linear"], "hp_tensor_to_float8_dynamic", self.original)  # noqa: B010
             self.original = None
             self.listening = 0
 
@@ -288,7 +288,7 @@ class _CapturedCastLinear(RecomputedCastLinear):
         _CAPTURE.leave()
         if KIND_GRAD not in self.kinds or not isinstance(output, Tensor) or output.grad_fn is None:
             return
-        node = output.grad_fn
+        node: Any = output.grad_fn
         if not _is_float8_matmul(node):  # `output + bias`: the matmul is the addition's first input
             node = next((n for n, _ in node.next_functions if _is_float8_matmul(n)), None)
         grad_cast = self.casts.get(KIND_GRAD)
