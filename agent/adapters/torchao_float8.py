@@ -228,7 +228,7 @@ class Float8LinearAdapter(Adapter):
         casts = {kind: _cast(module, kind, *chosen) for kind, chosen in reported.items() if chosen is not None}
         if not _CAPTURE.available():
             return RecomputedCastLinear(name, module, context, casts, prepare_input=_autocast_input)
-        return _CapturedCastLinear(name, module, context, casts, reported)
+        return _CapturedCastLinear(name, module, context, casts)
 
 
 def _is_float8_matmul(node: Any) -> bool:
@@ -240,15 +240,9 @@ class _CapturedCastLinear(RecomputedCastLinear):
     module doc) is told apart by its ``GemmInputRole`` and whether it is the forward GEMM's.  A layer whose matmul
     backward node cannot be found (a newer torchao) gets its gradient cast recomputed instead."""
 
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        context: AdapterContext,
-        casts: dict[int, Cast],
-        reported: dict[int, tuple[Any, str, int] | None],
-    ) -> None:
+    def __init__(self, name: str, module: nn.Module, context: AdapterContext, casts: dict[int, Cast]) -> None:
         super().__init__(name, module, context, casts, prepare_input=_autocast_input)
+        reported = _reported(getattr(module, "config"))  # noqa: B009 (torchao's attribute, untyped)
         from torchao.float8.float8_training_tensor import GemmInputRole
 
         # Per role: (kind, whether the reported cast is the forward GEMM's, the format's largest value).
@@ -259,7 +253,8 @@ class _CapturedCastLinear(RecomputedCastLinear):
                 forward = (role, axis) in (("WEIGHT", 0), ("INPUT", -1))
                 self._wanted[GemmInputRole[role]] = (kind, forward, torch.finfo(cast_config.target_dtype).max)
         self._listening = False
-        # The gradient of the last gradient cast measured: the weight-gradient GEMM casts the same tensor again.
+        # The gradient of the last gradient cast measured: the weight-gradient GEMM casts the same tensor again (a
+        # weak reference: a later backward's gradient is another tensor, so it needs no reset between steps).
         self._last_grad: weakref.ref[Tensor] | None = None
 
     def _arm_casts(self) -> None:
@@ -267,11 +262,6 @@ class _CapturedCastLinear(RecomputedCastLinear):
         self._listening = True
         self._handles.append(self.module.register_forward_pre_hook(self._enter_forward))
         self._handles.append(self.module.register_forward_hook(self._leave_forward))
-
-    def end_step(self) -> None:
-        """Also forget the step's last gradient."""
-        super().end_step()
-        self._last_grad = None
 
     def disarm(self) -> None:
         """Also stop listening to torchao's casts."""
