@@ -777,4 +777,11 @@ int qw_stats(const float* x, const float* q, const uint8_t* overflow, int64_t n,
   return stats[9] > 0 ? NONFINITE : OK;
 }
 
+// One-byte codes (float8 values viewed as bytes) decoded through a 256-entry float32 table: out[i] = table[codes[i]].
+int qw_decode_bytes(const uint8_t* codes, const float* table, float* out, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t i = 0; i < n; i++) out[i] = table[codes[i]];
+  return OK;
+}
+
 }  // extern "C"

@@ -43,7 +43,7 @@ from torch import Tensor
 from .backends import QuantRequest, QuantResult, raise_if_unsupported
 from .formats import FP4_E2M1, FP8_E4M3, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
 from .options import Backend, BackendUnavailableError, Rounding, Scaling, ScalingSpec
-from .partial_sums import ErrorStats, lane_sums_in_range
+from .partial_sums import RowStats, lane_sums_in_range
 from .reference import amax_to_scale, channel_dims
 
 log = logging.getLogger(__name__)
@@ -361,6 +361,8 @@ def _build_and_load() -> ctypes.CDLL | BackendUnavailableError:
     lib.qw_cast.argtypes += [_PTR, _INT]
     lib.qw_stats.restype = _INT
     lib.qw_stats.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _INT]
+    lib.qw_decode_bytes.restype = _INT
+    lib.qw_decode_bytes.argtypes = [_PTR, _PTR, _PTR, _I64, _INT]
     lib.qw_vector_isa.restype = _INT
     lib.qw_vector_isa.argtypes = []
     return lib
@@ -503,7 +505,7 @@ def quantize_native(
         fields = _fields(partial, n)
         if not lane_sums_in_range(fields):
             return None
-        stats = ErrorStats(*torch.frombuffer(array("d", fields), dtype=torch.float64).unbind())
+        stats = RowStats.of(fields)
     if out is not None and values is not out:
         out.copy_(values)
         values = out

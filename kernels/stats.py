@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import threading
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -21,7 +20,7 @@ from torch import Tensor
 
 from . import native
 from .formats import FormatSpec, resolve_format
-from .partial_sums import ErrorStats, lane_sums_in_range, masked_float64
+from .partial_sums import ErrorStats, RowStats, lane_sums_in_range, masked_float64
 
 __all__ = [
     "ErrorStats",
@@ -175,31 +174,7 @@ class _Row(NamedTuple):
 def _blank_rows(count: int) -> list[_Row]:
     block = torch.full((count, len(ErrorStats.FIELDS)), torch.nan, dtype=torch.float64)
     values = block.numpy()
-    return [_Row(_RowStats(row), values[i]) for i, row in enumerate(block.unbind())]
-
-
-_FIELD_INDEX = {name: i for i, name in enumerate(ErrorStats.FIELDS)}
-
-
-class _RowStats(ErrorStats):
-    """`ErrorStats` held in one float64 row: each field's 0-dim view is made when first read (about half a
-    microsecond each; the agent reads none, it takes the row whole with `as_tensor`)."""
-
-    def __init__(self, row: Tensor) -> None:  # the fields are views made on demand, not dataclass fields
-        object.__setattr__(self, "_row", row)
-
-    def __getattr__(self, name: str) -> Tensor:
-        index = _FIELD_INDEX.get(name)
-        if index is None:
-            raise AttributeError(name)
-        value: Tensor = self._row[index]
-        object.__setattr__(self, name, value)
-        return value
-
-    def as_tensor(self) -> Tensor:
-        """The row itself (a view: its values are the statistics)."""
-        row: Tensor = self._row
-        return row
+    return [_Row(RowStats(row), values[i]) for i, row in enumerate(block.unbind())]
 
 
 class _Collecting:
@@ -255,8 +230,7 @@ def _chunked_stats(*args: *_StatsArgs) -> ErrorStats | None:
     fields = _host_fields(*args)
     if fields is None:
         return None
-    # array → tensor shares the buffer: microseconds less than torch.tensor(list).
-    return ErrorStats(*torch.frombuffer(array("d", fields), dtype=torch.float64).unbind())
+    return RowStats.of(fields)
 
 
 def _host_fields(

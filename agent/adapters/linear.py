@@ -135,7 +135,11 @@ class RecomputedCastLinear(ShadowedLayer):
         """Also hook the forward when cast statistics are wanted."""
         super().arm(kinds)
         if kinds & {KIND_WEIGHT, KIND_INPUT, KIND_GRAD}:
-            self._handles.append(self.module.register_forward_hook(self._on_forward_casts))
+            self._arm_casts()
+
+    def _arm_casts(self) -> None:
+        """Hook what measuring the casts needs: a forward hook recomputing them."""
+        self._handles.append(self.module.register_forward_hook(self._on_forward_casts))
 
     def end_step(self) -> None:
         """The weight is measured again in the next sampled step."""

@@ -10,14 +10,22 @@ Each tensor can be cast twice, once per GEMM it enters (``Float8LinearConfig.cas
   weight-gradient GEMM's;
 * a tensor kept in high precision in both GEMMs has format ``high_precision`` and no figure.
 
-The casts are recomputed with torchao's own ``hp_tensor_to_float8_dynamic`` on the layer's ``config`` and
-``linear_mm_config`` (dynamic scaling is deterministic: the same values the layer computed with).  ``scale`` is the
-dequantization scale ``1 / torchao's scale`` (largest over rows), as everywhere in QuantWatch.
+The casts measured are the layer's own: while a step is sampled, ``hp_tensor_to_float8_dynamic`` as
+``float8_linear`` calls it is wrapped, and each cast of a monitored layer (told apart by its ``linear_mm_config``,
+one per layer) is handed to the layer's measurer with its high-precision input, so no cast is done twice.  Where
+that wrapper cannot be installed (a torchao that calls its casts otherwise), the casts are recomputed with torchao's
+own ``hp_tensor_to_float8_dynamic`` on the layer's ``config`` and ``linear_mm_config`` (dynamic scaling is
+deterministic: the same values the layer computed with).  ``scale`` is the dequantization scale ``1 / torchao's
+scale`` (largest over rows), as everywhere in QuantWatch.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+import threading
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +34,7 @@ from torch import Tensor, nn
 from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, plain_linear_forward
 from quantwatch.agent.adapters.registry import HIGH_PRECISION, Adapter, AdapterContext, UnsupportedLayerError
 from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, LayerAdapter
+from quantwatch.kernels.decode import float8_to_float32
 
 __all__ = ["Float8LinearAdapter", "float8_format"]
 
@@ -97,12 +106,85 @@ def _cast(module: nn.Module, kind: int, cast_config: Any, role: str, axis: int) 
             axiswise_dim=axiswise_dim,
             round_scales_to_power_of_2=config.round_scales_to_power_of_2,
         )
-        scale = fp8._scale
-        dequantized = fp8.to_original_precision()
-        overflow = (t.to(torch.float32) * scale).abs() > fmax
-        return CastResult(t, dequantized, overflow, (1.0 / scale.to(torch.float32)).amax())
+        return _cast_result(t, fp8, fmax)
 
     return cast
+
+
+def _cast_result(hp: Tensor, fp8: Any, fmax: float) -> CastResult:
+    """The figures' inputs of one torchao cast: ``fp8`` (a ``Float8TrainingTensor``) of the high-precision ``hp``."""
+    scale = fp8._scale
+    # to_original_precision() (`_data.to(orig_dtype) / scale`) without its autograd Function, decoded natively
+    decoded = float8_to_float32(fp8._data) if fp8._orig_dtype == torch.float32 else None
+    dequantized = decoded.div_(scale) if decoded is not None else fp8._data.to(fp8._orig_dtype) / scale
+    overflow = (hp.to(torch.float32) * scale).abs_() > fmax
+    if hp.dim() == 2 and not hp.is_contiguous() and hp.t().is_contiguous():
+        # Wᵀ as torchao casts it: the same statistics over W, in the layout the native statistics pass reads.
+        hp, dequantized, overflow = hp.t(), dequantized.t(), overflow.t()
+    return CastResult(hp, dequantized, overflow, (1.0 / scale.to(torch.float32)).amax())
+
+
+#: A measurer's listener: (high-precision tensor, its cast, the cast's ``GemmInputRole``, whether in the forward).
+Listener = Callable[[Tensor, Any, Any, bool], None]
+
+
+class _CastCapture:
+    """Hands the casts ``Float8Linear`` makes to the measurer of the layer making them, while any measurer listens.
+
+    ``float8_linear`` looks ``hp_tensor_to_float8_dynamic`` up in its module globals at each call; the wrapper put
+    there calls the original and then the thread's current listener: the measurer whose layer's forward is running
+    (set by a forward pre-hook, cleared by a forward hook), or whose layer's matmul backward is (set by a pre-hook
+    on that autograd node, cleared by a hook after it).  The original is back in place as soon as the last
+    measurer stops listening: an unsampled step runs torchao untouched."""
+
+    def __init__(self) -> None:
+        self.listening = 0
+        self.original: Callable[..., Any] | None = None
+        self.local = threading.local()
+
+    def available(self) -> bool:
+        """Whether torchao's float8 linear calls its casts through the global the wrapper replaces."""
+        module = sys.modules.get("torchao.float8.float8_linear")
+        return module is not None and callable(getattr(module, "hp_tensor_to_float8_dynamic", None))
+
+    def start(self) -> None:
+        """One more measurer listens (the first installs the wrapper)."""
+        if self.original is None:
+            module: Any = sys.modules["torchao.float8.float8_linear"]
+            self.original = module.hp_tensor_to_float8_dynamic
+            module.hp_tensor_to_float8_dynamic = self._capturing
+        self.listening += 1
+
+    def stop(self) -> None:
+        """One measurer less (the last puts torchao's function back)."""
+        self.listening -= 1
+        if self.listening <= 0 and self.original is not None:
+            setattr(sys.modules["torchao.float8.float8_linear"], "hp_tensor_to_float8_dynamic", self.original)  # noqa: B010
+            self.original = None
+            self.listening = 0
+
+    def enter(self, listener: Listener, forward: bool) -> None:
+        """Casts made by this thread from now on are ``listener``'s (until `leave`)."""
+        self.local.current = (listener, forward)
+
+    def leave(self) -> None:
+        """Casts made by this thread are nobody's."""
+        self.local.current = None
+
+    def _capturing(self, hp_tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        original = self.original
+        if original is None:  # put back while a forward was running: torchao's own function
+            from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+
+            original = hp_tensor_to_float8_dynamic
+        fp8 = original(hp_tensor, *args, **kwargs)
+        current = getattr(self.local, "current", None)
+        if current is not None:
+            current[0](hp_tensor, fp8, kwargs.get("gemm_input_role"), current[1])
+        return fp8
+
+
+_CAPTURE = _CastCapture()
 
 
 def _autocast_input(x: Tensor) -> Tensor:
@@ -142,5 +224,99 @@ class Float8LinearAdapter(Adapter):
             raise UnsupportedLayerError("no config / linear_mm_config attribute (a newer torchao renamed them?)")
         if getattr(config, "enable_fsdp_float8_all_gather", False):
             raise UnsupportedLayerError("enable_fsdp_float8_all_gather (the weight is cast before the layer sees it)")
-        casts = {kind: _cast(module, kind, *chosen) for kind, chosen in _reported(config).items() if chosen is not None}
-        return RecomputedCastLinear(name, module, context, casts, prepare_input=_autocast_input)
+        reported = _reported(config)
+        casts = {kind: _cast(module, kind, *chosen) for kind, chosen in reported.items() if chosen is not None}
+        if not _CAPTURE.available():
+            return RecomputedCastLinear(name, module, context, casts, prepare_input=_autocast_input)
+        return _CapturedCastLinear(name, module, context, casts)
+
+
+def _is_float8_matmul(node: Any) -> bool:
+    return node is not None and "matmul_with_hp_or_float8_args" in node.name()
+
+
+class _CapturedCastLinear(RecomputedCastLinear):
+    """Measures the casts a ``Float8Linear`` makes itself (`_CastCapture`); the reported cast of each kind (see the
+    module doc) is told apart by its ``GemmInputRole`` and whether it is the forward GEMM's.  A layer whose matmul
+    backward node cannot be found (a newer torchao) gets its gradient cast recomputed instead."""
+
+    def __init__(self, name: str, module: nn.Module, context: AdapterContext, casts: dict[int, Cast]) -> None:
+        super().__init__(name, module, context, casts, prepare_input=_autocast_input)
+        reported = _reported(getattr(module, "config"))  # noqa: B009 (torchao's attribute, untyped)
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        # Per role: (kind, whether the reported cast is the forward GEMM's, the format's largest value).
+        self._wanted: dict[Any, tuple[int, bool, float]] = {}
+        for kind, chosen in reported.items():
+            if chosen is not None:
+                cast_config, role, axis = chosen
+                forward = (role, axis) in (("WEIGHT", 0), ("INPUT", -1))
+                self._wanted[GemmInputRole[role]] = (kind, forward, torch.finfo(cast_config.target_dtype).max)
+        self._listening = False
+        # The gradient of the last gradient cast measured: the weight-gradient GEMM casts the same tensor again (a
+        # weak reference: a later backward's gradient is another tensor, so it needs no reset between steps).
+        self._last_grad: weakref.ref[Tensor] | None = None
+
+    def _arm_casts(self) -> None:
+        _CAPTURE.start()
+        self._listening = True
+        self._handles.append(self.module.register_forward_pre_hook(self._enter_forward))
+        self._handles.append(self.module.register_forward_hook(self._leave_forward))
+
+    def disarm(self) -> None:
+        """Also stop listening to torchao's casts."""
+        super().disarm()
+        if self._listening:
+            self._listening = False
+            _CAPTURE.leave()
+            _CAPTURE.stop()
+
+    def _enter_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        _CAPTURE.enter(self._on_cast, True)
+
+    def _leave_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        _CAPTURE.leave()
+        if KIND_GRAD not in self.kinds or not isinstance(output, Tensor) or output.grad_fn is None:
+            return
+        node: Any = output.grad_fn
+        if not _is_float8_matmul(node):  # `output + bias`: the matmul is the addition's first input
+            node = next((n for n, _ in node.next_functions if _is_float8_matmul(n)), None)
+        grad_cast = self.casts.get(KIND_GRAD)
+        if node is None and grad_cast is not None:  # recompute the gradient cast, as RecomputedCastLinear does
+            output.grad_fn.register_prehook(functools.partial(self._on_grad_output, grad_cast, output.output_nr))
+            return
+        if node is None:
+            return
+        node.register_prehook(self._enter_backward)
+        node.register_hook(self._leave_backward)
+
+    def _enter_backward(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        _CAPTURE.enter(self._on_cast, False)
+
+    def _leave_backward(self, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
+        _CAPTURE.leave()
+
+    def _on_cast(self, hp: Tensor, fp8: Any, role: Any, forward: bool) -> None:
+        wanted = self._wanted.get(role)
+        if wanted is None:
+            return
+        kind, in_forward, fmax = wanted
+        if kind not in self.kinds or forward != in_forward:
+            return
+        if kind == KIND_WEIGHT:
+            if self._weight_measured:
+                return
+            self._weight_measured = True
+        elif kind == KIND_GRAD:
+            last = self._last_grad
+            if last is not None and last() is hp:
+                return
+            self._last_grad = weakref.ref(hp)
+        self._guard("cast_stats", self._measure_cast, kind, hp, fp8, fmax)
+
+    def _measure_cast(self, kind: int, hp: Tensor, fp8: Any, fmax: float) -> None:
+        with torch.no_grad():
+            result = _cast_result(hp.detach(), fp8, fmax)
+            self.record(kind, result.stats())
+        if kind == KIND_INPUT:
+            self._last_scale = result.scale

@@ -140,6 +140,42 @@ def test_float8_figures_are_the_layers_own_casts(recipe: str) -> None:
         assert sink.value("update_cosine", "0", 0) == pytest.approx(1.0, abs=1e-9)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp"])
+def test_float8_casts_are_measured_as_the_layer_makes_them_not_made_again(
+    recipe: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchao.float8.float8_linear as float8_linear
+    import torchao.float8.float8_scaling_utils as scaling_utils
+
+    casts: list[int] = []
+    cast = scaling_utils.hp_tensor_and_scale_to_float8  # every float8 cast of torchao's, the layer's or anyone's
+    monkeypatch.setattr(
+        scaling_utils, "hp_tensor_and_scale_to_float8", lambda *a, **k: casts.append(1) or cast(*a, **k)
+    )
+    from quantwatch.agent.adapters.torchao_float8 import _CAPTURE
+
+    torchao_function = scaling_utils.hp_tensor_to_float8_dynamic
+    listening = _CAPTURE.listening  # monitors of earlier tests, never closed, may still listen
+    model = float8_model(recipe)
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="f8-casts", exporter=sink, every=2)
+    per_step = []
+    for step in range(3):
+        casts.clear()
+        sampled = step % 2 == 0
+        assert _CAPTURE.listening == listening + (2 if sampled else 0)  # both layers listen while sampled
+        assert (float8_linear.hp_tensor_to_float8_dynamic is not torchao_function) == (sampled or listening > 0)
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+        per_step.append(len(casts))
+        monitor.step(step)
+    monitor.flush()
+    assert per_step[0] == per_step[1] == per_step[2] > 0  # a sampled step casts exactly what an unsampled one does
+    assert all(sink.value(m, "0", 0) is not None for m in ("weight_rel_l2", "act_rel_l2", "grad_rel_l2"))
+    monitor.close()
+    assert _CAPTURE.listening == listening
+    assert monitor.stats()["failures"] == {}
+
+
 def test_float8_training_finds_every_layer_with_formats_and_measures_every_metric() -> None:
     model = float8_model("tensorwise")
     sink = qw.InMemoryExporter()
