@@ -25,6 +25,7 @@ from quantwatch.agent.layers import OverheadClock
 from quantwatch.agent.readout import DeviceReader
 from quantwatch.agent.validation import check_whatif_every
 from quantwatch.kernels import ErrorStats, quantize
+from quantwatch.kernels.formats import accepted_format_names
 from quantwatch.protocol import TENSOR_KINDS, WHATIF_CANDIDATES, WHATIF_STATS, candidate_spec, own_candidates
 
 __all__ = ["DEFAULT_WHATIF_EVERY", "WhatIf", "WhatIfValues", "layer_candidates"]
@@ -42,7 +43,9 @@ WhatIfValues = dict[str, dict[str, dict[str, list[float | None]]]]
 
 def layer_candidates(formats: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
     """Per tensor kind the candidates a layer of ``formats`` tries: the defaults and its own (see
-    :func:`~quantwatch.protocol.formats.own_candidates`), those the kernels can quantize to."""
+    :func:`~quantwatch.protocol.formats.own_candidates`), those the kernels can quantize to (a layer an adapter
+    reports in ``bf16`` adds none)."""
+    quantizable = set(accepted_format_names())
     out: dict[str, tuple[str, ...]] = {}
     for kind in TENSOR_KINDS:
         own = formats.get(kind, "unknown")
@@ -50,10 +53,11 @@ def layer_candidates(formats: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
         kept = []
         for name in dict.fromkeys(names):
             try:
-                candidate_spec(name)
+                fmt, _, _ = candidate_spec(name)
             except ValueError:
                 continue
-            kept.append(name)
+            if fmt in quantizable:
+                kept.append(name)
         out[kind] = tuple(kept)
     return out
 

@@ -145,3 +145,10 @@ def test_a_failing_quantization_never_reaches_training(monkeypatch: pytest.Monke
     assert [s.step for s in steps] == [0, 1]
     assert all(s.metrics and not s.whatif for s in steps)
     assert monitor.stats()["failures"]["whatif_failed"] >= 1
+
+
+def test_a_layer_kept_in_a_format_the_kernels_lack_tries_only_the_default_candidates() -> None:
+    candidates = whatif_module.layer_candidates({"weight": "bf16", "input": "uint8", "grad": "fp8_e5m2:tensor"})
+    assert candidates["weight"] == WHATIF_CANDIDATES
+    assert candidates["input"] == WHATIF_CANDIDATES
+    assert candidates["grad"] == (*WHATIF_CANDIDATES, "fp8_e5m2:tensor", "fp8_e5m2:block32", "fp8_e5m2:block32+sr")
