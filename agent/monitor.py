@@ -123,7 +123,7 @@ class Monitor:
         self._optimizer_hook: RemovableHandle | None = None
         self._context = AdapterContext(failures, self._clock, self._deferred, reference_dtype)
         self._adapters, self._infos = build_layer_adapters(found, self._context)
-        self._whatif = WhatIf(whatif_every, found, failures, self._clock)
+        self._whatif = WhatIf(whatif_every, found, self._infos, failures, self._clock)
         for index, adapter in enumerate(self._adapters):
             adapter.configure(shadow_options or ShadowOptions(), index)
         self._wire_formats = {str(info): wire_formats(str(info), info.formats) for info in self._infos}

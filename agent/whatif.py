@@ -12,7 +12,7 @@ installed for a what-if step only and removed when it is taken; failures are cou
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -75,17 +75,20 @@ class _Layer:
 
 
 class WhatIf:
-    """The what-if statistics of a monitor's modules (``found``: qualified name → object with ``.module`` and
-    ``.formats``)."""
+    """The what-if statistics of the modules a monitor measures (``found``: qualified name → object with ``.module``
+    and ``.formats``; ``measured``: the names of those its adapters measure, not those left out)."""
 
-    def __init__(self, every: int, found: Mapping[str, Any], failures: FailureLog, clock: OverheadClock) -> None:
+    def __init__(
+        self, every: int, found: Mapping[str, Any], measured: Iterable[str], failures: FailureLog, clock: OverheadClock
+    ) -> None:
         self.every = check_whatif_every(every)
         self.failures = failures
         self.clock = clock
+        names = set(map(str, measured))
         self._layers = [
             _Layer(name, item.module, layer_candidates(item.formats))
             for name, item in found.items()
-            if isinstance(getattr(item, "module", None), nn.Module)
+            if name in names and isinstance(getattr(item, "module", None), nn.Module)
         ]
         self._generators: dict[torch.device, torch.Generator] = {}
         self._armed = False

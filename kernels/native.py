@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .backends import QuantRequest, QuantResult, raise_if_unsupported
 from .formats import FP4_E2M1, FP8_E4M3, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
@@ -99,10 +99,18 @@ _INT = ctypes.c_int
 _PTR = ctypes.c_void_p
 
 
+def plain(x: Tensor) -> bool:
+    """Whether ``x`` is a plain tensor or parameter: a subclass (a wrapper such as torchao's float8 weights) may hold
+    its values elsewhere than at its ``data_ptr``, so the kernels never read one."""
+    return type(x) in (Tensor, nn.Parameter)
+
+
 def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: Rounding, saturate: bool) -> str | None:
     """Why the native path cannot run this quantization (whatever the values), or None when it can."""
     if x.device.type != "cpu":
         return f"{x.device.type} tensors (CPU only)"
+    if not plain(x):
+        return f"tensor subclass {type(x).__name__} (its storage is not its values)"
     if x.dtype != torch.float32:
         return f"dtype {x.dtype} (float32 only)"
     if not x.is_contiguous():
@@ -555,6 +563,8 @@ def stats_fields(x: Tensor, q: Tensor, overflow_mask: Tensor | None) -> tuple[fl
     lib = loaded()
     n = x.numel()
     if lib is None or q.numel() != n or (overflow_mask is not None and overflow_mask.numel() != n):
+        return None
+    if not (plain(x) and plain(q)):
         return None
     partial = array("d", bytes(8 * _PARTIAL_FIELDS))
     address, _ = partial.buffer_info()

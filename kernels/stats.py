@@ -241,11 +241,14 @@ def _host_fields(
     nonzero_mask: Tensor | None,
     amax: Tensor | None,
 ) -> tuple[float, ...] | None:
-    """The fields of `ErrorStats` (in its order) of CPU tensors as Python floats; None outside the chunked range.
+    """The fields of `ErrorStats` (in its order) of CPU tensors as Python floats; None outside the chunked range or
+    for a tensor subclass.
 
     Float32 tensors take one pass of the native kernels when an earlier call loaded them (`native.loaded`), their
     float32 runs holding the same 1e-6 (tests/kernels/test_native.py); NumPy's passes otherwise.
     """
+    if not (native.plain(x) and native.plain(q)):
+        return None  # a subclass's values reach NumPy through torch's ops only: the torch path below this one
     if _native_applies(x, q, overflow_mask, native.loaded() is not None):
         fields = native.stats_fields(x, q, overflow_mask)
         if fields is not None:

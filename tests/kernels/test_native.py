@@ -530,3 +530,19 @@ def test_a_child_forked_while_the_library_is_being_built_can_build_it(monkeypatc
             os._exit(0 if native.available() else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_wrapper_tensor_subclass_is_declined_and_quantized_from_its_values() -> None:
+    """A wrapper subclass (torchao's FSDP float8 weight) has no storage of its own values: native reads none of it, and
+    ``quantize`` gives what its values give through torch's ops."""
+    fsdp_utils = pytest.importorskip("torchao.float8.fsdp_utils")
+    from torchao.float8.float8_linear import LinearMMConfig
+
+    w = torch.randn(16, 32)
+    wrapped = fsdp_utils.WeightWithDynamicFloat8CastTensor(w, LinearMMConfig(), torch.float8_e4m3fn)
+    with pytest.raises(BackendUnavailableError, match="tensor subclass WeightWithDynamicFloat8CastTensor"):
+        run_native(wrapped, "fp8_e4m3", "tensor")
+    values, stats = quantize(wrapped, "fp8_e4m3", "tensor", with_stats=True)
+    expected, expected_stats = quantize(w, "fp8_e4m3", "tensor", with_stats=True)
+    assert torch.equal(torch.as_tensor(values).detach().clone(), expected)
+    assert stats.to_dict() == pytest.approx(expected_stats.to_dict(), rel=1e-6)  # summed by torch, not in float64
