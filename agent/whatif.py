@@ -26,6 +26,7 @@ from quantwatch.agent.readout import DeviceReader
 from quantwatch.agent.validation import check_whatif_every
 from quantwatch.kernels import ErrorStats, quantize
 from quantwatch.kernels.formats import accepted_format_names
+from quantwatch.kernels.native import plain
 from quantwatch.protocol import TENSOR_KINDS, WHATIF_CANDIDATES, WHATIF_STATS, candidate_spec, own_candidates
 
 __all__ = ["DEFAULT_WHATIF_EVERY", "WhatIf", "WhatIfValues", "layer_candidates"]
@@ -126,8 +127,13 @@ class WhatIf:
                 if index is None:
                     continue
                 for (kind, candidate), part in stats.items():
+                    try:
+                        row = part.as_tensor()
+                    except Exception as exc:
+                        self.failures.record("whatif_failed", f"{layer.name}: what-if statistics: {exc}", exc)
+                        continue
                     entries.append((index, kind, candidate))
-                    rows.append(part.as_tensor())
+                    rows.append(row)
             if not rows:
                 return None
             device = rows[0].device
@@ -174,6 +180,8 @@ class WhatIf:
 
     def _measure(self, layer: _Layer, kind: str, tensor: Tensor) -> None:
         x = tensor.detach()
+        if not plain(x):
+            return  # a subclass (FSDP2's sharded DTensor weight, a torchao wrapper): its values are not all here
         with torch.no_grad():
             for candidate in layer.candidates[kind]:
                 fmt, scaling, rounding = candidate_spec(candidate)
