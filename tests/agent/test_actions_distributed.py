@@ -10,7 +10,7 @@ from tests.agent.test_distributed import _run_two_ranks
 
 WORKER = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     import torch, torch.distributed as dist
     from torch import nn
     import quantwatch.agent as qw
@@ -56,6 +56,7 @@ WORKER = textwrap.dedent(
             "failures": monitor.stats()["failures"],
         }, fh)
     dist.destroy_process_group()
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort it (pytorch/pytorch#190489)
     """
 )
 

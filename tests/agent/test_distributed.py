@@ -14,7 +14,7 @@ import pytest
 
 WORKER = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     import torch, torch.distributed as dist
     from torch import nn
     import torch.nn.functional as F
@@ -46,6 +46,7 @@ WORKER = textwrap.dedent(
                    "metrics": sorted({m for b in sink.batches for r in b.steps for m in r.metrics}),
                    "groups": [list(r.fingerprints.group) for b in sink.batches for r in b.steps]}, fh)
     dist.destroy_process_group()
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort it (pytorch/pytorch#190489)
     """
 )
 
@@ -71,9 +72,9 @@ def _run_two_ranks(worker: str, tmp_path: Path, timeout: float, *args: str) -> l
         )
         for rank in range(2)
     ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=timeout)
-        assert proc.returncode == 0, err
+    errors = [proc.communicate(timeout=timeout)[1] for proc in procs]
+    for rank, (proc, err) in enumerate(zip(procs, errors, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{err}"
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -92,7 +93,7 @@ def test_two_gloo_ranks(tmp_path: Path, ranks: object, reporting: list[bool]) ->
 
 WRAPPED_WORKER = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     import torch, torch.distributed as dist
     from torch import nn
     import quantwatch.agent as qw
@@ -139,6 +140,7 @@ WRAPPED_WORKER = textwrap.dedent(
     with open(f"{out}/rank{rank}.json", "w") as fh:
         json.dump(results, fh)
     dist.destroy_process_group()
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort it (pytorch/pytorch#190489)
     """
 )
 

@@ -20,7 +20,7 @@ from tests.agent.test_distributed import _free_port
 
 WORKER = textwrap.dedent(
     """
-    import sys
+    import os, sys
     import torch, torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
@@ -57,6 +57,7 @@ WORKER = textwrap.dedent(
     for _, monitor in runs:
         assert monitor.close(30)
     dist.destroy_process_group()
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort it (pytorch/pytorch#190489)
     """
 )
 
