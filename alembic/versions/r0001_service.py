@@ -7,39 +7,13 @@ Create Date: 2026-11-30
 
 from __future__ import annotations
 
-from typing import Any
-
 import sqlalchemy as sa
 
 from alembic import op
+from quantwatch.service.migrations.common import RowId, fk, name_id, rank, run_table, series_table, step
 
 revision: str = "0001_service"
 down_revision: str | None = None
-
-RowId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-
-
-def _runs_fk(table: str) -> sa.ForeignKeyConstraint:
-    return sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=f"fk_{table}_run_id_runs", ondelete="CASCADE")
-
-
-def _metric_names_fk(table: str) -> sa.ForeignKeyConstraint:
-    return sa.ForeignKeyConstraint(["name_id"], ["metric_names.id"], name=f"fk_{table}_name_id_metric_names")
-
-
-def _series_table(table: str, *columns: sa.Column[Any], key: tuple[str, ...], **options: Any) -> None:
-    """A table of one metric series' rows: (run, rank, metric name) and ``columns``, keyed by the series and ``key``."""
-    op.create_table(
-        table,
-        sa.Column("run_id", RowId, nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
-        sa.Column("name_id", RowId, nullable=False),
-        *columns,
-        _runs_fk(table),
-        _metric_names_fk(table),
-        sa.PrimaryKeyConstraint("run_id", "rank", "name_id", *key, name=f"pk_{table}"),
-        **options,
-    )
 
 
 def upgrade() -> None:
@@ -54,23 +28,21 @@ def upgrade() -> None:
         sa.UniqueConstraint("name", name="uq_runs_name"),
         sqlite_autoincrement=True,
     )
-    op.create_table(
+    run_table(
         "run_ranks",
-        sa.Column("run_id", RowId, nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
+        rank(),
         sa.Column("first_step", sa.BigInteger(), nullable=False),
         sa.Column("last_step", sa.BigInteger(), nullable=False),
         sa.Column("last_seen_at", sa.Double(), nullable=False),
         sa.Column("points", sa.BigInteger(), nullable=False),
-        _runs_fk("run_ranks"),
-        sa.PrimaryKeyConstraint("run_id", "rank", name="pk_run_ranks"),
+        key=("rank",),
     )
     op.create_table(
         "layers",
         sa.Column("run_id", RowId, nullable=False),
         sa.Column("idx", sa.Integer(), nullable=False),
         sa.Column("name", sa.String(500), nullable=False),
-        _runs_fk("layers"),
+        fk("layers", "run_id", "runs", ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("run_id", "idx", name="pk_layers"),
         sa.UniqueConstraint("run_id", "name", name="uq_layers_run_id_name"),
     )
@@ -81,40 +53,32 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name="pk_metric_names"),
         sa.UniqueConstraint("name", name="uq_metric_names_name"),
     )
-    op.create_table(
-        "run_metrics",
-        sa.Column("run_id", RowId, nullable=False),
-        sa.Column("name_id", RowId, nullable=False),
-        sa.Column("kind", sa.String(8), nullable=False),
-        _runs_fk("run_metrics"),
-        _metric_names_fk("run_metrics"),
-        sa.PrimaryKeyConstraint("run_id", "name_id", "kind", name="pk_run_metrics"),
+    run_table(
+        "run_metrics", name_id(), sa.Column("kind", sa.String(8), nullable=False), key=("name_id", "kind"), metric=True
     )
-    op.create_table(
+    run_table(
         "batches",
-        sa.Column("run_id", RowId, nullable=False),
         sa.Column("batch_id", sa.String(128), nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
+        rank(),
         sa.Column("received_at", sa.Double(), nullable=False),
         sa.Column("points", sa.BigInteger(), nullable=False),
-        _runs_fk("batches"),
-        sa.PrimaryKeyConstraint("run_id", "batch_id", name="pk_batches"),
+        key=("batch_id",),
     )
     op.create_table(
         "points",
         sa.Column("id", RowId, primary_key=True, autoincrement=True),
         sa.Column("run_id", RowId, nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
-        sa.Column("step", sa.BigInteger(), nullable=False),
-        sa.Column("name_id", RowId, nullable=False),
+        rank(),
+        step(),
+        name_id(),
         sa.Column("time", sa.Double(), nullable=True),
         sa.Column("vals", sa.LargeBinary(), nullable=False),
-        _runs_fk("points"),
-        _metric_names_fk("points"),
+        fk("points", "run_id", "runs", ondelete="CASCADE"),
+        fk("points", "name_id", "metric_names"),
         sa.PrimaryKeyConstraint("id", name="pk_points"),
     )
     op.create_index("ix_points_key", "points", ["run_id", "rank", "step", "name_id"], unique=True)
-    _series_table(
+    series_table(
         "rollups",
         sa.Column("level", sa.Integer(), nullable=False),
         sa.Column("bucket", sa.BigInteger(), nullable=False),
@@ -122,9 +86,9 @@ def upgrade() -> None:
         key=("level", "bucket"),
         sqlite_with_rowid=False,
     )
-    _series_table(
+    series_table(
         "scalar_points",
-        sa.Column("step", sa.BigInteger(), nullable=False),
+        step(),
         sa.Column("time", sa.Double(), nullable=True),
         sa.Column("value", sa.LargeBinary(), nullable=False),
         key=("step",),

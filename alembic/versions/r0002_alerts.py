@@ -10,6 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
+from quantwatch.service.migrations.common import fk
 
 revision: str = "0002_alerts"
 down_revision: str | None = "0001_service"
@@ -18,9 +19,7 @@ OPEN = sa.text("state IN ('pending', 'firing')")
 
 
 def _rule_fk(table: str, ondelete: str = "CASCADE") -> sa.ForeignKeyConstraint:
-    return sa.ForeignKeyConstraint(
-        ["rule_id"], ["alert_rules.id"], name=f"fk_{table}_rule_id_alert_rules", ondelete=ondelete
-    )
+    return fk(table, "rule_id", "alert_rules", ondelete=ondelete)
 
 
 def upgrade() -> None:
@@ -134,18 +133,8 @@ def upgrade() -> None:
         sa.Column("last_status_code", sa.Integer(), nullable=True),
         sa.Column("last_error", sa.Text(), nullable=True),
         sa.PrimaryKeyConstraint("id", name="pk_alert_deliveries"),
-        sa.ForeignKeyConstraint(
-            ["episode_id"],
-            ["alert_episodes.id"],
-            name="fk_alert_deliveries_episode_id_alert_episodes",
-            ondelete="CASCADE",
-        ),
-        sa.ForeignKeyConstraint(
-            ["receiver_id"],
-            ["alert_receivers.id"],
-            name="fk_alert_deliveries_receiver_id_alert_receivers",
-            ondelete="CASCADE",
-        ),
+        fk("alert_deliveries", "episode_id", "alert_episodes", ondelete="CASCADE"),
+        fk("alert_deliveries", "receiver_id", "alert_receivers", ondelete="CASCADE"),
         sa.UniqueConstraint("webhook_id", name="uq_alert_deliveries_webhook_id"),
     )
     op.create_index("ix_alert_deliveries_due", "alert_deliveries", ["status", "next_attempt_at"])

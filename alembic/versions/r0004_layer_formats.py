@@ -15,24 +15,21 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
+from quantwatch.service.migrations.common import run_table, step
 
 revision: str = "0004_layer_formats"
 down_revision: str | None = "0003_rollup_level_128"
 
-RowId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-
 
 def upgrade() -> None:
-    op.create_table(
+    run_table(
         "layer_formats",
-        sa.Column("run_id", RowId, nullable=False),
         sa.Column("layer", sa.String(500), nullable=False),
         sa.Column("kind", sa.String(8), nullable=False),
-        sa.Column("step", sa.BigInteger(), nullable=False),
+        step(),
         sa.Column("format", sa.String(64), nullable=False),
         sa.Column("recorded_at", sa.Double(), nullable=False),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_layer_formats_run_id_runs", ondelete="CASCADE"),
-        sa.PrimaryKeyConstraint("run_id", "layer", "kind", "step", name="pk_layer_formats"),
+        key=("layer", "kind", "step"),
     )
     with op.batch_alter_table("alert_series") as batch:
         batch.add_column(sa.Column("baseline", sa.JSON(), nullable=True))

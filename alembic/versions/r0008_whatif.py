@@ -13,19 +13,15 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
+from quantwatch.service.migrations.common import step_table
 
 revision: str = "0008_whatif"
 down_revision: str | None = "0007_rollup_frontier"
 
-RowId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-
 
 def upgrade() -> None:
-    op.create_table(
+    step_table(
         "whatif_points",
-        sa.Column("run_id", RowId, nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
-        sa.Column("step", sa.BigInteger(), nullable=False),
         sa.Column("layer", sa.String(500), nullable=False),
         sa.Column("kind", sa.String(16), nullable=False),
         sa.Column("candidate", sa.String(67), nullable=False),
@@ -33,8 +29,7 @@ def upgrade() -> None:
         sa.Column("rel_l2", sa.Double(), nullable=True),
         sa.Column("underflow_ratio", sa.Double(), nullable=True),
         sa.Column("overflow_ratio", sa.Double(), nullable=True),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_whatif_points_run_id_runs", ondelete="CASCADE"),
-        sa.PrimaryKeyConstraint("run_id", "rank", "step", "layer", "kind", "candidate", name="pk_whatif_points"),
+        key=("layer", "kind", "candidate"),
     )
 
 

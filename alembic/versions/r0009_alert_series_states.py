@@ -19,6 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from alembic import op
+from quantwatch.service.migrations.common import fk
 
 revision: str = "0009_alert_series_states"
 down_revision: str | None = "0008_whatif"
@@ -57,9 +58,7 @@ def _create(table: str, columns: dict[str, tuple[Any, bool]], key: tuple[str, ..
         table,
         *(sa.Column(name, kind, nullable=nullable) for name, (kind, nullable) in columns.items()),
         sa.PrimaryKeyConstraint(*key, name=f"pk_{table}"),
-        sa.ForeignKeyConstraint(
-            ["rule_id"], ["alert_rules.id"], name=f"fk_{table}_rule_id_alert_rules", ondelete="CASCADE"
-        ),
+        fk(table, "rule_id", "alert_rules", ondelete="CASCADE"),
     )
 
 

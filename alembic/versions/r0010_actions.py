@@ -13,26 +13,21 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
+from quantwatch.service.migrations.common import step_table
 
 revision: str = "0010_actions"
 down_revision: str | None = "0009_alert_series_states"
 
-RowId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-
 
 def upgrade() -> None:
-    op.create_table(
+    step_table(
         "run_actions",
-        sa.Column("run_id", RowId, nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
-        sa.Column("step", sa.BigInteger(), nullable=False),
         sa.Column("action", sa.String(32), nullable=False),
         sa.Column("layer", sa.String(500), nullable=False),
         sa.Column("detail", sa.Text(), nullable=False),
         sa.Column("episode_id", sa.BigInteger(), nullable=True),
         sa.Column("recorded_at", sa.Double(), nullable=False),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name="fk_run_actions_run_id_runs", ondelete="CASCADE"),
-        sa.PrimaryKeyConstraint("run_id", "rank", "step", "action", "layer", name="pk_run_actions"),
+        key=("action", "layer"),
     )
 
 
