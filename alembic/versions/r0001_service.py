@@ -1,7 +1,5 @@
 """Collector schema: runs, ranks, layers, metric names, batches, float32 point blobs, rollups, scalars.
 
-Revision ID: 0001_service
-Revises:
 Create Date: 2026-11-30
 """
 

@@ -1,7 +1,5 @@
 """Alerts: rules, receivers, per-series evaluator state, episode groups, episodes and the delivery outbox.
 
-Revision ID: 0002_alerts
-Revises: 0001_service
 Create Date: 2026-11-30
 """
 

@@ -5,8 +5,6 @@ keeps its history. ``alert_series`` gains the state of baseline-relative rules: 
 (``baseline``) and the step of the format change they were collected after (``baseline_since``). Existing series
 have neither: a baseline rule starts collecting at their next sample.
 
-Revision ID: 0004_layer_formats
-Revises: 0003_rollup_level_128
 Create Date: 2026-12-01
 """
 

@@ -1,7 +1,5 @@
 """Cross-rank checks: fingerprints waiting for their replica group, decided comparisons, rank environments.
 
-Revision ID: 0005_ranks
-Revises: 0004_layer_formats
 Create Date: 2026-12-01
 """
 

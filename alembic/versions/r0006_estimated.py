@@ -3,8 +3,6 @@
 One row per estimated metric of a step (a step's ``estimated`` on the wire); a point without a row is exact, so
 existing data needs no change.
 
-Revision ID: 0006_estimated
-Revises: 0005_ranks
 Create Date: 2026-12-01
 """
 

@@ -5,8 +5,6 @@ with the raw points from the frontier on (the raw tail), so answers stay exact w
 path (issue 21). Rows stored before this revision had every rollup written per batch, so their frontier starts just
 past their last step.
 
-Revision ID: 0007_rollup_frontier
-Revises: 0006_estimated
 Create Date: 2026-12-01
 """
 

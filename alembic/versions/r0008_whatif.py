@@ -3,8 +3,6 @@
 One row per (run, rank, step, layer, tensor kind, candidate) of a step's ``whatif`` on the wire; a new table, so
 existing data needs no change.
 
-Revision ID: 0008_whatif
-Revises: 0007_rollup_frontier
 Create Date: 2026-12-01
 """
 

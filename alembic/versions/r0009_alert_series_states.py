@@ -6,8 +6,6 @@ Every series of a rank advances at each sampled step, so a batch read and upsert
 baseline_since]`` (status codes 0 inactive, 1 pending, 2 firing; trailing nulls left out) and a random ``token``
 drawn at each write (0 for the rows carried over). Both directions carry the stored states over.
 
-Revision ID: 0009_alert_series_states
-Revises: 0008_whatif
 Create Date: 2026-12-01
 """
 

@@ -3,8 +3,6 @@
 One row per (run, rank, step, action, layer): the batch's ``actions`` on the wire. A new table; existing data needs no
 change.
 
-Revision ID: 0010_actions
-Revises: 0009_alert_series_states
 Create Date: 2026-12-01
 """
 
