@@ -60,3 +60,13 @@ def name_id() -> sa.Column[Any]:
 def step() -> sa.Column[Any]:
     """The column of a training step."""
     return sa.Column("step", sa.BigInteger(), nullable=False)
+
+
+def run_name() -> sa.Column[Any]:
+    """The column of a run's name, for the tables that hold runs by name (``run``)."""
+    return sa.Column("run", sa.String(200), nullable=False)
+
+
+def layer() -> sa.Column[Any]:
+    """The column of a layer's name (``layer``)."""
+    return sa.Column("layer", sa.String(500), nullable=False)

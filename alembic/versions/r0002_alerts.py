@@ -8,7 +8,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
-from quantwatch.service.migrations.common import fk
+from quantwatch.service.migrations.common import fk, layer, rank, run_name, step
 
 revision: str = "0002_alerts"
 down_revision: str | None = "0001_service"
@@ -53,16 +53,16 @@ def upgrade() -> None:
     )
     op.create_table(
         "alert_cursors",
-        sa.Column("run", sa.String(200), nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
+        run_name(),
+        rank(),
         sa.PrimaryKeyConstraint("run", "rank", name="pk_alert_cursors"),
     )
     op.create_table(
         "alert_series",
         sa.Column("rule_id", sa.Integer(), nullable=False),
-        sa.Column("run", sa.String(200), nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
-        sa.Column("layer", sa.String(500), nullable=False),
+        run_name(),
+        rank(),
+        layer(),
         sa.Column("status", sa.String(16), nullable=False),
         sa.Column("last_step", sa.BigInteger(), nullable=True),
         sa.Column("streak", sa.Integer(), nullable=False),
@@ -74,8 +74,8 @@ def upgrade() -> None:
     op.create_table(
         "alert_groups",
         sa.Column("rule_id", sa.Integer(), nullable=False),
-        sa.Column("run", sa.String(200), nullable=False),
-        sa.Column("layer", sa.String(500), nullable=False),
+        run_name(),
+        layer(),
         sa.Column("episode_id", sa.Integer(), nullable=True),
         sa.PrimaryKeyConstraint("rule_id", "run", "layer", name="pk_alert_groups"),
         _rule_fk("alert_groups"),
@@ -85,12 +85,12 @@ def upgrade() -> None:
         sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
         sa.Column("rule_id", sa.Integer(), nullable=True),
         sa.Column("rule_name", sa.String(128), nullable=False),
-        sa.Column("run", sa.String(200), nullable=False),
-        sa.Column("layer", sa.String(500), nullable=False),
+        run_name(),
+        layer(),
         sa.Column("state", sa.String(16), nullable=False),
         sa.Column("severity", sa.String(16), nullable=False),
         sa.Column("ranks", sa.JSON(), nullable=False),
-        sa.Column("step", sa.BigInteger(), nullable=False),
+        step(),
         sa.Column("value", sa.Double(), nullable=True),
         sa.Column("value_text", sa.String(8), nullable=True),
         sa.Column("pending_step", sa.BigInteger(), nullable=True),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
-from quantwatch.service.migrations.common import run_table, step
+from quantwatch.service.migrations.common import layer, run_table, step
 
 revision: str = "0004_layer_formats"
 down_revision: str | None = "0003_rollup_level_128"
@@ -22,7 +22,7 @@ down_revision: str | None = "0003_rollup_level_128"
 def upgrade() -> None:
     run_table(
         "layer_formats",
-        sa.Column("layer", sa.String(500), nullable=False),
+        layer(),
         sa.Column("kind", sa.String(8), nullable=False),
         step(),
         sa.Column("format", sa.String(64), nullable=False),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
+from quantwatch.service.migrations.common import rank, run_name, step
 
 revision: str = "0005_ranks"
 down_revision: str | None = "0004_layer_formats"
@@ -17,19 +18,19 @@ def upgrade() -> None:
     """Create the rank tables."""
     op.create_table(
         "rank_fingerprints",
-        sa.Column("run", sa.String(200), nullable=False),
+        run_name(),
         sa.Column("group_key", sa.String(400), nullable=False),
-        sa.Column("step", sa.BigInteger(), nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
+        step(),
+        rank(),
         sa.Column("prints", sa.JSON(), nullable=False),
         sa.Column("received_at", sa.Double(), nullable=False),
         sa.PrimaryKeyConstraint("run", "group_key", "step", "rank", name="pk_rank_fingerprints"),
     )
     op.create_table(
         "rank_comparisons",
-        sa.Column("run", sa.String(200), nullable=False),
+        run_name(),
         sa.Column("group_key", sa.String(400), nullable=False),
-        sa.Column("step", sa.BigInteger(), nullable=False),
+        step(),
         sa.Column("status", sa.String(16), nullable=False),
         sa.Column("reported", sa.JSON(), nullable=False),
         sa.Column("mismatches", sa.JSON(), nullable=False),
@@ -38,8 +39,8 @@ def upgrade() -> None:
     )
     op.create_table(
         "rank_environments",
-        sa.Column("run", sa.String(200), nullable=False),
-        sa.Column("rank", sa.Integer(), nullable=False),
+        run_name(),
+        rank(),
         sa.Column("environment", sa.JSON(), nullable=False),
         sa.Column("group_key", sa.String(400), nullable=False),
         sa.Column("reported_at", sa.Double(), nullable=False),

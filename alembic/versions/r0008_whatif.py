@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
-from quantwatch.service.migrations.common import step_table
+from quantwatch.service.migrations.common import layer, step_table
 
 revision: str = "0008_whatif"
 down_revision: str | None = "0007_rollup_frontier"
@@ -20,7 +20,7 @@ down_revision: str | None = "0007_rollup_frontier"
 def upgrade() -> None:
     step_table(
         "whatif_points",
-        sa.Column("layer", sa.String(500), nullable=False),
+        layer(),
         sa.Column("kind", sa.String(16), nullable=False),
         sa.Column("candidate", sa.String(67), nullable=False),
         sa.Column("own", sa.Boolean(), nullable=False),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
-from quantwatch.service.migrations.common import step_table
+from quantwatch.service.migrations.common import layer, step_table
 
 revision: str = "0010_actions"
 down_revision: str | None = "0009_alert_series_states"
@@ -21,7 +21,7 @@ def upgrade() -> None:
     step_table(
         "run_actions",
         sa.Column("action", sa.String(32), nullable=False),
-        sa.Column("layer", sa.String(500), nullable=False),
+        layer(),
         sa.Column("detail", sa.Text(), nullable=False),
         sa.Column("episode_id", sa.BigInteger(), nullable=True),
         sa.Column("recorded_at", sa.Double(), nullable=False),
