@@ -49,12 +49,17 @@ def _fit(module: Any, root: Any, callbacks: list[Any], **options: Any) -> Any:
     return trainer
 
 
-def test_every_optimizer_step_arrives_with_the_modules_layer_names(tmp_path: Any) -> None:
+def _watched(run: str) -> tuple[Regression, qw.InMemoryExporter, QuantWatchCallback]:
+    """A quantized, seeded module, and a callback measuring every step of ``run`` into the in-memory exporter."""
     torch.manual_seed(0)
     module = Regression()
     quantize_model(module, Recipe(default=QuantConfig()))
     sink = qw.InMemoryExporter()
-    callback = QuantWatchCallback(run="lightning-mlp", exporter=sink, every=1)
+    return module, sink, QuantWatchCallback(run=run, exporter=sink, every=1)
+
+
+def test_every_optimizer_step_arrives_with_the_modules_layer_names(tmp_path: Any) -> None:
+    module, sink, callback = _watched("lightning-mlp")
     _fit(module, tmp_path, [callback], accumulate_grad_batches=2)
     steps = [record for batch in sink.batches for record in batch.steps]
     assert [r.step for r in steps] == list(range(1, STEPS + 1))
@@ -81,11 +86,7 @@ class _StopAt(lightning.pytorch.Callback):  # type: ignore[misc]
 
 
 def test_stop_training_stops_the_fit_at_the_next_step_boundary(tmp_path: Any) -> None:
-    torch.manual_seed(0)
-    module = Regression()
-    quantize_model(module, Recipe(default=QuantConfig()))
-    sink = qw.InMemoryExporter()
-    callback = QuantWatchCallback(run="lightning-stop", exporter=sink, every=1)
+    module, sink, callback = _watched("lightning-stop")
     trainer = _fit(module, tmp_path, [callback, _StopAt(callback, 4)])
     assert trainer.global_step < STEPS
     steps = [r.step for batch in sink.batches for r in batch.steps]
