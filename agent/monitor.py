@@ -118,9 +118,8 @@ class Monitor:
         self._lock = threading.Lock()
         self._model = model
         self._deferred = DeferredStatistics(failures, self._clock)
-        self._model_hook: RemovableHandle | None = None
+        self._hooks: list[RemovableHandle] = []  # while armed: the model's forward hook, the optimizer's pre-hook
         self._compiled = CompiledRegions(model)  # run eagerly while hooked: the agent never makes Dynamo recompile
-        self._optimizer_hook: RemovableHandle | None = None
         self._context = AdapterContext(failures, self._clock, self._deferred, reference_dtype)
         self._adapters, self._infos = build_layer_adapters(found, self._context)
         self._whatif = WhatIf(whatif_every, found, self._infos, failures, self._clock)
@@ -321,8 +320,10 @@ class Monitor:
             for adapter in self._adapters:
                 adapter.arm(kinds)
         if kinds & {KIND_WEIGHT, KIND_INPUT, KIND_GRAD}:
-            self._model_hook = self._model.register_forward_hook(self._deferred.on_model_forward)
-            self._optimizer_hook = register_optimizer_step_pre_hook(self._deferred.on_optimizer_step)
+            self._hooks = [
+                self._model.register_forward_hook(self._deferred.on_model_forward),
+                register_optimizer_step_pre_hook(self._deferred.on_optimizer_step),
+            ]
 
     def _end_step(self, adapters: list[LayerAdapter]) -> None:
         """Between two sampled steps that need the same hooks: keep them; compute the deferred statistics."""
@@ -333,12 +334,9 @@ class Monitor:
     def _disarm(self, adapters: list[LayerAdapter]) -> None:
         """Remove every hook; compute the deferred statistics of the step."""
         self._compiled.run_compiled()
-        if self._model_hook is not None:
-            self._model_hook.remove()
-            self._model_hook = None
-        if self._optimizer_hook is not None:
-            self._optimizer_hook.remove()
-            self._optimizer_hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         self._whatif.disarm()
         for adapter in adapters:
             adapter.disarm()
