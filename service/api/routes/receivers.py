@@ -2,40 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, Response
+from fastapi import Body, Response
 
 from quantwatch.service.alerts import queries
 from quantwatch.service.alerts.catalog import ConflictError
 from quantwatch.service.alerts.rules import ReceiverSpec
 from quantwatch.service.alerts.schemas import ReceiverOut
-from quantwatch.service.api.deps import AdminAuth, ReadAuth, StoreDep, reject_nul
-from quantwatch.service.api.named import answer_404, require_path_name
+from quantwatch.service.api.deps import AdminAuth, StoreDep
+from quantwatch.service.api.named import NAME_TAKEN, answer_404, catalog_router, not_found, require_path_name
 from quantwatch.service.api.problems import ProblemError
 
-NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown receiver"}}
-CONFLICT: dict[int | str, dict[str, Any]] = {409: {"description": "The name is taken"}}
+NOT_FOUND = not_found("receiver")
 
-router = APIRouter(prefix="/api/v1/receivers", tags=["alerts"], dependencies=[Depends(reject_nul)])
+LIST_DOC = "Every receiver, without secrets or header values."
+GET_DOC = "One receiver by name, without secrets or header values."
+router = catalog_router("receiver", queries.RECEIVERS, ReceiverOut, every=LIST_DOC, one=GET_DOC)
 
 ReceiverBody = Annotated[ReceiverSpec, Body(description="The receiver; `secret`/`secrets` and headers are write-only.")]
 
 
-@router.get("", response_model=list[ReceiverOut], dependencies=[ReadAuth])
-def list_receivers(store: StoreDep) -> list[ReceiverOut]:
-    """Every receiver, without secrets or header values."""
-    return queries.RECEIVERS.list(store.factory)
-
-
-@router.get("/{name}", response_model=ReceiverOut, dependencies=[ReadAuth], responses=NOT_FOUND)
-def get_receiver(name: str, store: StoreDep) -> ReceiverOut:
-    """One receiver by name, without secrets or header values."""
-    with answer_404("receiver", name):
-        return queries.RECEIVERS.get(store.factory, name)
-
-
-@router.post("", response_model=ReceiverOut, status_code=201, dependencies=[AdminAuth], responses=CONFLICT)
+@router.post("", response_model=ReceiverOut, status_code=201, dependencies=[AdminAuth], responses=NAME_TAKEN)
 def create_receiver(receiver: ReceiverBody, store: StoreDep) -> ReceiverOut:
     """Add a receiver (409 if the name is taken)."""
     try:

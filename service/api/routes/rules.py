@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, Response
+from fastapi import Body, Response
 
 from quantwatch.service.alerts import queries
 from quantwatch.service.alerts.catalog import ConflictError
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.schemas import RuleOut
-from quantwatch.service.api.deps import AdminAuth, AlertsDep, ReadAuth, StoreDep, reject_nul
-from quantwatch.service.api.named import answer_404, require_path_name
+from quantwatch.service.api.deps import AdminAuth, AlertsDep, StoreDep
+from quantwatch.service.api.named import NAME_TAKEN, answer_404, catalog_router, not_found, require_path_name
 from quantwatch.service.api.problems import ProblemError
 
-NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown rule"}}
-CONFLICT: dict[int | str, dict[str, Any]] = {409: {"description": "The name is taken"}}
+NOT_FOUND = not_found("rule")
 
-router = APIRouter(prefix="/api/v1/rules", tags=["alerts"], dependencies=[Depends(reject_nul)])
+LIST_DOC = "Every rule: shipped defaults, rules-file rules and API rules, enabled or not."
+GET_DOC = "One rule by name."
+router = catalog_router("rule", queries.RULES, RuleOut, every=LIST_DOC, one=GET_DOC)
 
 RuleBody = Annotated[Rule, Body(description="The rule; invalid fields are refused with 422 naming them.")]
 
@@ -28,20 +29,7 @@ def _conflict(exc: ConflictError) -> ProblemError:
     return ProblemError(422, f"body.{exc.field}: {exc}", errors=[{"field": f"body.{exc.field}", "message": str(exc)}])
 
 
-@router.get("", response_model=list[RuleOut], dependencies=[ReadAuth])
-def list_rules(store: StoreDep) -> list[RuleOut]:
-    """Every rule: shipped defaults, rules-file rules and API rules, enabled or not."""
-    return queries.RULES.list(store.factory)
-
-
-@router.get("/{name}", response_model=RuleOut, dependencies=[ReadAuth], responses=NOT_FOUND)
-def get_rule(name: str, store: StoreDep) -> RuleOut:
-    """One rule by name."""
-    with answer_404("rule", name):
-        return queries.RULES.get(store.factory, name)
-
-
-@router.post("", response_model=RuleOut, status_code=201, dependencies=[AdminAuth], responses=CONFLICT)
+@router.post("", response_model=RuleOut, status_code=201, dependencies=[AdminAuth], responses=NAME_TAKEN)
 def create_rule(rule: RuleBody, store: StoreDep, alerts: AlertsDep) -> RuleOut:
     """Add a rule (409 if the name is taken)."""
     try:
