@@ -100,17 +100,6 @@ def _round_integer(scaled: Tensor, rounding: Rounding, noise: Tensor | None) -> 
     return low + (noise.to(scaled.dtype) < scaled - low).to(scaled.dtype)
 
 
-def cast_to_format(
-    v: Tensor,
-    fmt: FormatSpec,
-    rounding: Rounding = Rounding.NEAREST,
-    saturate: bool = True,
-    noise: Tensor | None = None,
-) -> Tensor:
-    """Round ``v`` (float32/float64) to the nearest value of ``fmt`` (or stochastically), returning the same dtype."""
-    return cast_with_overflow(v, fmt, rounding, saturate, noise)[0]
-
-
 def replace_overflow(result: Tensor, overflow: Tensor, fmt: FormatSpec, saturate: bool) -> Tensor:
     """``result`` with its ``overflow`` elements replaced as the format defines (magnitudes; callers apply the sign):
     the maximum when saturating or for formats without inf/NaN, inf for IEEE-style formats, NaN for the others."""
@@ -128,7 +117,8 @@ def cast_with_overflow(
     saturate: bool = True,
     noise: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """`cast_to_format` plus the mask of finite inputs that overflowed: rounded beyond ±max, so clipped or inf/NaN.
+    """Round ``v`` (float32/float64) to the nearest value of ``fmt`` (or stochastically), in the same dtype, and the
+    mask of finite inputs that overflowed: rounded beyond ±max, so clipped or inf/NaN.
 
     A value just above the maximum that rounds down to it (448.2 in E4M3) is rounding, not overflow.
     """
@@ -194,7 +184,7 @@ def nvfp4_tensor_scale(amax: Tensor) -> Tensor:
 def nvfp4_block_scale(block_amax: Tensor, tensor_scale: Tensor, element: FormatSpec) -> Tensor:
     """NVFP4 E4M3 block scale: ``(amax / max_elem) / tensor_scale`` clamped to [2^-6, 448] and rounded to E4M3."""
     raw = (block_amax.to(torch.float32) / element.max_value) / tensor_scale
-    return cast_to_format(raw.clamp(NVFP4_BLOCK_SCALE_MIN, FP8_E4M3.max_value), FP8_E4M3)
+    return cast_with_overflow(raw.clamp(NVFP4_BLOCK_SCALE_MIN, FP8_E4M3.max_value), FP8_E4M3)[0]
 
 
 def to_blocks(v: Tensor, block_size: int) -> Tensor:
