@@ -100,6 +100,22 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reinit_after_fork)
 
 
+@dataclass(frozen=True)
+class BatchLimits:
+    """How the engine batches: at most ``max_queue_steps`` steps waiting (the oldest dropped beyond), at most
+    ``max_batch_steps`` per batch, and a batch sent at the latest ``max_delay_seconds`` after its first step."""
+
+    max_queue_steps: int
+    max_batch_steps: int
+    max_delay_seconds: float
+
+    def __post_init__(self) -> None:
+        if self.max_queue_steps < 1 or self.max_batch_steps < 1:
+            raise ValueError("max_queue_steps and max_batch_steps must be >= 1")
+        if self.max_delay_seconds <= 0:
+            raise ValueError("max_delay_seconds must be > 0")
+
+
 class BatchEngine:
     """Queue → batches → exporter, on one daemon thread."""
 
@@ -114,16 +130,10 @@ class BatchEngine:
         max_delay_seconds: float = 2.0,
         failures: FailureLog | None = None,
     ) -> None:
-        if max_queue_steps < 1 or max_batch_steps < 1:
-            raise ValueError("max_queue_steps and max_batch_steps must be >= 1")
-        if max_delay_seconds <= 0:
-            raise ValueError("max_delay_seconds must be > 0")
+        self.limits = BatchLimits(max_queue_steps, max_batch_steps, max_delay_seconds)
         self.exporter = exporter
         self.run = run
         self.rank = rank
-        self.max_queue_steps = max_queue_steps
-        self.max_batch_steps = max_batch_steps
-        self.max_delay_seconds = max_delay_seconds
         self.failures = failures or FailureLog()
         self.submitted_steps = 0
         self.dropped_steps = 0
@@ -157,7 +167,7 @@ class BatchEngine:
                 return
             if self._thread is None:
                 self._start_thread()
-            if len(self._queue) >= self.max_queue_steps:
+            if len(self._queue) >= self.limits.max_queue_steps:
                 self._queue.popleft()
                 self.dropped_steps += 1
                 self._handled += 1
@@ -166,7 +176,7 @@ class BatchEngine:
             self._queue.append(pending)
             self._enqueued += 1
             self.submitted_steps += 1
-            if len(self._queue) >= self.max_batch_steps:
+            if len(self._queue) >= self.limits.max_batch_steps:
                 self._cond.notify_all()
 
     def queued_steps(self) -> int:
@@ -251,14 +261,14 @@ class BatchEngine:
         once nothing is due; ``[]`` means idle, None means exit."""
         with self._cond:
             while True:
-                due = self._first_pending_at + self.max_delay_seconds
+                due = self._first_pending_at + self.limits.max_delay_seconds
                 if self._queue and (
-                    len(self._queue) >= self.max_batch_steps
+                    len(self._queue) >= self.limits.max_batch_steps
                     or self._closing
                     or self._flush_target > self._handled
                     or time.monotonic() >= due
                 ):
-                    count = min(len(self._queue), self.max_batch_steps)
+                    count = min(len(self._queue), self.limits.max_batch_steps)
                     taken = [self._queue.popleft() for _ in range(count)]
                     self._first_pending_at = time.monotonic()
                     return taken
@@ -269,7 +279,7 @@ class BatchEngine:
                 elif self._closing:
                     return None
                 else:
-                    self._cond.wait(self.max_delay_seconds)
+                    self._cond.wait(self.limits.max_delay_seconds)
                     if not self._queue and not self._closing and self._drain_done >= self._drain_requested:
                         return []
 
