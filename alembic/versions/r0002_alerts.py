@@ -5,6 +5,8 @@ Create Date: 2026-11-30
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
 
 from alembic import op
@@ -20,25 +22,31 @@ def _rule_fk(table: str, ondelete: str = "CASCADE") -> sa.ForeignKeyConstraint:
     return fk(table, "rule_id", "alert_rules", ondelete=ondelete)
 
 
-def upgrade() -> None:
-    """Create the alert tables."""
+def _catalog_table(table: str, *columns: sa.Column[Any]) -> None:
+    """A catalog of named objects (rules, receivers): id, unique name, where it came from (``source``), ``columns``
+    and when it last changed."""
     op.create_table(
-        "alert_rules",
+        table,
         sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
         sa.Column("name", sa.String(128), nullable=False),
         sa.Column("source", sa.String(16), nullable=False),
+        *columns,
+        sa.Column("updated_at", sa.Double(), nullable=False),
+        sa.PrimaryKeyConstraint("id", name=f"pk_{table}"),
+        sa.UniqueConstraint("name", name=f"uq_{table}_name"),
+    )
+
+
+def upgrade() -> None:
+    """Create the alert tables."""
+    _catalog_table(
+        "alert_rules",
         sa.Column("definition", sa.JSON(), nullable=False),
         sa.Column("enabled", sa.Boolean(), nullable=False),
         sa.Column("revision", sa.Integer(), nullable=False),
-        sa.Column("updated_at", sa.Double(), nullable=False),
-        sa.PrimaryKeyConstraint("id", name="pk_alert_rules"),
-        sa.UniqueConstraint("name", name="uq_alert_rules_name"),
     )
-    op.create_table(
+    _catalog_table(
         "alert_receivers",
-        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
-        sa.Column("name", sa.String(128), nullable=False),
-        sa.Column("source", sa.String(16), nullable=False),
         sa.Column("type", sa.String(16), nullable=False),
         sa.Column("url", sa.Text(), nullable=False),
         sa.Column("secrets", sa.JSON(), nullable=False),
@@ -47,9 +55,6 @@ def upgrade() -> None:
         sa.Column("send_resolved", sa.Boolean(), nullable=False),
         sa.Column("enabled", sa.Boolean(), nullable=False),
         sa.Column("disabled_reason", sa.Text(), nullable=True),
-        sa.Column("updated_at", sa.Double(), nullable=False),
-        sa.PrimaryKeyConstraint("id", name="pk_alert_receivers"),
-        sa.UniqueConstraint("name", name="uq_alert_receivers_name"),
     )
     op.create_table(
         "alert_cursors",
