@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,12 +29,25 @@ __all__ = [
     "Found",
     "LayerInfo",
     "UnsupportedLayerError",
+    "loaded_classes",
 ]
 
 logger = logging.getLogger("quantwatch.agent")
 
 #: The tensor kinds a layer's format is given for (the protocol's).
 FORMAT_KINDS: tuple[str, ...] = TENSOR_KINDS
+
+
+def loaded_classes(*names: str) -> tuple[type, ...]:
+    """The classes named ``"module:Class"`` whose module is already imported: a layer of such a class exists only
+    once its module is loaded, so recognising one never imports torchao."""
+    classes: list[type] = []
+    for name in names:
+        module_name, _, class_name = name.partition(":")
+        module = sys.modules.get(module_name)
+        if module is not None:
+            classes.append(getattr(module, class_name))
+    return tuple(classes)
 
 
 class UnsupportedLayerError(Exception):

@@ -32,7 +32,13 @@ import torch
 from torch import Tensor, nn
 
 from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, plain_linear_forward
-from quantwatch.agent.adapters.registry import HIGH_PRECISION, Adapter, AdapterContext, UnsupportedLayerError
+from quantwatch.agent.adapters.registry import (
+    HIGH_PRECISION,
+    Adapter,
+    AdapterContext,
+    UnsupportedLayerError,
+    loaded_classes,
+)
 from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, LayerAdapter
 from quantwatch.kernels.decode import float8_to_float32
 
@@ -201,8 +207,7 @@ class Float8LinearAdapter(Adapter):
 
     def recognises(self, module: nn.Module) -> bool:
         """An instance of ``Float8Linear`` (only when torchao's float8 module is loaded: nothing else makes one)."""
-        loaded = sys.modules.get("torchao.float8.float8_linear")
-        return loaded is not None and isinstance(module, loaded.Float8Linear)
+        return isinstance(module, loaded_classes("torchao.float8.float8_linear:Float8Linear"))
 
     def formats(self, module: nn.Module) -> dict[str, str]:
         """The reported cast's format per kind (see the module doc)."""

@@ -16,14 +16,13 @@ whose kernel preference is not ``EMULATED``.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, plain_linear_forward
-from quantwatch.agent.adapters.registry import Adapter, AdapterContext, UnsupportedLayerError
+from quantwatch.agent.adapters.registry import Adapter, AdapterContext, UnsupportedLayerError, loaded_classes
 from quantwatch.agent.adapters.torchao_qat import fake_quantize_format
 from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, LayerAdapter
 
@@ -59,8 +58,7 @@ def _nvfp4_cast(use_per_tensor_scale: bool) -> Cast:
 
 
 def _wrapper_classes() -> tuple[type, ...]:
-    tensor = sys.modules.get("torchao.prototype.moe_training.tensor")
-    return (tensor.MXFP8TrainingWeightWrapperTensor,) if tensor is not None else ()
+    return loaded_classes("torchao.prototype.moe_training.tensor:MXFP8TrainingWeightWrapperTensor")
 
 
 def _unwrap(t: Tensor) -> Tensor:
@@ -78,8 +76,7 @@ class MXFP8TrainingAdapter(Adapter):
 
     def recognises(self, module: nn.Module) -> bool:
         """A linear layer whose weight is MXFP8 training's wrapper tensor."""
-        classes = _wrapper_classes()
-        return bool(classes) and isinstance(module, nn.Linear) and isinstance(module.weight, classes)
+        return isinstance(module, nn.Linear) and isinstance(module.weight, _wrapper_classes())
 
     def formats(self, module: nn.Module) -> dict[str, str]:
         """MXFP8 (E4M3 elements in blocks of 32, E8M0 scales) for every kind."""
@@ -105,8 +102,8 @@ class NVFP4TrainingAdapter(Adapter):
 
     def recognises(self, module: nn.Module) -> bool:
         """An instance of ``NVFP4Linear``."""
-        loaded = sys.modules.get("torchao.prototype.moe_training.nvfp4_training.nvfp4_training")
-        return loaded is not None and isinstance(module, loaded.NVFP4Linear)
+        classes = loaded_classes("torchao.prototype.moe_training.nvfp4_training.nvfp4_training:NVFP4Linear")
+        return isinstance(module, classes)
 
     def formats(self, module: nn.Module) -> dict[str, str]:
         """NVFP4 for every kind (gradients with a random Hadamard transform and stochastic rounding)."""
@@ -121,18 +118,6 @@ class NVFP4TrainingAdapter(Adapter):
         return RecomputedCastLinear(name, module, context, {})
 
 
-def _prototype_qat_classes() -> tuple[type, ...]:
-    classes: list[type] = []
-    for module_name, cls in (("torchao.prototype.qat.mx", "MXFakeQuantizedLinear"),):
-        loaded = sys.modules.get(module_name)
-        if loaded is not None:
-            classes.append(getattr(loaded, cls))
-    nvfp4 = sys.modules.get("torchao.prototype.qat.nvfp4")
-    if nvfp4 is not None:
-        classes.append(nvfp4.NVFP4FakeQuantizedLinear)
-    return tuple(classes)
-
-
 class PrototypeQatAdapter(Adapter):
     """``MXFakeQuantizedLinear`` / ``NVFP4FakeQuantizedLinear`` of torchao's prototype QAT: weight and input casts
     recomputed with ``MXTensor.to_mx`` / ``NVFP4Tensor.to_nvfp4`` and the layer's configs; gradients stay in high
@@ -142,8 +127,10 @@ class PrototypeQatAdapter(Adapter):
 
     def recognises(self, module: nn.Module) -> bool:
         """An instance of one of the prototype fake-quantized linears."""
-        classes = _prototype_qat_classes()
-        return bool(classes) and isinstance(module, classes)
+        classes = loaded_classes(
+            "torchao.prototype.qat.mx:MXFakeQuantizedLinear", "torchao.prototype.qat.nvfp4:NVFP4FakeQuantizedLinear"
+        )
+        return isinstance(module, classes)
 
     def formats(self, module: nn.Module) -> dict[str, str]:
         """From the layer's ``weight_config`` and ``activation_config``."""

@@ -10,7 +10,6 @@ dtype.  Gradients are not quantized by torchao QAT: ``grad`` is ``high_precision
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,13 @@ import torch
 from torch import Tensor, nn
 
 from quantwatch.agent.adapters.linear import ShadowedLayer
-from quantwatch.agent.adapters.registry import HIGH_PRECISION, Adapter, AdapterContext, UnsupportedLayerError
+from quantwatch.agent.adapters.registry import (
+    HIGH_PRECISION,
+    Adapter,
+    AdapterContext,
+    UnsupportedLayerError,
+    loaded_classes,
+)
 from quantwatch.agent.layers import KIND_INPUT, KIND_WEIGHT, LayerAdapter
 from quantwatch.kernels import error_stats
 
@@ -64,17 +69,6 @@ def fake_quantize_format(config: Any) -> str:
         name = _INT_NAMES.get(dtype, str(dtype).removeprefix("torch."))
         return f"{name}:{_granularity(config.granularity)}"
     return "unknown"
-
-
-def _qat_classes() -> tuple[type, ...]:
-    classes: list[type] = []
-    linear = sys.modules.get("torchao.quantization.qat.linear")
-    if linear is not None:
-        classes.append(linear.FakeQuantizedLinear)
-    embedding = sys.modules.get("torchao.quantization.qat.embedding")
-    if embedding is not None:
-        classes.append(embedding.FakeQuantizedEmbedding)
-    return tuple(classes)
 
 
 class TorchAoQatLayer(ShadowedLayer):
@@ -140,8 +134,11 @@ class TorchAoQatAdapter(Adapter):
 
     def recognises(self, module: nn.Module) -> bool:
         """An instance of torchao's fake-quantized linear or embedding."""
-        classes = _qat_classes()
-        return bool(classes) and isinstance(module, classes)
+        classes = loaded_classes(
+            "torchao.quantization.qat.linear:FakeQuantizedLinear",
+            "torchao.quantization.qat.embedding:FakeQuantizedEmbedding",
+        )
+        return isinstance(module, classes)
 
     def formats(self, module: nn.Module) -> dict[str, str]:
         """From the fake quantizers' configs; a switched-off fake quantizer (``enabled = False``) is high precision."""
