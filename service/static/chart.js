@@ -1,5 +1,5 @@
 // Line charts (a series' mean with its min/max band, the loss against the shadow's loss) and their hover.
-import { $, placeTooltip, setupCanvas } from "./dom.js";
+import { placeTooltip, setupCanvas } from "./dom.js";
 import { formatBound, formatTick, formatValue, niceTicks, toNumber } from "./format.js";
 
 const CHART = { left: 58, right: 14, top: 10, bottom: 26 };
@@ -189,9 +189,26 @@ export function drawChart(canvas, spec) {
   return true;
 }
 
-export function installChartHover(canvasId, tooltipId) {
-  const canvas = $(canvasId);
-  const tooltip = $(tooltipId);
+// Fill a `.chart-wrap` whose data-chart is NAME: canvas #NAME (labelled by data-label), its hover tooltip
+// #NAME-tooltip and its empty-state overlay #NAME-empty, the ids the series panels draw and write to.
+export function mountChart(wrap) {
+  const name = wrap.dataset.chart;
+  const canvas = document.createElement("canvas");
+  canvas.id = name;
+  canvas.setAttribute("aria-label", wrap.dataset.label);
+  const tooltip = document.createElement("div");
+  tooltip.id = `${name}-tooltip`;
+  tooltip.className = "tooltip";
+  tooltip.hidden = true;
+  const empty = document.createElement("p");
+  empty.id = `${name}-empty`;
+  empty.className = "empty overlay";
+  empty.hidden = true;
+  wrap.append(canvas, tooltip, empty);
+  installChartHover(canvas, tooltip);
+}
+
+function installChartHover(canvas, tooltip) {
   canvas.addEventListener("mousemove", (event) => {
     const chart = canvas._chart;
     if (!chart) return;

@@ -5,7 +5,7 @@ import { loadAlerts } from "./alerts.js";
 import { onAuthProblem, pick, TOKEN_KEY } from "./api.js";
 import { clearBanner, showAuthProblem } from "./banner.js";
 import { loadCatalog } from "./catalog.js";
-import { installChartHover } from "./chart.js";
+import { mountChart } from "./chart.js";
 import { $ } from "./dom.js";
 import { drawHeatmap, installHeatmapEvents, loadHeatmap } from "./heatmap.js";
 import { globMatches } from "./rules.js";
@@ -149,12 +149,11 @@ function openLatestRun() {
 }
 
 async function start() {
+  document.querySelectorAll(".chart-wrap[data-chart]").forEach(mountChart);
   onAuthProblem(showAuthProblem);
   installControls();
   installHeatmapEvents();
   installRankViewEvents();
-  installChartHover("series", "series-tooltip");
-  installChartHover("loss", "loss-tooltip");
   await Promise.all([loadRuns(), loadRules(), loadCatalog()]);
   if (!openLatestRun()) applyHash();
 }
