@@ -1,7 +1,4 @@
-"""${message}
-
-Create Date: ${create_date}
-"""
+"""${message}"""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Collector schema: runs, ranks, layers, metric names, batches, float32 point blobs, rollups, scalars.
-
-Create Date: 2026-11-30
-"""
+"""Collector schema: runs, ranks, layers, metric names, batches, float32 point blobs, rollups, scalars."""
 
 from __future__ import annotations
 

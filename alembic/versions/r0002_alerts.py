@@ -1,7 +1,4 @@
-"""Alerts: rules, receivers, per-series evaluator state, episode groups, episodes and the delivery outbox.
-
-Create Date: 2026-11-30
-"""
+"""Alerts: rules, receivers, per-series evaluator state, episode groups, episodes and the delivery outbox."""
 
 from __future__ import annotations
 

@@ -6,8 +6,6 @@ unchanged (``rollups.level`` is data), so the backfill is the whole migration; d
 
 Self-contained on purpose (a migration must not change meaning when the application code moves on): the record
 layout is the one of revision 0001, per layer min float32, max float32, sum float64, count uint16, little-endian.
-
-Create Date: 2026-11-30
 """
 
 from __future__ import annotations

@@ -4,8 +4,6 @@
 keeps its history. ``alert_series`` gains the state of baseline-relative rules: the first samples of a series
 (``baseline``) and the step of the format change they were collected after (``baseline_since``). Existing series
 have neither: a baseline rule starts collecting at their next sample.
-
-Create Date: 2026-12-01
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""Cross-rank checks: fingerprints waiting for their replica group, decided comparisons, rank environments.
-
-Create Date: 2026-12-01
-"""
+"""Cross-rank checks: fingerprints waiting for their replica group, decided comparisons, rank environments."""
 
 from __future__ import annotations
 

@@ -2,8 +2,6 @@
 
 One row per estimated metric of a step (a step's ``estimated`` on the wire); a point without a row is exact, so
 existing data needs no change.
-
-Create Date: 2026-12-01
 """
 
 from __future__ import annotations

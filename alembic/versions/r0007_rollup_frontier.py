@@ -4,8 +4,6 @@
 with the raw points from the frontier on (the raw tail), so answers stay exact while the rollups trail the ingest
 path (issue 21). Rows stored before this revision had every rollup written per batch, so their frontier starts just
 past their last step.
-
-Create Date: 2026-12-01
 """
 
 from __future__ import annotations

@@ -2,8 +2,6 @@
 
 One row per (run, rank, step, layer, tensor kind, candidate) of a step's ``whatif`` on the wire; a new table, so
 existing data needs no change.
-
-Create Date: 2026-12-01
 """
 
 from __future__ import annotations

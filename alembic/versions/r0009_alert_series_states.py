@@ -5,8 +5,6 @@ Every series of a rank advances at each sampled step, so a batch read and upsert
 ``alert_series_states`` maps each layer to ``[status code, last_step, streak, clear_streak, last_value, baseline,
 baseline_since]`` (status codes 0 inactive, 1 pending, 2 firing; trailing nulls left out) and a random ``token``
 drawn at each write (0 for the rows carried over). Both directions carry the stored states over.
-
-Create Date: 2026-12-01
 """
 
 from __future__ import annotations

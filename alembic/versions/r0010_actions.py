@@ -2,8 +2,6 @@
 
 One row per (run, rank, step, action, layer): the batch's ``actions`` on the wire. A new table; existing data needs no
 change.
-
-Create Date: 2026-12-01
 """
 
 from __future__ import annotations
