@@ -51,7 +51,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from quantwatch.agent.adapters.linear import plain_linear_forward, runs_plain_linear
+from quantwatch.agent.adapters.linear import (
+    plain_linear_forward,
+    runs_plain_linear,
+    training_weight_class,
+    training_weight_classes,
+)
 from quantwatch.agent.adapters.torchao_float8 import Float8LinearAdapter, Float8TrainingWeightAdapter
 from quantwatch.agent.adapters.torchao_mx import MXFP8TrainingAdapter, NVFP4TrainingAdapter, PrototypeQatAdapter
 from quantwatch.agent.adapters.torchao_qat import TorchAoQatAdapter
@@ -240,14 +245,14 @@ def _switch_training_weight(module: nn.Module, fmt: str | None) -> None:
     if fmt is None:
         plain_linear_forward(module)
         return
-    tensor: Any = sys.modules["torchao.prototype.moe_training.tensor"]
-    wrappers = [p for p in module.parameters(recurse=False) if isinstance(p, tensor.TrainingWeightWrapperBaseTensor)]
-    if fmt in FLOAT8_RECIPES:
+    wrappers = [p for p in module.parameters(recurse=False) if isinstance(p, training_weight_classes())]
+    float8, mxfp8 = (training_weight_class(f"{kind}TrainingWeightWrapperTensor") for kind in ("Float8", "MXFP8"))
+    if fmt in FLOAT8_RECIPES and float8 is not None:
         config = _float8_op_config(fmt, _weight(module).device)
         for parameter in wrappers:
-            parameter.__class__ = tensor.Float8TrainingWeightWrapperTensor
-            parameter.config = config
-    elif fmt != "mxfp8" or not all(isinstance(p, tensor.MXFP8TrainingWeightWrapperTensor) for p in wrappers):
+            parameter.__class__ = float8  # the two wrapper classes share their layout: `_data` and `config`
+            setattr(parameter, "config", config)  # noqa: B010 (the wrapper's attribute)
+    elif fmt != "mxfp8" or mxfp8 is None or not all(isinstance(p, mxfp8) for p in wrappers):
         raise _refused(module, fmt, f"None, a float8 recipe ({_RECIPE_NAMES}) or, an MXFP8 layer, 'mxfp8'")
     _restore_forward(module)
 

@@ -36,6 +36,7 @@ __all__ = [
     "plain_linear_forward",
     "reference_dtype",
     "runs_plain_linear",
+    "training_weight_class",
     "training_weight_classes",
 ]
 
@@ -55,11 +56,18 @@ def reference_dtype(context: AdapterContext) -> torch.dtype:
     return REFERENCE_DTYPES[context.reference_dtype]
 
 
-def training_weight_classes() -> tuple[type, ...]:
-    """torchao's training weight wrappers (``TrainingWeightWrapperBaseTensor``: MXFP8 and float8 training wrap every
-    parameter of the module in one), once torchao's module is loaded."""
+def training_weight_class(name: str = "TrainingWeightWrapperBaseTensor") -> type | None:
+    """A torchao training weight wrapper class (``TrainingWeightWrapperBaseTensor``: MXFP8 and float8 training wrap
+    every parameter of the module in one) by name; None while torchao's module is not loaded (no layer has one)."""
     tensor = sys.modules.get("torchao.prototype.moe_training.tensor")
-    return (tensor.TrainingWeightWrapperBaseTensor,) if tensor is not None else ()
+    found: type | None = getattr(tensor, name, None) if tensor is not None else None
+    return found
+
+
+def training_weight_classes() -> tuple[type, ...]:
+    """The base of torchao's training weight wrappers, as an ``isinstance`` tuple (empty: none can exist)."""
+    base = training_weight_class()
+    return (base,) if base is not None else ()
 
 
 def high_precision_data(t: Tensor) -> Tensor:

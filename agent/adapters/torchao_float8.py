@@ -43,6 +43,7 @@ from quantwatch.agent.adapters.linear import (
     high_precision_data,
     plain_linear_forward,
     runs_plain_linear,
+    training_weight_class,
 )
 from quantwatch.agent.adapters.registry import (
     FORMAT_KINDS,
@@ -256,11 +257,6 @@ def _casts(config: Any, mm_config: Any) -> dict[int, Cast]:
     return {kind: _cast(config, mm_config, kind, *chosen) for kind, chosen in _reported(config).items() if chosen}
 
 
-def _float8_wrapper() -> type | None:
-    tensor = sys.modules.get("torchao.prototype.moe_training.tensor")
-    return tensor.Float8TrainingWeightWrapperTensor if tensor is not None else None
-
-
 class Float8TrainingWeightAdapter(Adapter):
     """``nn.Linear`` whose parameters torchao's ``Float8TrainingOpConfig`` wrapped in a
     ``Float8TrainingWeightWrapperTensor`` (its linear runs ``Float8Linear``'s GEMMs with the recipe's
@@ -270,7 +266,7 @@ class Float8TrainingWeightAdapter(Adapter):
 
     def recognises(self, module: nn.Module) -> bool:
         """A linear layer whose weight is float8 training's wrapper tensor."""
-        wrapper = _float8_wrapper()
+        wrapper = training_weight_class("Float8TrainingWeightWrapperTensor")
         return wrapper is not None and isinstance(module, nn.Linear) and isinstance(module.weight, wrapper)
 
     def formats(self, module: nn.Module) -> dict[str, str]:

@@ -33,6 +33,7 @@ from quantwatch.agent.adapters.linear import (
     high_precision_data,
     plain_linear_forward,
     runs_plain_linear,
+    training_weight_class,
 )
 from quantwatch.agent.adapters.registry import (
     FORMAT_KINDS,
@@ -76,11 +77,6 @@ def _nvfp4_cast(use_per_tensor_scale: bool) -> Cast:
     return cast
 
 
-def _mxfp8_wrapper() -> type | None:
-    tensor = sys.modules.get("torchao.prototype.moe_training.tensor")
-    return tensor.MXFP8TrainingWeightWrapperTensor if tensor is not None else None
-
-
 class MXFP8TrainingAdapter(Adapter):
     """``nn.Linear`` whose weight torchao MXFP8 training swapped for an ``MXFP8TrainingWeightWrapperTensor``."""
 
@@ -88,7 +84,7 @@ class MXFP8TrainingAdapter(Adapter):
 
     def recognises(self, module: nn.Module) -> bool:
         """A linear layer whose weight is MXFP8 training's wrapper tensor."""
-        wrapper = _mxfp8_wrapper()
+        wrapper = training_weight_class("MXFP8TrainingWeightWrapperTensor")
         return wrapper is not None and isinstance(module, nn.Linear) and isinstance(module.weight, wrapper)
 
     def formats(self, module: nn.Module) -> dict[str, str]:
