@@ -345,9 +345,10 @@ def keep_high_precision(
     layers: str | Iterable[str], format: str | None = None, *, monitor: Monitor | None = None
 ) -> None:
     """Switch the quantization of ``layers`` (qualified names or glob patterns, as ``attach(layers=...)``) off, or to
-    ``format`` (a QuantWatch format or preset name; ``"fp8"``: E4M3 forward, E5M2 gradients), at the next step
-    boundary (see the module doc); for QuantLinear and what ``quantize_model`` made, torchao ``Float8Linear`` and
-    torchao QAT layers (those two only off). Raises ConfigError for an invalid ``layers`` or ``format``."""
+    ``format`` (``"fp8"``: E4M3 forward, E5M2 gradients; a torchao float8 recipe ``"fp8:rowwise"``, ...; a QuantWatch
+    format or preset name), at the next step boundary (see the module doc), in place, for every layer kind an adapter
+    measures; which kind takes which format: :mod:`quantwatch.agent.precision`. Raises ConfigError for an invalid
+    ``layers`` or ``format``; a format a matched layer cannot take is recorded in ``monitor.failures``."""
     names = (layers,) if isinstance(layers, str) else tuple(layers)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ConfigError("layers", f"must be a layer name or pattern, or a list of them, got {layers!r}")
