@@ -49,11 +49,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from quantwatch.agent.adapters.discovery import layer_formats
+from quantwatch.agent.adapters.discovery import adapter_for, layer_formats
 from quantwatch.agent.adapters.registry import LayerInfo
 from quantwatch.agent.engine import PendingStep
 from quantwatch.agent.errors import ConfigError
-from quantwatch.agent.precision import check_format, switch_precision
+from quantwatch.agent.precision import check_format, switch_precision, switchable
+from quantwatch.agent.readout import metric_kinds
+from quantwatch.agent.shadow import ShadowOptions
 from quantwatch.agent.wire import StepRecord, wire_formats
 from quantwatch.agent.wrappers import named_modules, unwrap
 from quantwatch.protocol import FIRING_EPISODE_KEYS, Action
@@ -230,19 +232,25 @@ def _distributed() -> bool:
 
 
 def _keep(loop: ActionLoop, monitor: Monitor, step: int, request: Request) -> list[Action]:
-    modules = dict(named_modules(monitor._model))
+    matched = [(name, module) for name, module in named_modules(monitor._model)
+               if name and any(fnmatch.fnmatchcase(name, pattern) for pattern in request.layers)]  # fmt: skip
+    layers = [(name, module) for name, module in matched if switchable(module)]
+    if not layers:
+        which = "no layer it can switch" if matched else "no layer"
+        monitor.failures.record("action_layers", f"keep_high_precision: {which} matches {list(request.layers)}")
     taken = []
-    for name, module in modules.items():
-        if not name or not any(fnmatch.fnmatchcase(name, pattern) for pattern in request.layers):
-            continue
+    for name, module in layers:
         before = layer_formats(name, module) or {}
-        switch_precision(module, request.format)
+        try:
+            switch_precision(module, request.format)
+        except Exception as exc:  # that layer stays as it was; the others are switched
+            what = f"layer {name!r} ({type(module).__name__}) not switched to format={request.format!r}"
+            monitor.failures.record("action_keep_high_precision", f"keep_high_precision: {what} at step {step}: {exc}")
+            continue
         after = layer_formats(name, module) or {}
         changes = [f"{kind} {before.get(kind)} → {after[kind]}" for kind in after if after[kind] != before.get(kind)]
         if changes:
             taken.append(Action(step, "keep_high_precision", name, "; ".join(changes), request.episode))
-    if not taken and not any(fnmatch.filter(modules, pattern) for pattern in request.layers):
-        monitor.failures.record("action_layers", f"keep_high_precision: no layer matches {list(request.layers)}")
     return taken
 
 
@@ -277,21 +285,41 @@ _APPLY: dict[str, Callable[[ActionLoop, Monitor, int, Request], list[Action]]] =
 
 
 def _record(monitor: Monitor, step: int, taken: list[Action]) -> None:
-    """The layers' formats from now on, and the actions to the collector with the next batch."""
+    """The layers' formats and measurers from now on, and the actions to the collector with the next batch."""
     changed = {a.layer for a in taken if a.layer}
     modules = dict(named_modules(monitor._model)) if changed else {}
     with monitor._lock:
         for index, info in enumerate(monitor._infos):
-            formats = layer_formats(info.name, modules[info.name]) if info.name in changed else None
-            if formats is not None:
-                monitor._infos[index] = LayerInfo(info.name, info.adapter, formats)
-                monitor._wire_formats[info.name] = wire_formats(info.name, formats)
+            if info.name in changed:
+                _remeasure(monitor, index, info, modules[info.name])
         monitor._wire_layers = monitor._layers_on_the_wire()
     engine = monitor._engine
     if engine is not None and monitor.reporting:
         layers, formats_on_wire = monitor._wire_layers
         record = StepRecord(step, time.time())
         engine.submit(PendingStep(layers, lambda: record, formats_on_wire, tuple(taken)))
+
+
+def _remeasure(monitor: Monitor, index: int, info: LayerInfo, module: torch.nn.Module) -> None:
+    """A switched layer's new formats, and a new measurer from the adapter recognising it now (its casts are not the
+    ones the old measurer recomputes), armed as the old one was."""
+    adapter = adapter_for(module)
+    if adapter is None:
+        return
+    try:
+        measurer = adapter.create(info.name, module, monitor._context)
+    except Exception as exc:
+        monitor.failures.record("action_remeasure", f"{info.name}: no measurer for its new formats: {exc}", exc)
+        return
+    old = monitor._adapters[index]
+    measurer.configure(getattr(old, "options", ShadowOptions()), index)
+    if monitor._armed:
+        old.disarm()
+        measurer.arm(metric_kinds(monitor._armed))
+    monitor._adapters[index] = measurer
+    formats = layer_formats(info.name, module) or dict(info.formats)
+    monitor._infos[index] = LayerInfo(info.name, adapter.name, formats)
+    monitor._wire_formats[info.name] = wire_formats(info.name, formats)
 
 
 def _loop_for(monitor: Monitor | None) -> ActionLoop:
@@ -317,9 +345,10 @@ def keep_high_precision(
     layers: str | Iterable[str], format: str | None = None, *, monitor: Monitor | None = None
 ) -> None:
     """Switch the quantization of ``layers`` (qualified names or glob patterns, as ``attach(layers=...)``) off, or to
-    ``format`` (a QuantWatch format or preset name; ``"fp8"``: E4M3 forward, E5M2 gradients), at the next step
-    boundary (see the module doc); for QuantLinear and what ``quantize_model`` made, torchao ``Float8Linear`` and
-    torchao QAT layers (those two only off). Raises ConfigError for an invalid ``layers`` or ``format``."""
+    ``format`` (``"fp8"``: E4M3 forward, E5M2 gradients; a torchao float8 recipe ``"fp8:rowwise"``, ...; a QuantWatch
+    format or preset name), at the next step boundary (see the module doc), in place, for every layer kind an adapter
+    measures; which kind takes which format: :mod:`quantwatch.agent.precision`. Raises ConfigError for an invalid
+    ``layers`` or ``format``; a format a matched layer cannot take is recorded in ``monitor.failures``."""
     names = (layers,) if isinstance(layers, str) else tuple(layers)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ConfigError("layers", f"must be a layer name or pattern, or a list of them, got {layers!r}")

@@ -24,6 +24,7 @@ from quantwatch.agent.wrappers import named_modules
 
 __all__ = [
     "AdapterHandle",
+    "adapter_for",
     "build_layer_adapters",
     "dequantize_shadow",
     "find_layers",
@@ -89,10 +90,16 @@ def _formats(adapter: Adapter, name: str, module: nn.Module) -> dict[str, str]:
     return {kind: str(found.get(kind, "unknown")) for kind in FORMAT_KINDS}
 
 
+def adapter_for(module: nn.Module) -> Adapter | None:
+    """The adapter recognising ``module`` now (None: none does), for a layer whose quantization changed during
+    training."""
+    return _recognising(module, registered_adapters(), set())
+
+
 def layer_formats(name: str, module: nn.Module) -> dict[str, str] | None:
     """The format per tensor kind of ``module`` as the adapter recognising it tells now (None: none recognises it),
     for a layer whose quantization changed during training."""
-    adapter = _recognising(module, registered_adapters(), set())
+    adapter = adapter_for(module)
     return None if adapter is None else _formats(adapter, name, module)
 
 

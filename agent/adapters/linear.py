@@ -11,6 +11,8 @@ dtype (FP32 by default) with autocast off, and its weight gradient ``grad_output
 from __future__ import annotations
 
 import functools
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +27,18 @@ from quantwatch.agent.shadow import REFERENCE_DTYPES
 from quantwatch.kernels import ErrorStats
 from quantwatch.kernels.stats import stats_from_masks
 
-__all__ = ["Cast", "CastResult", "RecomputedCastLinear", "ShadowedLayer", "plain_linear_forward", "reference_dtype"]
+__all__ = [
+    "Cast",
+    "CastResult",
+    "RecomputedCastLinear",
+    "ShadowedLayer",
+    "high_precision_data",
+    "plain_linear_forward",
+    "reference_dtype",
+    "runs_plain_linear",
+    "training_weight_class",
+    "training_weight_classes",
+]
 
 
 class ShadowedLayer(_ShadowedModuleAdapter):
@@ -43,17 +56,57 @@ def reference_dtype(context: AdapterContext) -> torch.dtype:
     return REFERENCE_DTYPES[context.reference_dtype]
 
 
+def training_weight_class(name: str = "TrainingWeightWrapperBaseTensor") -> type | None:
+    """A torchao training weight wrapper class (``TrainingWeightWrapperBaseTensor``: MXFP8 and float8 training wrap
+    every parameter of the module in one) by name; None while torchao's module is not loaded (no layer has one)."""
+    tensor = sys.modules.get("torchao.prototype.moe_training.tensor")
+    found: type | None = getattr(tensor, name, None) if tensor is not None else None
+    return found
+
+
+def training_weight_classes() -> tuple[type, ...]:
+    """The base of torchao's training weight wrappers, as an ``isinstance`` tuple (empty: none can exist)."""
+    base = training_weight_class()
+    return (base,) if base is not None else ()
+
+
+def high_precision_data(t: Tensor) -> Tensor:
+    """The high-precision tensor inside a torchao training weight wrapper; ``t`` itself otherwise."""
+    if isinstance(t, training_weight_classes()):
+        data: Tensor = getattr(t, "_data")  # noqa: B009
+        return data
+    return t
+
+
+def _differentiable_data(t: Tensor) -> Tensor:
+    """As `high_precision_data`, through torchao's ``unwrap_weight`` (its gradient reaches the wrapper parameter)."""
+    if isinstance(t, training_weight_classes()):
+        from torchao.prototype.moe_training.utils import unwrap_weight
+
+        unwrapped: Tensor = unwrap_weight(t)
+        return unwrapped
+    return t
+
+
+def _plain_linear(module: nn.Module, x: Tensor) -> Tensor:
+    weight, bias = module.weight, module.bias
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"{type(module).__name__} has no weight tensor")
+    return linear(x, _differentiable_data(weight), _differentiable_data(bias) if isinstance(bias, Tensor) else None)
+
+
 def plain_linear_forward(module: nn.Module) -> None:
-    """Replace ``module``'s forward by ``F.linear(x, weight, bias)`` on its own parameters (for the shadow model)."""
-
-    def forward(x: Tensor) -> Tensor:
-        weight, bias = module.weight, module.bias
-        if not isinstance(weight, Tensor):
-            raise TypeError(f"{type(module).__name__} has no weight tensor")
-        return linear(x, weight, bias if isinstance(bias, Tensor) else None)
-
+    """Replace ``module``'s forward by ``F.linear(x, weight, bias)`` on its own parameters (the data inside a torchao
+    training weight wrapper, its gradient still the wrapper's): for the shadow model, and a layer kept in high
+    precision (:mod:`quantwatch.agent.precision`)."""
     # An instance attribute: nn.Module.__call__ looks `forward` up on the instance first.
-    module.forward = forward
+    module.forward = types.MethodType(_plain_linear, module)
+
+
+def runs_plain_linear(module: nn.Module) -> bool:
+    """Whether `plain_linear_forward` replaced ``module``'s forward."""
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, types.MethodType) and forward.__func__ is _plain_linear
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,11 @@ that wrapper cannot be installed (a torchao that calls its casts otherwise), the
 own ``hp_tensor_to_float8_dynamic`` on the layer's ``config`` and ``linear_mm_config`` (dynamic scaling is
 deterministic: the same values the layer computed with).  ``scale`` is the dequantization scale ``1 / torchao's
 scale`` (largest over rows), as everywhere in QuantWatch.
+
+An ``nn.Linear`` whose parameters ``Float8TrainingOpConfig`` (torchao's MoE-training API, or
+``qw.actions.keep_high_precision(..., format="fp8")`` on an MXFP8 training layer) wrapped in a
+``Float8TrainingWeightWrapperTensor`` runs the same GEMMs with the wrapper's ``Float8LinearConfig``: same formats,
+its casts recomputed.
 """
 
 from __future__ import annotations
@@ -31,8 +36,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, plain_linear_forward
+from quantwatch.agent.adapters.linear import (
+    Cast,
+    CastResult,
+    RecomputedCastLinear,
+    high_precision_data,
+    plain_linear_forward,
+    runs_plain_linear,
+    training_weight_class,
+)
 from quantwatch.agent.adapters.registry import (
+    FORMAT_KINDS,
     HIGH_PRECISION,
     Adapter,
     AdapterContext,
@@ -42,7 +56,7 @@ from quantwatch.agent.adapters.registry import (
 from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, LayerAdapter
 from quantwatch.kernels.decode import float8_to_float32
 
-__all__ = ["Float8LinearAdapter", "float8_format"]
+__all__ = ["Float8LinearAdapter", "Float8TrainingWeightAdapter", "float8_format"]
 
 _FLOAT8_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
@@ -87,12 +101,11 @@ def _reported(config: Any) -> dict[int, tuple[Any, str, int] | None]:
     return chosen
 
 
-def _cast(module: nn.Module, kind: int, cast_config: Any, role: str, axis: int) -> Cast:
+def _cast(config: Any, mm_config: Any, kind: int, cast_config: Any, role: str, axis: int) -> Cast:
+    """One cast of a layer of ``Float8LinearConfig`` ``config`` and ``LinearMMConfig`` ``mm_config``."""
     from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import GemmInputRole
 
-    config: Any = getattr(module, "config")  # noqa: B009 (torchao's attribute, untyped)
-    mm_config: Any = getattr(module, "linear_mm_config")  # noqa: B009
     gemm_role = GemmInputRole[role]
     dtype = cast_config.target_dtype
     fmax = torch.finfo(dtype).max
@@ -211,12 +224,7 @@ class Float8LinearAdapter(Adapter):
 
     def formats(self, module: nn.Module) -> dict[str, str]:
         """The reported cast's format per kind (see the module doc)."""
-        names = {KIND_WEIGHT: "weight", KIND_INPUT: "input", KIND_GRAD: "grad"}
-        out: dict[str, str] = {}
-        for kind, chosen in _reported(module.config).items():
-            fmt = float8_format(chosen[0]) if chosen is not None else None
-            out[names[kind]] = fmt or HIGH_PRECISION
-        return out
+        return _formats(module.config)
 
     def dequantize(self, module: nn.Module) -> None:
         """The shadow copy runs ``F.linear`` on the high-precision weight."""
@@ -229,11 +237,53 @@ class Float8LinearAdapter(Adapter):
             raise UnsupportedLayerError("no config / linear_mm_config attribute (a newer torchao renamed them?)")
         if getattr(config, "enable_fsdp_float8_all_gather", False):
             raise UnsupportedLayerError("enable_fsdp_float8_all_gather (the weight is cast before the layer sees it)")
-        reported = _reported(config)
-        casts = {kind: _cast(module, kind, *chosen) for kind, chosen in reported.items() if chosen is not None}
+        casts = _casts(config, getattr(module, "linear_mm_config"))  # noqa: B009 (torchao's attribute, untyped)
         if not _CAPTURE.available():
             return RecomputedCastLinear(name, module, context, casts, prepare_input=_autocast_input)
-        return _CapturedCastLinear(name, module, context, casts)
+        return _CapturedCastLinear(name, module, context, casts, config)
+
+
+def _formats(config: Any) -> dict[str, str]:
+    names = {KIND_WEIGHT: "weight", KIND_INPUT: "input", KIND_GRAD: "grad"}
+    out: dict[str, str] = {}
+    for kind, chosen in _reported(config).items():
+        fmt = float8_format(chosen[0]) if chosen is not None else None
+        out[names[kind]] = fmt or HIGH_PRECISION
+    return out
+
+
+def _casts(config: Any, mm_config: Any) -> dict[int, Cast]:
+    """The reported cast of each kind not kept in high precision."""
+    return {kind: _cast(config, mm_config, kind, *chosen) for kind, chosen in _reported(config).items() if chosen}
+
+
+class Float8TrainingWeightAdapter(Adapter):
+    """``nn.Linear`` whose parameters torchao's ``Float8TrainingOpConfig`` wrapped in a
+    ``Float8TrainingWeightWrapperTensor`` (its linear runs ``Float8Linear``'s GEMMs with the recipe's
+    ``Float8LinearConfig``); the casts are recomputed, as for a ``Float8Linear`` whose casts cannot be captured."""
+
+    name = "torchao.float8_training_weight"
+
+    def recognises(self, module: nn.Module) -> bool:
+        """A linear layer whose weight is float8 training's wrapper tensor."""
+        wrapper = training_weight_class("Float8TrainingWeightWrapperTensor")
+        return wrapper is not None and isinstance(module, nn.Linear) and isinstance(module.weight, wrapper)
+
+    def formats(self, module: nn.Module) -> dict[str, str]:
+        """The reported cast's format per kind, from the wrapper's recipe; high precision once kept there."""
+        if runs_plain_linear(module):
+            return dict.fromkeys(FORMAT_KINDS, HIGH_PRECISION)
+        return _formats(getattr(module.weight, "config")._float8_linear_config)  # noqa: B009
+
+    def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
+        """A measurer recomputing the layer's casts (none once kept in high precision)."""
+        config = getattr(module.weight, "config", None)
+        linear_config = getattr(config, "_float8_linear_config", None)
+        mm_config = getattr(config, "_linear_mm_config", None)
+        if linear_config is None or mm_config is None:
+            raise UnsupportedLayerError("the weight wrapper's config has no _float8_linear_config / _linear_mm_config")
+        casts = {} if runs_plain_linear(module) else _casts(linear_config, mm_config)
+        return RecomputedCastLinear(name, module, context, casts, unwrap=high_precision_data)
 
 
 def _is_float8_matmul(node: Any) -> bool:
@@ -245,9 +295,11 @@ class _CapturedCastLinear(RecomputedCastLinear):
     module doc) is told apart by its ``GemmInputRole`` and whether it is the forward GEMM's.  A layer whose matmul
     backward node cannot be found (a newer torchao) gets its gradient cast recomputed instead."""
 
-    def __init__(self, name: str, module: nn.Module, context: AdapterContext, casts: dict[int, Cast]) -> None:
+    def __init__(
+        self, name: str, module: nn.Module, context: AdapterContext, casts: dict[int, Cast], config: Any
+    ) -> None:
         super().__init__(name, module, context, casts, prepare_input=_autocast_input)
-        reported = _reported(getattr(module, "config"))  # noqa: B009 (torchao's attribute, untyped)
+        reported = _reported(config)
         from torchao.float8.float8_training_tensor import GemmInputRole
 
         # Per role: (kind, whether the reported cast is the forward GEMM's, the format's largest value).

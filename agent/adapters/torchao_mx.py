@@ -12,6 +12,10 @@ with ``wgrad_with_hp`` that GEMM is in high precision.
 not reproducible from outside, so only ``output_*`` and ``update_cosine`` are measured (formats are reported).
 It needs a CUDA GPU with NVFP4 support; so do the prototype ``NVFP4FakeQuantizedLinear`` and every MX layer
 whose kernel preference is not ``EMULATED``.
+
+A layer of these kinds that ``qw.actions.keep_high_precision`` switched off runs ``F.linear`` on its own parameters
+(:func:`~quantwatch.agent.adapters.linear.plain_linear_forward`): every kind is ``high_precision``, and only
+``output_*`` and ``update_cosine`` are measured.
 """
 
 from __future__ import annotations
@@ -21,14 +25,30 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, plain_linear_forward
-from quantwatch.agent.adapters.registry import Adapter, AdapterContext, UnsupportedLayerError, loaded_classes
+from quantwatch.agent.adapters.linear import (
+    Cast,
+    CastResult,
+    RecomputedCastLinear,
+    high_precision_data,
+    plain_linear_forward,
+    runs_plain_linear,
+    training_weight_class,
+)
+from quantwatch.agent.adapters.registry import (
+    FORMAT_KINDS,
+    HIGH_PRECISION,
+    Adapter,
+    AdapterContext,
+    UnsupportedLayerError,
+    loaded_classes,
+)
 from quantwatch.agent.adapters.torchao_qat import fake_quantize_format
 from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, LayerAdapter
 
 __all__ = ["MXFP8TrainingAdapter", "NVFP4TrainingAdapter", "PrototypeQatAdapter"]
 
 _MX_BLOCK = 32
+_HIGH = dict.fromkeys(FORMAT_KINDS, HIGH_PRECISION)
 
 
 def _mx_cast(scaling_mode: Any, elem_dtype: torch.dtype = torch.float8_e4m3fn, block_size: int = _MX_BLOCK) -> Cast:
@@ -57,18 +77,6 @@ def _nvfp4_cast(use_per_tensor_scale: bool) -> Cast:
     return cast
 
 
-def _wrapper_classes() -> tuple[type, ...]:
-    return loaded_classes("torchao.prototype.moe_training.tensor:MXFP8TrainingWeightWrapperTensor")
-
-
-def _unwrap(t: Tensor) -> Tensor:
-    """The high-precision tensor inside MXFP8 training's wrapper (it wraps every parameter of the module)."""
-    if isinstance(t, _wrapper_classes()):
-        data: Tensor = getattr(t, "_data")  # noqa: B009
-        return data
-    return t
-
-
 class MXFP8TrainingAdapter(Adapter):
     """``nn.Linear`` whose weight torchao MXFP8 training swapped for an ``MXFP8TrainingWeightWrapperTensor``."""
 
@@ -76,14 +84,17 @@ class MXFP8TrainingAdapter(Adapter):
 
     def recognises(self, module: nn.Module) -> bool:
         """A linear layer whose weight is MXFP8 training's wrapper tensor."""
-        return isinstance(module, nn.Linear) and isinstance(module.weight, _wrapper_classes())
+        wrapper = training_weight_class("MXFP8TrainingWeightWrapperTensor")
+        return wrapper is not None and isinstance(module, nn.Linear) and isinstance(module.weight, wrapper)
 
     def formats(self, module: nn.Module) -> dict[str, str]:
-        """MXFP8 (E4M3 elements in blocks of 32, E8M0 scales) for every kind."""
-        return {"weight": "mxfp8", "input": "mxfp8", "grad": "mxfp8"}
+        """MXFP8 (E4M3 elements in blocks of 32, E8M0 scales) for every kind; high precision once kept there."""
+        return dict(_HIGH) if runs_plain_linear(module) else {"weight": "mxfp8", "input": "mxfp8", "grad": "mxfp8"}
 
     def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
-        """A measurer recomputing the forward and input-gradient GEMMs' casts."""
+        """A measurer recomputing the forward and input-gradient GEMMs' casts (none once kept in high precision)."""
+        if runs_plain_linear(module):
+            return RecomputedCastLinear(name, module, context, {}, unwrap=high_precision_data)
         config = getattr(module.weight, "config", None)
         mode = getattr(config, "scale_calculation_mode", None)
         data = getattr(module.weight, "_data", None)
@@ -92,7 +103,7 @@ class MXFP8TrainingAdapter(Adapter):
         cast = _mx_cast(mode)
         casts = {KIND_WEIGHT: cast, KIND_INPUT: cast, KIND_GRAD: cast}
 
-        return RecomputedCastLinear(name, module, context, casts, unwrap=_unwrap)
+        return RecomputedCastLinear(name, module, context, casts, unwrap=high_precision_data)
 
 
 class NVFP4TrainingAdapter(Adapter):
@@ -106,8 +117,9 @@ class NVFP4TrainingAdapter(Adapter):
         return isinstance(module, classes)
 
     def formats(self, module: nn.Module) -> dict[str, str]:
-        """NVFP4 for every kind (gradients with a random Hadamard transform and stochastic rounding)."""
-        return {"weight": "nvfp4", "input": "nvfp4", "grad": "nvfp4"}
+        """NVFP4 for every kind (gradients with a random Hadamard transform and stochastic rounding); high precision
+        once kept there."""
+        return dict(_HIGH) if runs_plain_linear(module) else {"weight": "nvfp4", "input": "nvfp4", "grad": "nvfp4"}
 
     def dequantize(self, module: nn.Module) -> None:
         """The shadow copy runs ``F.linear``."""
@@ -133,11 +145,13 @@ class PrototypeQatAdapter(Adapter):
         return isinstance(module, classes)
 
     def formats(self, module: nn.Module) -> dict[str, str]:
-        """From the layer's ``weight_config`` and ``activation_config``."""
+        """From the layer's ``weight_config`` and ``activation_config``; high precision once kept there."""
+        if runs_plain_linear(module):
+            return dict(_HIGH)
         return {
             "weight": fake_quantize_format(getattr(module, "weight_config", None)),
             "input": fake_quantize_format(getattr(module, "activation_config", None)),
-            "grad": "high_precision",
+            "grad": HIGH_PRECISION,
         }
 
     def dequantize(self, module: nn.Module) -> None:
@@ -145,9 +159,10 @@ class PrototypeQatAdapter(Adapter):
         plain_linear_forward(module)
 
     def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
-        """A measurer recomputing the weight and input casts."""
+        """A measurer recomputing the weight and input casts (none once kept in high precision)."""
         casts: dict[int, Cast] = {}
-        for kind, attr in ((KIND_WEIGHT, "weight_config"), (KIND_INPUT, "activation_config")):
+        configs = ((KIND_WEIGHT, "weight_config"), (KIND_INPUT, "activation_config"))
+        for kind, attr in () if runs_plain_linear(module) else configs:
             config = getattr(module, attr, None)
             if config is None:
                 raise UnsupportedLayerError(f"no {attr} attribute")
