@@ -31,8 +31,11 @@ typecheck: $(STAMP)
 system-packages:
 	.ci/system-packages
 
+# One pytest worker per core, each taking whole test files, so that a module's fixtures (one demo run serving many
+# assertions) are built once.
+PYTEST_WORKERS ?= 2
 pytest: system-packages $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 test: system-packages lint typecheck pytest
 
