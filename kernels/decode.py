@@ -23,13 +23,21 @@ def _table(dtype: torch.dtype) -> Tensor:
     return table
 
 
-def float8_to_float32(t: Tensor) -> Tensor | None:
+def float8_to_float32(t: Tensor, divisor: Tensor | None = None) -> Tensor | None:
     """``t.to(torch.float32)``, bit for bit, for a one-byte float CPU tensor laid out densely (contiguous, or a
     transposed contiguous matrix: the result has ``t``'s strides); None when the native library is not loaded (it is
-    never built here) or ``t`` is anything else."""
+    never built here) or ``t`` is anything else.
+
+    ``divisor`` (a one-element float32 CPU tensor): ``t.to(torch.float32) / divisor`` instead, in the same pass, bit
+    for bit (the table of the 256 codes is divided, by the same float32 division)."""
     lib = native.loaded()
     if lib is None or t.dtype not in _ONE_BYTE_FLOATS or t.device.type != "cpu":
         return None
+    table = _table(t.dtype)
+    if divisor is not None:
+        if divisor.numel() != 1 or divisor.dtype != torch.float32 or divisor.device.type != "cpu":
+            return None
+        table = table / divisor.reshape(())
     if not (t.is_contiguous() or (t.dim() == 2 and t.t().is_contiguous())):
         return None
     out = torch.empty_like(t, dtype=torch.float32)  # dense: the same strides, so memory orders match
@@ -37,5 +45,5 @@ def float8_to_float32(t: Tensor) -> Tensor | None:
         return None
     n = t.numel()
     threads = torch.get_num_threads() if n >= native.PARALLEL_MIN_NUMEL else 1
-    lib.qw_decode_bytes(t.data_ptr(), _table(t.dtype).data_ptr(), out.data_ptr(), n, threads)
+    lib.qw_decode_bytes(t.data_ptr(), table.data_ptr(), out.data_ptr(), n, threads)
     return out

@@ -164,12 +164,15 @@ class RecomputedCastLinear(ShadowedLayer):
         """``F.linear(x, W, b)`` in the reference dtype, autocast off."""
         weight = self._hp_weight()
         bias = getattr(self.module, "bias", None)
+        args = (
+            x.to(self.dtype),
+            weight.to(self.dtype),
+            self._unwrap(bias).to(self.dtype) if isinstance(bias, Tensor) else None,
+        )
+        if not torch.is_autocast_enabled(x.device.type):
+            return linear(*args)  # entering an autocast context costs more than a small layer's reference
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return linear(
-                x.to(self.dtype),
-                weight.to(self.dtype),
-                self._unwrap(bias).to(self.dtype) if isinstance(bias, Tensor) else None,
-            )
+            return linear(*args)
 
     def reference_weight_grad(self) -> Callable[[Tensor, Tensor], Tensor] | None:
         """``grad_outputᵀ @ x`` over every leading dimension, in the reference dtype."""

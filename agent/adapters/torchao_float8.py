@@ -134,13 +134,37 @@ def _cast_result(hp: Tensor, fp8: Any, fmax: float) -> CastResult:
     """The figures' inputs of one torchao cast: ``fp8`` (a ``Float8TrainingTensor``) of the high-precision ``hp``."""
     scale = fp8._scale
     # to_original_precision() (`_data.to(orig_dtype) / scale`) without its autograd Function, decoded natively
-    decoded = float8_to_float32(fp8._data) if fp8._orig_dtype == torch.float32 else None
-    dequantized = decoded.div_(scale) if decoded is not None else fp8._data.to(fp8._orig_dtype) / scale
-    overflow = (hp.to(torch.float32) * scale).abs_() > fmax
+    dequantized: Tensor | None = None
+    if fp8._orig_dtype == torch.float32:
+        # A tensorwise scale divides the table of the 256 codes instead: the same float32 divisions, in one pass.
+        dequantized = float8_to_float32(fp8._data, scale) if scale.numel() == 1 else None
+        if dequantized is None and (decoded := float8_to_float32(fp8._data)) is not None:
+            dequantized = decoded.div_(scale)
+    if dequantized is None:
+        dequantized = fp8._data.to(fp8._orig_dtype) / scale
+    clip_scale = scale
     if hp.dim() == 2 and not hp.is_contiguous() and hp.t().is_contiguous():
         # Wᵀ as torchao casts it: the same statistics over W, in the layout the native statistics pass reads.
-        hp, dequantized, overflow = hp.t(), dequantized.t(), overflow.t()
+        hp, dequantized = hp.t(), dequantized.t()
+        clip_scale = scale.t() if scale.dim() == 2 else scale
+    overflow = _overflow_mask(hp.to(torch.float32), clip_scale, fmax)
     return CastResult(hp, dequantized, overflow, (1.0 / scale.to(torch.float32)).amax())
+
+
+def _overflow_mask(hp: Tensor, scale: Tensor, fmax: float) -> Tensor | None:
+    """Which elements the saturated cast clipped, ``|hp · scale| > fmax``; None when none was.
+
+    On the CPU the largest ``|hp|`` under each scale tells first whether any was: rounding is monotonic, so
+    ``fl(max|h| · s) > fmax`` exactly when some ``fl(|h| · s) > fmax``, and two reductions replace three passes and a
+    mask in most casts.  The statistics count no overflow for None as for a mask of no element (a non-finite ``hp``
+    fails the test, and the mask is built)."""
+    if hp.device.type == "cpu" and hp.numel() and (scale.numel() == 1 or scale.dim() == hp.dim()):
+        dims = [d for d in range(hp.dim()) if scale.numel() != 1 and scale.shape[d] == 1 and hp.shape[d] != 1]
+        keep = scale.numel() != 1
+        largest = torch.maximum(hp.amax(dims, keepdim=keep), hp.amin(dims, keepdim=keep).neg_())
+        if bool((largest * scale <= fmax).all()):
+            return None
+    return (hp * scale).abs_() > fmax
 
 
 #: A measurer's listener: (high-precision tensor, its cast, the cast's ``GemmInputRole``, whether in the forward).

@@ -140,6 +140,35 @@ def test_float8_figures_are_the_layers_own_casts(recipe: str) -> None:
         assert sink.value("update_cosine", "0", 0) == pytest.approx(1.0, abs=1e-9)
 
 
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_float8_overflow_mask_is_the_clipped_elements_found_first_from_the_largest(granularity: str) -> None:
+    from quantwatch.agent.adapters.torchao_float8 import _cast_result
+    from quantwatch.kernels.stats import stats_from_masks
+
+    config = Float8LinearConfig.from_recipe_name(granularity)
+    cast, layer = config.cast_config_input, float8_model(granularity)[0]
+    fmax = torch.finfo(cast.target_dtype).max
+    generator = torch.Generator().manual_seed(0)
+    branches = {"none clipped": 0, "mask": 0}
+    for trial in range(60):
+        hp = torch.randn(48, 40, generator=generator) * 10.0 ** (trial % 7 - 3)
+        if trial % 10 == 9:
+            hp[3, 5] = (float("nan"), float("inf"), -float("inf"))[trial % 3]
+        for t, dim in ((hp, -1), (hp.t(), 0)):  # as cast, and a transposed weight as torchao casts Wᵀ
+            fp8 = torchao_cast(layer, t, cast, GemmInputRole.INPUT, dim)
+            result = _cast_result(t, fp8, fmax)
+            scale = fp8._scale.t() if result.hp is not t and fp8._scale.dim() == 2 else fp8._scale
+            expected = (result.hp * scale).abs() > fmax
+            got = torch.zeros_like(expected) if result.overflow is None else result.overflow
+            assert torch.equal(got, expected)
+            branches["none clipped" if result.overflow is None else "mask"] += 1
+            # The figures are those of the full mask (the statistics count no overflow for None as for no element).
+            got_stats = result.stats().as_tensor()
+            want = stats_from_masks(result.hp, result.dequantized, expected).as_tensor()
+            assert torch.equal(got_stats.nan_to_num(-1.0), want.nan_to_num(-1.0))
+    assert min(branches.values()) > 0, branches  # both ways taken: rounding at the largest value does clip some
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp"])
 def test_float8_casts_are_measured_as_the_layer_makes_them_not_made_again(
     recipe: str, monkeypatch: pytest.MonkeyPatch

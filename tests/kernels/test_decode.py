@@ -44,3 +44,17 @@ def test_a_transposed_matrix_keeps_its_layout_and_values() -> None:
 def test_what_it_does_not_decode_is_left_to_torch() -> None:
     assert float8_to_float32(torch.randn(8, 8)) is None  # not float8
     assert float8_to_float32(torch.randn(8, 8).to(torch.float8_e4m3fn)[:, ::2]) is None  # not dense
+
+
+@pytest.mark.parametrize("dtype", FLOAT8)
+def test_a_divisor_divides_as_torch_divides_the_converted_values(dtype: torch.dtype) -> None:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    x = (torch.randn(300, 700, generator=torch.Generator().manual_seed(2)) * 30).to(dtype)
+    for value in (1 / 3, 448 / 0.7071, 3.0e-30, 7.0e30):
+        divisor = torch.tensor(value, dtype=torch.float32)
+        for t in (codes, x, x[:64, :48].contiguous().t()):
+            got = float8_to_float32(t, divisor)
+            assert got is not None
+            assert torch.equal(bits(got), bits(t.to(torch.float32) / divisor))
+    assert float8_to_float32(codes, torch.ones(2)) is None  # one divisor for all only
+    assert float8_to_float32(codes, torch.ones((), dtype=torch.float64)) is None
