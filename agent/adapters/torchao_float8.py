@@ -130,8 +130,9 @@ def _cast(config: Any, mm_config: Any, kind: int, cast_config: Any, role: str, a
     return cast
 
 
-def _cast_result(hp: Tensor, fp8: Any, fmax: float) -> CastResult:
-    """The figures' inputs of one torchao cast: ``fp8`` (a ``Float8TrainingTensor``) of the high-precision ``hp``."""
+def _cast_result(hp: Tensor, fp8: Any, fmax: float, with_scale: bool = True) -> CastResult:
+    """The figures' inputs of one torchao cast: ``fp8`` (a ``Float8TrainingTensor``) of the high-precision ``hp``;
+    its dequantization scale only ``with_scale`` (``scale`` reports the input's)."""
     scale = fp8._scale
     # to_original_precision() (`_data.to(orig_dtype) / scale`) without its autograd Function, decoded natively
     dequantized: Tensor | None = None
@@ -148,7 +149,7 @@ def _cast_result(hp: Tensor, fp8: Any, fmax: float) -> CastResult:
         hp, dequantized = hp.t(), dequantized.t()
         clip_scale = scale.t() if scale.dim() == 2 else scale
     overflow = _overflow_mask(hp.to(torch.float32), clip_scale, fmax)
-    return CastResult(hp, dequantized, overflow, (1.0 / scale.to(torch.float32)).amax())
+    return CastResult(hp, dequantized, overflow, (1.0 / scale.to(torch.float32)).amax() if with_scale else None)
 
 
 def _overflow_mask(hp: Tensor, scale: Tensor, fmax: float) -> Tensor | None:
@@ -397,7 +398,7 @@ class _CapturedCastLinear(RecomputedCastLinear):
 
     def _measure_cast(self, kind: int, hp: Tensor, fp8: Any, fmax: float) -> None:
         with torch.no_grad():
-            result = _cast_result(hp.detach(), fp8, fmax)
+            result = _cast_result(hp.detach(), fp8, fmax, with_scale=kind == KIND_INPUT)
             self.record(kind, result.stats())
         if kind == KIND_INPUT:
             self._last_scale = result.scale
