@@ -166,7 +166,8 @@ def test_float8_overflow_mask_is_the_clipped_elements_found_first_from_the_large
             got_stats = result.stats().as_tensor()
             want = stats_from_masks(result.hp, result.dequantized, expected).as_tensor()
             assert torch.equal(got_stats.nan_to_num(-1.0), want.nan_to_num(-1.0))
-    assert min(branches.values()) > 0, branches  # both ways taken: rounding at the largest value does clip some
+    if granularity == "tensorwise":  # both ways taken: rounding at the largest value does clip some
+        assert min(branches.values()) > 0, branches
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp"])
