@@ -4,13 +4,15 @@
 
 Prints GB/s (input bytes / second: the tensor is read, the quantized copy written once) for the plain-torch
 reference and the fused paths of fp8_e4m3 per-tensor, mxfp4, nvfp4 and int8 with a scale per row (``channel:0``, a
-weight's output channels) — each ``quantize(..., with_stats=True)`` —
-and, in the same run, the read bandwidth of ``x.sum()`` as the physical limit. On the CPU the fused paths are
-``compiled`` (torch.compile) and ``native`` (the hand-written kernels, what ``auto`` picks), the latter also with
-``out=`` (one output buffer reused, as a training loop would); on CUDA, Triton. Ratios: each fused path / x.sum, the
-fastest fused path / x.sum, and the fastest fused path / reference. The first lines say the CPU model, its widest
-vector unit, and what the native kernels were built for: ``--march haswell`` builds them for AVX2 (8-float vectors)
-on any AVX2 host, an AVX-512 one included (default: ``$QUANTWATCH_NATIVE_MARCH``, else ``native``, this CPU).
+weight's output channels), and of fp8_e5m2 with blocks of 32 (what-if's gradient candidate) and nvfp4 rounding to
+nearest and stochastically (``+sr``: the uniform draws included, as `quantize` draws them; the line ``draws`` times
+``torch.rand`` of x's size alone) — each ``quantize(..., with_stats=True)`` — and, in the same run, the read
+bandwidth of ``x.sum()`` as the physical limit. On the CPU the fused paths are ``compiled`` (torch.compile) and
+``native`` (the hand-written kernels, what ``auto`` picks), the latter also with ``out=`` (one output buffer reused,
+as a training loop would); on CUDA, Triton. Ratios: each fused path / x.sum, the fastest fused path / x.sum, and the
+fastest fused path / reference. The first lines say the CPU model, its widest vector unit, and what the native
+kernels were built for: ``--march haswell`` builds them for AVX2 (8-float vectors) on any AVX2 host, an AVX-512 one
+included (default: ``$QUANTWATCH_NATIVE_MARCH``, else ``native``, this CPU).
 
 ``--cpu-time`` runs on one thread and takes the fastest call by thread CPU time instead of the median wall time:
 on a machine shared with other work that figure moves far less (it still counts memory stalls). ``x.sum()``,
@@ -44,10 +46,13 @@ import torch
 from quantwatch.kernels import native, quantize
 
 CASES = [
-    ("fp8_e4m3 per-tensor", "fp8_e4m3", "tensor"),
-    ("mxfp4", "mxfp4", None),
-    ("nvfp4", "nvfp4", None),
-    ("int8 per-channel", "int8", "channel:0"),
+    ("fp8_e4m3 per-tensor", "fp8_e4m3", "tensor", "nearest"),
+    ("mxfp4", "mxfp4", None, "nearest"),
+    ("nvfp4", "nvfp4", None, "nearest"),
+    ("int8 per-channel", "int8", "channel:0", "nearest"),
+    ("fp8_e5m2 block:32", "fp8_e5m2", "block:32", "nearest"),
+    ("fp8_e5m2 block:32 +sr", "fp8_e5m2", "block:32", "stochastic"),
+    ("nvfp4 +sr", "nvfp4", None, "stochastic"),
 ]
 
 
@@ -153,11 +158,14 @@ def main() -> None:
         timed[f"sum{index}"] = lambda: x.sum().item()
         timed[f"double{index}"] = lambda: x * 2
         timed[f"double_out{index}"] = lambda: torch.mul(x, 2, out=out)
-    for label, fmt, scaling in CASES:
+    timed["draws"] = lambda: torch.rand(x.shape, device=x.device)
+    for label, fmt, scaling, rounding in CASES:
         for path in fused:
             backend, _, reuse = path.partition(", ")
-            timed[f"{label} {path}"] = lambda fmt=fmt, scaling=scaling, backend=backend, reuse=reuse: quantize(
-                x, fmt, scaling, with_stats=True, backend=backend, out=out if reuse else None
+            timed[f"{label} {path}"] = (
+                lambda fmt=fmt, scaling=scaling, rounding=rounding, backend=backend, reuse=reuse: quantize(
+                    x, fmt, scaling, rounding, with_stats=True, backend=backend, out=out if reuse else None
+                )
             )
     seconds = seconds_interleaved(timed, args.repeats, device, args.cpu_time, prepare)
     pick = min if args.cpu_time else statistics.median
@@ -166,12 +174,16 @@ def main() -> None:
     for name, label in [("double", "x * 2 read+write"), ("double_out", "x * 2, out= read+write")]:
         rate = gigabytes / pick(seconds[f"{name}{index}"] for index in range(4))
         print(f"{label:<24}{rate:>10.3f} GB/s ({rate / read:.3f} × x.sum)")
+    draws = gigabytes / seconds["draws"]
+    print(f"{'draws (torch.rand)':<24}{draws:>10.3f} GB/s ({draws / read:.3f} × x.sum)")
     columns = "".join(f"{path:>14}" for path in fused)
     ratios = "".join(f"{path + '/x.sum':>20}" for path in fused)
-    print(f"{'GB/s':<20}{'reference':>11}{columns}{ratios}{'best/x.sum':>12}{'best/ref':>10}")
-    for label, fmt, scaling in CASES:
+    print(f"{'GB/s':<24}{'reference':>11}{columns}{ratios}{'best/x.sum':>12}{'best/ref':>10}")
+    for label, fmt, scaling, rounding in CASES:
         reference = gigabytes / seconds_per_call(
-            lambda fmt=fmt, scaling=scaling: quantize(x, fmt, scaling, with_stats=True, backend="reference"),
+            lambda fmt=fmt, scaling=scaling, rounding=rounding: quantize(
+                x, fmt, scaling, rounding, with_stats=True, backend="reference"
+            ),
             max(1, args.repeats // 2),
             device,
             args.cpu_time,
@@ -181,7 +193,7 @@ def main() -> None:
         cells = "".join(f"{rate:>14.3f}" for rate in rates)
         cells += "".join(f"{rate / read:>20.3f}" for rate in rates)
         best = max(rates)
-        print(f"{label:<20}{reference:>11.4f}{cells}{best / read:>12.3f}{best / reference:>10.1f}")
+        print(f"{label:<24}{reference:>11.4f}{cells}{best / read:>12.3f}{best / reference:>10.1f}")
 
 
 if __name__ == "__main__":

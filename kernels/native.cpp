@@ -1,5 +1,5 @@
-// Native CPU kernels of quantwatch.kernels (see native.py): round-to-nearest minifloat quantization with every error
-// statistic, in at most two passes over a contiguous float32 tensor, written with GCC/Clang vector extensions and
+// Native CPU kernels of quantwatch.kernels (see native.py): minifloat quantization, rounding to nearest or
+// stochastically, with every error statistic, in at most two passes over a contiguous float32 tensor, written with GCC/Clang vector extensions and
 // OpenMP. A vector is one register of the widest unit the build targets: 16 floats with AVX-512 (__AVX512F__), 8 with
 // AVX2 (__AVX2__, one ymm register: no mask registers, no VRANGEPS, no 512-bit shuffles, so the operations that use
 // them on AVX-512 are written for AVX2 apart), else 16 (two or four registers of a narrower unit). The values are
@@ -8,7 +8,8 @@
 // The cast rounds |v| to the format's grid with one float32 addition: c = 2^(e + 23 - m) for the binade exponent e of
 // |v| (at least the format's smallest normal exponent), so the sum |v| + c keeps exactly m mantissa bits of |v| and
 // rounds the rest to nearest, ties to even, and (|v| + c) - c is the rounded magnitude. The reference computes the same
-// value as round(|v| · 2^(m - e)) · 2^(e - m). Every entry point returns 0 on success, or a positive code when the
+// value as round(|v| · 2^(m - e)) · 2^(e - m). Stochastic rounding (see round_stochastic) takes the caller's uniform
+// draws, one per element, and rounds as the reference does, bit for bit. Every entry point returns 0 on success, or a positive code when the
 // tensor holds something these kernels do not handle (non-finite values, a scaled value beyond float32); the caller
 // then runs another backend, and the output holds nothing meaningful.
 //
@@ -274,6 +275,39 @@ inline vf round_magnitude(vf a, const Format& f) {
   return (a + c) - c;
 }
 
+// The rounding of a cast (the `rounding` argument of qw_cast): to nearest; stochastic on a float grid (the magnitude
+// rounded down or up, the sign restored); stochastic on an integer grid (the signed value rounded down or up).
+enum Round { NEAREST = 0, STOCHASTIC = 1, STOCHASTIC_INTEGER = 2 };
+
+// |v| rounded down to the format's grid, then up by one spacing where the draw `noise` (uniform in [0, 1)) is below
+// the fraction of a spacing it lies above: the reference's low + (noise < s − low) on s = |v| · 2^(m − e), whose
+// fraction s − floor(s) equals (|v| − low) · 2^(m − e) here exactly (both are power-of-two scalings of exact
+// differences). The nearest value r = (|v| + c) − c is the floor or one spacing above it.
+template <bool UNBOUNDED>
+inline vf round_stochastic(vf a, vf noise, const Format& f) {
+  if (UNBOUNDED) a = vmin(a, f.ceiling);
+  vu e = ((vu)a & EXPONENT_BITS) + f.exponent_shift;
+  e = umax(e, f.least_c);
+  vf c = (vf)e;
+  vf spacing = c * splat(0x1p-23f);              // 2^(e - m)
+  vf inverse = (vf)(usplat(277u << 23) - e);     // 2^(m - e): exponent 150 - c's, biased
+  vf nearest = (a + c) - c;
+  vf low = nearest > a ? nearest - spacing : nearest;
+  return noise < (a - low) * inverse ? low + spacing : low;
+}
+
+// The signed v rounded as the reference rounds integers: low = floor(v), then low + (noise < v − low), every step in
+// float32 as there (v − low rounds where v > −1 is negative; the sum makes −0 +0). The floor comes from rounding to
+// an integer with 1.5 · 2^23 (|v| < 2^22: the format's ceiling keeps it there).
+template <bool UNBOUNDED>
+inline vf round_integer_stochastic(vf v, vf noise, const Format& f) {
+  if (UNBOUNDED) v = vmin(vmax(v, -f.ceiling), f.ceiling);
+  const vf magic = splat(12582912.0f);
+  vf nearest = (v + magic) - magic;
+  vf low = nearest > v ? nearest - splat(1.0f) : nearest;
+  return low + (noise < v - low ? splat(1.0f) : vf{});
+}
+
 // Per-thread partial statistics, in the order of ErrorStats.FIELDS after numel.
 struct Partial {
   double sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, zeros_q, overflow, nonfinite;
@@ -423,6 +457,40 @@ inline vf cast(vf v, vf x, const Format& f, vi& overflow) {
   return (vf)((vu)r | sign);
 }
 
+// `cast` under the rounding ROUND: NEAREST ignores `noise` (its callers load none).
+template <int ROUND, bool MAY_CLIP, bool UNBOUNDED = MAY_CLIP>
+inline vf cast_rounded(vf v, vf x, vf noise, const Format& f, vi& overflow) {
+  if constexpr (ROUND == NEAREST) {
+    (void)noise;
+    return cast<MAY_CLIP, UNBOUNDED>(v, x, f, overflow);
+  } else if constexpr (ROUND == STOCHASTIC) {
+    vu sign = (vu)x & SIGN_BIT;
+    vf r = round_stochastic<UNBOUNDED>(vabs(v), noise, f);
+    if (MAY_CLIP) {
+      overflow = count_if(overflow, r > f.max_value);
+      r = vmin(r, f.max_value);
+    }
+    return (vf)((vu)r | sign);
+  } else {  // the sign is the rounded value's own
+    vf r = round_integer_stochastic<UNBOUNDED>(v, noise, f);
+    if (MAY_CLIP) {
+      overflow = count_if(overflow, vabs(r) > f.max_value);
+      r = vmin(vmax(r, -f.max_value), f.max_value);
+    }
+    return r;
+  }
+}
+
+// The draws for the `count` elements at offset i (none under NEAREST: no load).
+template <int ROUND>
+inline vf noise_at(const float* noise, int64_t i, int64_t count = L) {
+  if constexpr (ROUND == NEAREST) {
+    return vf{};
+  } else {
+    return count == L ? load_ahead(noise + i) : load_tail(noise + i, count);
+  }
+}
+
 // OCP MX shared scales of blocks whose largest |x| are `amax` (finite, non-negative):
 // 2^clamp(floor(log2 amax) − emax, −127, 127). Zero and subnormal amaxes have exponents below -126, so -127 after the
 // clamp; 2^-127 is the subnormal 0x00400000.
@@ -437,6 +505,7 @@ inline vf mx_scales(vf amax, int emax) {
 struct Job {
   const float* x;
   float* q;
+  const float* noise;  // stochastic rounding: one uniform draw in [0, 1) per element of x; else null
   int64_t n;
   Format fmt;
   int mode;
@@ -452,7 +521,7 @@ struct Job {
   bool may_clip;
 };
 
-template <int MODE, bool MAY_CLIP, int PER_BLOCK = 1>
+template <int MODE, bool MAY_CLIP, int ROUND, int PER_BLOCK = 1>
 void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
   // Local copies: the stores to q could alias anything reached through a pointer, which would make the compiler
   // write the accumulators back and reload the job's fields on every vector.
@@ -484,8 +553,10 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
       in_runs(totals, blocks * per_block, [&](Run& run, int64_t k) {
         int64_t b = k / per_block;
         vf x = load(job.x + i + k * L);
+        vf noise = noise_at<ROUND>(job.noise, i + k * L);
         // |x / scale| < 2^(emax + 1): past the maximum (so clipped and counted) but never far, no ceiling needed.
-        vf q = cast<MAY_CLIP, false>(x * splat(inverses[b]), x, job.fmt, run.overflow) * splat(scales[b]);
+        vf v = x * splat(inverses[b]);
+        vf q = cast_rounded<ROUND, MAY_CLIP, false>(v, x, noise, job.fmt, run.overflow) * splat(scales[b]);
         store(job.q + i + k * L, q, job.stream);
         scan_vector(run, x);
         cast_vector(run, x, q);
@@ -509,7 +580,9 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
         // The block scale is the block's largest |x| over the format's maximum (in units of the tensor scale, amax /
         // 2688) rounded to E4M3, down by at most 1/17, raised to 2^-6 or lowered to 448: |x / scale| stays below
         // max(6, 1.0625 × the maximum) < 7, so c stays finite without the ceiling clamp (past the maximum: clipped).
-        vf q = cast<MAY_CLIP, false>(divide(x, scale, splat(inverses[b])), x, job.fmt, run.overflow) * scale;
+        vf v = divide(x, scale, splat(inverses[b]));
+        vf q = cast_rounded<ROUND, MAY_CLIP, false>(v, x, noise_at<ROUND>(job.noise, i + k * L), job.fmt,
+                                                    run.overflow) * scale;
         store(job.q + i + k * L, q, job.stream);
         cast_vector(run, x, q);
       });
@@ -523,7 +596,7 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
         vf scale, inverse;
         scales(i - from, scale, inverse);
         vf v = MODE == PLAIN ? x : divide(x, scale, inverse);
-        vf q = cast<MAY_CLIP>(v, x, job.fmt, run.overflow);
+        vf q = cast_rounded<ROUND, MAY_CLIP>(v, x, noise_at<ROUND>(job.noise, i, count), job.fmt, run.overflow);
         if (MODE != PLAIN) q = q * scale;
         if (count == L) {
           store(job.q + i, q, job.stream);
@@ -569,23 +642,37 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
   sums = totals;
 }
 
-template <bool MAY_CLIP>
-void cast_any(const Job& job, int64_t lo, int64_t hi, Sums& sums) {
+template <bool MAY_CLIP, int ROUND>
+void cast_mode(const Job& job, int64_t lo, int64_t hi, Sums& sums) {
   switch (job.mode) {
-    case PLAIN: cast_range<PLAIN, MAY_CLIP>(job, lo, hi, sums); break;
-    case TENSOR: cast_range<TENSOR, MAY_CLIP>(job, lo, hi, sums); break;
+    case PLAIN: cast_range<PLAIN, MAY_CLIP, ROUND>(job, lo, hi, sums); break;
+    case TENSOR: cast_range<TENSOR, MAY_CLIP, ROUND>(job, lo, hi, sums); break;
     case MX_BLOCK:
       if (job.block == 16) {
-        cast_range<MX_BLOCK, MAY_CLIP, 16 / L>(job, lo, hi, sums);
+        cast_range<MX_BLOCK, MAY_CLIP, ROUND, 16 / L>(job, lo, hi, sums);
       } else if (job.block == 32) {
-        cast_range<MX_BLOCK, MAY_CLIP, 32 / L>(job, lo, hi, sums);
+        cast_range<MX_BLOCK, MAY_CLIP, ROUND, 32 / L>(job, lo, hi, sums);
       } else {
-        cast_range<MX_BLOCK, MAY_CLIP, 64 / L>(job, lo, hi, sums);
+        cast_range<MX_BLOCK, MAY_CLIP, ROUND, 64 / L>(job, lo, hi, sums);
       }
       break;
-    case NV_BLOCK: cast_range<NV_BLOCK, MAY_CLIP>(job, lo, hi, sums); break;
-    case CHANNEL: cast_range<CHANNEL, MAY_CLIP>(job, lo, hi, sums); break;
-    default: cast_range<COLUMNS, MAY_CLIP>(job, lo, hi, sums); break;
+    case NV_BLOCK: cast_range<NV_BLOCK, MAY_CLIP, ROUND>(job, lo, hi, sums); break;
+    case CHANNEL: cast_range<CHANNEL, MAY_CLIP, ROUND>(job, lo, hi, sums); break;
+    default: cast_range<COLUMNS, MAY_CLIP, ROUND>(job, lo, hi, sums); break;
+  }
+}
+
+// Stochastic rounding always may clip: a value within the maximum up to a rounding (x / scale of a scale taken from
+// the amax, an NVFP4 block below 1.0625 × 6) rounds up past it with some probability.
+void cast_any(const Job& job, int rounding, int64_t lo, int64_t hi, Sums& sums) {
+  if (rounding == STOCHASTIC) {
+    cast_mode<true, STOCHASTIC>(job, lo, hi, sums);
+  } else if (rounding == STOCHASTIC_INTEGER) {
+    cast_mode<true, STOCHASTIC_INTEGER>(job, lo, hi, sums);
+  } else if (job.may_clip) {
+    cast_mode<true, NEAREST>(job, lo, hi, sums);
+  } else {
+    cast_mode<false, NEAREST>(job, lo, hi, sums);
   }
 }
 
@@ -721,13 +808,15 @@ int qw_scan_columns(const float* x, int64_t n, int64_t columns, float* column_am
 }
 
 // Pass 2 (the only pass for PLAIN and MX_BLOCK): q = cast(x / scale) · scale and the statistics into `stats`
-// (`Partial` order; PLAIN and MX_BLOCK fill the scan's fields too). CHANNEL: x is n / block segments of `block`
+// (`Partial` order; PLAIN and MX_BLOCK fill the scan's fields too). `rounding` is a `Round`; the stochastic ones read
+// one draw in [0, 1) per element from `noise` (n floats, x's layout). CHANNEL: x is n / block segments of `block`
 // elements, each of one channel, whose scales `block_in` holds (one a segment). COLUMNS: x is rows of `block`
 // channels; `block_in` holds their scales, then the scales' reciprocals, each padded with ones to whole vectors.
 int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, int emax, float max_value, int mode,
             int64_t block, float scale, const float* block_in, float* block_scale, int may_clip, int stream,
-            double* stats, int threads) {
-  if ((mode == MX_BLOCK && ((block != 16 && block != 32 && block != 64) || n % block != 0)) ||
+            double* stats, int threads, const float* noise, int rounding) {
+  if (rounding < NEAREST || rounding > STOCHASTIC_INTEGER || (rounding != NEAREST && noise == nullptr) ||
+      (mode == MX_BLOCK && ((block != 16 && block != 32 && block != 64) || n % block != 0)) ||
       (mode == NV_BLOCK && (block != 16 || n % 16 != 0)) ||
       ((mode == CHANNEL || mode == COLUMNS) && (block < 1 || n % block != 0)) || mode < PLAIN || mode > COLUMNS) {
     return BAD_ARGUMENT;
@@ -735,14 +824,11 @@ int qw_cast(const float* x, float* q, int64_t n, int mantissa_bits, int emin, in
   // Streaming stores need 64-byte alignment: a CHANNEL segment (a COLUMNS row) of other than whole vectors leaves the
   // next unaligned.
   bool aligned = (mode != CHANNEL && mode != COLUMNS) || block % L == 0;
-  Job job{x, q, n, make_format(mantissa_bits, emin, emax, max_value), mode, block, emax, scale, block_in,
+  const float* draws = rounding != NEAREST ? noise : nullptr;
+  Job job{x, q, draws, n, make_format(mantissa_bits, emin, emax, max_value), mode, block, emax, scale, block_in,
           block_scale, make_format(3, -6, 8, 448.0f), stream != 0 && aligned, may_clip != 0};
   each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& s) {
-    if (job.may_clip) {
-      cast_any<true>(job, lo, hi, s);
-    } else {
-      cast_any<false>(job, lo, hi, s);
-    }
+    cast_any(job, rounding, lo, hi, s);
 #if defined(__AVX512F__) || defined(QW_AVX2)
     if (job.stream) _mm_sfence();  // each thread's streaming stores are weakly ordered: fence them before the barrier
 #endif

@@ -10,7 +10,8 @@ with ``$QUANTWATCH_NATIVE_MARCH``, e.g. ``haswell`` for an AVX2 build on an AVX-
 version and the CPU, and loaded with ctypes. The kernels' vectors are one register of the widest unit the build
 targets (16 floats with AVX-512, 8 with AVX2: `vector_isa` says which).
 
-What it runs: contiguous float32 CPU tensors, round to nearest, float and integer element formats (FP8, FP6, FP4,
+What it runs: contiguous float32 CPU tensors, round to nearest or stochastically (from the caller's uniform draws,
+``noise``: bit for bit as the reference rounds with them), float and integer element formats (FP8, FP6, FP4,
 INT8, INT4: an integer grid is a float grid whose spacing is 1 up to its maximum), scalings none, tensor, delayed,
 channel when each channel's elements lie in runs of 16 or more (``channel:0`` of a weight) or are single elements of
 16 or more channels (``channel:-1``), block:16/32/64 and nvblock:16 when the last dimension holds whole blocks,
@@ -75,6 +76,9 @@ BUILD_TIMEOUT_SECONDS = 120
 # gets a core at the closing barrier) costs more than they save.
 PARALLEL_MIN_NUMEL = 1 << 16
 
+# The kernels' roundings (`Round` in native.cpp): an integer grid rounds stochastically on the signed value, as the
+# reference does, a float grid on the magnitude.
+_NEAREST, _STOCHASTIC, _STOCHASTIC_INTEGER = range(3)
 # The kernels' modes (`Mode` in native.cpp).
 _PLAIN, _TENSOR, _MX_BLOCK, _NV_BLOCK, _CHANNEL, _COLUMNS = range(6)
 _MODES = {
@@ -117,8 +121,6 @@ def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: 
         return "non-contiguous tensors"
     if x.numel() >= MAX_NUMEL:
         return f"tensors of {MAX_NUMEL} elements or more"
-    if rounding is not Rounding.NEAREST:
-        return "stochastic rounding"
     if fmt.kind not in (Kind.FLOAT, Kind.INT):
         return f"{fmt.kind.value} element formats (float and integer formats only)"
     if spec.kind is Scaling.CHANNEL and x.numel():
@@ -138,7 +140,7 @@ def unsupported_reason(x: Tensor, fmt: FormatSpec, spec: ScalingSpec, rounding: 
         last = x.shape[-1] if x.dim() else 1
         if last % spec.block_size:
             return f"a last dimension of {last}, not a whole number of blocks of {spec.block_size}"
-    if not saturate and fmt.special is not Special.NONE and _may_clip(fmt, spec, given_scale=True):
+    if not saturate and fmt.special is not Special.NONE and _may_clip(fmt, spec, True, rounding):
         return "non-saturating casts that can overflow"
     return None
 
@@ -208,9 +210,12 @@ def _grid(fmt: FormatSpec) -> tuple[int, int, int]:
     return fmt.mantissa_bits, fmt.emin, fmt.emax
 
 
-def _may_clip(fmt: FormatSpec, spec: ScalingSpec, given_scale: bool) -> bool:
+def _may_clip(fmt: FormatSpec, spec: ScalingSpec, given_scale: bool, rounding: Rounding) -> bool:
     # A scale taken from the amax keeps |x / scale| within the maximum up to rounding (a larger margin or a power of
-    # two rounded up only shrinks it); an NVFP4 E2M1 block cannot clip either (see compiled._fused_lanes).
+    # two rounded up only shrinks it); an NVFP4 E2M1 block cannot clip either (see compiled._fused_lanes). Rounding
+    # stochastically, a value within the maximum up to a rounding may round up past it: every scaling may clip.
+    if rounding is Rounding.STOCHASTIC:
+        return True
     if spec.kind is Scaling.CHANNEL:
         return False
     if spec.kind in (Scaling.TENSOR, Scaling.DELAYED):
@@ -366,7 +371,7 @@ def _build_and_load() -> ctypes.CDLL | BackendUnavailableError:
     lib.qw_scan_columns.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
     lib.qw_cast.restype = _INT
     lib.qw_cast.argtypes = [_PTR, _PTR, _I64, _INT, _INT, _INT, _F32, _INT, _I64, _F32, _PTR, _PTR, _INT, _INT]
-    lib.qw_cast.argtypes += [_PTR, _INT]
+    lib.qw_cast.argtypes += [_PTR, _INT, _PTR, _INT]
     lib.qw_stats.restype = _INT
     lib.qw_stats.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _INT]
     lib.qw_decode_bytes.restype = _INT
@@ -414,9 +419,9 @@ def prepare() -> None:
 
 
 def quantize(request: QuantRequest) -> QuantResult | None:
-    """`quantize_native` (round to nearest only: ``noise`` is never needed)."""
+    """`quantize_native` of the request (stochastic rounding with its ``noise``)."""
     r = request
-    return quantize_native(r.x, r.fmt, r.spec, r.rounding, r.saturate, r.scale, r.with_stats, r.out)
+    return quantize_native(r.x, r.fmt, r.spec, r.rounding, r.saturate, r.scale, r.with_stats, r.out, r.noise)
 
 
 def prepare_in_background() -> None:
@@ -435,18 +440,22 @@ def quantize_native(
     scale: Tensor | None,
     with_stats: bool,
     out: Tensor | None = None,
+    noise: Tensor | None = None,
 ) -> QuantResult | None:
     """``(values, stats or None, scale, amax)`` as `compiled.quantize_fused` returns them, or None when the tensor is
     empty or its values are outside what the kernels handle (NaN/±inf, a scaled value beyond float32, statistics
     beyond the float32 runs' range): the caller then runs another backend. ``out`` (contiguous, x's shape and dtype)
-    receives the values.
+    receives the values. Stochastic rounding reads ``noise``: x's shape, uniform in [0, 1) (`reference.draw_noise`),
+    one draw per element as the reference uses them.
 
-    Raises `BackendUnavailableError` when the quantization is unsupported or the library cannot be built.
+    Raises `BackendUnavailableError` when the quantization is unsupported or the library cannot be built, and
+    ``ValueError`` for stochastic rounding without ``noise`` of x's shape.
     """
     raise_if_unsupported(NAME, unsupported_reason(x, fmt, spec, rounding, saturate))
     lib = library()
     if x.numel() == 0:
         return None
+    draws = _draws(x, rounding, noise)
     x = x.detach()
     values = out if out is not None and out.is_contiguous() else torch.empty_like(x)
     n = x.numel()
@@ -496,10 +505,12 @@ def quantize_native(
         element_scale,
         cast_scales_address,
         scales_address,
-        int(_may_clip(fmt, spec, scale is not None)),
+        int(_may_clip(fmt, spec, scale is not None, rounding)),
         int(stream),
         partial.buffer_info()[0],
         threads,
+        draws.data_ptr() if draws is not None else None,
+        _rounding_code(fmt, rounding),
     )
     if status == _STATUS_BAD_ARGUMENT:
         raise BackendUnavailableError("native backend rejected its arguments")
@@ -523,6 +534,24 @@ def quantize_native(
     else:
         scale_out = _scale_out(x, spec, scales, element_scale)
     return values, stats, scale_out, amax_tensor
+
+
+def _draws(x: Tensor, rounding: Rounding, noise: Tensor | None) -> Tensor | None:
+    """The draws the kernels read (contiguous float32 on the CPU), None to round to nearest; ``ValueError`` when
+    stochastic rounding has no ``noise`` of x's shape."""
+    if rounding is Rounding.NEAREST:
+        return None
+    if noise is None:
+        raise ValueError("noise: stochastic rounding needs noise (draw_noise)")
+    if noise.shape != x.shape:
+        raise ValueError(f"noise: needs x's shape {tuple(x.shape)}; got {tuple(noise.shape)}")
+    return noise.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
+def _rounding_code(fmt: FormatSpec, rounding: Rounding) -> int:
+    if rounding is Rounding.NEAREST:
+        return _NEAREST
+    return _STOCHASTIC_INTEGER if fmt.kind is Kind.INT else _STOCHASTIC
 
 
 def _f32(value: float) -> np.float32:

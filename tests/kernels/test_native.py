@@ -1,4 +1,5 @@
-"""The native CPU kernels against the reference: values and scales bit-exact, statistics within 1e-6 relative.
+"""The native CPU kernels against the reference: values and scales bit-exact, statistics within 1e-6 relative, rounding
+to nearest and stochastically (from the same draws, some of them the values a rounding decision turns on).
 
 `native.quantize_native` is called directly where a test must know the kernels ran (it returns None when it
 declines a tensor); `quantize(backend="native")` where the fallback for declined tensors is what is checked.
@@ -12,6 +13,7 @@ test_native_builds.py compiles both on any x86-64 host and checks what vector co
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import math
 import os
@@ -33,14 +35,18 @@ from quantwatch.kernels import (
     quantize,
 )
 from quantwatch.kernels import api as api_module
-from quantwatch.kernels.api import resolve_quantization
+from quantwatch.kernels.api import reference_stats, resolve_quantization
 from quantwatch.kernels.formats import Kind, Special
-from quantwatch.kernels.options import Rounding, Scaling, ScalingSpec
-from quantwatch.kernels.reference import amax_to_scale
+from quantwatch.kernels.options import Scaling, ScalingSpec
+from quantwatch.kernels.reference import QuantDetails, amax_to_scale, quantize_reference
 from quantwatch.kernels.stats import FlushResult, comparison_fields
 
 FLOAT_FORMATS = [name for name, spec in FORMATS.items() if spec.kind is Kind.FLOAT]
 ELEMENT_FORMATS = [name for name, spec in FORMATS.items() if spec.kind in (Kind.FLOAT, Kind.INT)]
+ROUNDINGS = ("nearest", "stochastic")
+# Draws a stochastic rounding decision turns on: exactly a fraction of the rounding cases (0, a quarter, a half,
+# three quarters; noise < fraction is strict), and the extremes torch.rand gives.
+EDGE_DRAWS = (0.0, 0.5, 0.25, 0.75, 2.0**-24, 1 - 2.0**-24)
 
 
 # The vector unit of each build and the -march target that builds it; the CPU flags it needs to run.
@@ -88,9 +94,42 @@ def _default_build_afterwards() -> Iterator[None]:
     native.reset()  # the modules after this one load the default build again
 
 
-def run_native(x: torch.Tensor, fmt: str, scaling: str | None, saturate: bool = True, scale: Any = None) -> Any:
-    element, spec, _ = resolve_quantization(fmt, scaling, "nearest")
-    return native.quantize_native(x, element, spec, Rounding.NEAREST, saturate, scale, with_stats=True)
+def draws(x: torch.Tensor, rounding: str, seed: int = 0) -> torch.Tensor | None:
+    """Stochastic rounding's uniform draws for ``x`` (None to round to nearest), every fourth one of `EDGE_DRAWS`."""
+    if rounding == "nearest":
+        return None
+    noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(seed))
+    picked = noise.view(-1)[::4]
+    picked.copy_(torch.tensor(EDGE_DRAWS).repeat(picked.numel() // len(EDGE_DRAWS) + 1)[: picked.numel()])
+    return noise
+
+
+def run_native(
+    x: torch.Tensor,
+    fmt: str,
+    scaling: str | None,
+    saturate: bool = True,
+    scale: Any = None,
+    rounding: str = "nearest",
+    noise: torch.Tensor | None = None,
+) -> Any:
+    element, spec, mode = resolve_quantization(fmt, scaling, rounding)
+    return native.quantize_native(x, element, spec, mode, saturate, scale, with_stats=True, noise=noise)
+
+
+def run_reference(
+    x: torch.Tensor,
+    fmt: str,
+    scaling: str | None,
+    saturate: bool = True,
+    scale: Any = None,
+    rounding: str = "nearest",
+    noise: torch.Tensor | None = None,
+) -> tuple[QuantDetails, ErrorStats]:
+    """The reference's details and statistics of the quantization `run_native` runs (the same draws)."""
+    element, spec, mode = resolve_quantization(fmt, scaling, rounding)
+    details = quantize_reference(x, element, spec, mode, saturate, scale=scale, noise=noise)
+    return details, reference_stats(x, details)
 
 
 def assert_bitwise_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -113,12 +152,14 @@ def test_plain_cast_matches_the_reference_on_every_rounding_case(fmt: str, backe
     x = backends.rounding_cases(FORMATS[fmt], finite=True)
     modes = [True] if FORMATS[fmt].special is not Special.NONE else [True, False]
     for saturate in modes:
-        result = run_native(x, fmt, "none", saturate)
-        assert result is not None
-        ref = quantize(x, fmt, "none", saturate=saturate, with_stats=True, backend="reference")
-        assert_bitwise_equal(result[0], ref[0])
-        backends.assert_same(result[:2], ref)
-        assert ref[1].to_dict()["overflow_count"] > 0  # the cases reach past the maximum
+        for rounding in ROUNDINGS:
+            noise = draws(x, rounding)
+            result = run_native(x, fmt, "none", saturate, rounding=rounding, noise=noise)
+            assert result is not None
+            details, ref_stats = run_reference(x, fmt, "none", saturate, rounding=rounding, noise=noise)
+            assert_bitwise_equal(result[0], details.values)
+            backends.assert_same(result[:2], (details.values, ref_stats))
+            assert ref_stats.to_dict()["overflow_count"] > 0  # the cases reach past the maximum
 
 
 @pytest.mark.parametrize("fmt", ELEMENT_FORMATS)
@@ -126,15 +167,15 @@ def test_plain_cast_matches_the_reference_on_every_rounding_case(fmt: str, backe
 def test_scaled_casts_match_the_reference(fmt: str, scaling: str, backends: Any) -> None:
     # Shapes: whole vectors; a tail shorter than a vector per thread range; one row of one block.
     shapes = [(64, 96), (33, 160), (1, 64)] if "block" in scaling else [(64, 96), (33, 70), (7,)]
-    for seed, shape in enumerate(shapes):
+    for (seed, shape), rounding in itertools.product(enumerate(shapes), ROUNDINGS):
         x = finite_sample(shape, seed)
-        result = run_native(x, fmt, scaling)
+        noise = draws(x, rounding, seed)
+        result = run_native(x, fmt, scaling, rounding=rounding, noise=noise)
         assert result is not None
         values, stats, scale, amax = result
-        ref_values, ref_stats = quantize(x, fmt, scaling, with_stats=True, backend="reference")
-        details = quantize(x, fmt, scaling, return_details=True, backend="reference")
-        assert_bitwise_equal(values, ref_values)
-        backends.assert_same((values, stats), (ref_values, ref_stats))
+        details, ref_stats = run_reference(x, fmt, scaling, rounding=rounding, noise=noise)
+        assert_bitwise_equal(values, details.values)
+        backends.assert_same((values, stats), (details.values, ref_stats))
         assert_bitwise_equal(scale, details.scale)
         assert amax.item() == details.amax.item()
 
@@ -157,24 +198,28 @@ def test_scaled_casts_match_the_reference(fmt: str, scaling: str, backends: Any)
 def test_channel_scaling_matches_the_reference(fmt: str, scaling: str, shape: tuple[int, ...], backends: Any) -> None:
     x = finite_sample(shape, len(shape))
     x.select(-2 if len(shape) > 2 else 0, 1).zero_()  # an all-zero channel: scale 1
-    result = run_native(x, fmt, scaling)
-    assert result is not None
-    values, stats, scale, amax = result
-    details = quantize(x, fmt, scaling, return_details=True, backend="reference")
-    assert_bitwise_equal(values, details.values)
-    backends.assert_same((values, stats), quantize(x, fmt, scaling, with_stats=True, backend="reference"))
-    assert scale.shape == details.scale.shape
-    assert_bitwise_equal(scale, details.scale)
-    assert amax.item() == details.amax.item()
+    for rounding in ROUNDINGS:
+        noise = draws(x, rounding)
+        result = run_native(x, fmt, scaling, rounding=rounding, noise=noise)
+        assert result is not None
+        values, stats, scale, amax = result
+        details, ref_stats = run_reference(x, fmt, scaling, rounding=rounding, noise=noise)
+        assert_bitwise_equal(values, details.values)
+        backends.assert_same((values, stats), (details.values, ref_stats))
+        assert scale.shape == details.scale.shape
+        assert_bitwise_equal(scale, details.scale)
+        assert amax.item() == details.amax.item()
 
 
 def test_presets_and_odd_scales_match_the_reference(backends: Any) -> None:
     x = finite_sample((48, 128), 7)
-    for fmt in ["mxfp8", "mxfp6", "mxfp4", "nvfp4"]:
+    for fmt, rounding in itertools.product(["mxfp8", "mxfp6", "mxfp4", "nvfp4"], ROUNDINGS):
+        noise = draws(x, rounding)
         for factor in [1.0, 2.0**-30, 2.0**30, 3e-5]:
-            result = run_native(x * factor, fmt, None)
+            result = run_native(x * factor, fmt, None, rounding=rounding, noise=noise)
             assert result is not None, (fmt, factor)
-            backends.assert_same(result[:2], quantize(x * factor, fmt, with_stats=True, backend="reference"))
+            details, ref_stats = run_reference(x * factor, fmt, None, rounding=rounding, noise=noise)
+            backends.assert_same(result[:2], (details.values, ref_stats))
 
 
 def test_a_negative_margin_clips_and_counts_overflow(backends: Any) -> None:
@@ -200,23 +245,30 @@ def test_a_given_scale_clips_and_counts_overflow(backends: Any) -> None:
 
 def test_nvfp4_never_clips_where_block_scales_round_down(backends: Any) -> None:
     # Block amaxes swept across whole E4M3 rounding intervals in every binade the block scales span (see the same
-    # test of the compiled path): the kernels count no NVFP4 E2M1 overflow, and the reference agrees.
+    # test of the compiled path): the kernels count no NVFP4 E2M1 overflow, and the reference agrees. Rounding
+    # stochastically, the elements just above 6 that a block scale rounded down leaves round up to 8 at times: clipped.
     x = backends.nvfp4_block_sweep()
-    result = run_native(x, "nvfp4", None)
-    assert result is not None
-    ref = quantize(x, "nvfp4", with_stats=True, backend="reference")
-    backends.assert_same(result[:2], ref)
-    assert ref[1].to_dict()["overflow_count"] == 0
+    for rounding in ROUNDINGS:
+        noise = draws(x, rounding)
+        result = run_native(x, "nvfp4", None, rounding=rounding, noise=noise)
+        assert result is not None
+        details, ref_stats = run_reference(x, "nvfp4", None, rounding=rounding, noise=noise)
+        assert_bitwise_equal(result[0], details.values)
+        backends.assert_same(result[:2], (details.values, ref_stats))
+        assert (ref_stats.to_dict()["overflow_count"] > 0) is (rounding == "stochastic")
 
 
 # Each over 8 MB (streaming stores): 2,064 columns are 129 NVFP4 blocks a row; 2,063 put a partial vector at the end of
 # every channel segment or row of channels (and keep streaming stores off: the next would be unaligned).
+# Stochastic rounding: each thread reads the draws of its own range (over 2^16 elements: more than one thread).
 LARGE_CASES = [
-    ("fp8_e4m3", "tensor", (1024, 2064)),
-    ("nvfp4", None, (1024, 2064)),
-    ("int8", "channel:0", (1100, 2063)),
-    ("fp4_e2m1", "channel:-1", (1100, 2063)),
-    ("fp8_e4m3", "channel:-1", (1024, 2064)),
+    ("fp8_e4m3", "tensor", (1024, 2064), "nearest"),
+    ("nvfp4", None, (1024, 2064), "nearest"),
+    ("int8", "channel:0", (1100, 2063), "nearest"),
+    ("fp4_e2m1", "channel:-1", (1100, 2063), "nearest"),
+    ("fp8_e4m3", "channel:-1", (1024, 2064), "nearest"),
+    ("fp8_e5m2", "block:32", (128, 2080), "stochastic"),
+    ("int8", "tensor", (128, 2063), "stochastic"),
 ]
 
 
@@ -224,17 +276,21 @@ LARGE_CASES = [
 def test_large_tensors_with_streaming_stores_and_any_thread_count(threads: int, build: str, backends: Any) -> None:
     if build == "avx512" and threads != 2:
         pytest.skip("the second build: one thread count (the slowest test here, 5-7 s a run on 2 cores)")
-    inputs = {shape: finite_sample(shape, 5) for _, _, shape in LARGE_CASES}
+    inputs = {shape: finite_sample(shape, 5) for _, _, shape, _ in LARGE_CASES}
+    noises = {shape: draws(inputs[shape], rounding) for _, _, shape, rounding in LARGE_CASES}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        results = [run_native(inputs[shape], fmt, scaling) for fmt, scaling, shape in LARGE_CASES]
+        results = [
+            run_native(inputs[shape], fmt, scaling, rounding=rounding, noise=noises[shape])
+            for fmt, scaling, shape, rounding in LARGE_CASES
+        ]
     finally:
         torch.set_num_threads(before)
-    for (fmt, scaling, shape), result in zip(LARGE_CASES, results, strict=True):
+    for (fmt, scaling, shape, rounding), result in zip(LARGE_CASES, results, strict=True):
         assert result is not None
-        expected = quantize(inputs[shape], fmt, scaling, with_stats=True, backend="reference")
-        backends.assert_same(result[:2], expected)
+        details, ref_stats = run_reference(inputs[shape], fmt, scaling, rounding=rounding, noise=noises[shape])
+        backends.assert_same(result[:2], (details.values, ref_stats))
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "channel", "nvblock:16"])
@@ -331,7 +387,6 @@ def test_bad_out_is_a_clear_error(out: torch.Tensor, message: str) -> None:
     ("kwargs", "x", "reason"),
     [
         ({"fmt": "fp8_e4m3"}, torch.randn(8, 16).double(), "float32 only"),
-        ({"fmt": "fp8_e4m3", "rounding": "stochastic"}, torch.randn(8, 16), "stochastic rounding"),
         ({"fmt": "e8m0"}, torch.rand(8, 16), "scale element formats"),
         ({"fmt": "fp8_e4m3", "scaling": "channel:-1"}, torch.randn(16, 8), "runs of 1 among 8 channels"),
         ({"fmt": "int8", "scaling": "channel:-1"}, torch.randn(8, 64), "at least 16 rows"),
@@ -351,6 +406,34 @@ def test_unsupported_quantizations_raise_clearly_and_auto_moves_on(
     auto = quantize(x, backend="auto", generator=torch.Generator().manual_seed(1), **kwargs)
     reference = quantize(x, backend="reference", generator=torch.Generator().manual_seed(1), **kwargs)
     assert torch.equal(auto, reference)
+
+
+def test_stochastic_rounding_without_its_draws_is_a_clear_error() -> None:
+    element, spec, rounding = resolve_quantization("fp8_e5m2", "block:32", "stochastic")
+    x = finite_sample((4, 32), 1)
+    with pytest.raises(ValueError, match=r"noise: stochastic rounding needs noise"):
+        native.quantize_native(x, element, spec, rounding, True, None, with_stats=True)
+    with pytest.raises(ValueError, match=r"noise: needs x's shape \(4, 32\); got \(4, 16\)"):
+        native.quantize_native(x, element, spec, rounding, True, None, with_stats=True, noise=torch.rand(4, 16))
+
+
+def test_stochastic_rounding_runs_natively_on_auto_from_the_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = native.quantize_native
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(native, "quantize_native", spy)
+    x = finite_sample((16, 64), 4)
+    got = quantize(x, "fp8_e5m2", "block:32", "stochastic", generator=torch.Generator().manual_seed(5))
+    expected = quantize(
+        x, "fp8_e5m2", "block:32", "stochastic", generator=torch.Generator().manual_seed(5), backend="reference"
+    )
+    assert calls == [True]
+    assert_bitwise_equal(got, expected)
 
 
 def test_auto_runs_the_native_kernels_from_its_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
