@@ -94,11 +94,11 @@ def _default_build_afterwards() -> Iterator[None]:
     native.reset()  # the modules after this one load the default build again
 
 
-def draws(x: torch.Tensor, rounding: str, seed: int = 0) -> torch.Tensor | None:
+def draws(x: torch.Tensor, rounding: str) -> torch.Tensor | None:
     """Stochastic rounding's uniform draws for ``x`` (None to round to nearest), every fourth one of `EDGE_DRAWS`."""
     if rounding == "nearest":
         return None
-    noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(seed))
+    noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(0))
     picked = noise.view(-1)[::4]
     picked.copy_(torch.tensor(EDGE_DRAWS).repeat(picked.numel() // len(EDGE_DRAWS) + 1)[: picked.numel()])
     return noise
@@ -117,19 +117,15 @@ def run_native(
     return native.quantize_native(x, element, spec, mode, saturate, scale, with_stats=True, noise=noise)
 
 
-def run_reference(
-    x: torch.Tensor,
-    fmt: str,
-    scaling: str | None,
-    saturate: bool = True,
-    scale: Any = None,
-    rounding: str = "nearest",
-    noise: torch.Tensor | None = None,
-) -> tuple[QuantDetails, ErrorStats]:
-    """The reference's details and statistics of the quantization `run_native` runs (the same draws)."""
+def run_both(
+    x: torch.Tensor, fmt: str, scaling: str | None, rounding: str, saturate: bool = True
+) -> tuple[Any, QuantDetails, ErrorStats]:
+    """`run_native`, and the reference's details and statistics, of one quantization (stochastic: the same `draws`)."""
+    noise = draws(x, rounding)
+    result = run_native(x, fmt, scaling, saturate, rounding=rounding, noise=noise)
     element, spec, mode = resolve_quantization(fmt, scaling, rounding)
-    details = quantize_reference(x, element, spec, mode, saturate, scale=scale, noise=noise)
-    return details, reference_stats(x, details)
+    details = quantize_reference(x, element, spec, mode, saturate, noise=noise)
+    return result, details, reference_stats(x, details)
 
 
 def assert_bitwise_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -153,10 +149,8 @@ def test_plain_cast_matches_the_reference_on_every_rounding_case(fmt: str, backe
     modes = [True] if FORMATS[fmt].special is not Special.NONE else [True, False]
     for saturate in modes:
         for rounding in ROUNDINGS:
-            noise = draws(x, rounding)
-            result = run_native(x, fmt, "none", saturate, rounding=rounding, noise=noise)
+            result, details, ref_stats = run_both(x, fmt, "none", rounding, saturate)
             assert result is not None
-            details, ref_stats = run_reference(x, fmt, "none", saturate, rounding=rounding, noise=noise)
             assert_bitwise_equal(result[0], details.values)
             backends.assert_same(result[:2], (details.values, ref_stats))
             assert ref_stats.to_dict()["overflow_count"] > 0  # the cases reach past the maximum
@@ -169,11 +163,9 @@ def test_scaled_casts_match_the_reference(fmt: str, scaling: str, backends: Any)
     shapes = [(64, 96), (33, 160), (1, 64)] if "block" in scaling else [(64, 96), (33, 70), (7,)]
     for (seed, shape), rounding in itertools.product(enumerate(shapes), ROUNDINGS):
         x = finite_sample(shape, seed)
-        noise = draws(x, rounding, seed)
-        result = run_native(x, fmt, scaling, rounding=rounding, noise=noise)
+        result, details, ref_stats = run_both(x, fmt, scaling, rounding)
         assert result is not None
         values, stats, scale, amax = result
-        details, ref_stats = run_reference(x, fmt, scaling, rounding=rounding, noise=noise)
         assert_bitwise_equal(values, details.values)
         backends.assert_same((values, stats), (details.values, ref_stats))
         assert_bitwise_equal(scale, details.scale)
@@ -199,11 +191,9 @@ def test_channel_scaling_matches_the_reference(fmt: str, scaling: str, shape: tu
     x = finite_sample(shape, len(shape))
     x.select(-2 if len(shape) > 2 else 0, 1).zero_()  # an all-zero channel: scale 1
     for rounding in ROUNDINGS:
-        noise = draws(x, rounding)
-        result = run_native(x, fmt, scaling, rounding=rounding, noise=noise)
+        result, details, ref_stats = run_both(x, fmt, scaling, rounding)
         assert result is not None
         values, stats, scale, amax = result
-        details, ref_stats = run_reference(x, fmt, scaling, rounding=rounding, noise=noise)
         assert_bitwise_equal(values, details.values)
         backends.assert_same((values, stats), (details.values, ref_stats))
         assert scale.shape == details.scale.shape
@@ -214,11 +204,9 @@ def test_channel_scaling_matches_the_reference(fmt: str, scaling: str, shape: tu
 def test_presets_and_odd_scales_match_the_reference(backends: Any) -> None:
     x = finite_sample((48, 128), 7)
     for fmt, rounding in itertools.product(["mxfp8", "mxfp6", "mxfp4", "nvfp4"], ROUNDINGS):
-        noise = draws(x, rounding)
         for factor in [1.0, 2.0**-30, 2.0**30, 3e-5]:
-            result = run_native(x * factor, fmt, None, rounding=rounding, noise=noise)
+            result, details, ref_stats = run_both(x * factor, fmt, None, rounding)
             assert result is not None, (fmt, factor)
-            details, ref_stats = run_reference(x * factor, fmt, None, rounding=rounding, noise=noise)
             backends.assert_same(result[:2], (details.values, ref_stats))
 
 
@@ -249,10 +237,8 @@ def test_nvfp4_never_clips_where_block_scales_round_down(backends: Any) -> None:
     # stochastically, the elements just above 6 that a block scale rounded down leaves round up to 8 at times: clipped.
     x = backends.nvfp4_block_sweep()
     for rounding in ROUNDINGS:
-        noise = draws(x, rounding)
-        result = run_native(x, "nvfp4", None, rounding=rounding, noise=noise)
+        result, details, ref_stats = run_both(x, "nvfp4", None, rounding)
         assert result is not None
-        details, ref_stats = run_reference(x, "nvfp4", None, rounding=rounding, noise=noise)
         assert_bitwise_equal(result[0], details.values)
         backends.assert_same(result[:2], (details.values, ref_stats))
         assert (ref_stats.to_dict()["overflow_count"] > 0) is (rounding == "stochastic")
@@ -277,19 +263,14 @@ def test_large_tensors_with_streaming_stores_and_any_thread_count(threads: int, 
     if build == "avx512" and threads != 2:
         pytest.skip("the second build: one thread count (the slowest test here, 5-7 s a run on 2 cores)")
     inputs = {shape: finite_sample(shape, 5) for _, _, shape, _ in LARGE_CASES}
-    noises = {shape: draws(inputs[shape], rounding) for _, _, shape, rounding in LARGE_CASES}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        results = [
-            run_native(inputs[shape], fmt, scaling, rounding=rounding, noise=noises[shape])
-            for fmt, scaling, shape, rounding in LARGE_CASES
-        ]
+        runs = [run_both(inputs[shape], fmt, scaling, rounding) for fmt, scaling, shape, rounding in LARGE_CASES]
     finally:
         torch.set_num_threads(before)
-    for (fmt, scaling, shape, rounding), result in zip(LARGE_CASES, results, strict=True):
+    for result, details, ref_stats in runs:
         assert result is not None
-        details, ref_stats = run_reference(inputs[shape], fmt, scaling, rounding=rounding, noise=noises[shape])
         backends.assert_same(result[:2], (details.values, ref_stats))
 
 
