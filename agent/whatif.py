@@ -31,11 +31,11 @@ from quantwatch.protocol import TENSOR_KINDS, WHATIF_CANDIDATES, WHATIF_STATS, c
 
 __all__ = ["DEFAULT_WHATIF_EVERY", "WhatIf", "WhatIfValues", "layer_candidates"]
 
-DEFAULT_WHATIF_EVERY = 50
-"""What-if statistics on every 50th sampled step (with ``every=25``: one step in 1250), so that the agent at its
-defaults stays within 3% of a step on the CPU: there a what-if step costs about 2.4 times a sampled step, two
-thirds of it the stochastic-rounding candidates, which the native kernels decline (the reference path runs them;
-BENCHMARKS.md, issue 18)."""
+DEFAULT_WHATIF_EVERY = 10
+"""What-if statistics on every 10th sampled step (with ``every=25``: one step in 250). On the CPU a what-if step costs
+about 1.45 times a sampled step (+33-38 ms on the benchmark's 56 ms step; the stochastic-rounding candidates on the
+native kernels, their draws most of their cost), so the agent at its defaults adds 0.2% of a step for it and stays
+within 3% (BENCHMARKS.md, issue 18)."""
 
 SEED = 0x5EED_0F_5A
 WhatIfValues = dict[str, dict[str, dict[str, list[float | None]]]]

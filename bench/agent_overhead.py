@@ -8,7 +8,8 @@ drift of a shared machine hits all of them alike:
 * ``every1``      ``every=1`` and every per-layer metric (all but ``weight_drift_rel_l2``, which needs a full
   shadow model and so a second training step), exact, without what-if statistics (``whatif_every=0``);
 * ``every1_whatif`` the same with the what-if statistics on every sampled step (``whatif_every=1``: every layer's
-  weight, input and gradient quantized to every candidate, stochastic rounding on the reference path included);
+  weight, input and gradient quantized to every candidate, the stochastic-rounding ones included); the agent at its
+  defaults with what-if every ``--whatif-periods`` sampled step is composed from these (``defaults_whatif``);
 * ``every1_rows`` the same with ``shadow_rows=1/8`` (``output_*`` and ``update_cosine`` estimated from an eighth of
   the rows);
 * ``tensorboard`` the same per-layer figures, written through TensorBoard's ``SummaryWriter`` on the training
@@ -247,8 +248,8 @@ def gate_cost(calls: int = 5000) -> float:
 
 
 def candidate_costs(args: argparse.Namespace, repeats: int = 20) -> None:
-    """Milliseconds one what-if candidate costs on a gradient of the MLP's fc1 output (tokens x 4 x WIDTH): the
-    fused kernels for nearest rounding, the reference path for stochastic rounding (the native kernels decline it)."""
+    """Milliseconds one what-if candidate costs on a gradient of the MLP's fc1 output (tokens x 4 x WIDTH), on the
+    path ``auto`` takes (the native kernels on the CPU, stochastic rounding with its draws from ``generator``)."""
     from quantwatch.kernels import quantize
     from quantwatch.protocol import candidate_spec
 
@@ -359,18 +360,18 @@ def overhead(
         from_gate = ((every - 1) * (medians["none"] + gate_seconds) + medians["every1"]) / (every * medians["none"])
         ratios[f"defaults_from_gate_{clock}"] = from_gate
         print(f"defaults (every={every}) from none + gate: {from_gate:.3f}")
-        # With what-if at its default period, one sampled step in DEFAULT_WHATIF_EVERY also measures the what-if
+        # With what-if every `period` sampled steps, one sampled step in `period` also measures the what-if
         # statistics (the every1_whatif copy's steps); the rest are the every1 copy's.
-        period = DEFAULT_WHATIF_EVERY
-        sampled = ((period - 1) * medians["every1"] + medians["every1_whatif"]) / period
-        with_whatif = ((every - 1) * (medians["none"] + gate_seconds) + sampled) / (every * medians["none"])
-        ratios[f"defaults_whatif_{clock}"] = with_whatif
         whatif_ms = 1000 * (medians["every1_whatif"] - medians["every1"])
         print(
             f"what-if on a sampled step: +{whatif_ms:.1f} ms ({medians['every1_whatif'] / medians['every1']:.3f} x the"
-            f" sampled step, {medians['every1_whatif'] / medians['none']:.3f} x the unmonitored one); defaults"
-            f" (every={every}, whatif_every={period}) from none + gate: {with_whatif:.3f}"
+            f" sampled step, {medians['every1_whatif'] / medians['none']:.3f} x the unmonitored one)"
         )
+        for period in args.whatif_periods:
+            sampled = ((period - 1) * medians["every1"] + medians["every1_whatif"]) / period
+            with_whatif = ((every - 1) * (medians["none"] + gate_seconds) + sampled) / (every * medians["none"])
+            ratios[f"defaults_whatif{period}_{clock}"] = with_whatif
+            print(f"defaults (every={every}, whatif_every={period}) from none + gate: {with_whatif:.3f}")
     for name, trainer in trainers.items():
         if trainer.monitor is not None:
             trainer.monitor.close(60)
@@ -430,6 +431,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--skip-outage", action="store_true")
+    parser.add_argument(
+        "--whatif-periods",
+        type=lambda text: [int(part) for part in text.split(",")],
+        default=[DEFAULT_WHATIF_EVERY],
+        help=f"comma-separated what-if periods the defaults are composed for (default {DEFAULT_WHATIF_EVERY})",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(
@@ -450,17 +457,15 @@ def main() -> None:
                 }
                 print("\n== summary: median ratio to the family's unmonitored step (wall / CPU) ==")
                 for family, ratios in summary.items():
-                    cells = [
-                        f"{name} {ratios[f'{name}_wall']:.3f}/{ratios[f'{name}_cpu']:.3f}"
-                        for name in (
-                            "defaults_from_gate",
-                            "defaults_whatif",
-                            "every1",
-                            "every1_whatif",
-                            "every1_rows",
-                            "tensorboard",
-                        )
+                    names = [
+                        "defaults_from_gate",
+                        *(f"defaults_whatif{period}" for period in args.whatif_periods),
+                        "every1",
+                        "every1_whatif",
+                        "every1_rows",
+                        "tensorboard",
                     ]
+                    cells = [f"{name} {ratios[f'{name}_wall']:.3f}/{ratios[f'{name}_cpu']:.3f}" for name in names]
                     print(f"{family:<12} " + "  ".join(cells))
             if not args.skip_outage:
                 outage(args, collector, tmp)

@@ -110,12 +110,13 @@ def test_whatif_figures_equal_quantizing_the_same_tensors_by_hand() -> None:
 def test_whatif_has_its_own_period_and_no_hooks_between_its_steps() -> None:
     model = _model()
     sink = qw.InMemoryExporter()
-    monitor = qw.attach(model, run="period", exporter=sink, every=2)  # whatif_every defaults to 50
-    _train(model, monitor, 205)
+    monitor = qw.attach(model, run="period", exporter=sink, every=2)  # whatif_every: its default
+    period = 2 * whatif_module.DEFAULT_WHATIF_EVERY  # training steps between what-if steps
+    _train(model, monitor, 2 * period + 5)
     monitor.close()
     steps = [s for b in sink.batches for s in b.steps if s.metrics]
-    assert len(steps) == 103
-    assert [s.step for s in steps if s.whatif] == [0, 100, 200]
+    assert len(steps) == period + 3
+    assert [s.step for s in steps if s.whatif] == [0, period, 2 * period]
     assert all(not module._forward_hooks for module in model.modules())
     off = qw.attach(_model(), run="off", exporter=(sink := qw.InMemoryExporter()), every=1, whatif_every=0)
     _train(off._model, off, 3)
