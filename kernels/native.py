@@ -510,7 +510,7 @@ def quantize_native(
         partial.buffer_info()[0],
         threads,
         draws.data_ptr() if draws is not None else None,
-        _rounding_code(fmt, rounding),
+        _NEAREST if draws is None else _STOCHASTIC_INTEGER if fmt.kind is Kind.INT else _STOCHASTIC,
     )
     if status == _STATUS_BAD_ARGUMENT:
         raise BackendUnavailableError("native backend rejected its arguments")
@@ -537,8 +537,7 @@ def quantize_native(
 
 
 def _draws(x: Tensor, rounding: Rounding, noise: Tensor | None) -> Tensor | None:
-    """The draws the kernels read (contiguous float32 on the CPU), None to round to nearest; ``ValueError`` when
-    stochastic rounding has no ``noise`` of x's shape."""
+    """The draws the kernels read (contiguous float32), None to round to nearest; ``ValueError`` without them."""
     if rounding is Rounding.NEAREST:
         return None
     if noise is None:
@@ -546,12 +545,6 @@ def _draws(x: Tensor, rounding: Rounding, noise: Tensor | None) -> Tensor | None
     if noise.shape != x.shape:
         raise ValueError(f"noise: needs x's shape {tuple(x.shape)}; got {tuple(noise.shape)}")
     return noise.detach().to(device="cpu", dtype=torch.float32).contiguous()
-
-
-def _rounding_code(fmt: FormatSpec, rounding: Rounding) -> int:
-    if rounding is Rounding.NEAREST:
-        return _NEAREST
-    return _STOCHASTIC_INTEGER if fmt.kind is Kind.INT else _STOCHASTIC
 
 
 def _f32(value: float) -> np.float32:
