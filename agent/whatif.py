@@ -33,9 +33,9 @@ __all__ = ["DEFAULT_WHATIF_EVERY", "WhatIf", "WhatIfValues", "layer_candidates"]
 
 DEFAULT_WHATIF_EVERY = 10
 """What-if statistics on every 10th sampled step (with ``every=25``: one step in 250). On the CPU a what-if step costs
-about 1.45 times a sampled step (+33-38 ms on the benchmark's 56 ms step; the stochastic-rounding candidates on the
-native kernels, their draws most of their cost), so the agent at its defaults adds 0.2% of a step for it and stays
-within 3% (BENCHMARKS.md, issue 18)."""
+about 1.4 times a sampled step (+25-34 ms of CPU on the benchmark's 53-62 ms step, every candidate on the native
+kernels, the stochastic-rounding ones included), so at its defaults the agent adds 0.1-0.2% of a step for it and
+stays within 3% (BENCHMARKS.md, issue 18)."""
 
 SEED = 0x5EED_0F_5A
 WhatIfValues = dict[str, dict[str, dict[str, list[float | None]]]]
