@@ -1,17 +1,17 @@
 // Native CPU kernels of quantwatch.kernels (see native.py): minifloat quantization, rounding to nearest or
-// stochastically, with every error statistic, in at most two passes over a contiguous float32 tensor, written with GCC/Clang vector extensions and
-// OpenMP. A vector is one register of the widest unit the build targets: 16 floats with AVX-512 (__AVX512F__), 8 with
-// AVX2 (__AVX2__, one ymm register: no mask registers, no VRANGEPS, no 512-bit shuffles, so the operations that use
-// them on AVX-512 are written for AVX2 apart), else 16 (two or four registers of a narrower unit). The values are
-// bit-exact on every width; the statistics' sums run in other lanes, within the same bounds.
+// stochastically, with every error statistic, in at most two passes over a contiguous float32 tensor, written with
+// GCC/Clang vector extensions and OpenMP. A vector is one register of the widest unit the build targets: 16 floats with
+// AVX-512 (__AVX512F__), 8 with AVX2 (__AVX2__, one ymm register: no mask registers, no VRANGEPS, no 512-bit shuffles,
+// so the operations that use them on AVX-512 are written for AVX2 apart), else 16 (two or four registers of a narrower
+// unit). The values are bit-exact on every width; the statistics' sums run in other lanes, within the same bounds.
 //
 // The cast rounds |v| to the format's grid with one float32 addition: c = 2^(e + 23 - m) for the binade exponent e of
 // |v| (at least the format's smallest normal exponent), so the sum |v| + c keeps exactly m mantissa bits of |v| and
 // rounds the rest to nearest, ties to even, and (|v| + c) - c is the rounded magnitude. The reference computes the same
 // value as round(|v| · 2^(m - e)) · 2^(e - m). Stochastic rounding (see round_stochastic) takes the caller's uniform
-// draws, one per element, and rounds as the reference does, bit for bit. Every entry point returns 0 on success, or a positive code when the
-// tensor holds something these kernels do not handle (non-finite values, a scaled value beyond float32); the caller
-// then runs another backend, and the output holds nothing meaningful.
+// draws, one per element, and rounds as the reference does, bit for bit. Every entry point returns 0 on success, or a
+// positive code when the tensor holds something these kernels do not handle (non-finite values, a scaled value beyond
+// float32); the caller then runs another backend, and the output holds nothing meaningful.
 //
 // Statistics: float32 products summed over runs of RUN vectors in each lane, the runs' sums added in float64 (within
 // (RUN + 1) · 2^-24 ≈ 5.4e-7 of the exact sum of each run's float32 terms, see spill; q − x is itself rounded where
@@ -289,8 +289,8 @@ inline vf round_stochastic(vf a, vf noise, const Format& f) {
   vu e = ((vu)a & EXPONENT_BITS) + f.exponent_shift;
   e = umax(e, f.least_c);
   vf c = (vf)e;
-  vf spacing = c * splat(0x1p-23f);              // 2^(e - m)
-  vf inverse = (vf)(usplat(277u << 23) - e);     // 2^(m - e): exponent 150 - c's, biased
+  vf spacing = c * splat(0x1p-23f);           // 2^(e - m)
+  vf inverse = (vf)(usplat(277u << 23) - e);  // 2^(m - e): biased exponent 277 - c's (150 - (e + 23 - m) + 127)
   vf nearest = (a + c) - c;
   vf low = nearest > a ? nearest - spacing : nearest;
   return noise < (a - low) * inverse ? low + spacing : low;
