@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, delete, func, select, text, update
+from sqlalchemy import Connection, Engine, bindparam, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -56,6 +56,17 @@ class _Stored:
 RUN_LOCK_TAG = 1 << 40
 RANK_LOCK_SPAN = 1 << 20
 
+# The statements every batch runs, built once: building and cache-keying a statement costs ~5× executing it.
+_RUN = select(Run.id, Run.layer_count).where(Run.name == bindparam("name"))
+_LAYER_COUNT = select(Run.layer_count).where(Run.id == bindparam("run_id"))
+_RANK_LOCK = text("SELECT pg_advisory_xact_lock(:k)")
+_STORED_STEPS = select(Point.step, Point.name_id).where(
+    Point.run_id == bindparam("run_id"),
+    Point.rank == bindparam("rank"),
+    Point.step >= bindparam("lo"),
+    Point.step <= bindparam("hi"),
+)
+
 
 class BatchWriter:
     """The ingest path of one engine; holds small caches of immutable facts (name ids, layer order) per process."""
@@ -66,6 +77,7 @@ class BatchWriter:
         self._insert = postgresql.insert if self.pg else sqlite.insert
         self._rollups = RollupWriter(self._insert)
         self._compactor = Compactor(factory, self._rollups, self.pg)
+        self._batch_insert = self._insert(Batch).on_conflict_do_nothing().returning(Batch.batch_id)
         point = self._insert(Point)
         self._point_upsert = point.on_conflict_do_update(
             index_elements=["run_id", "rank", "step", "name_id"],
@@ -132,18 +144,16 @@ class BatchWriter:
         conn = session.connection()
         run_id, layer_count = self._ensure_run(conn, batch.run, now)
         inserted = conn.execute(
-            self._insert(Batch)
-            .values(run_id=run_id, batch_id=batch.batch_id, rank=batch.rank, received_at=now, points=points)
-            .on_conflict_do_nothing()
-            .returning(Batch.batch_id)
+            self._batch_insert,
+            {"run_id": run_id, "batch_id": batch.batch_id, "rank": batch.rank, "received_at": now, "points": points},
         ).first()
         if inserted is None:
             return None
         if self.pg:
-            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": self.rank_key(run_id, batch.rank)})
+            conn.execute(_RANK_LOCK, {"k": self.rank_key(run_id, batch.rank)})
             # Read the layer count again under the rank lock: a transaction of this rank that committed
             # while we waited may have widened the run, and its rollup blobs with it.
-            layer_count = conn.execute(select(Run.layer_count).where(Run.id == run_id)).scalar_one()
+            layer_count = conn.execute(_LAYER_COUNT, {"run_id": run_id}).scalar_one()
         cache = self._run_cache(conn, run_id, layer_count)
         layers, index = self._ensure_layers(conn, run_id, cache, batch.layers)
         names = {n for s in batch.steps for n in s.metrics} | {n for s in batch.steps for n in s.scalars}
@@ -197,10 +207,10 @@ class BatchWriter:
         return kinds | {(name_ids[n], "scalar") for s in batch.steps for n in s.scalars}
 
     def _ensure_run(self, conn: Connection, name: str, now: float) -> tuple[int, int]:
-        row = conn.execute(select(Run.id, Run.layer_count).where(Run.name == name)).first()
+        row = conn.execute(_RUN, {"name": name}).first()
         if row is None:
             conn.execute(self._insert(Run).values(name=name, created_at=now, layer_count=0).on_conflict_do_nothing())
-            row = conn.execute(select(Run.id, Run.layer_count).where(Run.name == name)).one()
+            row = conn.execute(_RUN, {"name": name}).one()
         return int(row[0]), int(row[1])
 
     def _run_cache(self, conn: Connection, run_id: int, layer_count: int) -> RunCache:
@@ -286,11 +296,7 @@ class BatchWriter:
         hi = max(s.step for s in batch.steps)
         existing = {
             (int(r[0]), int(r[1]))
-            for r in conn.execute(
-                select(Point.step, Point.name_id).where(
-                    Point.run_id == run_id, Point.rank == batch.rank, Point.step >= lo, Point.step <= hi
-                )
-            )
+            for r in conn.execute(_STORED_STEPS, {"run_id": run_id, "rank": batch.rank, "lo": lo, "hi": hi})
         }
         rows: list[dict[str, Any]] = []
         matrices: dict[int, tuple[I64, F32]] = {}
