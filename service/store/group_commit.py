@@ -48,7 +48,10 @@ class GroupCommit:
 
     def __init__(self, factory: sessionmaker[Session]) -> None:
         self.factory = factory
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        # Two conditions on one lock: a release wakes one waiter that can go on, not every thread queued.
+        self._writers = threading.Condition(lock)
+        self._exclusives = threading.Condition(lock)
         self._busy = False
         self._open: _Group | None = None
         self._waiting = 0
@@ -68,25 +71,25 @@ class GroupCommit:
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold the slot with no group open, for a transaction of the caller's own."""
-        with self._cond:
+        with self._writers:
             self._exclusive += 1
             while self._busy or self._open is not None:
-                self._cond.wait()
+                self._exclusives.wait()
             self._exclusive -= 1
             self._busy = True
         try:
             yield
         finally:
-            with self._cond:
+            with self._writers:
                 self._busy = False
-                self._cond.notify_all()
+                self._wake_one()
 
     def _take(self) -> _Group:
         """Wait for the slot; the group to join (opened here when none is)."""
-        with self._cond:
+        with self._writers:
             self._waiting += 1
-            while self._busy:
-                self._cond.wait()
+            while self._busy or (self._exclusive and self._open is None):
+                self._writers.wait()
             self._waiting -= 1
             self._busy = True
             group, self._open = self._open, None
@@ -123,11 +126,11 @@ class GroupCommit:
 
     def _give_back(self, group: _Group) -> None:
         """Leave the group open for the next writer waiting, or commit it (or roll it back when broken)."""
-        with self._cond:
+        with self._writers:
             if group.broken is None and self._waiting and not self._exclusive and group.members < MAX_GROUP:
                 self._open = group
                 self._busy = False
-                self._cond.notify_all()
+                self._writers.notify()
                 return
         try:
             if group.broken is not None:
@@ -140,9 +143,16 @@ class GroupCommit:
         finally:
             group.session.close()
             group.done.set()
-            with self._cond:
+            with self._writers:
                 self._busy = False
-                self._cond.notify_all()
+                self._wake_one()
+
+    def _wake_one(self) -> None:
+        """With the slot free and no group open: wake an exclusive writer first, else a batch writer."""
+        if self._exclusive:
+            self._exclusives.notify()
+        else:
+            self._writers.notify()
 
 
 def _intact(session: Session) -> bool:
