@@ -10,6 +10,12 @@ ratio.
     .venv/bin/python bench/ingest.py                 # everything (several minutes)
     .venv/bin/python bench/ingest.py --seconds 10 --skip-postgres --query-steps 20000
     .venv/bin/python bench/ingest.py --clients 8 --many-ranks --skip-mlflow   # issue 21: one step per request
+    .venv/bin/python bench/ingest.py --clients 16 --many-ranks --interval 2 --query-steps 0 --skip-mlflow \
+        --tree orig=/tmp/qw-orig --tree new=. --rounds 2      # trees side by side, alternated, at a fixed cadence
+
+``--tree NAME=PATH`` runs the collector from another checkout of the project (its ``quantwatch`` package first on
+``PYTHONPATH``; the clients are this tree's), each on a fresh database; with several trees every backend runs each
+tree in turn, ``--rounds`` times, and the summary gives each figure as a ratio to the first tree's in the same round.
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgpack
 import numpy as np
-from _common import METRICS
+from _common import METRICS, postgres_database
 
 from quantwatch.protocol import LAYER_METRICS
 from quantwatch.service.server import free_port, wait_until_ready
@@ -41,14 +48,17 @@ LAYERS = [
     f"blocks.{i // 8}.{['attn.qkv', 'attn.out', 'mlp.fc1', 'mlp.fc2', 'norm1', 'norm2', 'gate', 'up'][i % 8]}"
     for i in range(512)
 ]
-POSTGRES_URL = os.environ.get("QUANTWATCH_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
 @contextmanager
-def collector(database_url: str) -> Iterator[tuple[str, int]]:
+def collector(database_url: str, tree: Path | None = None) -> Iterator[tuple[str, int]]:
+    """A ``quantwatch serve`` on ``database_url``, run from the checkout ``tree`` (default: the installed package)."""
     port = free_port()
     cmd = [sys.executable, "-m", "quantwatch.cli", "serve", "--database-url", database_url, "--port", str(port)]
-    proc = subprocess.Popen([*cmd, "--log-level", "warning"])
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.Popen([*cmd, "--log-level", "warning"], env=env)
     try:
         wait_until_ready(proc, f"http://127.0.0.1:{port}/readyz", 120, "collector")
         yield f"http://127.0.0.1:{port}", proc.pid
@@ -89,10 +99,11 @@ SAMPLE_EVERY = 10
 
 
 def ingest_client(
-    args: tuple[str, str, int, int, float, float, Any, list[str], int],
+    args: tuple[str, str, int, int, float, float, Any, list[str], int, float],
 ) -> tuple[int, list[float], float, float]:
-    """One client process: send batches back to back for ``seconds`` (encoding each takes ~1 ms, like the agent)."""
-    url, run, rank, steps_per_batch, seconds, scale, barrier, metrics, stride = args
+    """One client process: send batches back to back for ``seconds`` (encoding each takes ~1 ms, like the agent),
+    or one every ``interval`` seconds (a fixed cadence, each client starting at a random phase) when it is > 0."""
+    url, run, rank, steps_per_batch, seconds, scale, barrier, metrics, stride, interval = args
     values = workload_values(rank, scale)
     latencies: list[float] = []
     points = 0
@@ -100,7 +111,10 @@ def ingest_client(
     with httpx.Client(base_url=url, timeout=120) as http:
         barrier.wait()
         start = time.perf_counter()
+        phase = np.random.default_rng(rank).random() * interval
         for i in range(10**9):
+            if interval > 0:
+                time.sleep(max(0.0, start + phase + i * interval - time.perf_counter()))
             steps = range(i * steps_per_batch * stride, (i + 1) * steps_per_batch * stride, stride)
             body = encode_batch(run, rank, steps, metrics, values)
             t0 = time.perf_counter()
@@ -123,13 +137,15 @@ def run_clients(
     scale: float,
     metrics: list[str] = METRICS,
     stride: int = 1,
+    interval: float = 0.0,
 ) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         barrier = manager.Barrier(clients)
         with ctx.Pool(clients) as pool:
             jobs = [
-                (url, run, rank, steps_per_batch, seconds, scale, barrier, metrics, stride) for rank in range(clients)
+                (url, run, rank, steps_per_batch, seconds, scale, barrier, metrics, stride, interval)
+                for rank in range(clients)
             ]
             results = pool.map(ingest_client, jobs)
     points = sum(r[0] for r in results)
@@ -192,6 +208,13 @@ def fill_and_query(url: str, steps: int, reps: int) -> dict[str, float]:
     return out
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc): the collector's cost, which the load of
+    other jobs on the machine moves far less than its throughput."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def sqlite_bytes(path: Path) -> int:
     import sqlite3
 
@@ -216,9 +239,10 @@ def postgres_bytes(url: str) -> int:
     return int(size)
 
 
-def bench_backend(name: str, url: str, size_of: Any, args: argparse.Namespace) -> dict[str, Any]:
-    print(f"\n== {name}: {url}", flush=True)
-    with collector(url) as (base, _pid):
+def bench_backend(name: str, url: str, size_of: Any, args: argparse.Namespace, tree: Path | None) -> dict[str, Any]:
+    print(f"\n== {name}: {url}" + (f" (collector from {tree})" if tree is not None else ""), flush=True)
+    with collector(url, tree) as (base, pid):
+        cpu = process_cpu_seconds(pid)
         ingest = run_clients(
             base,
             "bench-ingest",
@@ -228,15 +252,21 @@ def bench_backend(name: str, url: str, size_of: Any, args: argparse.Namespace) -
             FLAPPING_SCALE if args.flapping else HEALTHY_SCALE,
             MANY_RANKS_METRICS if args.many_ranks else METRICS,
             SAMPLE_EVERY if args.many_ranks else 1,
+            args.interval,
         )
+        ingest["cpu_ms_per_request"] = (process_cpu_seconds(pid) - cpu) * 1e3 / ingest["requests"]
         print(
             f"ingest: {ingest['points_per_second']:,.0f} points/s acknowledged "
-            f"({ingest['points']:,} points in {ingest['requests']} requests, {ingest['wall_seconds']:.1f} s), "
-            f"p50 {ingest['p50_ms']:.1f} ms, p99 {ingest['p99_ms']:.1f} ms",
+            f"({ingest['points']:,} points in {ingest['requests']} requests, "
+            f"{ingest['requests'] / ingest['wall_seconds']:.1f} requests/s, {ingest['wall_seconds']:.1f} s), "
+            f"p50 {ingest['p50_ms']:.1f} ms, p99 {ingest['p99_ms']:.1f} ms, collector CPU "
+            f"{ingest['cpu_ms_per_request']:.1f} ms per request; load average {os.getloadavg()[0]:.1f}",
             flush=True,
         )
         per_point = size_of() / ingest["points"]
         print(f"disk: {per_point:.2f} bytes per point (whole database incl. rollups and indexes)", flush=True)
+        if args.query_steps <= 0:
+            return {**ingest, "bytes_per_point": per_point}
         queries = fill_and_query(base, args.query_steps, args.reps)
         print(
             f"fill: {queries['fill_points_per_second']:,.0f} points/s with 1000-step batches; "
@@ -357,46 +387,73 @@ def main() -> None:
         action="store_true",
         help=f"each client a rank posting one sampled step (every {SAMPLE_EVERY}th) of 12 metrics per request",
     )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=0.0,
+        help="seconds between one client's requests (a fixed cadence); 0: closed loop, back to back",
+    )
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="run the collector from the checkout PATH (repeat to compare trees side by side; the first is the base)",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="how many times each tree runs on each backend")
     args = parser.parse_args()
+    trees: list[tuple[str, Path | None]] = [
+        (name, Path(path)) for name, _, path in (spec.partition("=") for spec in args.tree)
+    ] or [("this", None)]
     steps, metrics = (1, MANY_RANKS_METRICS) if args.many_ranks else (args.steps_per_batch, METRICS)
+    cadence = f"one request per client every {args.interval:g} s" if args.interval > 0 else "closed loop"
     print(
         f"workload: {args.clients} client processes × batches of {steps} steps × {len(LAYERS)} layers × "
         f"{len(metrics)} metrics (msgpack float32 bin, {steps * len(LAYERS) * len(metrics):,} points/batch), "
-        f"values uniform in [0, {FLAPPING_SCALE if args.flapping else HEALTHY_SCALE}) with the shipped alert rules on"
+        f"{cadence}, values uniform in [0, {FLAPPING_SCALE if args.flapping else HEALTHY_SCALE}) with the shipped "
+        f"alert rules on; load average {os.getloadavg()[0]:.1f}"
     )
-    results: dict[str, dict[str, Any]] = {}
+    results: list[tuple[str, int, str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="qw-bench-") as tmp:
         workdir = Path(tmp)
-        db = workdir / "quantwatch.db"
-        results["sqlite"] = bench_backend("SQLite", f"sqlite:///{db}", lambda: sqlite_bytes(db), args)
-        if not args.skip_postgres:
-            from sqlalchemy import create_engine, text
-            from sqlalchemy.engine import make_url
-
-            name = f"qw_bench_{os.getpid()}"
-            admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
-            with admin.connect() as conn:
-                conn.execute(text(f'CREATE DATABASE "{name}"'))
-            url = make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
-            try:
-                results["postgres"] = bench_backend("PostgreSQL", url, lambda: postgres_bytes(url), args)
-            finally:
-                with admin.connect() as conn:
-                    conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-                admin.dispose()
+        backends = ["sqlite"] if args.skip_postgres else ["sqlite", "postgres"]
+        for backend in backends:
+            for round_ in range(args.rounds):
+                for name, tree in trees:
+                    label = f"{name} round {round_ + 1}"
+                    if backend == "sqlite":
+                        db = workdir / f"{name}-{round_}" / "quantwatch.db"
+                        db.parent.mkdir()
+                        result = bench_backend(
+                            f"SQLite, {label}", f"sqlite:///{db}", partial(sqlite_bytes, db), args, tree
+                        )
+                    else:
+                        with postgres_database(f"qw_bench_{name}_{round_}") as url:
+                            result = bench_backend(
+                                f"PostgreSQL, {label}", url, partial(postgres_bytes, url), args, tree
+                            )
+                    results.append((backend, round_, name, result))
         mlflow_rate = None if args.skip_mlflow else bench_mlflow(args, workdir)
-    print("\n== summary")
-    for backend, r in results.items():
+    print_summary(results, mlflow_rate)
+
+
+def print_summary(results: list[tuple[str, int, str, dict[str, Any]]], mlflow_rate: float | None) -> None:
+    print("\n== summary (ratios: to the first tree of the same backend and round)")
+    first = {(backend, round_): r for backend, round_, _, r in reversed(results)}
+    for backend, round_, name, r in results:
+        ratio = r["points_per_second"] / first[(backend, round_)]["points_per_second"]
         line = (
-            f"{backend:10s} {r['points_per_second']:>12,.0f} points/s  p50 {r['p50_ms']:6.1f} ms  "
-            f"p99 {r['p99_ms']:6.1f} ms  {r['bytes_per_point']:.2f} B/point  "
-            f"heatmap {r['heatmap_ms_p50']:.1f} ms  series {r['series_ms_p50']:.1f} ms"
+            f"{backend:9s} {name:>8s} r{round_ + 1} {r['points_per_second']:>11,.0f} points/s "
+            f"{r['requests'] / r['wall_seconds']:7.1f} req/s ({ratio:.2f}×)  CPU {r['cpu_ms_per_request']:5.1f} ms/req"
+            f"  p50 {r['p50_ms']:6.1f} ms  p99 {r['p99_ms']:7.1f} ms  {r['bytes_per_point']:.2f} B/point"
         )
+        if "heatmap_ms_p50" in r:
+            line += f"  heatmap {r['heatmap_ms_p50']:.1f} ms  series {r['series_ms_p50']:.1f} ms"
         if mlflow_rate:
             line += f"  = {r['points_per_second'] / mlflow_rate:,.0f}× MLflow"
         print(line)
     if mlflow_rate:
-        print(f"{'mlflow':10s} {mlflow_rate:>12,.0f} points/s")
+        print(f"{'mlflow':9s} {mlflow_rate:>11,.0f} points/s")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ __all__ = ["RuleCache"]
 
 
 class RuleCache:
-    """Enabled rules as (id, Rule), re-parsed only when their revision changed (one small query per batch)."""
+    """Enabled rules as (id, Rule), re-read and re-parsed only when their revision changed (one small query per
+    batch)."""
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[int, Rule]] = {}
@@ -23,12 +24,17 @@ class RuleCache:
         """The enabled rules in id order, as (id, Rule)."""
         rows = repository.enabled_rules(session)
         with self._lock:
-            fresh: dict[int, tuple[int, Rule]] = {}
-            for rule_id, revision, definition in rows:
-                cached = self._by_id.get(rule_id)
-                if cached is not None and cached[0] == revision:
-                    fresh[rule_id] = cached
-                else:
-                    fresh[rule_id] = (revision, Rule.model_validate(definition))
+            known = dict(self._by_id)
+        # Only a rule whose revision changed is read whole and parsed again.
+        stale = [rule_id for rule_id, revision in rows if known.get(rule_id, (None,))[0] != revision]
+        definitions = repository.rule_definitions(session, stale) if stale else {}
+        fresh: dict[int, tuple[int, Rule]] = {}
+        for rule_id, revision in rows:
+            cached = known.get(rule_id)
+            if cached is not None and cached[0] == revision:
+                fresh[rule_id] = cached
+            elif rule_id in definitions:  # a rule deleted between the two statements is left out
+                fresh[rule_id] = (revision, Rule.model_validate(definitions[rule_id]))
+        with self._lock:
             self._by_id = fresh
         return [(rule_id, rule) for rule_id, (_, rule) in sorted(fresh.items())]

@@ -62,6 +62,7 @@ __all__ = [
     "record_delivery_attempt",
     "record_layer_formats",
     "rule_by_name",
+    "rule_definitions",
     "rules_for_update",
     "series_state_rows",
     "series_tokens",
@@ -106,18 +107,36 @@ _STATE_UPSERTS = {dialect: _state_upsert(dialect) for dialect in ("sqlite", "pos
 
 
 # -- the ingest path -------------------------------------------------------------------------------------------------
-def enabled_rules(session: Session) -> list[tuple[int, int, dict[str, Any]]]:
-    """(id, revision, definition) of every enabled rule."""
-    query = select(RuleRow.id, RuleRow.revision, RuleRow.definition).where(RuleRow.enabled.is_(True))
-    return [(rule_id, revision, definition) for rule_id, revision, definition in session.execute(query)]
+_RULES = cast(Table, RuleRow.__table__)
+_ENABLED = select(_RULES.c.id, _RULES.c.revision).where(_RULES.c.enabled.is_(True))
+_DEFINITIONS = select(_RULES.c.id, _RULES.c.definition).where(_RULES.c.id.in_(bindparam("ids", expanding=True)))
+_CURSOR_INSERTS = {
+    dialect: module.insert(_CURSORS).on_conflict_do_nothing(index_elements=["run", "rank"])
+    for dialect, module in (("sqlite", sqlite), ("postgresql", postgresql))
+}
+_CURSOR_LOCK = (
+    select(_CURSORS.c.run)
+    .where(_CURSORS.c.run == bindparam("run"), _CURSORS.c.rank == bindparam("rank"))
+    .with_for_update()
+)
+
+
+def enabled_rules(session: Session) -> list[tuple[int, int]]:
+    """(id, revision) of every enabled rule."""
+    return [(int(rule_id), int(revision)) for rule_id, revision in session.connection().execute(_ENABLED)]
+
+
+def rule_definitions(session: Session, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """The definitions of the rules ``ids``, by id."""
+    rows = session.connection().execute(_DEFINITIONS, {"ids": list(ids)})
+    return {int(rule_id): definition for rule_id, definition in rows}
 
 
 def lock_cursor(session: Session, run: str, rank: int) -> None:
     """Create and lock the (run, rank) cursor row: replicas ingesting that rank take turns from here on."""
-    insert_ignore(session, _CURSORS, [{"run": run, "rank": rank}], ("run", "rank"))
-    session.connection().execute(
-        select(_CURSORS.c.run).where(_CURSORS.c.run == run, _CURSORS.c.rank == rank).with_for_update()
-    ).all()
+    conn = session.connection()
+    conn.execute(_CURSOR_INSERTS[conn.dialect.name], {"run": run, "rank": rank})
+    conn.execute(_CURSOR_LOCK, {"run": run, "rank": rank}).all()
 
 
 def encode_series(state: SeriesState) -> list[Any]:
@@ -142,12 +161,17 @@ StoredStates = dict[int, tuple[int, dict[SeriesKey, SeriesState]]]
 """Per rule id: the token of its (run, rank) row and the row's series states, keyed (rule name, layer)."""
 
 
+_TOKENS_OF = select(_STATES.c.rule_id, _STATES.c.token).where(
+    _STATES.c.run == bindparam("run"),
+    _STATES.c.rank == bindparam("rank"),
+    _STATES.c.rule_id.in_(bindparam("ids", expanding=True)),
+)
+
+
 def series_tokens(session: Session, run: str, rank: int, rule_ids: Iterable[int]) -> dict[int, int]:
     """The token of each stored row of one (run, rank) among the rules ``rule_ids``, by rule id."""
-    query = select(_STATES.c.rule_id, _STATES.c.token).where(
-        _STATES.c.run == run, _STATES.c.rank == rank, _STATES.c.rule_id.in_(list(rule_ids))
-    )
-    return {int(rule_id): int(token) for rule_id, token in session.connection().execute(query)}
+    rows = session.connection().execute(_TOKENS_OF, {"run": run, "rank": rank, "ids": list(rule_ids)})
+    return {int(rule_id): int(token) for rule_id, token in rows}
 
 
 def read_series_states(session: Session, run: str, rank: int, names: Mapping[int, str]) -> StoredStates:
@@ -458,21 +482,24 @@ def firing_episode_counts(session: Session, runs: Sequence[str]) -> dict[str, in
     return {run: int(total) for run, total in rows}
 
 
+_FIRING = (
+    select(
+        _EPISODES.c.id,
+        _EPISODES.c.rule_name,
+        _EPISODES.c.layer,
+        _EPISODES.c.ranks,
+        _EPISODES.c.firing_step,
+        _EPISODES.c.severity,
+    )
+    .where(_EPISODES.c.run == bindparam("run"), _EPISODES.c.state == "firing")
+    .order_by(_EPISODES.c.id)
+)
+
+
 def firing_episodes(session: Session, run: str) -> list[dict[str, Any]]:
     """The firing episodes of ``run`` as the ingest answer lists them (protocol ``FIRING_EPISODE_KEYS``), oldest first;
-    one lookup of the (run, state) index."""
-    rows = session.execute(
-        select(
-            EpisodeRow.id,
-            EpisodeRow.rule_name,
-            EpisodeRow.layer,
-            EpisodeRow.ranks,
-            EpisodeRow.firing_step,
-            EpisodeRow.severity,
-        )
-        .where(EpisodeRow.run == run, EpisodeRow.state == "firing")
-        .order_by(EpisodeRow.id)
-    )
+    one lookup of the (run, state) index, a statement built once."""
+    rows = session.connection().execute(_FIRING, {"run": run})
     return [
         dict(zip(FIRING_EPISODE_KEYS, (episode, rule, layer, list(ranks), since, severity), strict=True))
         for episode, rule, layer, ranks, since, severity in rows
@@ -488,10 +515,12 @@ def record_layer_formats(session: Session, rows: list[dict[str, Any]]) -> None:
     insert_ignore(session, _LAYER_FORMATS, rows, ("run_id", "layer", "kind", "step"))
 
 
+_FORMAT_COUNT = select(func.count()).select_from(_LAYER_FORMATS).where(_LAYER_FORMATS.c.run_id == bindparam("run_id"))
+
+
 def layer_format_count(session: Session, run_id: int) -> int:
     """How many format changes a run has recorded (the cheap check that a cached history is current)."""
-    query = select(func.count()).select_from(_LAYER_FORMATS).where(_LAYER_FORMATS.c.run_id == run_id)
-    return int(session.connection().execute(query).scalar_one())
+    return int(session.connection().execute(_FORMAT_COUNT, {"run_id": run_id}).scalar_one())
 
 
 def layer_format_rows(session: Session, run: int | str) -> list[tuple[str, str, int, str]]:

@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import orjson
 from alembic.config import Config
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
@@ -38,11 +39,23 @@ def is_sqlite(engine: Engine) -> bool:
     return engine.dialect.name == "sqlite"
 
 
+def dump_json(value: Any) -> str:
+    """The text of a JSON column's value: orjson, ~10× the standard library's speed on the alert states a batch
+    rewrites (512 layers' fields per rule). Non-string keys are written as strings, as ``json.dumps`` does; NaN and
+    ±inf, which no JSON column holds (PostgreSQL's ``json`` refuses them), would be written as null."""
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
 def make_engine(settings: Settings) -> Engine:
     """Create the engine for ``settings.database_url`` with the per-backend connection setup."""
     url = settings.database_url
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 60}, pool_use_lifo=True)
+        engine = create_engine(
+            url,
+            connect_args={"check_same_thread": False, "timeout": 60},
+            pool_use_lifo=True,
+            json_serializer=dump_json,
+        )
         synchronous = settings.sqlite_synchronous
 
         @event.listens_for(engine, "connect")
@@ -75,6 +88,7 @@ def make_engine(settings: Settings) -> Engine:
         max_overflow=settings.db_pool_size,
         pool_pre_ping=True,
         pool_use_lifo=True,
+        json_serializer=dump_json,
     )
 
 

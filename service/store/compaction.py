@@ -11,7 +11,7 @@ points are committed) and duplicates nothing (the next compaction of the rank re
 from __future__ import annotations
 
 import numpy as np
-from sqlalchemy import Connection, select, text, update
+from sqlalchemy import Connection, bindparam, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.models import Point, Run, RunRank
@@ -26,11 +26,14 @@ def frontier_after(last_step: int) -> int:
     return last_step // BLOCK_STEPS * BLOCK_STEPS
 
 
+_FRONTIER = select(RunRank.compacted_step).where(
+    RunRank.run_id == bindparam("run_id"), RunRank.rank == bindparam("rank")
+)
+
+
 def read_frontier(conn: Connection, run_id: int, rank: int) -> int:
     """The rank's ``compacted_step`` (0 for a rank with nothing stored yet)."""
-    value = conn.execute(
-        select(RunRank.compacted_step).where(RunRank.run_id == run_id, RunRank.rank == rank)
-    ).scalar_one_or_none()
+    value = conn.execute(_FRONTIER, {"run_id": run_id, "rank": rank}).scalar_one_or_none()
     return 0 if value is None else int(value)
 
 

@@ -12,10 +12,12 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, delete, func, select, text, update
+from sqlalchemy import Connection, Engine, bindparam, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -35,12 +37,35 @@ from quantwatch.service.rollups import F32, I64, MISSING_BITS, is_missing, missi
 from quantwatch.service.store.actions import write_actions
 from quantwatch.service.store.common import IngestResult, RunCache, find_run
 from quantwatch.service.store.compaction import Compactor, frontier_after, read_frontier
+from quantwatch.service.store.group_commit import GroupCommit
 from quantwatch.service.store.rollup_writes import RollupWriter
 
 log = logging.getLogger("quantwatch.service")
 
+
+@dataclass(frozen=True)
+class _Stored:
+    """What a stored batch publishes to the writer's caches once committed, and the rank's frontier it read."""
+
+    run_id: int
+    frontier: int
+    names: dict[str, int]
+    cache: RunCache
+
+
 RUN_LOCK_TAG = 1 << 40
 RANK_LOCK_SPAN = 1 << 20
+
+# The statements every batch runs, built once: building and cache-keying a statement costs ~5× executing it.
+_RUN = select(Run.id, Run.layer_count).where(Run.name == bindparam("name"))
+_LAYER_COUNT = select(Run.layer_count).where(Run.id == bindparam("run_id"))
+_RANK_LOCK = text("SELECT pg_advisory_xact_lock(:k)")
+_STORED_STEPS = select(Point.step, Point.name_id).where(
+    Point.run_id == bindparam("run_id"),
+    Point.rank == bindparam("rank"),
+    Point.step >= bindparam("lo"),
+    Point.step <= bindparam("hi"),
+)
 
 
 class BatchWriter:
@@ -52,6 +77,7 @@ class BatchWriter:
         self._insert = postgresql.insert if self.pg else sqlite.insert
         self._rollups = RollupWriter(self._insert)
         self._compactor = Compactor(factory, self._rollups, self.pg)
+        self._batch_insert = self._insert(Batch).on_conflict_do_nothing().returning(Batch.batch_id)
         point = self._insert(Point)
         self._point_upsert = point.on_conflict_do_update(
             index_elements=["run_id", "rank", "step", "name_id"],
@@ -73,62 +99,80 @@ class BatchWriter:
         self._names: dict[str, int] = {}
         self._runs: dict[int, RunCache] = {}
         self._lock = threading.Lock()
+        # SQLite has one writer at a time: this process's batches share transactions (PostgreSQL runs them side by
+        # side, each under its rank's advisory lock).
+        self._group = None if self.pg else GroupCommit(factory)
 
     def ingest(self, batch: IngestBatch, observers: Sequence[IngestObserver] = ()) -> IngestResult:
         """Store ``batch`` atomically, or recognise it as a duplicate; run the observers (see IngestObserver)."""
         now = time.time()
-        points = batch.points
-        pending_names: dict[str, int] = {}
-        with self.factory() as session:
-            conn = session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
-            try:
-                run_id, layer_count = self._ensure_run(conn, batch.run, now)
-                inserted = conn.execute(
-                    self._insert(Batch)
-                    .values(run_id=run_id, batch_id=batch.batch_id, rank=batch.rank, received_at=now, points=points)
-                    .on_conflict_do_nothing()
-                    .returning(Batch.batch_id)
-                ).first()
-                if inserted is None:
+        if self._group is not None:
+            stored = self._group.run(lambda session: self._store(session, batch, observers, now))
+        else:
+            with self.factory() as session:
+                try:
+                    session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
+                    stored = self._store(session, batch, observers, now)
+                    if stored is None:
+                        session.rollback()
+                    else:
+                        session.commit()
+                except BaseException:
                     session.rollback()
-                    return IngestResult(batch.batch_id, True, 0)
-                if self.pg:
-                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": self.rank_key(run_id, batch.rank)})
-                    # Read the layer count again under the rank lock: a transaction of this rank that committed
-                    # while we waited may have widened the run, and its rollup blobs with it.
-                    layer_count = conn.execute(select(Run.layer_count).where(Run.id == run_id)).scalar_one()
-                cache = self._run_cache(conn, run_id, layer_count)
-                layers, index = self._ensure_layers(conn, run_id, cache, batch.layers)
-                names = {n for s in batch.steps for n in s.metrics} | {n for s in batch.steps for n in s.scalars}
-                name_ids = self._name_ids(conn, sorted(names), pending_names)
-                self._write_run_metrics(conn, run_id, batch, name_ids, cache)
-                frontier = read_frontier(conn, run_id, batch.rank)  # under the rank's write lock
-                self._write_points(conn, run_id, batch, layers, index, name_ids, frontier)
-                self._write_scalars(conn, run_id, batch, name_ids)
-                self._write_estimated(conn, run_id, batch, name_ids)
-                write_actions(conn, self._insert, run_id, batch, now)
-                self._write_rank(conn, run_id, batch, now, points)
-                if observers:
-                    run_row = session.get(Run, run_id)
-                    if run_row is None:  # the row was inserted or read above in this very transaction
-                        raise LookupError(f"run {batch.run!r} vanished during ingest")
-                    for observer in observers:
-                        observer.on_batch(session, run_row, batch)
-                session.commit()
-            except BaseException:
-                session.rollback()
-                raise
+                    raise
+        if stored is None:
+            return IngestResult(batch.batch_id, True, 0)
         with self._lock:
-            self._names.update(pending_names)
-            self._runs[run_id] = RunCache(list(layers), dict(index), cache.kinds | self._new_kinds(batch, name_ids))
+            self._names.update(stored.names)
+            self._runs[stored.run_id] = stored.cache
         for observer in observers:
             try:
                 observer.after_commit(batch)
             except Exception:
                 log.exception("ingest observer %r failed after commit", observer)
-        if frontier_after(max(s.step for s in batch.steps)) > frontier:
-            self._compact(run_id, batch.rank)
-        return IngestResult(batch.batch_id, False, points)
+        if frontier_after(max(s.step for s in batch.steps)) > stored.frontier:
+            self._compact(stored.run_id, batch.rank)
+        return IngestResult(batch.batch_id, False, batch.points)
+
+    def _store(
+        self, session: Session, batch: IngestBatch, observers: Sequence[IngestObserver], now: float
+    ) -> _Stored | None:
+        """Write ``batch`` in ``session``'s transaction (or savepoint) and run the observers' ``on_batch``; what to
+        publish once it is committed, or None for a duplicate (nothing written)."""
+        points = batch.points
+        pending_names: dict[str, int] = {}
+        conn = session.connection()
+        run_id, layer_count = self._ensure_run(conn, batch.run, now)
+        inserted = conn.execute(
+            self._batch_insert,
+            {"run_id": run_id, "batch_id": batch.batch_id, "rank": batch.rank, "received_at": now, "points": points},
+        ).first()
+        if inserted is None:
+            return None
+        if self.pg:
+            conn.execute(_RANK_LOCK, {"k": self.rank_key(run_id, batch.rank)})
+            # Read the layer count again under the rank lock: a transaction of this rank that committed
+            # while we waited may have widened the run, and its rollup blobs with it.
+            layer_count = conn.execute(_LAYER_COUNT, {"run_id": run_id}).scalar_one()
+        cache = self._run_cache(conn, run_id, layer_count)
+        layers, index = self._ensure_layers(conn, run_id, cache, batch.layers)
+        names = {n for s in batch.steps for n in s.metrics} | {n for s in batch.steps for n in s.scalars}
+        name_ids = self._name_ids(conn, sorted(names), pending_names)
+        self._write_run_metrics(conn, run_id, batch, name_ids, cache)
+        frontier = read_frontier(conn, run_id, batch.rank)  # under the rank's write lock
+        self._write_points(conn, run_id, batch, layers, index, name_ids, frontier)
+        self._write_scalars(conn, run_id, batch, name_ids)
+        self._write_estimated(conn, run_id, batch, name_ids)
+        write_actions(conn, self._insert, run_id, batch, now)
+        self._write_rank(conn, run_id, batch, now, points)
+        if observers:
+            run_row = session.get(Run, run_id)
+            if run_row is None:  # the row was inserted or read above in this very transaction
+                raise LookupError(f"run {batch.run!r} vanished during ingest")
+            for observer in observers:
+                observer.on_batch(session, run_row, batch)
+        kinds = cache.kinds | self._new_kinds(batch, name_ids)
+        return _Stored(run_id, frontier, pending_names, RunCache(list(layers), dict(index), kinds))
 
     def compact_all(self, run: str) -> None:
         """Build every rollup block of ``run`` now, the partial last block of each rank included (raises
@@ -137,13 +181,19 @@ class BatchWriter:
             run_id = find_run(session, run).id
             ranks = session.scalars(select(RunRank.rank).where(RunRank.run_id == run_id)).all()
         for rank in ranks:
-            self._compactor.compact(run_id, rank, self.rank_key(run_id, rank), whole=True)
+            with self._exclusive():
+                self._compactor.compact(run_id, rank, self.rank_key(run_id, rank), whole=True)
+
+    def _exclusive(self) -> AbstractContextManager[None]:
+        """The write slot between ingest groups on SQLite (see GroupCommit); nothing to hold on PostgreSQL."""
+        return self._group.exclusive() if self._group is not None else nullcontext()
 
     def _compact(self, run_id: int, rank: int) -> None:
         """Build the rank's complete blocks after the batch is durable: a failure here costs reads some raw steps
         until the rank's next batch retries it, never the acknowledged batch (so it is logged, not raised)."""
         try:
-            self._compactor.compact(run_id, rank, self.rank_key(run_id, rank))
+            with self._exclusive():
+                self._compactor.compact(run_id, rank, self.rank_key(run_id, rank))
         except Exception:
             log.exception("rollup compaction of run id %d rank %d failed; the next batch retries it", run_id, rank)
 
@@ -157,10 +207,10 @@ class BatchWriter:
         return kinds | {(name_ids[n], "scalar") for s in batch.steps for n in s.scalars}
 
     def _ensure_run(self, conn: Connection, name: str, now: float) -> tuple[int, int]:
-        row = conn.execute(select(Run.id, Run.layer_count).where(Run.name == name)).first()
+        row = conn.execute(_RUN, {"name": name}).first()
         if row is None:
             conn.execute(self._insert(Run).values(name=name, created_at=now, layer_count=0).on_conflict_do_nothing())
-            row = conn.execute(select(Run.id, Run.layer_count).where(Run.name == name)).one()
+            row = conn.execute(_RUN, {"name": name}).one()
         return int(row[0]), int(row[1])
 
     def _run_cache(self, conn: Connection, run_id: int, layer_count: int) -> RunCache:
@@ -246,11 +296,7 @@ class BatchWriter:
         hi = max(s.step for s in batch.steps)
         existing = {
             (int(r[0]), int(r[1]))
-            for r in conn.execute(
-                select(Point.step, Point.name_id).where(
-                    Point.run_id == run_id, Point.rank == batch.rank, Point.step >= lo, Point.step <= hi
-                )
-            )
+            for r in conn.execute(_STORED_STEPS, {"run_id": run_id, "rank": batch.rank, "lo": lo, "hi": hi})
         }
         rows: list[dict[str, Any]] = []
         matrices: dict[int, tuple[I64, F32]] = {}
@@ -337,7 +383,7 @@ class BatchWriter:
 
     def delete_run(self, name: str) -> None:
         """Delete a run and everything stored for it (foreign keys cascade)."""
-        with self.factory() as session:
+        with self._exclusive(), self.factory() as session:
             session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
             run = find_run(session, name)
             session.execute(delete(Run).where(Run.id == run.id))

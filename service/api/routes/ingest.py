@@ -7,6 +7,7 @@ import time
 import zlib
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
@@ -22,7 +23,7 @@ from quantwatch.service.api.deps import (
 )
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.batch import IngestBatch, decode_json, decode_msgpack
-from quantwatch.service.schemas import FiringEpisode, IngestAnswer
+from quantwatch.service.schemas import IngestAnswer
 from quantwatch.service.store import IngestResult
 
 router = APIRouter(prefix="/api/v1", tags=["ingest"])
@@ -110,7 +111,7 @@ async def ingest(
     observers: ObserversDep,
     health: WriteHealthDep,
     alerts: AlertsDep,
-) -> IngestAnswer:
+) -> Response:
     """Store a batch atomically; a repeated ``batch_id`` stores nothing and answers ``duplicate: true``.
 
     The answer lists the run's firing alert episodes (``firing_episodes``) when any fires, so the agent learns them
@@ -157,9 +158,9 @@ async def ingest(
     finally:
         gate.pending -= 1
     request.state.ingest_duplicate = result.duplicate  # read by the exposition's ingest counters
-    return IngestAnswer(
-        batch_id=result.batch_id,
-        duplicate=result.duplicate,
-        points=result.points,
-        firing_episodes=[FiringEpisode.model_validate(episode) for episode in firing] or None,
-    )
+    answer: dict[str, Any] = {"batch_id": result.batch_id, "duplicate": result.duplicate, "points": result.points}
+    if firing:
+        answer["firing_episodes"] = [{k: v for k, v in episode.items() if v is not None} for episode in firing]
+    # IngestAnswer as response_model_exclude_none prints it, without building a FiringEpisode per firing episode and
+    # validating it twice: with hundreds firing that was a sixth of a one-step request's CPU.
+    return Response(orjson.dumps(answer), media_type="application/json")
