@@ -60,8 +60,7 @@ def float8_cast_stats(x: Tensor, codes: Tensor, scale: Tensor, max_value: float)
     table = decode_table(codes.dtype)
     scales_address, row, tensor_scale = None, n, 1.0
     if scale.numel() == 1:
-        tensor_scale = float(scale)
-        table = table / scale.reshape(())  # the float32 divisions of every value, done once per code
+        tensor_scale = float(scale)  # the kernel divides the table's values by it, once per code
     elif x.dim() and scale.shape == (*x.shape[:-1], 1) and scale.is_contiguous():
         scales_address, row = scale.data_ptr(), x.shape[-1]
     else:

@@ -478,18 +478,20 @@ inline void count_nonfinite(Sums& totals, vu q_largest) {
   for (int j = 0; j < L; j++) totals.total.nonfinite += q_largest[j] >= EXPONENT_BITS;
 }
 
-// The float32 values of the 256 codes of a one-byte float whose code b | 0x80 is -(code b), as a decoder holds them:
-// with AVX-512, the 128 magnitudes in eight registers (codes decoded by permutes: a gather of 16 takes as long as
-// the statistics of the vector), else the table itself.
+// The float32 values of the 256 codes of a one-byte float whose code b | 0x80 is -(code b), each divided by a
+// divisor (correctly rounded, as torch divides), as a decoder holds them: with AVX-512 the 128 magnitudes in eight
+// registers (codes decoded by permutes: a gather of 16 takes as long as the statistics of the vector), else a table.
 struct Codebook {
 #if defined(__AVX512F__)
   __m512 part[8];
-  explicit Codebook(const float* table) {
-    for (int k = 0; k < 8; k++) part[k] = _mm512_loadu_ps(table + 16 * k);
+  Codebook(const float* table, float divisor) {
+    for (int k = 0; k < 8; k++) part[k] = _mm512_div_ps(_mm512_loadu_ps(table + 16 * k), _mm512_set1_ps(divisor));
   }
 #else
-  const float* table;
-  explicit Codebook(const float* t) : table(t) {}
+  float values[256];
+  Codebook(const float* table, float divisor) {
+    for (int k = 0; k < 256; k++) values[k] = table[k] / divisor;
+  }
 #endif
 };
 
@@ -510,10 +512,10 @@ inline vf decode(const uint8_t* codes, const Codebook& book) {
   return (vf)_mm512_xor_si512(_mm512_castps_si512(magnitude), sign);
 #elif defined(QW_AVX2)
   __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
-  return (vf)_mm256_i32gather_ps(book.table, index, 4);
+  return (vf)_mm256_i32gather_ps(book.values, index, 4);
 #else
   vf v;
-  for (int j = 0; j < L; j++) v[j] = book.table[codes[j]];
+  for (int j = 0; j < L; j++) v[j] = book.values[codes[j]];
   return v;
 #endif
 }
@@ -937,7 +939,7 @@ int qw_stats(const float* x, const float* q, const uint8_t* overflow, int64_t n,
 // The statistics of a float8 cast against its high-precision input x, as qw_stats gives them for x, the dequantized
 // cast and the mask of the clipped, without either: q = table[codes[i]] / s and the clipped inputs |x · s| >
 // max_value, where s is the scale of element i's row (`row` consecutive elements; `scales`: one a row) or, with
-// `scales` null, q = table[codes[i]] (the caller divided the table by the tensor's scale) and s = `tensor_scale`;
+// `scales` null, the tensor's `tensor_scale` (the table's 256 values divided by it once, the same divisions);
 // `table`: the 256 codes' values, code b | 0x80 the negation of code b (see Codebook).
 // Every sum and count is taken in qw_stats's order, from the same float32 values (a correctly rounded division, as
 // torch divides), so the figures are those of qw_stats bit for bit.
@@ -946,7 +948,7 @@ int qw_float8_stats(const float* x, const uint8_t* codes, const float* table, co
   if (scales != nullptr && (row < 1 || n % row != 0)) return BAD_ARGUMENT;
   const vf limit = splat(max_value);
   each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& totals) {
-    const Codebook book(table);
+    const Codebook book(table, scales != nullptr ? 1.0f : tensor_scale);
     vu q_largest{};
     int64_t r = scales != nullptr ? lo / row : 0, offset = scales != nullptr ? lo - r * row : 0;
     in_runs(totals, (hi - lo + L - 1) / L, [&](Run& run, int64_t k) {
@@ -964,9 +966,9 @@ int qw_float8_stats(const float* x, const uint8_t* codes, const float* table, co
       if (count == L) {
         qv = decode(codes + i, book);
         if (scales != nullptr) qv = qv / s;
-      } else {  // zero-padded as load_tail pads: the padding adds nothing but to no count
+      } else {  // zero-padded as load_tail pads (a zero x counts in no statistic here)
         float tail[L] = {0};
-        for (int64_t j = 0; j < count; j++) tail[j] = table[codes[i + j]] / (scales != nullptr ? s[j] : 1.0f);
+        for (int64_t j = 0; j < count; j++) tail[j] = table[codes[i + j]] / s[j];
         qv = load(tail);
       }
       stats_vector(run, xv, qv, q_largest);

@@ -64,15 +64,16 @@ def test_the_figures_are_the_tensors_way_bit_for_bit(dtype: torch.dtype, rowwise
     assert got.underflow_count.item() > 0
 
 
-def test_every_code_decodes_as_torch_converts() -> None:
+def test_every_code_decodes_and_divides_as_torch_does() -> None:
     for dtype in FLOAT8:
         codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
         finite = codes[codes.to(torch.float32).isfinite()].reshape(1, -1)
         x = finite.to(torch.float32) * 1.01
-        scale = torch.tensor(0.75)
-        got = float8_cast_stats(x, finite, scale, torch.finfo(dtype).max)
-        assert got is not None
-        assert torch.equal(got.as_tensor(), _tensors_way(x, finite, scale, dtype))
+        for value in (0.75, 1 / 3, 448 / 0.7071, 3.0e-5):
+            for scale in (torch.tensor(value), torch.full((1, 1), value)):  # tensorwise, and one row's scale
+                got = float8_cast_stats(x, finite, scale, torch.finfo(dtype).max)
+                assert got is not None
+                assert torch.equal(got.as_tensor(), _tensors_way(x, finite, scale, dtype))
 
 
 def test_non_finite_values_and_other_layouts_are_left_to_the_tensors_way() -> None:
