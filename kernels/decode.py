@@ -9,13 +9,14 @@ from torch import Tensor
 
 from . import native
 
-__all__ = ["float8_to_float32"]
+__all__ = ["decode_table", "float8_to_float32"]
 
 _TABLES: dict[torch.dtype, Tensor] = {}
 _ONE_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
-def _table(dtype: torch.dtype) -> Tensor:
+def decode_table(dtype: torch.dtype) -> Tensor:
+    """The float32 values of the 256 codes of one-byte float ``dtype``, by torch's conversion (made once)."""
     table = _TABLES.get(dtype)
     if table is None:
         table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(torch.float32)
@@ -33,7 +34,7 @@ def float8_to_float32(t: Tensor, divisor: Tensor | None = None) -> Tensor | None
     lib = native.loaded()
     if lib is None or t.dtype not in _ONE_BYTE_FLOATS or t.device.type != "cpu":
         return None
-    table = _table(t.dtype)
+    table = decode_table(t.dtype)
     if divisor is not None:
         if divisor.numel() != 1 or divisor.dtype != torch.float32 or divisor.device.type != "cpu":
             return None

@@ -444,6 +444,82 @@ inline void cast_vector(Run& s, vf x, vf q) {
   s.zeros_q = count_if(s.zeros_q, q == 0.0f);
 }
 
+// sum + a · b, rounded once where the unit has a fused multiply-add.
+inline vf fused_add(vf sum, vf a, vf b) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)sum);
+#elif defined(QW_AVX2) && defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)sum);
+#else
+  return sum + a * b;
+#endif
+}
+
+// What qw_stats adds per vector of x and q, but the clipped: every sum, the largest |x|, the non-zero x, the
+// underflows (x != 0 and q == 0) in place of the zeros of q, and the largest bit pattern of |q| into `q_largest`.
+// The sums are scan_vector's and compare_vector's with each product and addition fused as -ffp-contract=fast fuses
+// them in qw_stats, spelled out: a kernel whose q comes from a gather and a division gets the compiler to fuse one
+// sum less, and its figures must be qw_stats' bit for bit.
+inline void stats_vector(Run& s, vf x, vf q, vu& q_largest) {
+  s.amax_bits = umax((vu)x & MAGNITUDE_BITS, s.amax_bits);
+  s.nonzero = count_if(s.nonzero, x != 0.0f);
+  vf err = q - x;
+  s.x2 = fused_add(s.x2, x, x);
+  s.q2 = fused_add(s.q2, q, q);
+  s.qx = fused_add(s.qx, q, x);
+  s.err2 = fused_add(s.err2, err, err);
+  s.max_err = max_magnitude(s.max_err, err);
+  s.zeros_q = count_if(s.zeros_q, (x != 0.0f) & (q == 0.0f));
+  q_largest = umax((vu)q & MAGNITUDE_BITS, q_largest);
+}
+
+// A thread's non-finite q (its lanes' largest bit patterns at or above infinity's) into its totals.
+inline void count_nonfinite(Sums& totals, vu q_largest) {
+  for (int j = 0; j < L; j++) totals.total.nonfinite += q_largest[j] >= EXPONENT_BITS;
+}
+
+// The float32 values of the 256 codes of a one-byte float whose code b | 0x80 is -(code b), each divided by a
+// divisor (correctly rounded, as torch divides), as a decoder holds them: with AVX-512 the 128 magnitudes in eight
+// registers (codes decoded by permutes: a gather of 16 takes as long as the statistics of the vector), else a table.
+struct Codebook {
+#if defined(__AVX512F__)
+  __m512 part[8];
+  Codebook(const float* table, float divisor) {
+    for (int k = 0; k < 8; k++) part[k] = _mm512_div_ps(_mm512_loadu_ps(table + 16 * k), _mm512_set1_ps(divisor));
+  }
+#else
+  float values[256];
+  Codebook(const float* table, float divisor) {
+    for (int k = 0; k < 256; k++) values[k] = table[k] / divisor;
+  }
+#endif
+};
+
+// L one-byte codes decoded: four two-register permutes pick each code's magnitude among the 32 of its quarter (the
+// code's bits 0-4), two blends the quarter (bits 5 and 6), the code's sign bit the sign.
+inline vf decode(const uint8_t* codes, const Codebook& book) {
+#if defined(__AVX512F__)
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  __m512 q0 = _mm512_permutex2var_ps(book.part[0], b, book.part[1]);
+  __m512 q1 = _mm512_permutex2var_ps(book.part[2], b, book.part[3]);
+  __m512 q2 = _mm512_permutex2var_ps(book.part[4], b, book.part[5]);
+  __m512 q3 = _mm512_permutex2var_ps(book.part[6], b, book.part[7]);
+  __mmask16 bit5 = _mm512_test_epi32_mask(b, _mm512_set1_epi32(32));
+  __mmask16 bit6 = _mm512_test_epi32_mask(b, _mm512_set1_epi32(64));
+  __m512 magnitude =
+      _mm512_mask_blend_ps(bit6, _mm512_mask_blend_ps(bit5, q0, q1), _mm512_mask_blend_ps(bit5, q2, q3));
+  __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return (vf)_mm512_xor_si512(_mm512_castps_si512(magnitude), sign);
+#elif defined(QW_AVX2)
+  __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  return (vf)_mm256_i32gather_ps(book.values, index, 4);
+#else
+  vf v;
+  for (int j = 0; j < L; j++) v[j] = book.values[codes[j]];
+  return v;
+#endif
+}
+
 // The value of v's magnitude with x's sign (x: the unscaled input; scales are positive), counting the clipped.
 // UNBOUNDED: |v| may be anywhere up to float32's maximum (else it is known to stay within 2^(emax + 2)).
 template <bool MAY_CLIP, bool UNBOUNDED = MAY_CLIP>
@@ -848,17 +924,57 @@ int qw_stats(const float* x, const float* q, const uint8_t* overflow, int64_t n,
       bool whole = i + L <= hi;
       vf xv = whole ? load_ahead(x + i) : load_tail(x + i, hi - i);
       vf qv = whole ? load_ahead(q + i) : load_tail(q + i, hi - i);
-      scan_vector(run, xv);
-      compare_vector(run, xv, qv);
-      run.zeros_q = count_if(run.zeros_q, (xv != 0.0f) & (qv == 0.0f));
-      q_largest = umax((vu)qv & MAGNITUDE_BITS, q_largest);
+      stats_vector(run, xv, qv, q_largest);
       if (overflow != nullptr) {
         vb bytes{};
         std::memcpy(&bytes, overflow + i, whole ? L : hi - i);
         run.overflow += __builtin_convertvector(bytes, vi);
       }
     });
-    for (int j = 0; j < L; j++) totals.total.nonfinite += q_largest[j] >= EXPONENT_BITS;
+    count_nonfinite(totals, q_largest);
+  });
+  return stats[9] > 0 ? NONFINITE : OK;
+}
+
+// The statistics of a float8 cast against its high-precision input x, as qw_stats gives them for x, the dequantized
+// cast and the mask of the clipped, without either: q = table[codes[i]] / s and the clipped inputs |x · s| >
+// max_value, where s is the scale of element i's row (`row` consecutive elements; `scales`: one a row) or, with
+// `scales` null, the tensor's `tensor_scale` (the table's 256 values divided by it once, the same divisions);
+// `table`: the 256 codes' values, code b | 0x80 the negation of code b (see Codebook).
+// Every sum and count is taken in qw_stats's order, from the same float32 values (a correctly rounded division, as
+// torch divides), so the figures are those of qw_stats bit for bit.
+int qw_float8_stats(const float* x, const uint8_t* codes, const float* table, const float* scales, int64_t row,
+                    float tensor_scale, float max_value, int64_t n, double* stats, int threads) {
+  if (scales != nullptr && (row < 1 || n % row != 0)) return BAD_ARGUMENT;
+  const vf limit = splat(max_value);
+  each_thread(n, threads, stats, [&](int64_t lo, int64_t hi, Sums& totals) {
+    const Codebook book(table, scales != nullptr ? 1.0f : tensor_scale);
+    vu q_largest{};
+    int64_t r = scales != nullptr ? lo / row : 0, offset = scales != nullptr ? lo - r * row : 0;
+    in_runs(totals, (hi - lo + L - 1) / L, [&](Run& run, int64_t k) {
+      int64_t i = lo + k * L, count = hi - i < L ? hi - i : L;
+      vf xv = count == L ? load_ahead(x + i) : load_tail(x + i, count);
+      vf s = splat(tensor_scale), qv;
+      if (scales != nullptr) {
+        if (offset + L <= row) {
+          s = splat(scales[r]);
+        } else {  // a vector across rows (or the last, short one): each lane's row's scale, 1 past the end
+          for (int j = 0; j < L; j++) s[j] = j < count ? scales[r + (offset + j) / row] : 1.0f;
+        }
+        for (offset += L; offset >= row; offset -= row) r++;
+      }
+      if (count == L) {
+        qv = decode(codes + i, book);
+        if (scales != nullptr) qv = qv / s;
+      } else {  // zero-padded as load_tail pads (a zero x counts in no statistic here)
+        float tail[L] = {0};
+        for (int64_t j = 0; j < count; j++) tail[j] = table[codes[i + j]] / s[j];
+        qv = load(tail);
+      }
+      stats_vector(run, xv, qv, q_largest);
+      run.overflow = count_if(run.overflow, vabs(xv * s) > limit);
+    });
+    count_nonfinite(totals, q_largest);
   });
   return stats[9] > 0 ? NONFINITE : OK;
 }

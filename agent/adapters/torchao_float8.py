@@ -54,7 +54,9 @@ from quantwatch.agent.adapters.registry import (
     loaded_classes,
 )
 from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, LayerAdapter
+from quantwatch.kernels import ErrorStats
 from quantwatch.kernels.decode import float8_to_float32
+from quantwatch.kernels.float8_stats import float8_cast_stats
 
 __all__ = ["Float8LinearAdapter", "Float8TrainingWeightAdapter", "float8_format"]
 
@@ -144,12 +146,36 @@ def _cast_result(hp: Tensor, fp8: Any, fmax: float, with_scale: bool = True) -> 
     if dequantized is None:
         dequantized = fp8._data.to(fp8._orig_dtype) / scale
     clip_scale = scale
-    if hp.dim() == 2 and not hp.is_contiguous() and hp.t().is_contiguous():
+    if _transposed(hp):
         # Wᵀ as torchao casts it: the same statistics over W, in the layout the native statistics pass reads.
         hp, dequantized = hp.t(), dequantized.t()
         clip_scale = scale.t() if scale.dim() == 2 else scale
     overflow = _overflow_mask(hp.to(torch.float32), clip_scale, fmax)
-    return CastResult(hp, dequantized, overflow, (1.0 / scale.to(torch.float32)).amax() if with_scale else None)
+    return CastResult(hp, dequantized, overflow, _reported_scale(scale) if with_scale else None)
+
+
+def _transposed(hp: Tensor) -> bool:
+    """Whether ``hp`` is a transposed contiguous matrix (``Wᵀ``, as torchao casts the weight)."""
+    return hp.dim() == 2 and not hp.is_contiguous() and hp.t().is_contiguous()
+
+
+def _reported_scale(scale: Tensor) -> Tensor:
+    """The dequantization scale reported of torchao's ``scale``: ``1 / scale``, largest over rows."""
+    return (1.0 / scale.to(torch.float32)).amax()
+
+
+def _cast_stats(hp: Tensor, fp8: Any, fmax: float, with_scale: bool) -> tuple[ErrorStats, Tensor | None]:
+    """``_cast_result(...).stats()`` and its scale; where the native kernels take the cast (a float32 input, a
+    tensorwise or rowwise scale: `float8_cast_stats`), from one pass over its bytes and ``hp``, the same figures bit
+    for bit without the dequantized tensor or the mask."""
+    x, codes, scale = hp, fp8._data, fp8._scale
+    if _transposed(hp):  # over W, as _cast_result reads Wᵀ
+        x, codes, scale = hp.t(), codes.t(), scale.t() if scale.dim() == 2 else scale
+    stats = float8_cast_stats(x, codes, scale, fmax) if fp8._orig_dtype == torch.float32 else None
+    if stats is None:
+        result = _cast_result(hp, fp8, fmax, with_scale)
+        return result.stats(), result.scale
+    return stats, _reported_scale(fp8._scale) if with_scale else None
 
 
 def _overflow_mask(hp: Tensor, scale: Tensor, fmax: float) -> Tensor | None:
@@ -398,7 +424,7 @@ class _CapturedCastLinear(RecomputedCastLinear):
 
     def _measure_cast(self, kind: int, hp: Tensor, fp8: Any, fmax: float) -> None:
         with torch.no_grad():
-            result = _cast_result(hp.detach(), fp8, fmax, with_scale=kind == KIND_INPUT)
-            self.record(kind, result.stats())
+            stats, scale = _cast_stats(hp.detach(), fp8, fmax, with_scale=kind == KIND_INPUT)
+            self.record(kind, stats)
         if kind == KIND_INPUT:
-            self._last_scale = result.scale
+            self._last_scale = scale

@@ -142,8 +142,11 @@ def test_float8_figures_are_the_layers_own_casts(recipe: str) -> None:
 
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
 def test_float8_overflow_mask_is_the_clipped_elements_found_first_from_the_largest(granularity: str) -> None:
-    from quantwatch.agent.adapters.torchao_float8 import _cast_result
+    from quantwatch.agent.adapters.torchao_float8 import _cast_result, _cast_stats
+    from quantwatch.kernels import native
     from quantwatch.kernels.stats import stats_from_masks
+
+    native.available()  # loaded (where it builds): the cast statistics then take its one pass, compared below
 
     config = Float8LinearConfig.from_recipe_name(granularity)
     cast, layer = config.cast_config_input, float8_model(granularity)[0]
@@ -166,6 +169,12 @@ def test_float8_overflow_mask_is_the_clipped_elements_found_first_from_the_large
             got_stats = result.stats().as_tensor()
             want = stats_from_masks(result.hp, result.dequantized, expected).as_tensor()
             assert torch.equal(got_stats.nan_to_num(-1.0), want.nan_to_num(-1.0))
+            # What the adapter records: the same figures, bit for bit, where one native pass computes them.
+            fused, fused_scale = _cast_stats(t, fp8, fmax, True)
+            assert torch.equal(fused.as_tensor().nan_to_num(-1.0), got_stats.nan_to_num(-1.0))
+            assert fused_scale is not None
+            assert result.scale is not None
+            assert torch.equal(fused_scale.nan_to_num(-1.0), result.scale.nan_to_num(-1.0))
     if granularity == "tensorwise":  # both ways taken: rounding at the largest value does clip some
         assert min(branches.values()) > 0, branches
 
