@@ -35,7 +35,15 @@ from quantwatch.service.alerts.evaluator import (
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.specs import Selection, selects_layer
 
-__all__ = ["COLUMNS_TAG", "ColumnStates", "RuleStates", "evaluate_columns", "evaluate_rows", "stored_fields"]
+__all__ = [
+    "COLUMNS_TAG",
+    "ColumnStates",
+    "RuleStates",
+    "evaluate_columns",
+    "evaluate_rows",
+    "stored_fields",
+    "stored_statuses",
+]
 
 Bools = npt.NDArray[np.bool_]
 F64 = npt.NDArray[np.float64]
@@ -196,6 +204,15 @@ def stored_fields(series: Mapping[str, list[Any]] | Sequence[Any], layer: str) -
     except ValueError:
         return None
     return [column[position] for column in fields] if seen[position] else None
+
+
+def stored_statuses(series: Mapping[str, list[Any]] | Sequence[Any], layers: Sequence[str]) -> dict[str, int]:
+    """The status codes of the series of ``layers`` in a stored row of either form (layers without one left out)."""
+    if isinstance(series, Mapping):
+        return {layer: fields[0] for layer in layers if (fields := series.get(layer)) is not None}
+    _, names, seen, status, *_ = series
+    wanted = set(layers)
+    return {name: status[i] for i, name in enumerate(names) if name in wanted and seen[i]}
 
 
 def _fields(state: SeriesState) -> tuple[Any, ...]:

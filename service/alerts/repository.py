@@ -17,7 +17,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
 from quantwatch.protocol import FIRING_EPISODE_KEYS
-from quantwatch.service.alerts.columns import ColumnStates, RuleStates, stored_fields
+from quantwatch.service.alerts.columns import ColumnStates, RuleStates, stored_statuses
 from quantwatch.service.alerts.episodes import EPISODE_COLUMNS, Episode, EpisodeBatch
 from quantwatch.service.alerts.evaluator import SeriesState, SeriesStatus
 from quantwatch.service.alerts.rules import Rule
@@ -253,10 +253,8 @@ def lock_groups(
         for rank, series in conn.execute(
             select(_STATES.c.rank, _STATES.c.series).where(_STATES.c.rule_id == rule_id, _STATES.c.run == run)
         ):
-            for layer in layers:
-                fields = stored_fields(series, layer)
-                if fields is not None:
-                    statuses[(rule_id, layer)][rank] = _BY_CODE[fields[0]]
+            for layer, code in stored_statuses(series, layers).items():
+                statuses[(rule_id, layer)][rank] = _BY_CODE[code]
     return opened, statuses
 
 
