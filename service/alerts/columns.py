@@ -236,24 +236,12 @@ def evaluate_rows(
     Returns the complete states of every rule a sample advanced (the rows to write) and every status transition, in
     step order per series. Metric rules without a baseline advance every selected layer of a step row at once.
     """
-    order = sorted(range(len(columns.steps)), key=columns.steps.__getitem__)
     written: dict[str, RuleStates] = {}
     transitions: list[SeriesTransition] = []
-    formats = columns.formats or LayerFormatView()
-    for rule in rules:
-        if not rule.enabled or not rule.matches_run(run):
-            continue
-        stored = rows.get(rule.name, {})
-        if rule.metric is not None and rule.baseline is None:
-            moved = _rule_columns(rule, rank, layers, columns, order, formats, stored, transitions)
-            if moved is not None:
-                written[rule.name] = moved[0]
-            continue
-        changed: dict[SeriesKey, SeriesState] = {}
-        for layer, samples, format_changes in _per_sample(rule, layers, columns, order, formats):
-            walk_samples(rule, rank, layer, samples, stored, changed, transitions, format_changes)
-        if changed:
-            written[rule.name] = {**stored, **changed}
+    for rule, stored, moved in _advance(
+        rules, run, rank, layers, columns, lambda rule: rows.get(rule.name, {}), transitions
+    ):
+        written[rule.name] = moved[0] if isinstance(moved, tuple) else {**stored, **moved}
     return written, transitions
 
 
@@ -267,22 +255,47 @@ def evaluate_columns(
 ) -> tuple[dict[SeriesKey, SeriesState], list[SeriesTransition]]:
     """:func:`~quantwatch.service.alerts.evaluator.evaluate_batch` over a batch by column: the same arguments
     (``columns`` in place of per-step inputs) and result, the states that changed keyed per series."""
-    order = sorted(range(len(columns.steps)), key=columns.steps.__getitem__)
     changed: dict[SeriesKey, SeriesState] = {}
     transitions: list[SeriesTransition] = []
+    for _, _, moved in _advance(rules, run, rank, layers, columns, lambda _: states, transitions):
+        if isinstance(moved, tuple):
+            after, keys = moved
+            changed.update((key, after.state(after.index[key[1]])) for key in keys)
+        else:
+            changed.update(moved)
+    return changed, transitions
+
+
+_Moved = tuple[ColumnStates, list[SeriesKey]] | dict[SeriesKey, SeriesState]
+
+
+def _advance(
+    rules: Sequence[Rule],
+    run: str,
+    rank: int,
+    layers: Sequence[str],
+    columns: BatchColumns,
+    states_of: Callable[[Rule], RuleStates],
+    transitions: list[SeriesTransition],
+) -> Iterator[tuple[Rule, RuleStates, _Moved]]:
+    """(rule, its states before, what moved) for every rule a sample advanced, transitions appended: a columnar
+    rule's states after and the series advanced, or the per-sample path's changed states."""
+    order = sorted(range(len(columns.steps)), key=columns.steps.__getitem__)
     formats = columns.formats or LayerFormatView()
     for rule in rules:
         if not rule.enabled or not rule.matches_run(run):
             continue
+        stored = states_of(rule)
         if rule.metric is not None and rule.baseline is None:
-            moved = _rule_columns(rule, rank, layers, columns, order, formats, states, transitions)
+            moved = _rule_columns(rule, rank, layers, columns, order, formats, stored, transitions)
             if moved is not None:
-                after, positions = moved
-                changed.update((key, after.state(after.index[key[1]])) for key in positions)
+                yield rule, stored, moved
             continue
+        changed: dict[SeriesKey, SeriesState] = {}
         for layer, samples, format_changes in _per_sample(rule, layers, columns, order, formats):
-            walk_samples(rule, rank, layer, samples, states, changed, transitions, format_changes)
-    return changed, transitions
+            walk_samples(rule, rank, layer, samples, stored, changed, transitions, format_changes)
+        if changed:
+            yield rule, stored, changed
 
 
 def _per_sample(
