@@ -58,7 +58,9 @@ def collector(database_url: str, tree: Path | None = None) -> Iterator[tuple[str
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.Popen([*cmd, "--log-level", "warning"], env=env)
+    # ``python -m`` puts its working directory first on sys.path, ahead of PYTHONPATH: start it in the tree, or the
+    # checkout the benchmark runs from is what every "tree" runs.
+    proc = subprocess.Popen([*cmd, "--log-level", "warning"], env=env, cwd=tree)
     try:
         wait_until_ready(proc, f"http://127.0.0.1:{port}/readyz", 120, "collector")
         yield f"http://127.0.0.1:{port}", proc.pid

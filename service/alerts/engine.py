@@ -4,8 +4,8 @@ For one batch of one (run, rank), inside the transaction that stores its points:
 
 1. lock the (run, rank) cursor row (``SELECT … FOR UPDATE``), so replicas ingesting that rank take turns;
 2. read the rank's series states (one row per rule; only its token when this process wrote the row last), run
-   :func:`~quantwatch.service.alerts.evaluator.evaluate_columns` (numpy over the batch's layers), upsert the rows in
-   one statement;
+   :func:`~quantwatch.service.alerts.columns.evaluate_rows` (numpy arrays per rule over the batch's layers), upsert
+   the rows a sample advanced in one statement;
 3. for the (rule, layer) groups whose series changed status: lock their group rows in sorted order (no deadlocks
    between replicas), re-read every rank's status (committed by whoever held the locks before), advance the
    episodes in memory, then write episodes, group pointers and outbox rows with a few bulk statements per batch
@@ -29,17 +29,15 @@ from sqlalchemy.orm import Session
 
 from quantwatch.service.alerts import repository
 from quantwatch.service.alerts.cache import RuleCache
+from quantwatch.service.alerts.columns import RuleStates, evaluate_rows
 from quantwatch.service.alerts.episodes import Episode, EpisodeBatch, EpisodeFields, apply_event, json_value
 from quantwatch.service.alerts.evaluator import (
     BatchColumns,
     MetricColumn,
-    SeriesKey,
-    SeriesState,
     SeriesStatus,
     SeriesTransition,
     StepInput,
     advance_episode,
-    evaluate_columns,
 )
 from quantwatch.service.alerts.formats import LayerFormatRecorder
 from quantwatch.service.alerts.repository import insert_ignore
@@ -83,11 +81,11 @@ class SeriesSnapshot:
 
 @dataclass(frozen=True)
 class _Staged:
-    """The series states one batch changed, published to :meth:`AlertEngine.latest_series` once committed."""
+    """The rows of series states one batch wrote, published to :meth:`AlertEngine.latest_series` once committed."""
 
     run: str
     rank: int
-    changed: dict[SeriesKey, SeriesState]
+    rows: dict[str, RuleStates]
     series_names: dict[str, str]
     written: repository.StoredStates
 
@@ -121,12 +119,12 @@ class AlertEngine:
         self._wake = wake
         self._dispatch = dispatch
         self._rules = RuleCache()
-        # Each (run, rank)'s latest series states by (rule, layer), and each rule's series name: kept as the
-        # evaluator's dicts (updated whole after a commit), snapshots built only when read.
-        self._latest: dict[tuple[str, int], dict[SeriesKey, SeriesState]] = {}
+        # Each (run, rank)'s latest series states by rule, and each rule's series name: kept as the evaluator's rows
+        # (replaced after a commit), snapshots built only when read.
+        self._latest: dict[tuple[str, int], dict[str, RuleStates]] = {}
         self._series_names: dict[str, str] = {}
         # The series state rows this process wrote last, by (rule id, run, rank): (token, states).
-        self._written: dict[tuple[int, str, int], tuple[int, dict[SeriesKey, SeriesState]]] = {}
+        self._written: dict[tuple[int, str, int], tuple[int, RuleStates]] = {}
         self._latest_lock = threading.Lock()
         self._enqueued = threading.local()
         self.remediation: Remediation | None = None
@@ -166,7 +164,7 @@ class AlertEngine:
         if staged is not None:
             with self._latest_lock:
                 self._series_names.update(staged.series_names)
-                self._latest.setdefault((staged.run, staged.rank), {}).update(staged.changed)
+                self._latest.setdefault((staged.run, staged.rank), {}).update(staged.rows)
                 for rule_id, written in staged.written.items():
                     self._written[(rule_id, staged.run, staged.rank)] = written
         self.send_enqueued()
@@ -209,10 +207,10 @@ class AlertEngine:
         repository.lock_cursor(session, run, rank)
         ids = {rule.name: rule_id for rule_id, rule in rules}
         names = {rule_id: rule.name for rule_id, rule in rules}
-        states = self._stored_states(session, run, rank, names)
-        changed, transitions = evaluate_columns([rule for _, rule in rules], run, rank, layers, columns, states)
-        written = repository.upsert_series_states(session, run, rank, ids, changed, states)
-        self._enqueued.staged = _Staged(run, rank, changed, {rule.name: rule.series for _, rule in rules}, written)
+        stored = self._stored_states(session, run, rank, names)
+        rows, transitions = evaluate_rows([rule for _, rule in rules], run, rank, layers, columns, stored)
+        written = repository.upsert_series_states(session, run, rank, ids, rows)
+        self._enqueued.staged = _Staged(run, rank, rows, {rule.name: rule.series for _, rule in rules}, written)
         if not transitions:
             return 0
         by_group: dict[tuple[int, str], list[SeriesTransition]] = {}
@@ -220,24 +218,23 @@ class AlertEngine:
             by_group.setdefault((ids[transition.rule], transition.layer), []).append(transition)
         return self._advance_groups(session, dict(rules), run, by_group)
 
-    def _stored_states(
-        self, session: Session, run: str, rank: int, names: dict[int, str]
-    ) -> dict[SeriesKey, SeriesState]:
-        """The stored series states of one (run, rank): those this process wrote last when their row's token is still
-        the one it wrote (another replica's write draws another), the others decoded from the database."""
-        states: dict[SeriesKey, SeriesState] = {}
+    def _stored_states(self, session: Session, run: str, rank: int, names: dict[int, str]) -> dict[str, RuleStates]:
+        """The stored series states of one (run, rank) by rule name: those this process wrote last when their row's
+        token is still the one it wrote (another replica's write draws another), the others decoded from the
+        database."""
+        states: dict[str, RuleStates] = {}
         unknown: dict[int, str] = {}
         tokens = repository.series_tokens(session, run, rank, names)
         with self._latest_lock:
             for rule_id, token in tokens.items():
                 cached = self._written.get((rule_id, run, rank))
                 if cached is not None and cached[0] == token:
-                    states.update(cached[1])
+                    states[names[rule_id]] = cached[1]
                 else:
                     unknown[rule_id] = names[rule_id]
         if unknown:
-            for _, read in repository.read_series_states(session, run, rank, unknown).values():
-                states.update(read)
+            for rule_id, (_, read) in repository.read_series_states(session, run, rank, unknown).items():
+                states[names[rule_id]] = read
         return states
 
     def _advance_groups(
@@ -418,7 +415,8 @@ class AlertEngine:
                 SeriesSnapshot(
                     rule, run, rank, layer, self._series_names[rule], state.status.value, state.streak, state.last_step
                 )
-                for (run, rank), states in self._latest.items()
+                for (run, rank), rows in self._latest.items()
+                for states in rows.values()
                 for (rule, layer), state in states.items()
             ]
 

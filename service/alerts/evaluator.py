@@ -13,9 +13,8 @@ Two levels:
 
 :func:`evaluate_batch` applies a rule set to one decoded batch of one rank and returns the new series states and the
 series transitions in step order; the persistence layer turns those into episode events under a lock. It is the
-definition, one sample at a time. :func:`evaluate_columns` computes the same result for metric rules with numpy, one
-step row of all layers at a time (the ingest path: 512 layers × 16 steps per batch); tests hold it to
-:func:`evaluate_batch` on randomized batches.
+definition, one sample at a time. The ingest path computes the same result by column
+(:mod:`quantwatch.service.alerts.columns`); tests hold the two equal on randomized batches.
 
 A rule may select layers by their number format (:class:`LayerFormatView`: each layer's current format per tensor
 kind). A baseline-relative rule (``baseline:``) judges a sample only once the series has collected its first
@@ -26,11 +25,9 @@ cosine); the collected samples start again at a change of the layer's format. Th
 from __future__ import annotations
 
 import bisect
-import functools
 import math
-import operator
 import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
@@ -39,7 +36,6 @@ import numpy as np
 import numpy.typing as npt
 
 from quantwatch.service.alerts.rules import Rule, ScalarExpression, breaches
-from quantwatch.service.alerts.specs import Selection, selects_layer
 
 __all__ = [
     "BatchColumns",
@@ -52,7 +48,7 @@ __all__ = [
     "StepSample",
     "advance_episode",
     "evaluate_batch",
-    "evaluate_columns",
+    "walk_samples",
 ]
 
 
@@ -261,7 +257,7 @@ def evaluate_batch(
                     for item in ordered
                     if metric in item.metrics and (value := item.metrics[metric][index]) is not None
                 ]
-                _walk(rule, rank, layer, samples, states, changed, transitions, formats.changes.get(layer, ()))
+                walk_samples(rule, rank, layer, samples, states, changed, transitions, formats.changes.get(layer, ()))
         else:
             expression: ScalarExpression = rule.expression()
             samples = []
@@ -269,11 +265,11 @@ def evaluate_batch(
                 value = expression.evaluate(item.scalars)
                 if value is not None:
                     samples.append(StepSample(item.step, item.time, value))
-            _walk(rule, rank, "", samples, states, changed, transitions)
+            walk_samples(rule, rank, "", samples, states, changed, transitions)
     return changed, transitions
 
 
-def _walk(
+def walk_samples(
     rule: Rule,
     rank: int,
     layer: str,
@@ -283,6 +279,8 @@ def _walk(
     transitions: list[SeriesTransition],
     format_changes: tuple[int, ...] = (),
 ) -> None:
+    """Advance one series over its ``samples`` (in step order): its state into ``changed`` when it changed, its status
+    transitions appended."""
     if not samples:
         return
     key = (rule.name, layer)
@@ -345,179 +343,3 @@ class BatchColumns:
             columns,
             tuple(item.scalars for item in steps),
         )
-
-
-_COMPARE: dict[str, Callable[[F64, float], Bools]] = {
-    ">": operator.gt,
-    ">=": operator.ge,
-    "<": operator.lt,
-    "<=": operator.le,
-}
-_STATUSES = (SeriesStatus.INACTIVE, SeriesStatus.PENDING, SeriesStatus.FIRING)
-_INACTIVE, _PENDING, _FIRING = 0, 1, 2
-_CODES = {status: code for code, status in enumerate(_STATUSES)}
-
-
-def evaluate_columns(
-    rules: Sequence[Rule],
-    run: str,
-    rank: int,
-    layers: Sequence[str],
-    columns: BatchColumns,
-    states: Mapping[SeriesKey, SeriesState],
-) -> tuple[dict[SeriesKey, SeriesState], list[SeriesTransition]]:
-    """:func:`evaluate_batch` over a batch by column: metric rules advance every layer of a step row at once.
-
-    Same arguments and result as :func:`evaluate_batch` (``columns`` in place of per-step inputs); scalar rules, a
-    handful of samples per batch, take the per-sample path.
-    """
-    order = sorted(range(len(columns.steps)), key=columns.steps.__getitem__)
-    changed: dict[SeriesKey, SeriesState] = {}
-    transitions: list[SeriesTransition] = []
-    formats = columns.formats or LayerFormatView()
-    by_layer: tuple[frozenset[tuple[str, str]] | None, ...] | None = None
-    for rule in rules:
-        if not rule.enabled or not rule.matches_run(run):
-            continue
-        if rule.metric is None:
-            expression = rule.expression()
-            samples = []
-            for row in order:
-                value = expression.evaluate(columns.scalars[row])
-                if value is not None:
-                    samples.append(StepSample(columns.steps[row], columns.times[row], value))
-            _walk(rule, rank, "", samples, states, changed, transitions)
-            continue
-        column = columns.metrics.get(rule.metric)
-        if column is None:
-            continue
-        if rule.selects_formats and by_layer is None:
-            by_layer = tuple(
-                frozenset(kinds.items()) if (kinds := formats.current.get(layer)) else None for layer in layers
-            )
-        selected = list(_matching_layers(rule.selection, tuple(layers), by_layer if rule.selects_formats else None))
-        if rule.baseline is not None:
-            for index in selected:
-                samples = [
-                    StepSample(columns.steps[row], columns.times[row], float(column.values[row, index]))
-                    for row in order
-                    if column.measured[row, index]
-                ]
-                changes = formats.changes.get(layers[index], ())
-                _walk(rule, rank, layers[index], samples, states, changed, transitions, changes)
-        elif selected:
-            _walk_columns(
-                rule,
-                rank,
-                [layers[i] for i in selected],
-                column,
-                selected,
-                order,
-                columns,
-                states,
-                changed,
-                transitions,
-            )
-    return changed, transitions
-
-
-@functools.lru_cache(maxsize=256)
-def _matching_layers(
-    selection: Selection, layers: tuple[str, ...], formats: tuple[frozenset[tuple[str, str]] | None, ...] | None
-) -> tuple[int, ...]:
-    # A run sends the same layer list (and formats) in every batch: match each rule's selection against it once.
-    return tuple(
-        index
-        for index, layer in enumerate(layers)
-        if selects_layer(selection, layer, dict(formats[index] or ()) if formats is not None else None)
-    )
-
-
-def _walk_columns(
-    rule: Rule,
-    rank: int,
-    names: list[str],
-    column: MetricColumn,
-    selected: list[int],
-    order: list[int],
-    columns: BatchColumns,
-    states: Mapping[SeriesKey, SeriesState],
-    changed: dict[SeriesKey, SeriesState],
-    transitions: list[SeriesTransition],
-) -> None:
-    """:meth:`SeriesState.advance` for every selected layer at once, one step row at a time (see there)."""
-    count = len(names)
-    before = [states.get((rule.name, name)) for name in names]
-    status = np.array([_CODES[s.status] if s is not None else _INACTIVE for s in before], dtype=np.int8)
-    streak = np.array([s.streak if s is not None else 0 for s in before], dtype=np.int64)
-    clear = np.array([s.clear_streak if s is not None else 0 for s in before], dtype=np.int64)
-    seen = np.array([s is not None and s.last_step is not None for s in before], dtype=bool)
-    last = np.array([s.last_step if s is not None and s.last_step is not None else 0 for s in before], dtype=np.int64)
-    last_value = np.full(count, np.nan)
-    accepted_any = np.zeros(count, dtype=bool)
-    compare = _COMPARE[rule.op]
-    whole = len(selected) == column.values.shape[1]
-    moves: list[tuple[int, int, int, int, float]] = []  # (series, row, before, after, value)
-    for row in order:
-        step = columns.steps[row]
-        values = column.values[row] if whole else column.values[row, selected]
-        measured = column.measured[row] if whole else column.measured[row, selected]
-        # A sample counts when measured and newer than the series' newest evaluated step (older: ignored).
-        accepted = measured & (~seen | (last < step))
-        if not accepted.any():
-            continue
-        with np.errstate(invalid="ignore"):
-            breach = accepted & (~np.isfinite(values) | compare(values, rule.threshold))
-        calm = accepted & ~breach
-        firing = status == _FIRING
-        grown = streak + 1
-        kept = calm & firing & (clear + 1 <= rule.keep_firing_for)
-        after = np.where(
-            breach,
-            np.where(firing | (grown >= rule.consecutive), _FIRING, _PENDING),
-            np.where(kept, _FIRING, np.where(calm, _INACTIVE, status)),
-        ).astype(np.int8)
-        for series in np.flatnonzero(after != status).tolist():
-            moves.append((series, row, int(status[series]), int(after[series]), float(values[series])))
-        status = after
-        streak = np.where(breach, grown, np.where(calm, 0, streak))
-        clear = np.where(kept, clear + 1, np.where(accepted, 0, clear))
-        last = np.where(accepted, step, last)
-        last_value = np.where(accepted, values, last_value)
-        seen |= accepted
-        accepted_any |= accepted
-    # Same order as the per-sample walk: by series, then by step.
-    moves.sort(key=lambda move: move[0])
-    for series, row, old, new, value in moves:
-        sample = StepSample(columns.steps[row], columns.times[row], value)
-        transitions.append(SeriesTransition(rule.name, names[series], rank, _STATUSES[old], _STATUSES[new], sample))
-    finals = zip(
-        np.flatnonzero(accepted_any).tolist(),
-        status[accepted_any].tolist(),
-        last[accepted_any].tolist(),
-        streak[accepted_any].tolist(),
-        clear[accepted_any].tolist(),
-        last_value[accepted_any].tolist(),
-        strict=True,
-    )
-    for series, code, step, run_length, clear_length, value in finals:
-        changed[(rule.name, names[series])] = _quick_state(_STATUSES[code], step, run_length, clear_length, value)
-
-
-_new = object.__new__
-
-
-def _quick_state(status: SeriesStatus, step: int, streak: int, clear: int, value: float) -> SeriesState:
-    """``SeriesState(status, step, streak, clear, value)`` without the frozen dataclass's ``__init__`` (one
-    ``object.__setattr__`` per field): ~2.5× faster for the 512 states a one-step batch of a 512-layer model moves."""
-    state = _new(SeriesState)
-    state.__dict__.update(
-        status=status,
-        last_step=step,
-        streak=streak,
-        clear_streak=clear,
-        last_value=value,
-        baseline=(),
-        baseline_since=None,
-    )
-    return state

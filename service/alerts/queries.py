@@ -16,6 +16,7 @@ from sqlalchemy import Select, select
 from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
 
 from quantwatch.service.alerts.catalog import NotFoundError, delete_receiver, delete_rule, put_receiver, put_rule
+from quantwatch.service.alerts.columns import stored_fields
 from quantwatch.service.alerts.engine import AlertEngine
 from quantwatch.service.alerts.rules import ReceiverSpec, Rule
 from quantwatch.service.alerts.schemas import AlertOut, DeliveryOut, ReceiverOut, RuleOut
@@ -94,7 +95,7 @@ def list_alerts(factory: Factory, state: str | None, run: str | None, rule: str 
     with factory() as session:
         episodes = list(session.scalars(query))
         open_keys = {(e.rule_id, e.run) for e in episodes if e.state in SERIES_STATUSES}
-        states: dict[tuple[int | None, str], list[dict[str, list[Any]]]] = {}
+        states: dict[tuple[int | None, str], list[dict[str, list[Any]] | list[Any]]] = {}
         if open_keys:
             rows = session.execute(
                 select(SeriesStatesRow.rule_id, SeriesStatesRow.run, SeriesStatesRow.series).where(
@@ -107,7 +108,7 @@ def list_alerts(factory: Factory, state: str | None, run: str | None, rule: str 
         return [AlertOut.of(e, _seen_step(e, states.get((e.rule_id, e.run), []))) for e in episodes]
 
 
-def _seen_step(episode: EpisodeRow, ranks: list[dict[str, list[Any]]]) -> int | None:
+def _seen_step(episode: EpisodeRow, ranks: list[dict[str, list[Any]] | list[Any]]) -> int | None:
     """The newest step at which a rank's series of the episode's layer was in the episode's state (None: none)."""
     if episode.state not in SERIES_STATUSES:
         return None
@@ -116,7 +117,9 @@ def _seen_step(episode: EpisodeRow, ranks: list[dict[str, list[Any]]]) -> int | 
     steps = [
         int(fields[last])
         for series in ranks
-        if (fields := series.get(episode.layer)) is not None and fields[0] == status and fields[last] is not None
+        if (fields := stored_fields(series, episode.layer)) is not None
+        and fields[0] == status
+        and fields[last] is not None
     ]
     return max(steps, default=None)
 

@@ -17,8 +17,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
 from quantwatch.protocol import FIRING_EPISODE_KEYS
+from quantwatch.service.alerts.columns import ColumnStates, RuleStates, stored_statuses
 from quantwatch.service.alerts.episodes import EPISODE_COLUMNS, Episode, EpisodeBatch
-from quantwatch.service.alerts.evaluator import SeriesKey, SeriesState, SeriesStatus
+from quantwatch.service.alerts.evaluator import SeriesState, SeriesStatus
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.tables import (
     SERIES_FIELDS,
@@ -39,9 +40,11 @@ __all__ = [
     "cancel_delivery",
     "claim_deliveries",
     "clear_rule_state",
+    "decode_row",
     "decode_series",
     "disable_receiver",
     "enabled_rules",
+    "encode_row",
     "encode_series",
     "firing_episode_counts",
     "insert_deliveries",
@@ -157,8 +160,23 @@ def decode_series(fields: Sequence[Any]) -> SeriesState:
     )
 
 
-StoredStates = dict[int, tuple[int, dict[SeriesKey, SeriesState]]]
+StoredStates = dict[int, tuple[int, RuleStates]]
 """Per rule id: the token of its (run, rank) row and the row's series states, keyed (rule name, layer)."""
+
+
+def decode_row(rule: str, series: dict[str, list[Any]] | list[Any]) -> RuleStates:
+    """The states of one stored row of the rule ``rule``: columns (a list) or per-layer states (an object, as rows
+    written before the columnar encoding)."""
+    if isinstance(series, list):
+        return ColumnStates.decode(rule, series)
+    return {(rule, layer): decode_series(fields) for layer, fields in series.items()}
+
+
+def encode_row(states: RuleStates) -> dict[str, list[Any]] | list[Any]:
+    """The stored form of one rule's states (see :func:`decode_row`)."""
+    if isinstance(states, ColumnStates):
+        return states.encode()
+    return {layer: encode_series(state) for (_, layer), state in states.items()}
 
 
 _TOKENS_OF = select(_STATES.c.rule_id, _STATES.c.token).where(
@@ -180,42 +198,24 @@ def read_series_states(session: Session, run: str, rank: int, names: Mapping[int
         _STATES.c.run == run, _STATES.c.rank == rank, _STATES.c.rule_id.in_(list(names))
     )
     return {
-        rule_id: (token, {(names[rule_id], layer): decode_series(fields) for layer, fields in series.items()})
+        rule_id: (token, decode_row(names[rule_id], series))
         for rule_id, token, series in session.connection().execute(query)
     }
 
 
 def upsert_series_states(
-    session: Session,
-    run: str,
-    rank: int,
-    ids: Mapping[str, int],
-    changed: Mapping[SeriesKey, SeriesState],
-    stored: Mapping[SeriesKey, SeriesState],
+    session: Session, run: str, rank: int, ids: Mapping[str, int], rows: Mapping[str, RuleStates]
 ) -> StoredStates:
-    """Write the states of one (run, rank): one row per rule (names mapped to ids by ``ids``) with a changed series,
-    holding ``changed`` over the ``stored`` states, under a new token. Returns what it wrote."""
-    by_rule: dict[str, dict[SeriesKey, SeriesState]] = {}
-    for key, state in changed.items():
-        by_rule.setdefault(key[0], {})[key] = state
-    for key, state in stored.items():
-        states = by_rule.get(key[0])
-        if states is not None:
-            states.setdefault(key, state)
-    written = {ids[name]: (secrets.randbelow(_TOKENS) + 1, states) for name, states in by_rule.items()}
-    rows = [
-        {
-            "rule_id": rule_id,
-            "run": run,
-            "rank": rank,
-            "token": token,
-            "series": {layer: encode_series(state) for (_, layer), state in states.items()},
-        }
+    """Write the rows of one (run, rank) that changed: each rule's complete states (``rows``, by rule name mapped to
+    ids by ``ids``), under a new token. Returns what it wrote."""
+    written = {ids[name]: (secrets.randbelow(_TOKENS) + 1, states) for name, states in rows.items()}
+    values = [
+        {"rule_id": rule_id, "run": run, "rank": rank, "token": token, "series": encode_row(states)}
         for rule_id, (token, states) in written.items()
     ]
-    if rows:
+    if values:
         conn = session.connection()
-        conn.execute(_STATE_UPSERTS[conn.dialect.name], rows)
+        conn.execute(_STATE_UPSERTS[conn.dialect.name], values)
     return written
 
 
@@ -253,10 +253,8 @@ def lock_groups(
         for rank, series in conn.execute(
             select(_STATES.c.rank, _STATES.c.series).where(_STATES.c.rule_id == rule_id, _STATES.c.run == run)
         ):
-            for layer in layers:
-                fields = series.get(layer)
-                if fields is not None:
-                    statuses[(rule_id, layer)][rank] = _BY_CODE[fields[0]]
+            for layer, code in stored_statuses(series, layers).items():
+                statuses[(rule_id, layer)][rank] = _BY_CODE[code]
     return opened, statuses
 
 
@@ -363,9 +361,9 @@ def series_state_rows(
     if runs is not None:
         query = query.where(_STATES.c.run.in_(list(runs)))
     return [
-        (name, definition, run, rank, layer, decode_series(fields))
+        (name, definition, run, rank, layer, state)
         for name, definition, run, rank, series in session.execute(query)
-        for layer, fields in series.items()
+        for (_, layer), state in decode_row(name, series).items()
     ]
 
 

@@ -77,8 +77,10 @@ class AlertCursorRow(Base):
 class SeriesStatesRow(Base):
     """Evaluator state of every series of one (rule, run, rank), in one row (migration 0008).
 
-    ``series`` maps each layer (``""`` for a scalar rule) to the list :data:`SERIES_FIELDS` names, trailing
-    ``None`` fields left out. One row per rule and rank, so a batch reads and writes one row per rule instead of one
+    ``series`` is a metric rule's columns (a list, :meth:`~quantwatch.service.alerts.columns.ColumnStates.encode`:
+    every layer's state as one array per field), or maps each layer (``""`` for a scalar rule) to the list
+    :data:`SERIES_FIELDS` names, trailing ``None`` fields left out (baseline and scalar rules, and every row written
+    before migration 0011). One row per rule and rank, so a batch reads and writes one row per rule instead of one
     per (rule, layer): every series of a rank advances at each sampled step. ``token`` is drawn at random on each
     write: a replica that still holds the states it wrote last reads only the token to know they are current.
     """
@@ -89,7 +91,7 @@ class SeriesStatesRow(Base):
     run: Mapped[str] = mapped_column(String(200), primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     token: Mapped[int] = mapped_column(BigInteger)
-    series: Mapped[dict[str, list[Any]]] = mapped_column(JSON)
+    series: Mapped[dict[str, list[Any]] | list[Any]] = mapped_column(JSON)
 
 
 SERIES_FIELDS = ("status", "last_step", "streak", "clear_streak", "last_value", "baseline", "baseline_since")

@@ -16,7 +16,7 @@ import numpy.typing as npt
 from sqlalchemy import Connection, Integer, bindparam, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from quantwatch.service.alerts.repository import decode_series
+from quantwatch.service.alerts.repository import decode_row
 from quantwatch.service.alerts.tables import OPEN_EPISODE_STATES, DeliveryRow, EpisodeRow, RuleRow, SeriesStatesRow
 from quantwatch.service.exposition.alert_states import DeliveryCounts, StoredSeries, severity_order
 from quantwatch.service.exposition.cache import StoredRank
@@ -255,8 +255,9 @@ def open_alert_series(session: Session, runs: Sequence[str], per_group: int) -> 
     groups: dict[tuple[str, str, int], list[StoredSeries]] = {}
     for rule_id, run, rank, stored in rows:
         rule, layers = opened.get((rule_id, run), ("", []))
+        states = decode_row(rule, stored)
         for layer in layers:
-            state = decode_series(stored[layer]) if layer in stored else None
+            state = states.get((rule, layer))
             if state is not None and state.status.value in OPEN_EPISODE_STATES:
                 series = StoredSeries(rule, str(run), int(rank), layer, state.status.value, state.streak)
                 groups.setdefault((series.rule, series.run, series.rank), []).append(series)

@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from quantwatch.service.alerts.columns import evaluate_columns
 from quantwatch.service.alerts.evaluator import (
     BatchColumns,
     LayerFormatView,
     SeriesState,
     StepInput,
     evaluate_batch,
-    evaluate_columns,
 )
 from quantwatch.service.alerts.rules import Rule
 

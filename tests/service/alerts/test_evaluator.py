@@ -10,6 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quantwatch.service.alerts.columns import evaluate_columns
 from quantwatch.service.alerts.engine import batch_columns
 from quantwatch.service.alerts.evaluator import (
     BatchColumns,
@@ -19,7 +20,6 @@ from quantwatch.service.alerts.evaluator import (
     StepInput,
     advance_episode,
     evaluate_batch,
-    evaluate_columns,
 )
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.batch import decode_json

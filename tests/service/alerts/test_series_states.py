@@ -16,10 +16,11 @@ from sqlalchemy.orm import sessionmaker
 from alembic import command
 from quantwatch.service import Settings
 from quantwatch.service.alerts import repository
+from quantwatch.service.alerts.columns import COLUMNS_TAG
 from quantwatch.service.alerts.engine import AlertEngine
 from quantwatch.service.alerts.evaluator import SeriesState, SeriesStatus, StepInput, evaluate_batch
 from quantwatch.service.alerts.rules import Rule
-from quantwatch.service.alerts.tables import DeliveryRow, RuleRow
+from quantwatch.service.alerts.tables import DeliveryRow, RuleRow, SeriesStatesRow
 from quantwatch.service.batch import decode_json
 from quantwatch.service.core.db import alembic_config, make_engine, upgrade, write_session
 from tests.service.alerts.test_bulk_episodes import LAYERS, RULES, flapping_batches, replay, setup_rules
@@ -158,3 +159,32 @@ def test_replicas_taking_turns_on_the_same_ranks_keep_the_definitions_states(
             stored = read(session, "run", rank, names)
             assert {key: state for _, rows in stored.values() for key, state in rows.items()} == states
         assert session.scalar(select(func.count()).select_from(DeliveryRow)) == len(replay(batches)[1])
+
+
+def test_a_ranks_columns_follow_its_changing_layer_list(engine: Engine) -> None:
+    """One rank's batches list layers added, dropped and reordered: the columnar rows it writes (one per rule) read
+    back as the per-sample definition's states, and a batch whose samples are all older writes nothing."""
+    sessions = sessionmaker(engine)
+    setup_rules(sessions)
+    alerts = AlertEngine(external_url="http://x", delivery_horizon_seconds=60)
+    batches = [
+        (["a", "b", "c"], [StepInput(10, 10.0, {"output_rel_l2": [0.9, 0.2, float("nan")]}, {})]),
+        (["c", "a"], [StepInput(20, 20.0, {"output_rel_l2": [0.0, 0.9]}, {})]),
+        (["d", "b", "a"], [StepInput(30, 30.0, {"output_rel_l2": [0.9, None, 0.2]}, {})]),
+        (["a", "d"], [StepInput(5, 5.0, {"output_rel_l2": [0.9, 0.9]}, {})]),
+    ]
+    expected: dict[tuple[str, str], SeriesState] = {}
+    tokens = []
+    for layers, steps in batches:
+        with write_session(sessions) as session:
+            alerts.evaluate(session, "run", 0, layers, steps)
+        expected.update(evaluate_batch(RULES, "run", 0, layers, steps, expected)[0])
+        with sessions() as session:
+            names = {row.id: row.name for row in session.scalars(select(RuleRow))}
+            stored = repository.read_series_states(session, "run", 0, names)
+        tokens.append(sorted(token for token, _ in stored.values()))
+        as_stored = {key: replace(state, last_value=_finite(state.last_value)) for key, state in expected.items()}
+        assert {key: state for _, rows in stored.values() for key, state in rows.items()} == as_stored
+    assert tokens[3] == tokens[2]
+    with sessions() as session:
+        assert [series[0] for series in session.scalars(select(SeriesStatesRow.series))] == [COLUMNS_TAG] * 2

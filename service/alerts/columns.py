@@ -1,0 +1,431 @@
+"""The alert state of one (rule, run, rank) by column, and the batch evaluation over it.
+
+A metric rule's state for all the layers of a rank is one :class:`ColumnStates`: numpy arrays (status, newest step,
+streak, clear streak, last value) over its layers, advanced with vectorised operations one step row of the batch at a
+time and stored as one JSON list of arrays (:meth:`ColumnStates.encode`), not one Python object per (rule, layer).
+Baseline rules (a variable-length reference per series) and scalar rules (one series) keep the per-sample path and
+its :class:`~quantwatch.service.alerts.evaluator.SeriesState` mapping. :func:`evaluate_rows` is the ingest path;
+:func:`evaluate_columns` gives the same result keyed per series (tests hold it to
+:func:`~quantwatch.service.alerts.evaluator.evaluate_batch` on randomized batches).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from quantwatch.service.alerts.evaluator import (
+    BatchColumns,
+    LayerFormatView,
+    MetricColumn,
+    SeriesKey,
+    SeriesState,
+    SeriesStatus,
+    SeriesTransition,
+    StepSample,
+    walk_samples,
+)
+from quantwatch.service.alerts.rules import Rule
+from quantwatch.service.alerts.specs import Selection, selects_layer
+
+__all__ = [
+    "COLUMNS_TAG",
+    "ColumnStates",
+    "RuleStates",
+    "evaluate_columns",
+    "evaluate_rows",
+    "stored_fields",
+    "stored_statuses",
+]
+
+Bools = npt.NDArray[np.bool_]
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+
+COLUMNS_TAG = "columns"
+"""First element of a stored columnar row (a JSON list; rows of per-layer states are JSON objects)."""
+
+_STATUSES = (SeriesStatus.INACTIVE, SeriesStatus.PENDING, SeriesStatus.FIRING)
+_INACTIVE, _PENDING, _FIRING = 0, 1, 2
+_CODES = {status: code for code, status in enumerate(_STATUSES)}
+_COMPARE: dict[str, Callable[[F64, float], Bools]] = {
+    ">": operator.gt,
+    ">=": operator.ge,
+    "<": operator.lt,
+    "<=": operator.le,
+}
+
+
+@dataclass(frozen=True, eq=False)
+class ColumnStates(Mapping[SeriesKey, SeriesState]):
+    """The states of one metric rule's series of one (run, rank), one array entry per layer.
+
+    ``seen[i]``: layer ``layers[i]`` has a series (a sample was evaluated); the other arrays hold its fields. As a
+    mapping it reads like the per-series states (keys (rule, layer) of the seen layers), with a non-finite last
+    value read as ``None``, as stored.
+    """
+
+    rule: str
+    layers: tuple[str, ...]
+    seen: Bools
+    status: npt.NDArray[np.int8]
+    last: I64
+    streak: I64
+    clear: I64
+    last_value: F64
+
+    @functools.cached_property
+    def index(self) -> dict[str, int]:
+        """Position of each layer."""
+        return {layer: position for position, layer in enumerate(self.layers)}
+
+    def state(self, position: int) -> SeriesState:
+        """The state of the layer at ``position`` (a non-finite last value kept as it is)."""
+        return SeriesState(
+            _STATUSES[int(self.status[position])],
+            int(self.last[position]),
+            int(self.streak[position]),
+            int(self.clear[position]),
+            float(self.last_value[position]),
+        )
+
+    def __getitem__(self, key: SeriesKey) -> SeriesState:
+        position = self.index.get(key[1]) if key[0] == self.rule else None
+        if position is None or not self.seen[position]:
+            raise KeyError(key)
+        state = self.state(position)
+        value = state.last_value
+        return state if value is not None and math.isfinite(value) else SeriesState(*_fields(state)[:4])
+
+    def __iter__(self) -> Iterator[SeriesKey]:
+        return ((self.rule, self.layers[position]) for position in np.flatnonzero(self.seen).tolist())
+
+    def __len__(self) -> int:
+        return int(self.seen.sum())
+
+    @classmethod
+    def empty(cls, rule: str, layers: Sequence[str]) -> ColumnStates:
+        """No series yet for ``layers``."""
+        count = len(layers)
+        zeros = np.zeros(count, dtype=np.int64)
+        return cls(
+            rule,
+            tuple(layers),
+            np.zeros(count, dtype=bool),
+            np.zeros(count, dtype=np.int8),
+            zeros,
+            zeros,
+            zeros,
+            np.full(count, np.nan),
+        )
+
+    @classmethod
+    def from_states(cls, rule: str, states: Mapping[SeriesKey, SeriesState]) -> ColumnStates:
+        """The columns of per-series states (those of other rules left out; a series not yet evaluated is unseen)."""
+        if isinstance(states, ColumnStates) and states.rule == rule:
+            return states
+        mine = [(layer, state) for (name, layer), state in states.items() if name == rule]
+        return cls(
+            rule,
+            tuple(layer for layer, _ in mine),
+            np.array([state.last_step is not None for _, state in mine], dtype=bool),
+            np.array([_CODES[state.status] for _, state in mine], dtype=np.int8),
+            np.array([state.last_step or 0 for _, state in mine], dtype=np.int64),
+            np.array([state.streak for _, state in mine], dtype=np.int64),
+            np.array([state.clear_streak for _, state in mine], dtype=np.int64),
+            np.array([state.last_value for _, state in mine], dtype=np.float64),
+        )
+
+    def encode(self) -> list[Any]:
+        """The stored row: ``[COLUMNS_TAG, layers, seen, status, last step, streak, clear streak, last value]``
+        (a non-finite last value as null)."""
+        values = np.where(np.isfinite(self.last_value), self.last_value, np.nan).tolist()
+        return [
+            COLUMNS_TAG,
+            list(self.layers),
+            self.seen.tolist(),
+            self.status.tolist(),
+            self.last.tolist(),
+            self.streak.tolist(),
+            self.clear.tolist(),
+            [None if math.isnan(value) else value for value in values],
+        ]
+
+    @classmethod
+    def decode(cls, rule: str, fields: Sequence[Any]) -> ColumnStates:
+        """The states :meth:`encode` stored."""
+        _, layers, seen, status, last, streak, clear, values = fields
+        return cls(
+            rule,
+            tuple(layers),
+            np.array(seen, dtype=bool),
+            np.array(status, dtype=np.int8),
+            np.array(last, dtype=np.int64),
+            np.array(streak, dtype=np.int64),
+            np.array(clear, dtype=np.int64),
+            np.array(values, dtype=np.float64),
+        )
+
+    def covering(self, names: Sequence[str]) -> tuple[ColumnStates, npt.NDArray[np.intp] | None]:
+        """These states extended by the layers of ``names`` they lack, and the position of each name in them
+        (``None``: ``names`` are exactly the layers, in order — the usual case, a run sends the same layers)."""
+        if tuple(names) == self.layers:
+            return self, None
+        added = [name for name in dict.fromkeys(names) if name not in self.index]
+        states = self
+        if added:
+            extra = ColumnStates.empty(self.rule, added)
+            states = ColumnStates(
+                self.rule,
+                (*self.layers, *added),
+                *(np.concatenate([mine, theirs]) for mine, theirs in zip(self._arrays(), extra._arrays(), strict=True)),
+            )
+        return states, np.array([states.index[name] for name in names], dtype=np.intp)
+
+    def _arrays(self) -> tuple[Any, ...]:
+        return self.seen, self.status, self.last, self.streak, self.clear, self.last_value
+
+
+def stored_fields(series: Mapping[str, list[Any]] | Sequence[Any], layer: str) -> list[Any] | None:
+    """One layer's ``[status code, last_step, streak, clear_streak, …]`` in a stored row of either form (``None``:
+    the row has no series of that layer)."""
+    if isinstance(series, Mapping):
+        return series.get(layer)
+    _, layers, seen, *fields = series
+    try:
+        position = layers.index(layer)
+    except ValueError:
+        return None
+    return [column[position] for column in fields] if seen[position] else None
+
+
+def stored_statuses(series: Mapping[str, list[Any]] | Sequence[Any], layers: Sequence[str]) -> dict[str, int]:
+    """The status codes of the series of ``layers`` in a stored row of either form (layers without one left out)."""
+    if isinstance(series, Mapping):
+        return {layer: fields[0] for layer in layers if (fields := series.get(layer)) is not None}
+    _, names, seen, status, *_ = series
+    wanted = set(layers)
+    return {name: status[i] for i, name in enumerate(names) if name in wanted and seen[i]}
+
+
+def _fields(state: SeriesState) -> tuple[Any, ...]:
+    return state.status, state.last_step, state.streak, state.clear_streak, state.last_value
+
+
+RuleStates = Mapping[SeriesKey, SeriesState]
+"""One rule's stored states of one (run, rank): a :class:`ColumnStates` or per-series states."""
+
+
+def evaluate_rows(
+    rules: Sequence[Rule],
+    run: str,
+    rank: int,
+    layers: Sequence[str],
+    columns: BatchColumns,
+    rows: Mapping[str, RuleStates],
+) -> tuple[dict[str, RuleStates], list[SeriesTransition]]:
+    """Evaluate ``rules`` over one batch of one (run, rank) given each rule's stored states (``rows``, by rule name).
+
+    Returns the complete states of every rule a sample advanced (the rows to write) and every status transition, in
+    step order per series. Metric rules without a baseline advance every selected layer of a step row at once.
+    """
+    written: dict[str, RuleStates] = {}
+    transitions: list[SeriesTransition] = []
+    for rule, stored, moved in _advance(
+        rules, run, rank, layers, columns, lambda rule: rows.get(rule.name, {}), transitions
+    ):
+        written[rule.name] = moved[0] if isinstance(moved, tuple) else {**stored, **moved}
+    return written, transitions
+
+
+def evaluate_columns(
+    rules: Sequence[Rule],
+    run: str,
+    rank: int,
+    layers: Sequence[str],
+    columns: BatchColumns,
+    states: Mapping[SeriesKey, SeriesState],
+) -> tuple[dict[SeriesKey, SeriesState], list[SeriesTransition]]:
+    """:func:`~quantwatch.service.alerts.evaluator.evaluate_batch` over a batch by column: the same arguments
+    (``columns`` in place of per-step inputs) and result, the states that changed keyed per series."""
+    changed: dict[SeriesKey, SeriesState] = {}
+    transitions: list[SeriesTransition] = []
+    for _, _, moved in _advance(rules, run, rank, layers, columns, lambda _: states, transitions):
+        if isinstance(moved, tuple):
+            after, keys = moved
+            changed.update((key, after.state(after.index[key[1]])) for key in keys)
+        else:
+            changed.update(moved)
+    return changed, transitions
+
+
+_Moved = tuple[ColumnStates, list[SeriesKey]] | dict[SeriesKey, SeriesState]
+
+
+def _advance(
+    rules: Sequence[Rule],
+    run: str,
+    rank: int,
+    layers: Sequence[str],
+    columns: BatchColumns,
+    states_of: Callable[[Rule], RuleStates],
+    transitions: list[SeriesTransition],
+) -> Iterator[tuple[Rule, RuleStates, _Moved]]:
+    """(rule, its states before, what moved) for every rule a sample advanced, transitions appended: a columnar
+    rule's states after and the series advanced, or the per-sample path's changed states."""
+    order = sorted(range(len(columns.steps)), key=columns.steps.__getitem__)
+    formats = columns.formats or LayerFormatView()
+    for rule in rules:
+        if not rule.enabled or not rule.matches_run(run):
+            continue
+        stored = states_of(rule)
+        if rule.metric is not None and rule.baseline is None:
+            moved = _rule_columns(rule, rank, layers, columns, order, formats, stored, transitions)
+            if moved is not None:
+                yield rule, stored, moved
+            continue
+        changed: dict[SeriesKey, SeriesState] = {}
+        for layer, samples, format_changes in _per_sample(rule, layers, columns, order, formats):
+            walk_samples(rule, rank, layer, samples, stored, changed, transitions, format_changes)
+        if changed:
+            yield rule, stored, changed
+
+
+def _per_sample(
+    rule: Rule, layers: Sequence[str], columns: BatchColumns, order: list[int], formats: LayerFormatView
+) -> Iterator[tuple[str, list[StepSample], tuple[int, ...]]]:
+    """(layer, samples in step order, the layer's format changes) of a scalar or baseline rule."""
+    if rule.metric is None:
+        expression = rule.expression()
+        samples = []
+        for row in order:
+            value = expression.evaluate(columns.scalars[row])
+            if value is not None:
+                samples.append(StepSample(columns.steps[row], columns.times[row], value))
+        yield "", samples, ()
+        return
+    column = columns.metrics.get(rule.metric)
+    if column is None:
+        return
+    for index in _selected(rule, layers, formats):
+        samples = [
+            StepSample(columns.steps[row], columns.times[row], float(column.values[row, index]))
+            for row in order
+            if column.measured[row, index]
+        ]
+        yield layers[index], samples, formats.changes.get(layers[index], ())
+
+
+def _selected(rule: Rule, layers: Sequence[str], formats: LayerFormatView) -> tuple[int, ...]:
+    by_layer = None
+    if rule.selects_formats:
+        by_layer = tuple(
+            frozenset(kinds.items()) if (kinds := formats.current.get(layer)) else None for layer in layers
+        )
+    return _matching_layers(rule.selection, tuple(layers), by_layer)
+
+
+@functools.lru_cache(maxsize=256)
+def _matching_layers(
+    selection: Selection, layers: tuple[str, ...], formats: tuple[frozenset[tuple[str, str]] | None, ...] | None
+) -> tuple[int, ...]:
+    # A run sends the same layer list (and formats) in every batch: match each rule's selection against it once.
+    return tuple(
+        index
+        for index, layer in enumerate(layers)
+        if selects_layer(selection, layer, dict(formats[index] or ()) if formats is not None else None)
+    )
+
+
+def _rule_columns(
+    rule: Rule,
+    rank: int,
+    layers: Sequence[str],
+    columns: BatchColumns,
+    order: list[int],
+    formats: LayerFormatView,
+    stored: Mapping[SeriesKey, SeriesState],
+    transitions: list[SeriesTransition],
+) -> tuple[ColumnStates, list[SeriesKey]] | None:
+    """Advance one metric rule's columns over the batch: (all its states after, the series a sample advanced in
+    layer order), or ``None`` when no sample counted."""
+    column = columns.metrics.get(str(rule.metric))
+    if column is None:
+        return None
+    selected = list(_selected(rule, layers, formats))
+    if not selected:
+        return None
+    names = [layers[i] for i in selected]
+    states, positions = ColumnStates.from_states(rule.name, stored).covering(names)
+    after, accepted = _walk_columns(rule, rank, names, column, selected, order, columns, states, positions, transitions)
+    if not accepted.any():
+        return None
+    return after, [(rule.name, names[i]) for i in np.flatnonzero(accepted).tolist()]
+
+
+def _walk_columns(
+    rule: Rule,
+    rank: int,
+    names: list[str],
+    column: MetricColumn,
+    selected: list[int],
+    order: list[int],
+    columns: BatchColumns,
+    states: ColumnStates,
+    positions: npt.NDArray[np.intp] | None,
+    transitions: list[SeriesTransition],
+) -> tuple[ColumnStates, Bools]:
+    """:meth:`SeriesState.advance` for every selected layer at once, one step row at a time (see there). Returns the
+    states after and which selected layers a sample advanced."""
+    arrays = states._arrays() if positions is None else tuple(array[positions] for array in states._arrays())
+    seen, status, last, streak, clear, last_value = arrays
+    accepted_any = np.zeros(len(names), dtype=bool)
+    compare = _COMPARE[rule.op]
+    whole = len(selected) == column.values.shape[1]
+    moves: list[tuple[int, int, int, int, float]] = []  # (series, row, before, after, value)
+    for row in order:
+        step = columns.steps[row]
+        values = column.values[row] if whole else column.values[row, selected]
+        measured = column.measured[row] if whole else column.measured[row, selected]
+        # A sample counts when measured and newer than the series' newest evaluated step (older: ignored).
+        accepted = measured & (~seen | (last < step))
+        if not accepted.any():
+            continue
+        with np.errstate(invalid="ignore"):
+            breach = accepted & (~np.isfinite(values) | compare(values, rule.threshold))
+        calm = accepted & ~breach
+        firing = status == _FIRING
+        grown = streak + 1
+        kept = calm & firing & (clear + 1 <= rule.keep_firing_for)
+        after = np.where(
+            breach,
+            np.where(firing | (grown >= rule.consecutive), _FIRING, _PENDING),
+            np.where(kept, _FIRING, np.where(calm, _INACTIVE, status)),
+        ).astype(np.int8)
+        for series in np.flatnonzero(after != status).tolist():
+            moves.append((series, row, int(status[series]), int(after[series]), float(values[series])))
+        status = after
+        streak = np.where(breach, grown, np.where(calm, 0, streak))
+        clear = np.where(kept, clear + 1, np.where(accepted, 0, clear))
+        last = np.where(accepted, step, last)
+        last_value = np.where(accepted, values, last_value)
+        seen = seen | accepted
+        accepted_any |= accepted
+    # Same order as the per-sample walk: by series, then by step.
+    moves.sort(key=lambda move: move[0])
+    for series, row, old, new, value in moves:
+        sample = StepSample(columns.steps[row], columns.times[row], value)
+        transitions.append(SeriesTransition(rule.name, names[series], rank, _STATUSES[old], _STATUSES[new], sample))
+    if positions is None:
+        return ColumnStates(rule.name, states.layers, seen, status, last, streak, clear, last_value), accepted_any
+    merged = [array.copy() for array in states._arrays()]
+    for whole_array, part in zip(merged, (seen, status, last, streak, clear, last_value), strict=True):
+        whole_array[positions] = part
+    return ColumnStates(rule.name, states.layers, *merged), accepted_any
