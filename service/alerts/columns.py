@@ -38,6 +38,7 @@ from quantwatch.service.alerts.specs import Selection, selects_layer
 __all__ = [
     "COLUMNS_TAG",
     "ColumnStates",
+    "RankBatch",
     "RuleStates",
     "evaluate_columns",
     "evaluate_rows",
@@ -223,24 +224,27 @@ RuleStates = Mapping[SeriesKey, SeriesState]
 """One rule's stored states of one (run, rank): a :class:`ColumnStates` or per-series states."""
 
 
+@dataclass(frozen=True)
+class RankBatch:
+    """One batch of one (run, rank) by column: what each rule advances over."""
+
+    run: str
+    rank: int
+    layers: Sequence[str]
+    columns: BatchColumns
+
+
 def evaluate_rows(
-    rules: Sequence[Rule],
-    run: str,
-    rank: int,
-    layers: Sequence[str],
-    columns: BatchColumns,
-    rows: Mapping[str, RuleStates],
+    rules: Sequence[Rule], batch: RankBatch, rows: Mapping[str, RuleStates]
 ) -> tuple[dict[str, RuleStates], list[SeriesTransition]]:
-    """Evaluate ``rules`` over one batch of one (run, rank) given each rule's stored states (``rows``, by rule name).
+    """Evaluate ``rules`` over ``batch`` given each rule's stored states (``rows``, by rule name).
 
     Returns the complete states of every rule a sample advanced (the rows to write) and every status transition, in
     step order per series. Metric rules without a baseline advance every selected layer of a step row at once.
     """
     written: dict[str, RuleStates] = {}
     transitions: list[SeriesTransition] = []
-    for rule, stored, moved in _advance(
-        rules, run, rank, layers, columns, lambda rule: rows.get(rule.name, {}), transitions
-    ):
+    for rule, stored, moved in _advance(rules, batch, lambda rule: rows.get(rule.name, {}), transitions):
         written[rule.name] = moved[0] if isinstance(moved, tuple) else {**stored, **moved}
     return written, transitions
 
@@ -257,7 +261,8 @@ def evaluate_columns(
     (``columns`` in place of per-step inputs) and result, the states that changed keyed per series."""
     changed: dict[SeriesKey, SeriesState] = {}
     transitions: list[SeriesTransition] = []
-    for _, _, moved in _advance(rules, run, rank, layers, columns, lambda _: states, transitions):
+    batch = RankBatch(run, rank, layers, columns)
+    for _, _, moved in _advance(rules, batch, lambda _: states, transitions):
         if isinstance(moved, tuple):
             after, keys = moved
             changed.update((key, after.state(after.index[key[1]])) for key in keys)
@@ -271,15 +276,13 @@ _Moved = tuple[ColumnStates, list[SeriesKey]] | dict[SeriesKey, SeriesState]
 
 def _advance(
     rules: Sequence[Rule],
-    run: str,
-    rank: int,
-    layers: Sequence[str],
-    columns: BatchColumns,
+    batch: RankBatch,
     states_of: Callable[[Rule], RuleStates],
     transitions: list[SeriesTransition],
 ) -> Iterator[tuple[Rule, RuleStates, _Moved]]:
     """(rule, its states before, what moved) for every rule a sample advanced, transitions appended: a columnar
     rule's states after and the series advanced, or the per-sample path's changed states."""
+    run, rank, layers, columns = batch.run, batch.rank, batch.layers, batch.columns
     order = sorted(range(len(columns.steps)), key=columns.steps.__getitem__)
     formats = columns.formats or LayerFormatView()
     for rule in rules:

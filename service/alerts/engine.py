@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 
 from quantwatch.service.alerts import repository
 from quantwatch.service.alerts.cache import RuleCache
-from quantwatch.service.alerts.columns import RuleStates, evaluate_rows
+from quantwatch.service.alerts.columns import RankBatch, RuleStates, evaluate_rows
 from quantwatch.service.alerts.episodes import Episode, EpisodeBatch, EpisodeFields, apply_event, json_value
 from quantwatch.service.alerts.evaluator import (
     BatchColumns,
@@ -208,7 +208,7 @@ class AlertEngine:
         ids = {rule.name: rule_id for rule_id, rule in rules}
         names = {rule_id: rule.name for rule_id, rule in rules}
         stored = self._stored_states(session, run, rank, names)
-        rows, transitions = evaluate_rows([rule for _, rule in rules], run, rank, layers, columns, stored)
+        rows, transitions = evaluate_rows([rule for _, rule in rules], RankBatch(run, rank, layers, columns), stored)
         written = repository.upsert_series_states(session, run, rank, ids, rows)
         self._enqueued.staged = _Staged(run, rank, rows, {rule.name: rule.series for _, rule in rules}, written)
         if not transitions:
