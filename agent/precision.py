@@ -44,7 +44,6 @@ off or to an emulated FP8 recipe they run anywhere.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -54,9 +53,9 @@ from torch import Tensor, nn
 from quantwatch.agent.adapters.linear import (
     plain_linear_forward,
     runs_plain_linear,
-    training_weight_class,
     training_weight_classes,
 )
+from quantwatch.agent.adapters.registry import loaded_classes
 from quantwatch.agent.adapters.torchao_float8 import Float8LinearAdapter, Float8TrainingWeightAdapter
 from quantwatch.agent.adapters.torchao_mx import MXFP8TrainingAdapter, NVFP4TrainingAdapter, PrototypeQatAdapter
 from quantwatch.agent.adapters.torchao_qat import TorchAoQatAdapter
@@ -95,12 +94,6 @@ def check_format(fmt: str | None) -> None:
 
 def _refused(module: nn.Module, fmt: str, takes: str) -> ConfigError:
     return ConfigError("format", f"a {type(module).__name__} cannot be switched to {fmt!r} in place; it takes {takes}")
-
-
-def _loaded(module_name: str, attr: str) -> Any:
-    """A class of a torchao module, None while that module is not loaded (then no layer of it exists)."""
-    loaded = sys.modules.get(module_name)
-    return getattr(loaded, attr, None) if loaded is not None else None
 
 
 def _weight(module: nn.Module) -> Tensor:
@@ -219,8 +212,7 @@ def _switch_prototype_qat(module: nn.Module, fmt: str | None) -> None:
     if fmt is None:
         plain_linear_forward(module)
         return
-    mx = _loaded("torchao.prototype.qat.mx", "MXFakeQuantizedLinear")
-    is_mx = mx is not None and isinstance(module, mx)
+    is_mx = isinstance(module, loaded_classes("torchao.prototype.qat.mx:MXFakeQuantizedLinear"))
     elements = {"mxfp8": torch.float8_e4m3fn, "mxfp4": torch.float4_e2m1fn_x2}
     if is_mx and fmt in elements:
         for attr in ("weight_config", "activation_config"):
@@ -246,13 +238,13 @@ def _switch_training_weight(module: nn.Module, fmt: str | None) -> None:
         plain_linear_forward(module)
         return
     wrappers = [p for p in module.parameters(recurse=False) if isinstance(p, training_weight_classes())]
-    float8, mxfp8 = (training_weight_class(f"{kind}TrainingWeightWrapperTensor") for kind in ("Float8", "MXFP8"))
-    if fmt in FLOAT8_RECIPES and float8 is not None:
+    float8, mxfp8 = (training_weight_classes(f"{kind}TrainingWeightWrapperTensor") for kind in ("Float8", "MXFP8"))
+    if fmt in FLOAT8_RECIPES and float8:
         config = _float8_op_config(fmt, _weight(module).device)
         for parameter in wrappers:
-            parameter.__class__ = float8  # the two wrapper classes share their layout: `_data` and `config`
+            parameter.__class__ = float8[0]  # the two wrapper classes share their layout: `_data` and `config`
             setattr(parameter, "config", config)  # noqa: B010 (the wrapper's attribute)
-    elif fmt != "mxfp8" or mxfp8 is None or not all(isinstance(p, mxfp8) for p in wrappers):
+    elif fmt != "mxfp8" or not mxfp8 or not all(isinstance(p, mxfp8) for p in wrappers):
         raise _refused(module, fmt, f"None, a float8 recipe ({_RECIPE_NAMES}) or, an MXFP8 layer, 'mxfp8'")
     _restore_forward(module)
 
@@ -262,8 +254,8 @@ def _switch_nvfp4(module: nn.Module, fmt: str | None) -> None:
         plain_linear_forward(module)
         return
     if fmt in FLOAT8_RECIPES:
-        nvfp4 = _loaded("torchao.prototype.moe_training.nvfp4_training.nvfp4_training", "NVFP4Linear")
-        if type(module) is not nvfp4 or getattr(module, "process_group", None) is not None:
+        nvfp4 = loaded_classes("torchao.prototype.moe_training.nvfp4_training.nvfp4_training:NVFP4Linear")
+        if type(module) not in nvfp4 or getattr(module, "process_group", None) is not None:
             raise ConfigError("format", f"a {type(module).__name__} becomes a Float8Linear in place only as a "
                               "plain NVFP4Linear: not tensor-parallel, nor a class FSDP2 derived")  # fmt: skip
         from torchao.float8.float8_linear import Float8Linear

@@ -11,7 +11,6 @@ dtype (FP32 by default) with autocast off, and its weight gradient ``grad_output
 from __future__ import annotations
 
 import functools
-import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.functional import linear
 
-from quantwatch.agent.adapters.registry import AdapterContext
+from quantwatch.agent.adapters.registry import AdapterContext, loaded_classes
 from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, _ShadowedModuleAdapter
 from quantwatch.agent.shadow import REFERENCE_DTYPES
 from quantwatch.kernels import ErrorStats
@@ -36,7 +35,6 @@ __all__ = [
     "plain_linear_forward",
     "reference_dtype",
     "runs_plain_linear",
-    "training_weight_class",
     "training_weight_classes",
 ]
 
@@ -56,18 +54,11 @@ def reference_dtype(context: AdapterContext) -> torch.dtype:
     return REFERENCE_DTYPES[context.reference_dtype]
 
 
-def training_weight_class(name: str = "TrainingWeightWrapperBaseTensor") -> type | None:
+def training_weight_classes(name: str = "TrainingWeightWrapperBaseTensor") -> tuple[type, ...]:
     """A torchao training weight wrapper class (``TrainingWeightWrapperBaseTensor``: MXFP8 and float8 training wrap
-    every parameter of the module in one) by name; None while torchao's module is not loaded (no layer has one)."""
-    tensor = sys.modules.get("torchao.prototype.moe_training.tensor")
-    found: type | None = getattr(tensor, name, None) if tensor is not None else None
-    return found
-
-
-def training_weight_classes() -> tuple[type, ...]:
-    """The base of torchao's training weight wrappers, as an ``isinstance`` tuple (empty: none can exist)."""
-    base = training_weight_class()
-    return (base,) if base is not None else ()
+    every parameter of the module in one) by name, as an ``isinstance`` tuple: empty while torchao's module is not
+    loaded (no layer has one)."""
+    return loaded_classes(f"torchao.prototype.moe_training.tensor:{name}")
 
 
 def high_precision_data(t: Tensor) -> Tensor:

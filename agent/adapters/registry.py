@@ -39,14 +39,15 @@ FORMAT_KINDS: tuple[str, ...] = TENSOR_KINDS
 
 
 def loaded_classes(*names: str) -> tuple[type, ...]:
-    """The classes named ``"module:Class"`` whose module is already imported: a layer of such a class exists only
-    once its module is loaded, so recognising one never imports torchao."""
+    """The classes named ``"module:Class"`` whose module is already imported (and has them: another torchao version
+    may not): a layer of such a class exists only once its module is loaded, so recognising one never imports
+    torchao."""
     classes: list[type] = []
     for name in names:
         module_name, _, class_name = name.partition(":")
-        module = sys.modules.get(module_name)
-        if module is not None:
-            classes.append(getattr(module, class_name))
+        found = getattr(sys.modules.get(module_name), class_name, None)
+        if found is not None:
+            classes.append(found)
     return tuple(classes)
 
 

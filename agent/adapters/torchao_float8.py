@@ -43,7 +43,7 @@ from quantwatch.agent.adapters.linear import (
     high_precision_data,
     plain_linear_forward,
     runs_plain_linear,
-    training_weight_class,
+    training_weight_classes,
 )
 from quantwatch.agent.adapters.registry import (
     FORMAT_KINDS,
@@ -317,8 +317,8 @@ class Float8TrainingWeightAdapter(Adapter):
 
     def recognises(self, module: nn.Module) -> bool:
         """A linear layer whose weight is float8 training's wrapper tensor."""
-        wrapper = training_weight_class("Float8TrainingWeightWrapperTensor")
-        return wrapper is not None and isinstance(module, nn.Linear) and isinstance(module.weight, wrapper)
+        wrapper = training_weight_classes("Float8TrainingWeightWrapperTensor")
+        return isinstance(module, nn.Linear) and isinstance(module.weight, wrapper)
 
     def formats(self, module: nn.Module) -> dict[str, str]:
         """The reported cast's format per kind, from the wrapper's recipe; high precision once kept there."""

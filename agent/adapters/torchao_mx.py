@@ -32,7 +32,7 @@ from quantwatch.agent.adapters.linear import (
     high_precision_data,
     plain_linear_forward,
     runs_plain_linear,
-    training_weight_class,
+    training_weight_classes,
 )
 from quantwatch.agent.adapters.registry import (
     FORMAT_KINDS,
@@ -84,8 +84,8 @@ class MXFP8TrainingAdapter(Adapter):
 
     def recognises(self, module: nn.Module) -> bool:
         """A linear layer whose weight is MXFP8 training's wrapper tensor."""
-        wrapper = training_weight_class("MXFP8TrainingWeightWrapperTensor")
-        return wrapper is not None and isinstance(module, nn.Linear) and isinstance(module.weight, wrapper)
+        wrapper = training_weight_classes("MXFP8TrainingWeightWrapperTensor")
+        return isinstance(module, nn.Linear) and isinstance(module.weight, wrapper)
 
     def formats(self, module: nn.Module) -> dict[str, str]:
         """MXFP8 (E4M3 elements in blocks of 32, E8M0 scales) for every kind; high precision once kept there."""
