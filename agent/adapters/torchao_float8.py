@@ -53,7 +53,7 @@ from quantwatch.agent.adapters.registry import (
     UnsupportedLayerError,
     loaded_classes,
 )
-from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_WEIGHT, LayerAdapter
+from quantwatch.agent.layers import KIND_GRAD, KIND_INPUT, KIND_NAMES, KIND_WEIGHT, LayerAdapter
 from quantwatch.kernels import ErrorStats
 from quantwatch.kernels.decode import float8_to_float32
 from quantwatch.kernels.float8_stats import float8_cast_stats
@@ -295,11 +295,10 @@ class Float8LinearAdapter(Adapter):
 
 
 def _formats(config: Any) -> dict[str, str]:
-    names = {KIND_WEIGHT: "weight", KIND_INPUT: "input", KIND_GRAD: "grad"}
     out: dict[str, str] = {}
     for kind, chosen in _reported(config).items():
         fmt = float8_format(chosen[0]) if chosen is not None else None
-        out[names[kind]] = fmt or HIGH_PRECISION
+        out[KIND_NAMES[kind]] = fmt or HIGH_PRECISION
     return out
 
 
