@@ -37,7 +37,6 @@ steps after its alert reached the first rank; a checkpoint is written by rank 0 
 from __future__ import annotations
 
 import contextvars
-import fnmatch
 import logging
 import os
 import time
@@ -49,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from quantwatch.agent.adapters.discovery import adapter_for, layer_formats
+from quantwatch.agent.adapters.discovery import adapter_for, layer_formats, layer_patterns, matches
 from quantwatch.agent.adapters.registry import LayerInfo
 from quantwatch.agent.engine import PendingStep
 from quantwatch.agent.errors import ConfigError
@@ -232,8 +231,9 @@ def _distributed() -> bool:
 
 
 def _keep(loop: ActionLoop, monitor: Monitor, step: int, request: Request) -> list[Action]:
-    matched = [(name, module) for name, module in named_modules(monitor._model)
-               if name and any(fnmatch.fnmatchcase(name, pattern) for pattern in request.layers)]  # fmt: skip
+    matched = [
+        (name, module) for name, module in named_modules(monitor._model) if name and matches(name, request.layers)
+    ]
     layers = [(name, module) for name, module in matched if switchable(module)]
     if not layers:
         which = "no layer it can switch" if matched else "no layer"
@@ -349,9 +349,7 @@ def keep_high_precision(
     format or preset name), at the next step boundary (see the module doc), in place, for every layer kind an adapter
     measures; which kind takes which format: :mod:`quantwatch.agent.precision`. Raises ConfigError for an invalid
     ``layers`` or ``format``; a format a matched layer cannot take is recorded in ``monitor.failures``."""
-    names = (layers,) if isinstance(layers, str) else tuple(layers)
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise ConfigError("layers", f"must be a layer name or pattern, or a list of them, got {layers!r}")
+    names = layer_patterns(layers)
     check_format(format)
     _loop_for(monitor).request(Request("keep_high_precision", names, format, episode=_episode()))
 

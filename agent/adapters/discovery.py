@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from torch import nn
 
@@ -103,6 +103,19 @@ def layer_formats(name: str, module: nn.Module) -> dict[str, str] | None:
     return None if adapter is None else _formats(adapter, name, module)
 
 
+def layer_patterns(layers: str | Iterable[str]) -> tuple[str, ...]:
+    """``layers`` (a glob pattern or a list of them) as a tuple; ConfigError naming ``layers`` unless non-empty."""
+    patterns = (layers,) if isinstance(layers, str) else tuple(layers)
+    if not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise ConfigError("layers", f"must be a glob pattern or a list of them, got {layers!r}")
+    return patterns
+
+
+def matches(name: str, patterns: Iterable[str]) -> bool:
+    """Whether the qualified layer name ``name`` matches one of the glob ``patterns``."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
 def find_layers(
     model: nn.Module, layers: str | Sequence[str] | None, adapters: Sequence[Adapter] | None = None
 ) -> dict[str, Found]:
@@ -121,10 +134,8 @@ def find_layers(
         if adapter is not None:
             candidates[name] = (module, adapter)
     if layers is not None:
-        patterns = [layers] if isinstance(layers, str) else list(layers)
-        if not patterns or not all(isinstance(p, str) and p for p in patterns):
-            raise ConfigError("layers", f"must be a glob pattern or a list of them, got {layers!r}")
-        chosen = {n: c for n, c in candidates.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+        patterns = layer_patterns(layers)
+        chosen = {n: c for n, c in candidates.items() if matches(n, patterns)}
         if not chosen:
             known = ", ".join(list(candidates)[:20]) or "none"
             raise ConfigError("layers", f"no quantized layer matches {patterns}; quantized layers: {known}")
