@@ -227,7 +227,7 @@ def lock_groups(
 ) -> tuple[dict[GroupKey, int | None], dict[GroupKey, dict[int, SeriesStatus]]]:
     """Lock the (rule, layer) groups ``keys`` (sorted) of ``run``; their open episode ids and every rank's status.
 
-    The statuses are read after the lock, so they include what whoever held it before committed.
+    The statuses are read after the locks, so they include what whoever held them before committed.
     """
     conn = session.connection()
     insert_ignore(
@@ -250,11 +250,14 @@ def lock_groups(
             .with_for_update()
         ):
             opened[(rule_id, layer)] = episode_id
-        for rank, series in conn.execute(
-            select(_STATES.c.rank, _STATES.c.series).where(_STATES.c.rule_id == rule_id, _STATES.c.run == run)
-        ):
-            for layer, code in stored_statuses(series, layers).items():
-                statuses[(rule_id, layer)][rank] = _BY_CODE[code]
+    # Every rank's row of the moved rules in one statement, after all the locks.
+    for rule_id, rank, series in conn.execute(
+        select(_STATES.c.rule_id, _STATES.c.rank, _STATES.c.series).where(
+            _STATES.c.rule_id.in_(list(layers_by_rule)), _STATES.c.run == run
+        )
+    ):
+        for layer, code in stored_statuses(series, layers_by_rule[rule_id]).items():
+            statuses[(rule_id, layer)][rank] = _BY_CODE[code]
     return opened, statuses
 
 
