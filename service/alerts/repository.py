@@ -205,13 +205,13 @@ def read_series_states(session: Session, run: str, rank: int, names: Mapping[int
 
 def upsert_series_states(
     session: Session, run: str, rank: int, ids: Mapping[str, int], rows: Mapping[str, RuleStates]
-) -> StoredStates:
+) -> dict[str, tuple[int, RuleStates]]:
     """Write the rows of one (run, rank) that changed: each rule's complete states (``rows``, by rule name mapped to
-    ids by ``ids``), under a new token. Returns what it wrote."""
-    written = {ids[name]: (secrets.randbelow(_TOKENS) + 1, states) for name, states in rows.items()}
+    ids by ``ids``), under a new token. Returns what it wrote: (token, states) by rule name."""
+    written = {name: (secrets.randbelow(_TOKENS) + 1, states) for name, states in rows.items()}
     values = [
-        {"rule_id": rule_id, "run": run, "rank": rank, "token": token, "series": encode_row(states)}
-        for rule_id, (token, states) in written.items()
+        {"rule_id": ids[name], "run": run, "rank": rank, "token": token, "series": encode_row(states)}
+        for name, (token, states) in written.items()
     ]
     if values:
         conn = session.connection()
