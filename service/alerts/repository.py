@@ -17,13 +17,12 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
 from quantwatch.protocol import FIRING_EPISODE_KEYS
-from quantwatch.service.alerts.columns import ColumnStates, RuleStates, stored_statuses
+from quantwatch.service.alerts.columns import STATUS_CODES, STATUSES, ColumnStates, RuleStates, stored_statuses
 from quantwatch.service.alerts.episodes import EPISODE_COLUMNS, Episode, EpisodeBatch
 from quantwatch.service.alerts.evaluator import SeriesState, SeriesStatus
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.tables import (
     SERIES_FIELDS,
-    SERIES_STATUSES,
     AlertCursorRow,
     AlertGroupRow,
     DeliveryRow,
@@ -78,8 +77,6 @@ _STATES = cast(Table, SeriesStatesRow.__table__)
 _GROUPS = cast(Table, AlertGroupRow.__table__)
 _EPISODES = cast(Table, EpisodeRow.__table__)
 _DELIVERIES = cast(Table, DeliveryRow.__table__)
-_BY_CODE = tuple(SeriesStatus(name) for name in SERIES_STATUSES)
-_CODES = {status: code for code, status in enumerate(_BY_CODE)}
 _ABSENT = (None,) * len(SERIES_FIELDS)
 _TOKENS = 2**63 - 1  # a row's token is in [1, 2**63): 0 marks the rows migration 0008 carried over
 _EPISODE_UPDATE = update(_EPISODES).where(_EPISODES.c.id == bindparam("b_id"))
@@ -145,7 +142,7 @@ def lock_cursor(session: Session, run: str, rank: int) -> None:
 def encode_series(state: SeriesState) -> list[Any]:
     """One series' state as stored in :attr:`~quantwatch.service.alerts.tables.SeriesStatesRow.series`."""
     value = state.last_value if state.last_value is None or math.isfinite(state.last_value) else None
-    fields = [_CODES[state.status], state.last_step, state.streak, state.clear_streak]
+    fields = [STATUS_CODES[state.status], state.last_step, state.streak, state.clear_streak]
     if state.baseline or state.baseline_since is not None:
         return [*fields, value, list(state.baseline) or None, state.baseline_since]
     return fields if value is None else [*fields, value]
@@ -156,7 +153,7 @@ def decode_series(fields: Sequence[Any]) -> SeriesState:
     padded: list[Any] = [*fields, *_ABSENT[len(fields) :]]
     status, last_step, streak, clear_streak, last_value, baseline, baseline_since = padded
     return SeriesState(
-        _BY_CODE[status], last_step, streak, clear_streak, last_value, tuple(baseline or ()), baseline_since
+        STATUSES[status], last_step, streak, clear_streak, last_value, tuple(baseline or ()), baseline_since
     )
 
 
@@ -257,7 +254,7 @@ def lock_groups(
         )
     ):
         for layer, code in stored_statuses(series, layers_by_rule[rule_id]).items():
-            statuses[(rule_id, layer)][rank] = _BY_CODE[code]
+            statuses[(rule_id, layer)][rank] = STATUSES[code]
     return opened, statuses
 
 
