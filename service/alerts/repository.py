@@ -162,8 +162,8 @@ StoredStates = dict[int, tuple[int, RuleStates]]
 
 
 def decode_row(rule: str, series: dict[str, list[Any]] | list[Any]) -> RuleStates:
-    """The states of one stored row of the rule ``rule``: columns (a list) or per-layer states (an object, as rows
-    written before the columnar encoding)."""
+    """The states of one stored row of the rule ``rule``: columns (a list: metric rules without a baseline) or
+    per-layer states (an object: baseline and scalar rules, and rows written before the columnar encoding)."""
     if isinstance(series, list):
         return ColumnStates.decode(rule, series)
     return {(rule, layer): decode_series(fields) for layer, fields in series.items()}
