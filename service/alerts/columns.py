@@ -45,7 +45,6 @@ __all__ = [
     "RuleStates",
     "evaluate_columns",
     "evaluate_rows",
-    "stored_fields",
     "stored_statuses",
 ]
 
@@ -199,19 +198,6 @@ class ColumnStates(Mapping[SeriesKey, SeriesState]):
 
     def _arrays(self) -> tuple[Any, ...]:
         return self.seen, self.status, self.last, self.streak, self.clear, self.last_value
-
-
-def stored_fields(series: Mapping[str, list[Any]] | Sequence[Any], layer: str) -> list[Any] | None:
-    """One layer's ``[status code, last_step, streak, clear_streak, …]`` in a stored row of either form (``None``:
-    the row has no series of that layer)."""
-    if isinstance(series, Mapping):
-        return series.get(layer)
-    _, layers, seen, *fields = series
-    try:
-        position = layers.index(layer)
-    except ValueError:
-        return None
-    return [column[position] for column in fields] if seen[position] else None
 
 
 def stored_statuses(series: Mapping[str, list[Any]] | Sequence[Any], layers: Sequence[str]) -> dict[str, int]:
