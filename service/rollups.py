@@ -12,6 +12,7 @@ Semantics, shared by ingest rollups and query-time bucketing so both give the sa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -201,6 +202,13 @@ def group_starts(keys: I64) -> tuple[I64, I64]:
     return keys[starts], starts
 
 
+def json_float(value: float) -> float | str:
+    """A float for JSON: itself when finite, else the wire string ``"nan"``, ``"inf"`` or ``"-inf"``."""
+    if math.isfinite(value):
+        return value
+    return "nan" if value != value else ("inf" if value > 0 else "-inf")
+
+
 def to_json_floats(values: npt.NDArray[np.floating], valid: npt.NDArray[np.bool_] | None = None) -> JsonFloats:
     """Floats for JSON (see :func:`dumps`): the array itself when every value is valid and finite, else a list with
     the wire strings ``"nan"``, ``"inf"``, ``"-inf"`` for non-finite values and None for invalid ones."""
@@ -214,8 +222,7 @@ def to_json_floats(values: npt.NDArray[np.floating], valid: npt.NDArray[np.bool_
         if valid is not None and not valid[i]:
             out[i] = None
         else:
-            v = float(values[i])
-            out[i] = "nan" if v != v else ("inf" if v > 0 else "-inf")
+            out[i] = json_float(float(values[i]))
     return out
 
 

@@ -34,15 +34,17 @@ from quantwatch.service.alerts.evaluator import (
 )
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.specs import Selection, selects_layer
+from quantwatch.service.alerts.tables import SERIES_STATUSES
 
 __all__ = [
     "COLUMNS_TAG",
+    "STATUSES",
+    "STATUS_CODES",
     "ColumnStates",
     "RankBatch",
     "RuleStates",
     "evaluate_columns",
     "evaluate_rows",
-    "stored_fields",
     "stored_statuses",
 ]
 
@@ -53,9 +55,13 @@ I64 = npt.NDArray[np.int64]
 COLUMNS_TAG = "columns"
 """First element of a stored columnar row (a JSON list; rows of per-layer states are JSON objects)."""
 
-_STATUSES = (SeriesStatus.INACTIVE, SeriesStatus.PENDING, SeriesStatus.FIRING)
-_INACTIVE, _PENDING, _FIRING = 0, 1, 2
-_CODES = {status: code for code, status in enumerate(_STATUSES)}
+STATUSES = tuple(SeriesStatus(name) for name in SERIES_STATUSES)
+"""Each stored status code's status (both stored forms: a code is the index in :data:`SERIES_STATUSES`)."""
+STATUS_CODES = {status: code for code, status in enumerate(STATUSES)}
+"""Each status's stored code."""
+_INACTIVE, _PENDING, _FIRING = (
+    STATUS_CODES[status] for status in (SeriesStatus.INACTIVE, SeriesStatus.PENDING, SeriesStatus.FIRING)
+)
 _COMPARE: dict[str, Callable[[F64, float], Bools]] = {
     ">": operator.gt,
     ">=": operator.ge,
@@ -90,7 +96,7 @@ class ColumnStates(Mapping[SeriesKey, SeriesState]):
     def state(self, position: int) -> SeriesState:
         """The state of the layer at ``position`` (a non-finite last value kept as it is)."""
         return SeriesState(
-            _STATUSES[int(self.status[position])],
+            STATUSES[int(self.status[position])],
             int(self.last[position]),
             int(self.streak[position]),
             int(self.clear[position]),
@@ -137,7 +143,7 @@ class ColumnStates(Mapping[SeriesKey, SeriesState]):
             rule,
             tuple(layer for layer, _ in mine),
             np.array([state.last_step is not None for _, state in mine], dtype=bool),
-            np.array([_CODES[state.status] for _, state in mine], dtype=np.int8),
+            np.array([STATUS_CODES[state.status] for _, state in mine], dtype=np.int8),
             np.array([state.last_step or 0 for _, state in mine], dtype=np.int64),
             np.array([state.streak for _, state in mine], dtype=np.int64),
             np.array([state.clear_streak for _, state in mine], dtype=np.int64),
@@ -192,19 +198,6 @@ class ColumnStates(Mapping[SeriesKey, SeriesState]):
 
     def _arrays(self) -> tuple[Any, ...]:
         return self.seen, self.status, self.last, self.streak, self.clear, self.last_value
-
-
-def stored_fields(series: Mapping[str, list[Any]] | Sequence[Any], layer: str) -> list[Any] | None:
-    """One layer's ``[status code, last_step, streak, clear_streak, …]`` in a stored row of either form (``None``:
-    the row has no series of that layer)."""
-    if isinstance(series, Mapping):
-        return series.get(layer)
-    _, layers, seen, *fields = series
-    try:
-        position = layers.index(layer)
-    except ValueError:
-        return None
-    return [column[position] for column in fields] if seen[position] else None
 
 
 def stored_statuses(series: Mapping[str, list[Any]] | Sequence[Any], layers: Sequence[str]) -> dict[str, int]:
@@ -425,7 +418,7 @@ def _walk_columns(
     moves.sort(key=lambda move: move[0])
     for series, row, old, new, value in moves:
         sample = StepSample(columns.steps[row], columns.times[row], value)
-        transitions.append(SeriesTransition(rule.name, names[series], rank, _STATUSES[old], _STATUSES[new], sample))
+        transitions.append(SeriesTransition(rule.name, names[series], rank, STATUSES[old], STATUSES[new], sample))
     if positions is None:
         return ColumnStates(rule.name, states.layers, seen, status, last, streak, clear, last_value), accepted_any
     merged = [array.copy() for array in states._arrays()]

@@ -85,9 +85,8 @@ class _Staged:
 
     run: str
     rank: int
-    rows: dict[str, RuleStates]
     series_names: dict[str, str]
-    written: repository.StoredStates
+    written: dict[str, tuple[int, RuleStates]]
 
 
 class AlertEngine:
@@ -119,12 +118,10 @@ class AlertEngine:
         self._wake = wake
         self._dispatch = dispatch
         self._rules = RuleCache()
-        # Each (run, rank)'s latest series states by rule, and each rule's series name: kept as the evaluator's rows
-        # (replaced after a commit), snapshots built only when read.
-        self._latest: dict[tuple[str, int], dict[str, RuleStates]] = {}
+        # The series state rows this process wrote last, by (run, rank) and rule name: (token, states), kept as the
+        # evaluator's rows (replaced after a commit; snapshots built only when read), and each rule's series name.
+        self._written: dict[tuple[str, int], dict[str, tuple[int, RuleStates]]] = {}
         self._series_names: dict[str, str] = {}
-        # The series state rows this process wrote last, by (rule id, run, rank): (token, states).
-        self._written: dict[tuple[int, str, int], tuple[int, RuleStates]] = {}
         self._latest_lock = threading.Lock()
         self._enqueued = threading.local()
         self.remediation: Remediation | None = None
@@ -164,9 +161,7 @@ class AlertEngine:
         if staged is not None:
             with self._latest_lock:
                 self._series_names.update(staged.series_names)
-                self._latest.setdefault((staged.run, staged.rank), {}).update(staged.rows)
-                for rule_id, written in staged.written.items():
-                    self._written[(rule_id, staged.run, staged.rank)] = written
+                self._written.setdefault((staged.run, staged.rank), {}).update(staged.written)
         self.send_enqueued()
 
     def send_enqueued(self) -> None:
@@ -210,7 +205,7 @@ class AlertEngine:
         stored = self._stored_states(session, run, rank, names)
         rows, transitions = evaluate_rows([rule for _, rule in rules], RankBatch(run, rank, layers, columns), stored)
         written = repository.upsert_series_states(session, run, rank, ids, rows)
-        self._enqueued.staged = _Staged(run, rank, rows, {rule.name: rule.series for _, rule in rules}, written)
+        self._enqueued.staged = _Staged(run, rank, {rule.name: rule.series for _, rule in rules}, written)
         if not transitions:
             return 0
         by_group: dict[tuple[int, str], list[SeriesTransition]] = {}
@@ -226,8 +221,9 @@ class AlertEngine:
         unknown: dict[int, str] = {}
         tokens = repository.series_tokens(session, run, rank, names)
         with self._latest_lock:
+            mine = self._written.get((run, rank), {})
             for rule_id, token in tokens.items():
-                cached = self._written.get((rule_id, run, rank))
+                cached = mine.get(names[rule_id])
                 if cached is not None and cached[0] == token:
                     states[names[rule_id]] = cached[1]
                 else:
@@ -415,8 +411,8 @@ class AlertEngine:
                 SeriesSnapshot(
                     rule, run, rank, layer, self._series_names[rule], state.status.value, state.streak, state.last_step
                 )
-                for (run, rank), rows in self._latest.items()
-                for states in rows.values()
+                for (run, rank), rows in self._written.items()
+                for _, states in rows.values()
                 for (rule, layer), state in states.items()
             ]
 

@@ -16,12 +16,12 @@ from sqlalchemy import Select, select
 from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
 
 from quantwatch.service.alerts.catalog import NotFoundError, delete_receiver, delete_rule, put_receiver, put_rule
-from quantwatch.service.alerts.columns import stored_fields
+from quantwatch.service.alerts.columns import RuleStates
 from quantwatch.service.alerts.engine import AlertEngine
+from quantwatch.service.alerts.repository import decode_row
 from quantwatch.service.alerts.rules import ReceiverSpec, Rule
 from quantwatch.service.alerts.schemas import AlertOut, DeliveryOut, ReceiverOut, RuleOut
 from quantwatch.service.alerts.tables import (
-    SERIES_FIELDS,
     SERIES_STATUSES,
     DeliveryRow,
     EpisodeRow,
@@ -95,7 +95,8 @@ def list_alerts(factory: Factory, state: str | None, run: str | None, rule: str 
     with factory() as session:
         episodes = list(session.scalars(query))
         open_keys = {(e.rule_id, e.run) for e in episodes if e.state in SERIES_STATUSES}
-        states: dict[tuple[int | None, str], list[dict[str, list[Any]] | list[Any]]] = {}
+        rule_names = {e.rule_id: e.rule_name for e in episodes}
+        states: dict[tuple[int | None, str], list[RuleStates]] = {}
         if open_keys:
             rows = session.execute(
                 select(SeriesStatesRow.rule_id, SeriesStatesRow.run, SeriesStatesRow.series).where(
@@ -104,22 +105,19 @@ def list_alerts(factory: Factory, state: str | None, run: str | None, rule: str 
                 )
             )
             for rule_id, name, series in rows:
-                states.setdefault((rule_id, name), []).append(series)
+                states.setdefault((rule_id, name), []).append(decode_row(rule_names[rule_id], series))
         return [AlertOut.of(e, _seen_step(e, states.get((e.rule_id, e.run), []))) for e in episodes]
 
 
-def _seen_step(episode: EpisodeRow, ranks: list[dict[str, list[Any]] | list[Any]]) -> int | None:
+def _seen_step(episode: EpisodeRow, ranks: list[RuleStates]) -> int | None:
     """The newest step at which a rank's series of the episode's layer was in the episode's state (None: none)."""
     if episode.state not in SERIES_STATUSES:
         return None
-    status = SERIES_STATUSES.index(episode.state)
-    last = SERIES_FIELDS.index("last_step")
+    key = (episode.rule_name, episode.layer)
     steps = [
-        int(fields[last])
-        for series in ranks
-        if (fields := stored_fields(series, episode.layer)) is not None
-        and fields[0] == status
-        and fields[last] is not None
+        state.last_step
+        for states in ranks
+        if (state := states.get(key)) is not None and state.status == episode.state and state.last_step is not None
     ]
     return max(steps, default=None)
 

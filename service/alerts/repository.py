@@ -17,13 +17,12 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
 from quantwatch.protocol import FIRING_EPISODE_KEYS
-from quantwatch.service.alerts.columns import ColumnStates, RuleStates, stored_statuses
+from quantwatch.service.alerts.columns import STATUS_CODES, STATUSES, ColumnStates, RuleStates, stored_statuses
 from quantwatch.service.alerts.episodes import EPISODE_COLUMNS, Episode, EpisodeBatch
 from quantwatch.service.alerts.evaluator import SeriesState, SeriesStatus
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.tables import (
     SERIES_FIELDS,
-    SERIES_STATUSES,
     AlertCursorRow,
     AlertGroupRow,
     DeliveryRow,
@@ -78,8 +77,6 @@ _STATES = cast(Table, SeriesStatesRow.__table__)
 _GROUPS = cast(Table, AlertGroupRow.__table__)
 _EPISODES = cast(Table, EpisodeRow.__table__)
 _DELIVERIES = cast(Table, DeliveryRow.__table__)
-_BY_CODE = tuple(SeriesStatus(name) for name in SERIES_STATUSES)
-_CODES = {status: code for code, status in enumerate(_BY_CODE)}
 _ABSENT = (None,) * len(SERIES_FIELDS)
 _TOKENS = 2**63 - 1  # a row's token is in [1, 2**63): 0 marks the rows migration 0008 carried over
 _EPISODE_UPDATE = update(_EPISODES).where(_EPISODES.c.id == bindparam("b_id"))
@@ -145,7 +142,7 @@ def lock_cursor(session: Session, run: str, rank: int) -> None:
 def encode_series(state: SeriesState) -> list[Any]:
     """One series' state as stored in :attr:`~quantwatch.service.alerts.tables.SeriesStatesRow.series`."""
     value = state.last_value if state.last_value is None or math.isfinite(state.last_value) else None
-    fields = [_CODES[state.status], state.last_step, state.streak, state.clear_streak]
+    fields = [STATUS_CODES[state.status], state.last_step, state.streak, state.clear_streak]
     if state.baseline or state.baseline_since is not None:
         return [*fields, value, list(state.baseline) or None, state.baseline_since]
     return fields if value is None else [*fields, value]
@@ -156,7 +153,7 @@ def decode_series(fields: Sequence[Any]) -> SeriesState:
     padded: list[Any] = [*fields, *_ABSENT[len(fields) :]]
     status, last_step, streak, clear_streak, last_value, baseline, baseline_since = padded
     return SeriesState(
-        _BY_CODE[status], last_step, streak, clear_streak, last_value, tuple(baseline or ()), baseline_since
+        STATUSES[status], last_step, streak, clear_streak, last_value, tuple(baseline or ()), baseline_since
     )
 
 
@@ -165,8 +162,8 @@ StoredStates = dict[int, tuple[int, RuleStates]]
 
 
 def decode_row(rule: str, series: dict[str, list[Any]] | list[Any]) -> RuleStates:
-    """The states of one stored row of the rule ``rule``: columns (a list) or per-layer states (an object, as rows
-    written before the columnar encoding)."""
+    """The states of one stored row of the rule ``rule``: columns (a list: metric rules without a baseline) or
+    per-layer states (an object: baseline and scalar rules, and rows written before the columnar encoding)."""
     if isinstance(series, list):
         return ColumnStates.decode(rule, series)
     return {(rule, layer): decode_series(fields) for layer, fields in series.items()}
@@ -205,13 +202,13 @@ def read_series_states(session: Session, run: str, rank: int, names: Mapping[int
 
 def upsert_series_states(
     session: Session, run: str, rank: int, ids: Mapping[str, int], rows: Mapping[str, RuleStates]
-) -> StoredStates:
+) -> dict[str, tuple[int, RuleStates]]:
     """Write the rows of one (run, rank) that changed: each rule's complete states (``rows``, by rule name mapped to
-    ids by ``ids``), under a new token. Returns what it wrote."""
-    written = {ids[name]: (secrets.randbelow(_TOKENS) + 1, states) for name, states in rows.items()}
+    ids by ``ids``), under a new token. Returns what it wrote: (token, states) by rule name."""
+    written = {name: (secrets.randbelow(_TOKENS) + 1, states) for name, states in rows.items()}
     values = [
-        {"rule_id": rule_id, "run": run, "rank": rank, "token": token, "series": encode_row(states)}
-        for rule_id, (token, states) in written.items()
+        {"rule_id": ids[name], "run": run, "rank": rank, "token": token, "series": encode_row(states)}
+        for name, (token, states) in written.items()
     ]
     if values:
         conn = session.connection()
@@ -227,7 +224,7 @@ def lock_groups(
 ) -> tuple[dict[GroupKey, int | None], dict[GroupKey, dict[int, SeriesStatus]]]:
     """Lock the (rule, layer) groups ``keys`` (sorted) of ``run``; their open episode ids and every rank's status.
 
-    The statuses are read after the lock, so they include what whoever held it before committed.
+    The statuses are read after the locks, so they include what whoever held them before committed.
     """
     conn = session.connection()
     insert_ignore(
@@ -250,11 +247,14 @@ def lock_groups(
             .with_for_update()
         ):
             opened[(rule_id, layer)] = episode_id
-        for rank, series in conn.execute(
-            select(_STATES.c.rank, _STATES.c.series).where(_STATES.c.rule_id == rule_id, _STATES.c.run == run)
-        ):
-            for layer, code in stored_statuses(series, layers).items():
-                statuses[(rule_id, layer)][rank] = _BY_CODE[code]
+    # Every rank's row of the moved rules in one statement, after all the locks.
+    for rule_id, rank, series in conn.execute(
+        select(_STATES.c.rule_id, _STATES.c.rank, _STATES.c.series).where(
+            _STATES.c.rule_id.in_(list(layers_by_rule)), _STATES.c.run == run
+        )
+    ):
+        for layer, code in stored_statuses(series, layers_by_rule[rule_id]).items():
+            statuses[(rule_id, layer)][rank] = STATUSES[code]
     return opened, statuses
 
 

@@ -14,16 +14,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.models import Layer, MetricName, Point, ScalarPoint
-from quantwatch.service.rollups import is_missing, rows_from_blobs
+from quantwatch.service.rollups import is_missing, json_float, rows_from_blobs
 from quantwatch.service.store.common import find_run
 
 EXPORT_COLUMNS = ("rank", "step", "time", "kind", "name", "layer", "value")
-
-
-def _json_value(value: float) -> float | str:
-    if math.isfinite(value):
-        return value
-    return "nan" if value != value else ("inf" if value > 0 else "-inf")
 
 
 class Exporter:
@@ -100,7 +94,7 @@ class Exporter:
                     kind,
                     name,
                     layer or "",
-                    _json_value(v) if not math.isfinite(v) else repr(v),
+                    json_float(v) if not math.isfinite(v) else repr(v),
                 )
                 for rank, step, tm, kind, name, layer, v in zip(*cols, strict=True)
             )

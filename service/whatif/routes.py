@@ -3,7 +3,6 @@ cheapest formats within a budget, and the recipe spelling them)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -13,6 +12,7 @@ from quantwatch.protocol import MAX_LAYER_NAME_LENGTH, WHATIF_STATS, candidate_b
 from quantwatch.service.api.deps import ReadAuth, StoreDep, reject_nul
 from quantwatch.service.api.problems import ProblemError
 from quantwatch.service.api.routes.runs import NOT_FOUND, Rank, Step
+from quantwatch.service.rollups import json_float
 from quantwatch.service.whatif.advice import (
     DEFAULT_BUDGET,
     DEFAULT_WINDOW,
@@ -27,16 +27,10 @@ __all__ = ["router"]
 router = APIRouter(prefix="/api/v1", tags=["runs"], dependencies=[Depends(reject_nul)])
 
 
-def _number(value: float | None) -> float | str | None:
-    if value is None or math.isfinite(value):
-        return value
-    return "inf" if value > 0 else "-inf"
-
-
 def _entry(row: Mapping[str, Any]) -> dict[str, Any]:
     out = {key: row[key] for key in ("layer", "kind", "candidate", "own")}
     out["bits"] = candidate_bits(row["candidate"])
-    out.update({stat: _number(row[stat]) for stat in WHATIF_STATS})
+    out.update({stat: None if row[stat] is None else json_float(row[stat]) for stat in WHATIF_STATS})
     return out
 
 
