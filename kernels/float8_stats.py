@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import native
 from .decode import decode_table
-from .partial_sums import ErrorStats, RowStats, lane_sums_in_range
+from .partial_sums import ErrorStats, RowStats, pass_fields
 
 __all__ = ["float8_cast_stats"]
 
@@ -79,11 +79,8 @@ def float8_cast_stats(x: Tensor, codes: Tensor, scale: Tensor, max_value: float)
         partial.buffer_info()[0],
         threads,
     )
-    if status != 0:
-        return None
-    sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, underflow, overflow, _ = partial
-    fields = (float(n), sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, underflow, overflow, 0.0)
-    return RowStats.of(fields) if lane_sums_in_range(list(fields)) else None
+    fields = pass_fields(partial, n) if status == 0 else None
+    return RowStats.of(fields) if fields is not None else None
 
 
 def _dense_cpu(t: Tensor, dtype: torch.dtype) -> bool:

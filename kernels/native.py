@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from .backends import QuantRequest, QuantResult, raise_if_unsupported
 from .formats import FP4_E2M1, FP8_E4M3, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
 from .options import Backend, BackendUnavailableError, Rounding, Scaling, ScalingSpec
-from .partial_sums import RowStats, lane_sums_in_range
+from .partial_sums import RowStats, lane_sums_in_range, pass_fields
 from .reference import amax_to_scale, channel_dims
 
 log = logging.getLogger(__name__)
@@ -594,6 +594,4 @@ def stats_fields(x: Tensor, q: Tensor, overflow_mask: Tensor | None) -> tuple[fl
     mask = overflow_mask.data_ptr() if overflow_mask is not None else None
     if lib.qw_stats(x.data_ptr(), q.data_ptr(), mask, n, address, threads) != _STATUS_OK:
         return None
-    sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, underflow, overflow, _ = partial
-    fields = (float(n), sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, underflow, overflow, 0.0)
-    return fields if lane_sums_in_range(list(fields)) else None
+    return pass_fields(partial, n)
