@@ -11,33 +11,20 @@ two equal.
 
 from __future__ import annotations
 
-import ctypes
 from array import array
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import native
 from .decode import decode_table
-from .partial_sums import ErrorStats, RowStats, lane_sums_in_range
+from .partial_sums import ErrorStats, RowStats, pass_fields
 
 __all__ = ["float8_cast_stats"]
 
 # The one-byte floats whose code b | 0x80 is the negation of code b (the kernel decodes a magnitude and a sign; in
 # the fnuz formats 0x80 is NaN).
 SIGNED_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _kernel(lib: ctypes.CDLL) -> Any:
-    """``qw_float8_stats`` of ``lib``, its argument types set (once: ctypes keeps the function object on it)."""
-    function = lib.qw_float8_stats
-    if not function.argtypes:
-        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-        function.restype = ctypes.c_int
-        function.argtypes = [pointer, pointer, pointer, pointer, i64, ctypes.c_float, ctypes.c_float, i64]
-        function.argtypes += [pointer, ctypes.c_int]
-    return function
 
 
 def float8_cast_stats(x: Tensor, codes: Tensor, scale: Tensor, max_value: float) -> ErrorStats | None:
@@ -67,7 +54,7 @@ def float8_cast_stats(x: Tensor, codes: Tensor, scale: Tensor, max_value: float)
         return None
     partial = array("d", bytes(8 * 10))
     threads = torch.get_num_threads() if n >= native.PARALLEL_MIN_NUMEL else 1
-    status = _kernel(lib)(
+    status = lib.qw_float8_stats(
         x.data_ptr(),
         codes.data_ptr(),
         table.data_ptr(),
@@ -79,11 +66,8 @@ def float8_cast_stats(x: Tensor, codes: Tensor, scale: Tensor, max_value: float)
         partial.buffer_info()[0],
         threads,
     )
-    if status != 0:
-        return None
-    sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, underflow, overflow, _ = partial
-    fields = (float(n), sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, underflow, overflow, 0.0)
-    return RowStats.of(fields) if lane_sums_in_range(list(fields)) else None
+    fields = pass_fields(partial, n) if status == 0 else None
+    return RowStats.of(fields) if fields is not None else None
 
 
 def _dense_cpu(t: Tensor, dtype: torch.dtype) -> bool:

@@ -520,40 +520,27 @@ inline vf decode(const uint8_t* codes, const Codebook& book) {
 #endif
 }
 
-// The value of v's magnitude with x's sign (x: the unscaled input; scales are positive), counting the clipped.
-// UNBOUNDED: |v| may be anywhere up to float32's maximum (else it is known to stay within 2^(emax + 2)).
-template <bool MAY_CLIP, bool UNBOUNDED = MAY_CLIP>
-inline vf cast(vf v, vf x, const Format& f, vi& overflow) {
-  vu sign = (vu)x & SIGN_BIT;
-  vf r = round_magnitude<UNBOUNDED>(vabs(v), f);
-  if (MAY_CLIP) {
-    overflow = count_if(overflow, r > f.max_value);
-    r = vmin(r, f.max_value);
-  }
-  return (vf)((vu)r | sign);
-}
-
-// `cast` under the rounding ROUND: NEAREST ignores `noise` (its callers load none).
+// The value of v's magnitude with x's sign (x: the unscaled input; scales are positive) under the rounding ROUND,
+// counting the clipped; STOCHASTIC_INTEGER rounds the signed v, whose sign the rounded value keeps. NEAREST ignores
+// `noise` (its callers load none). UNBOUNDED: |v| may be anywhere up to float32's maximum (else it is known to stay
+// within 2^(emax + 2)).
 template <int ROUND, bool MAY_CLIP, bool UNBOUNDED = MAY_CLIP>
-inline vf cast_rounded(vf v, vf x, vf noise, const Format& f, vi& overflow) {
-  if constexpr (ROUND == NEAREST) {
-    (void)noise;
-    return cast<MAY_CLIP, UNBOUNDED>(v, x, f, overflow);
-  } else if constexpr (ROUND == STOCHASTIC) {
-    vu sign = (vu)x & SIGN_BIT;
-    vf r = round_stochastic<UNBOUNDED>(vabs(v), noise, f);
-    if (MAY_CLIP) {
-      overflow = count_if(overflow, r > f.max_value);
-      r = vmin(r, f.max_value);
-    }
-    return (vf)((vu)r | sign);
-  } else {  // the sign is the rounded value's own
+inline vf cast(vf v, vf x, vf noise, const Format& f, vi& overflow) {
+  if constexpr (ROUND == STOCHASTIC_INTEGER) {
     vf r = round_integer_stochastic<UNBOUNDED>(v, noise, f);
     if (MAY_CLIP) {
       overflow = count_if(overflow, vabs(r) > f.max_value);
       r = vmin(vmax(r, -f.max_value), f.max_value);
     }
     return r;
+  } else {
+    vu sign = (vu)x & SIGN_BIT;
+    vf r = ROUND == NEAREST ? round_magnitude<UNBOUNDED>(vabs(v), f) : round_stochastic<UNBOUNDED>(vabs(v), noise, f);
+    if (MAY_CLIP) {
+      overflow = count_if(overflow, r > f.max_value);
+      r = vmin(r, f.max_value);
+    }
+    return (vf)((vu)r | sign);
   }
 }
 
@@ -632,7 +619,7 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
         vf noise = noise_at<ROUND>(job.noise, i + k * L);
         // |x / scale| < 2^(emax + 1): past the maximum (so clipped and counted) but never far, no ceiling needed.
         vf v = x * splat(inverses[b]);
-        vf q = cast_rounded<ROUND, MAY_CLIP, false>(v, x, noise, job.fmt, run.overflow) * splat(scales[b]);
+        vf q = cast<ROUND, MAY_CLIP, false>(v, x, noise, job.fmt, run.overflow) * splat(scales[b]);
         store(job.q + i + k * L, q, job.stream);
         scan_vector(run, x);
         cast_vector(run, x, q);
@@ -644,7 +631,7 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
       vf amax = blocks == L ? load(job.block_in + i / 16) : load_tail(job.block_in + i / 16, blocks);
       vi ignored{};
       vf raw = vmin(vmax(amax / job.fmt.max_value / tensor_scale, splat(0.015625f)), splat(448.0f));
-      vf block_scale = cast<false>(raw, raw, job.e4m3, ignored);
+      vf block_scale = cast<NEAREST, false>(raw, raw, vf{}, job.e4m3, ignored);
       float element[L], inverses[L];
       store(element, tensor_scale * block_scale, false);
       store(inverses, 1.0f / (tensor_scale * block_scale), false);
@@ -657,8 +644,7 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
         // 2688) rounded to E4M3, down by at most 1/17, raised to 2^-6 or lowered to 448: |x / scale| stays below
         // max(6, 1.0625 × the maximum) < 7, so c stays finite without the ceiling clamp (past the maximum: clipped).
         vf v = divide(x, scale, splat(inverses[b]));
-        vf q = cast_rounded<ROUND, MAY_CLIP, false>(v, x, noise_at<ROUND>(job.noise, i + k * L), job.fmt,
-                                                    run.overflow) * scale;
+        vf q = cast<ROUND, MAY_CLIP, false>(v, x, noise_at<ROUND>(job.noise, i + k * L), job.fmt, run.overflow) * scale;
         store(job.q + i + k * L, q, job.stream);
         cast_vector(run, x, q);
       });
@@ -672,7 +658,7 @@ void cast_range(const Job& job_in, int64_t lo, int64_t hi, Sums& sums) {
         vf scale, inverse;
         scales(i - from, scale, inverse);
         vf v = MODE == PLAIN ? x : divide(x, scale, inverse);
-        vf q = cast_rounded<ROUND, MAY_CLIP>(v, x, noise_at<ROUND>(job.noise, i, count), job.fmt, run.overflow);
+        vf q = cast<ROUND, MAY_CLIP>(v, x, noise_at<ROUND>(job.noise, i, count), job.fmt, run.overflow);
         if (MODE != PLAIN) q = q * scale;
         if (count == L) {
           store(job.q + i, q, job.stream);

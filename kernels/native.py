@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from .backends import QuantRequest, QuantResult, raise_if_unsupported
 from .formats import FP4_E2M1, FP8_E4M3, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
 from .options import Backend, BackendUnavailableError, Rounding, Scaling, ScalingSpec
-from .partial_sums import RowStats, lane_sums_in_range
+from .partial_sums import RowStats, lane_sums_in_range, pass_fields
 from .reference import amax_to_scale, channel_dims
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,18 @@ _F32 = ctypes.c_float
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 _PTR = ctypes.c_void_p
+
+# The kernels' argument types (each returns an int: a status, or `qw_vector_isa`'s unit).
+_CAST = [_PTR, _PTR, _I64, _INT, _INT, _INT, _F32, _INT, _I64, _F32, _PTR, _PTR, _INT, _INT, _PTR, _INT, _PTR, _INT]
+_SIGNATURES = {
+    "qw_scan": [_PTR, _I64, _I64, _PTR, _PTR, _INT],
+    "qw_scan_columns": [_PTR, _I64, _I64, _PTR, _PTR, _INT],
+    "qw_cast": _CAST,
+    "qw_stats": [_PTR, _PTR, _PTR, _I64, _PTR, _INT],
+    "qw_float8_stats": [_PTR, _PTR, _PTR, _PTR, _I64, _F32, _F32, _I64, _PTR, _INT],
+    "qw_decode_bytes": [_PTR, _PTR, _PTR, _I64, _INT],
+    "qw_vector_isa": [],
+}
 
 
 def plain(x: Tensor) -> bool:
@@ -365,19 +377,9 @@ def _build_and_load() -> ctypes.CDLL | BackendUnavailableError:
         # Once per process: `auto` then quietly runs CPU quantizations on the compiled path or the (slow) reference.
         log.warning("quantwatch.kernels: native kernels unavailable, CPU quantization falls back: %s", reason)
         return error if isinstance(error, BackendUnavailableError) else BackendUnavailableError(str(reason))
-    lib.qw_scan.restype = _INT
-    lib.qw_scan.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
-    lib.qw_scan_columns.restype = _INT
-    lib.qw_scan_columns.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
-    lib.qw_cast.restype = _INT
-    lib.qw_cast.argtypes = [_PTR, _PTR, _I64, _INT, _INT, _INT, _F32, _INT, _I64, _F32, _PTR, _PTR, _INT, _INT]
-    lib.qw_cast.argtypes += [_PTR, _INT, _PTR, _INT]
-    lib.qw_stats.restype = _INT
-    lib.qw_stats.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _INT]
-    lib.qw_decode_bytes.restype = _INT
-    lib.qw_decode_bytes.argtypes = [_PTR, _PTR, _PTR, _I64, _INT]
-    lib.qw_vector_isa.restype = _INT
-    lib.qw_vector_isa.argtypes = []
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = _INT, argtypes
     return lib
 
 
@@ -594,6 +596,4 @@ def stats_fields(x: Tensor, q: Tensor, overflow_mask: Tensor | None) -> tuple[fl
     mask = overflow_mask.data_ptr() if overflow_mask is not None else None
     if lib.qw_stats(x.data_ptr(), q.data_ptr(), mask, n, address, threads) != _STATUS_OK:
         return None
-    sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, underflow, overflow, _ = partial
-    fields = (float(n), sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, underflow, overflow, 0.0)
-    return fields if lane_sums_in_range(list(fields)) else None
+    return pass_fields(partial, n)

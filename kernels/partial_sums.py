@@ -200,6 +200,14 @@ def lane_sums_in_range(stats: list[float] | tuple[float, ...]) -> bool:
     )
 
 
+def pass_fields(partial: Sequence[float], numel: int) -> tuple[float, ...] | None:
+    """The fields (`ErrorStats.FIELDS` order) of a native statistics pass over ``numel`` elements from the partial
+    sums it wrote (``qw_stats``, ``qw_float8_stats``); None when they are beyond the float32 runs' range."""
+    sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, underflow, overflow, _ = partial
+    fields = (float(numel), sum_x2, sum_q2, sum_qx, sum_err2, max_err, amax, nonzero, underflow, overflow, 0.0)
+    return fields if lane_sums_in_range(list(fields)) else None
+
+
 def masked_float64(x: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(finite_x, finite_q, xv, qv, err)``: the finiteness masks, and x, q and q − x in float64 with every element
     where either is NaN or ±inf zeroed (what the exact, masked statistics sum)."""
