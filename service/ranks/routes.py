@@ -3,7 +3,6 @@ cross-rank weight comparisons of the run."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from fastapi import APIRouter, Depends
@@ -14,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from quantwatch.service.api.deps import RankChecksDep, ReadAuth, StoreDep, reject_nul
 from quantwatch.service.ranks.checks import RankChecks
 from quantwatch.service.ranks.tables import RankComparisonRow, RankEnvironmentRow
+from quantwatch.service.rollups import json_float
 from quantwatch.service.store import Store
 
 __all__ = ["MAX_LISTED", "RanksAnswer", "router"]
@@ -60,11 +60,6 @@ class RanksAnswer(BaseModel):
     incomplete: list[int] = Field(description=f"The first {MAX_LISTED} steps recorded as incomplete.")
 
 
-def _value(hex_text: str) -> float | str:
-    value = float.fromhex(hex_text)
-    return value if math.isfinite(value) else "inf" if value > 0 else "nan"
-
-
 def ranks_answer(store: Store, checks: RankChecks, run: str) -> RanksAnswer:
     """Settle what waited long enough, then read the run's ranks and comparisons (raises NotFoundError)."""
     store.run_id(run)
@@ -109,7 +104,9 @@ def ranks_answer(store: Store, checks: RankChecks, run: str) -> RanksAnswer:
             mismatched_steps += 1
         for m in row.mismatches:
             if len(mismatches) < MAX_LISTED:
-                mismatches.append({**m, "step": row.step, "group": row.group_key, "value": _value(m["value"])})
+                mismatches.append(
+                    {**m, "step": row.step, "group": row.group_key, "value": json_float(float.fromhex(m["value"]))}
+                )
     incomplete = [row.step for row in decided if row.status == "incomplete"][:MAX_LISTED]
     return RanksAnswer(
         run=run,
