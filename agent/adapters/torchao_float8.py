@@ -160,22 +160,32 @@ def _transposed(hp: Tensor) -> bool:
 
 
 def _reported_scale(scale: Tensor) -> Tensor:
-    """The dequantization scale reported of torchao's ``scale``: ``1 / scale``, largest over rows."""
-    return (1.0 / scale.to(torch.float32)).amax()
+    """The dequantization scale reported of torchao's ``scale``: ``1 / scale``, largest over rows (a tensorwise
+    scale's reciprocal itself: torch's ``1.0 / t`` is ``t.reciprocal() * 1.0``, and the 0-dim amax a copy)."""
+    inverse = (scale if scale.dtype == torch.float32 else scale.to(torch.float32)).reciprocal()
+    return inverse if inverse.dim() == 0 else inverse.amax()
 
 
 def _cast_stats(hp: Tensor, fp8: Any, fmax: float, with_scale: bool) -> tuple[ErrorStats, Tensor | None]:
     """``_cast_result(...).stats()`` and its scale; where the native kernels take the cast (a float32 input, a
     tensorwise or rowwise scale: `float8_cast_stats`), from one pass over its bytes and ``hp``, the same figures bit
-    for bit without the dequantized tensor or the mask."""
-    x, codes, scale = hp, fp8._data, fp8._scale
-    if _transposed(hp):  # over W, as _cast_result reads Wᵀ
-        x, codes, scale = hp.t(), codes.t(), scale.t() if scale.dim() == 2 else scale
-    stats = float8_cast_stats(x, codes, scale, fmax) if fp8._orig_dtype == torch.float32 else None
+    for bit without the dequantized tensor or the mask.  ``hp`` may require grad: the pass reads its memory and
+    records nothing; the tensors' way runs without grad on it detached."""
+    codes, scale = fp8._data, fp8._scale
+    stats = None
+    if fp8._orig_dtype == torch.float32:
+        if _transposed(hp):  # over W, as _cast_result reads Wᵀ (views without autograd: only the memory is read)
+            x = hp.detach().t()
+            stats = float8_cast_stats(x, codes.t(), scale.t() if scale.dim() == 2 else scale, fmax)
+        else:
+            stats = float8_cast_stats(hp, codes, scale, fmax)
     if stats is None:
-        result = _cast_result(hp, fp8, fmax, with_scale)
-        return result.stats(), result.scale
-    return stats, _reported_scale(fp8._scale) if with_scale else None
+        with torch.no_grad():
+            result = _cast_result(hp.detach(), fp8, fmax, with_scale)
+            return result.stats(), result.scale
+    if not with_scale:
+        return stats, None
+    return stats, _reported_scale(scale.detach())
 
 
 def _overflow_mask(hp: Tensor, scale: Tensor, fmax: float) -> Tensor | None:
@@ -336,8 +346,17 @@ class Float8TrainingWeightAdapter(Adapter):
         return RecomputedCastLinear(name, module, context, casts, unwrap=high_precision_data)
 
 
+# Per autograd node class (one per op or autograd Function), whether it is float8_linear's matmul.
+_MATMUL_NODES: dict[type, bool] = {}
+
+
 def _is_float8_matmul(node: Any) -> bool:
-    return node is not None and "matmul_with_hp_or_float8_args" in node.name()
+    if node is None:
+        return False
+    known = _MATMUL_NODES.get(type(node))
+    if known is None:
+        known = _MATMUL_NODES[type(node)] = "matmul_with_hp_or_float8_args" in node.name()
+    return known
 
 
 class _CapturedCastLinear(RecomputedCastLinear):
@@ -422,8 +441,7 @@ class _CapturedCastLinear(RecomputedCastLinear):
         self._guard("cast_stats", self._measure_cast, kind, hp, fp8, fmax)
 
     def _measure_cast(self, kind: int, hp: Tensor, fp8: Any, fmax: float) -> None:
-        with torch.no_grad():
-            stats, scale = _cast_stats(hp.detach(), fp8, fmax, with_scale=kind == KIND_INPUT)
-            self.record(kind, stats)
+        stats, scale = _cast_stats(hp, fp8, fmax, with_scale=kind == KIND_INPUT)
+        self.record(kind, stats)
         if kind == KIND_INPUT:
             self._last_scale = scale
