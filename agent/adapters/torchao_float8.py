@@ -15,13 +15,13 @@ The casts measured are the layer's own: while a step is sampled, ``hp_tensor_to_
 one per layer) is handed to the layer's measurer with its high-precision input, so no cast is done twice.  Where
 that wrapper cannot be installed (a torchao that calls its casts otherwise), the casts are recomputed with torchao's
 own ``hp_tensor_to_float8_dynamic`` on the layer's ``config`` and ``linear_mm_config`` (dynamic scaling is
-deterministic: the same values the layer computed with).  ``scale`` is the dequantization scale ``1 / torchao's
-scale`` (largest over rows), as everywhere in QuantWatch.
+deterministic: the same values the layer computed with), and measured by the same native pass.  ``scale`` is
+the dequantization scale ``1 / torchao's scale`` (largest over rows), as everywhere in QuantWatch.
 
 An ``nn.Linear`` whose parameters ``Float8TrainingOpConfig`` (torchao's MoE-training API, or
 ``qw.actions.keep_high_precision(..., format="fp8")`` on an MXFP8 training layer) wrapped in a
 ``Float8TrainingWeightWrapperTensor`` runs the same GEMMs with the wrapper's ``Float8LinearConfig``: same formats,
-its casts recomputed.
+its casts recomputed (and measured as above).
 """
 
 from __future__ import annotations
@@ -127,9 +127,58 @@ def _cast(config: Any, mm_config: Any, kind: int, cast_config: Any, role: str, a
             axiswise_dim=axiswise_dim,
             round_scales_to_power_of_2=config.round_scales_to_power_of_2,
         )
-        return _cast_result(t, fp8, fmax)
+        return _RecomputedCast(t, fp8, fmax)
 
     return cast
+
+
+class _RecomputedCast(CastResult):
+    """A recomputed cast (`_cast`): its statistics and scale from `_cast_stats` (one native pass over its bytes where
+    the pass takes the cast, bit for bit `_cast_result`'s figures); `_cast_result`'s tensors (the input as measured,
+    the dequantized cast, the mask) are made only if read."""
+
+    _measured: ErrorStats
+    _scale: Tensor | None
+    _inputs: tuple[Tensor, Any, float]
+    _result: CastResult | None
+
+    def __init__(self, hp: Tensor, fp8: Any, fmax: float) -> None:  # the dataclass fields are read lazily
+        measured, scale = _cast_stats(hp, fp8, fmax, with_scale=True)
+        object.__setattr__(self, "_measured", measured)
+        object.__setattr__(self, "_scale", scale)
+        object.__setattr__(self, "_inputs", (hp, fp8, fmax))
+        object.__setattr__(self, "_result", None)
+
+    def _tensors(self) -> CastResult:
+        result = self._result
+        if result is None:
+            result = _cast_result(*self._inputs, with_scale=False)
+            object.__setattr__(self, "_result", result)
+        return result
+
+    @property
+    def hp(self) -> Tensor:
+        """The high-precision tensor as measured (W for the weight's ``Wᵀ``)."""
+        return self._tensors().hp
+
+    @property
+    def dequantized(self) -> Tensor:
+        """The dequantized cast, in ``hp``'s layout."""
+        return self._tensors().dequantized
+
+    @property
+    def overflow(self) -> Tensor | None:
+        """The clipped elements (None: none was)."""
+        return self._tensors().overflow
+
+    @property
+    def scale(self) -> Tensor | None:
+        """The dequantization scale (largest)."""
+        return self._scale
+
+    def stats(self) -> ErrorStats:
+        """The cast's error statistics, as ``stats_from_masks(hp, dequantized, overflow)`` gives them."""
+        return self._measured
 
 
 def _cast_result(hp: Tensor, fp8: Any, fmax: float, with_scale: bool = True) -> CastResult:
