@@ -26,6 +26,9 @@ __all__ = ["float8_cast_stats"]
 # the fnuz formats 0x80 is NaN).
 SIGNED_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
+# Each format's decode table (`decode.decode_table`) and its address, held here.
+_TABLES: dict[torch.dtype, tuple[Tensor, int]] = {}
+
 
 def float8_cast_stats(x: Tensor, codes: Tensor, scale: Tensor, max_value: float) -> ErrorStats | None:
     """The error statistics (a CPU row) of the cast ``codes`` of ``x``, as
@@ -38,13 +41,12 @@ def float8_cast_stats(x: Tensor, codes: Tensor, scale: Tensor, max_value: float)
     statistics pass would decline: a NaN/±inf in ``x`` or in the dequantized values, sums beyond its float32 runs."""
     lib = native.loaded()
     n = x.numel()
-    if lib is None or not 0 < n < native.MAX_NUMEL or not _dense_cpu(x, torch.float32) or codes.shape != x.shape:
+    if lib is None or x.dtype != torch.float32 or codes.dtype not in SIGNED_FLOAT8 or not 0 < n < native.MAX_NUMEL:
         return None
-    if codes.dtype not in SIGNED_FLOAT8 or not _dense_cpu(codes, codes.dtype):
+    if codes.shape != x.shape or not (_dense_cpu(x) and _dense_cpu(codes)):
         return None
     if not (scale.dtype == torch.float32 and scale.device.type == "cpu" and native.plain(scale)):
         return None
-    table = decode_table(codes.dtype)
     scales_address, row, tensor_scale = None, n, 1.0
     if scale.numel() == 1:
         tensor_scale = float(scale)  # the kernel divides the table's values by it, once per code
@@ -52,12 +54,16 @@ def float8_cast_stats(x: Tensor, codes: Tensor, scale: Tensor, max_value: float)
         scales_address, row = scale.data_ptr(), x.shape[-1]
     else:
         return None
+    held = _TABLES.get(codes.dtype)
+    if held is None:
+        table = decode_table(codes.dtype)
+        held = _TABLES[codes.dtype] = (table, table.data_ptr())
     partial = array("d", bytes(8 * 10))
     threads = torch.get_num_threads() if n >= native.PARALLEL_MIN_NUMEL else 1
     status = lib.qw_float8_stats(
         x.data_ptr(),
         codes.data_ptr(),
-        table.data_ptr(),
+        held[1],
         scales_address,
         row,
         tensor_scale,
@@ -70,5 +76,5 @@ def float8_cast_stats(x: Tensor, codes: Tensor, scale: Tensor, max_value: float)
     return RowStats.of(fields) if fields is not None else None
 
 
-def _dense_cpu(t: Tensor, dtype: torch.dtype) -> bool:
-    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() and native.plain(t)
+def _dense_cpu(t: Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous() and native.plain(t)

@@ -15,13 +15,13 @@ The casts measured are the layer's own: while a step is sampled, ``hp_tensor_to_
 one per layer) is handed to the layer's measurer with its high-precision input, so no cast is done twice.  Where
 that wrapper cannot be installed (a torchao that calls its casts otherwise), the casts are recomputed with torchao's
 own ``hp_tensor_to_float8_dynamic`` on the layer's ``config`` and ``linear_mm_config`` (dynamic scaling is
-deterministic: the same values the layer computed with).  ``scale`` is the dequantization scale ``1 / torchao's
-scale`` (largest over rows), as everywhere in QuantWatch.
+deterministic: the same values the layer computed with), and measured by the same native pass.  ``scale`` is
+the dequantization scale ``1 / torchao's scale`` (largest over rows), as everywhere in QuantWatch.
 
 An ``nn.Linear`` whose parameters ``Float8TrainingOpConfig`` (torchao's MoE-training API, or
 ``qw.actions.keep_high_precision(..., format="fp8")`` on an MXFP8 training layer) wrapped in a
 ``Float8TrainingWeightWrapperTensor`` runs the same GEMMs with the wrapper's ``Float8LinearConfig``: same formats,
-its casts recomputed.
+its casts recomputed (and measured as above).
 """
 
 from __future__ import annotations
@@ -127,9 +127,58 @@ def _cast(config: Any, mm_config: Any, kind: int, cast_config: Any, role: str, a
             axiswise_dim=axiswise_dim,
             round_scales_to_power_of_2=config.round_scales_to_power_of_2,
         )
-        return _cast_result(t, fp8, fmax)
+        return _RecomputedCast(t, fp8, fmax)
 
     return cast
+
+
+class _RecomputedCast(CastResult):
+    """A recomputed cast (`_cast`): its statistics and scale from `_cast_stats` (one native pass over its bytes where
+    the pass takes the cast, bit for bit `_cast_result`'s figures); `_cast_result`'s tensors (the input as measured,
+    the dequantized cast, the mask) are made only if read."""
+
+    _measured: ErrorStats
+    _scale: Tensor | None
+    _inputs: tuple[Tensor, Any, float]
+    _result: CastResult | None
+
+    def __init__(self, hp: Tensor, fp8: Any, fmax: float) -> None:  # the dataclass fields are read lazily
+        measured, scale = _cast_stats(hp, fp8, fmax, with_scale=True)
+        object.__setattr__(self, "_measured", measured)
+        object.__setattr__(self, "_scale", scale)
+        object.__setattr__(self, "_inputs", (hp, fp8, fmax))
+        object.__setattr__(self, "_result", None)
+
+    def _tensors(self) -> CastResult:
+        result = self._result
+        if result is None:
+            result = _cast_result(*self._inputs, with_scale=False)
+            object.__setattr__(self, "_result", result)
+        return result
+
+    @property
+    def hp(self) -> Tensor:
+        """The high-precision tensor as measured (W for the weight's ``Wᵀ``)."""
+        return self._tensors().hp
+
+    @property
+    def dequantized(self) -> Tensor:
+        """The dequantized cast, in ``hp``'s layout."""
+        return self._tensors().dequantized
+
+    @property
+    def overflow(self) -> Tensor | None:
+        """The clipped elements (None: none was)."""
+        return self._tensors().overflow
+
+    @property
+    def scale(self) -> Tensor | None:
+        """The dequantization scale (largest)."""
+        return self._scale
+
+    def stats(self) -> ErrorStats:
+        """The cast's error statistics, as ``stats_from_masks(hp, dequantized, overflow)`` gives them."""
+        return self._measured
 
 
 def _cast_result(hp: Tensor, fp8: Any, fmax: float, with_scale: bool = True) -> CastResult:
@@ -160,22 +209,32 @@ def _transposed(hp: Tensor) -> bool:
 
 
 def _reported_scale(scale: Tensor) -> Tensor:
-    """The dequantization scale reported of torchao's ``scale``: ``1 / scale``, largest over rows."""
-    return (1.0 / scale.to(torch.float32)).amax()
+    """The dequantization scale reported of torchao's ``scale``: ``1 / scale``, largest over rows (a tensorwise
+    scale's reciprocal itself: torch's ``1.0 / t`` is ``t.reciprocal() * 1.0``, and the 0-dim amax a copy)."""
+    inverse = (scale if scale.dtype == torch.float32 else scale.to(torch.float32)).reciprocal()
+    return inverse if inverse.dim() == 0 else inverse.amax()
 
 
 def _cast_stats(hp: Tensor, fp8: Any, fmax: float, with_scale: bool) -> tuple[ErrorStats, Tensor | None]:
     """``_cast_result(...).stats()`` and its scale; where the native kernels take the cast (a float32 input, a
     tensorwise or rowwise scale: `float8_cast_stats`), from one pass over its bytes and ``hp``, the same figures bit
-    for bit without the dequantized tensor or the mask."""
-    x, codes, scale = hp, fp8._data, fp8._scale
-    if _transposed(hp):  # over W, as _cast_result reads Wᵀ
-        x, codes, scale = hp.t(), codes.t(), scale.t() if scale.dim() == 2 else scale
-    stats = float8_cast_stats(x, codes, scale, fmax) if fp8._orig_dtype == torch.float32 else None
+    for bit without the dequantized tensor or the mask.  ``hp`` may require grad: the pass reads its memory and
+    records nothing; the tensors' way runs without grad on it detached."""
+    codes, scale = fp8._data, fp8._scale
+    stats = None
+    if fp8._orig_dtype == torch.float32:
+        if _transposed(hp):  # over W, as _cast_result reads Wᵀ (views without autograd: only the memory is read)
+            x = hp.detach().t()
+            stats = float8_cast_stats(x, codes.t(), scale.t() if scale.dim() == 2 else scale, fmax)
+        else:
+            stats = float8_cast_stats(hp, codes, scale, fmax)
     if stats is None:
-        result = _cast_result(hp, fp8, fmax, with_scale)
-        return result.stats(), result.scale
-    return stats, _reported_scale(fp8._scale) if with_scale else None
+        with torch.no_grad():
+            result = _cast_result(hp.detach(), fp8, fmax, with_scale)
+            return result.stats(), result.scale
+    if not with_scale:
+        return stats, None
+    return stats, _reported_scale(scale.detach())
 
 
 def _overflow_mask(hp: Tensor, scale: Tensor, fmax: float) -> Tensor | None:
@@ -336,8 +395,17 @@ class Float8TrainingWeightAdapter(Adapter):
         return RecomputedCastLinear(name, module, context, casts, unwrap=high_precision_data)
 
 
+# Per autograd node class (one per op or autograd Function), whether it is float8_linear's matmul.
+_MATMUL_NODES: dict[type, bool] = {}
+
+
 def _is_float8_matmul(node: Any) -> bool:
-    return node is not None and "matmul_with_hp_or_float8_args" in node.name()
+    if node is None:
+        return False
+    known = _MATMUL_NODES.get(type(node))
+    if known is None:
+        known = _MATMUL_NODES[type(node)] = "matmul_with_hp_or_float8_args" in node.name()
+    return known
 
 
 class _CapturedCastLinear(RecomputedCastLinear):
@@ -422,8 +490,7 @@ class _CapturedCastLinear(RecomputedCastLinear):
         self._guard("cast_stats", self._measure_cast, kind, hp, fp8, fmax)
 
     def _measure_cast(self, kind: int, hp: Tensor, fp8: Any, fmax: float) -> None:
-        with torch.no_grad():
-            stats, scale = _cast_stats(hp.detach(), fp8, fmax, with_scale=kind == KIND_INPUT)
-            self.record(kind, stats)
+        stats, scale = _cast_stats(hp, fp8, fmax, with_scale=kind == KIND_INPUT)
+        self.record(kind, stats)
         if kind == KIND_INPUT:
             self._last_scale = scale

@@ -175,8 +175,46 @@ def test_float8_overflow_mask_is_the_clipped_elements_found_first_from_the_large
             assert fused_scale is not None
             assert result.scale is not None
             assert torch.equal(fused_scale.nan_to_num(-1.0), result.scale.nan_to_num(-1.0))
+            # torchao's own dequantization of its cast is what the tensors' way compares with x (over W for Wᵀ).
+            torchao_dequantized = fp8.to_original_precision()
+            if result.hp is not t:
+                torchao_dequantized = torchao_dequantized.t()
+            torch.testing.assert_close(result.dequantized, torchao_dequantized, rtol=0, atol=0, equal_nan=True)
+            # In a training step the cast's input requires grad (torchao's Wᵀ a view of the weight): the same bits,
+            # and nothing of the measurement enters the graph.
+            tracked = t.detach().clone().requires_grad_() if dim == -1 else hp.detach().clone().requires_grad_().t()
+            in_graph, in_graph_scale = _cast_stats(tracked, fp8, fmax, True)
+            assert torch.equal(in_graph.as_tensor().nan_to_num(-1.0), got_stats.nan_to_num(-1.0))
+            assert in_graph_scale is not None
+            assert in_graph_scale.grad_fn is None
+            assert torch.equal(in_graph_scale.nan_to_num(-1.0), fused_scale.nan_to_num(-1.0))
     if granularity == "tensorwise":  # both ways taken: rounding at the largest value does clip some
         assert min(branches.values()) > 0, branches
+
+
+def test_float8_reported_scale_is_one_over_torchaos_scale_bit_for_bit() -> None:
+    from quantwatch.agent.adapters.torchao_float8 import _reported_scale
+
+    generator = torch.Generator().manual_seed(0)
+    # Every exponent of float32 (subnormals included), random mantissas, both signs, and the special values.
+    exponents = torch.randint(-150, 128, (4000,), generator=generator).to(torch.float64)
+    values = (1 + torch.rand(4000, generator=generator, dtype=torch.float64)) * torch.exp2(exponents)
+    values = torch.cat([values, -values[:500], torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])])
+    scales = values.to(torch.float32)
+    for scale in scales:  # tensorwise: one scale, 0-dim as torchao makes it
+        want = (1.0 / scale.to(torch.float32)).amax()
+        got = _reported_scale(scale)
+        assert got.shape == want.shape == ()
+        assert got.dtype == want.dtype == torch.float32
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)) or bool(got.isnan() & want.isnan())
+    for shape in ((4000 + 505, 1), (1, 4000 + 505)):  # rowwise, as the input's and Wᵀ's scales
+        rowwise = scales.reshape(shape)
+        want = (1.0 / rowwise.to(torch.float32)).amax()
+        assert torch.equal(_reported_scale(rowwise).nan_to_num(-1.0), want.nan_to_num(-1.0))
+        finite = rowwise[rowwise.isfinite() & (rowwise != 0)].reshape(shape[0] and -1, 1)
+        assert torch.equal(_reported_scale(finite), (1.0 / finite).amax())
+    low = scales[scales.isfinite()][:64].to(torch.bfloat16)  # another dtype: converted first, as before
+    assert torch.equal(_reported_scale(low.reshape(-1, 1)), (1.0 / low.reshape(-1, 1).to(torch.float32)).amax())
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp"])
