@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from quantwatch.agent.comparison import comparison_stats
+from quantwatch.agent.comparison import comparison_stats, row_comparison_stats
 from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.rows import SEED, RowSampler
 from quantwatch.agent.shadow import ShadowOptions, run_reference
@@ -354,8 +354,7 @@ class _ShadowedModuleAdapter(LayerAdapter):
                 stats = comparison_stats(self._run_reference(x), output, batch=self._batch())
             else:
                 reference = self._run_reference(x.index_select(0, rows))
-                kept = output.index_select(0, rows)
-                stats = comparison_stats(reference, kept, batch=self._batch(), weight=n / rows.numel())
+                stats = row_comparison_stats(reference, output, rows, batch=self._batch(), weight=n / rows.numel())
                 self.estimated.add(KIND_OUTPUT)
             self.record(KIND_OUTPUT, stats)
         if node is not None and weight is not None:
@@ -423,15 +422,14 @@ class _ShadowedModuleAdapter(LayerAdapter):
         reference_grad, rows = self._pending_reference_grads.popleft()
         if reference_grad is None:
             return
-        weight = 1.0
-        if rows is not None:
-            weight = grad.shape[0] / rows.numel()
-            grad = grad.index_select(0, rows)
-            self.estimated.add(KIND_UPDATE)
-        # update_cosine reads the cosine only: no Σ(q−x)² pass over the gradient.
         # Σ(g_q − g_ref)² taken directly for update_rel_l2: rebuilt from Σq² − 2Σqx + Σx² it cancels catastrophically
         # at FP8-sized errors.
-        stats = comparison_stats(reference_grad, grad, batch=self._batch(), weight=weight)
+        if rows is None:
+            stats = comparison_stats(reference_grad, grad, batch=self._batch())
+        else:
+            weight = grad.shape[0] / rows.numel()
+            stats = row_comparison_stats(reference_grad, grad, rows, batch=self._batch(), weight=weight)
+            self.estimated.add(KIND_UPDATE)
         self.record(KIND_UPDATE, stats)
 
 
