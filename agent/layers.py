@@ -237,8 +237,8 @@ class _ShadowedModuleAdapter(LayerAdapter):
         self.deferred = deferred
         self._handles: list[RemovableHandle] = []
         self._hooked_weight: Tensor | None = None
-        # (reference weight gradient, rows of it that were computed or None for all)
-        self._pending_reference_grads: deque[tuple[Tensor | None, Tensor | None]] = deque()
+        # (reference weight gradient or what computes it, rows of it that were computed or None for all)
+        self._pending_reference_grads: deque[tuple[Tensor | Callable[[], Tensor] | None, Tensor | None]] = deque()
         self._in_reference = False
         self._computing_reference_grad = False
         self.options = ShadowOptions()
@@ -408,8 +408,12 @@ class _ShadowedModuleAdapter(LayerAdapter):
     def _reference_grad_direct(
         self, direct_grad: Callable[[Tensor, Tensor], Tensor], x: Tensor, grad_output: Tensor
     ) -> None:
-        reference_grad = run_reference(direct_grad, x, grad_output.detach(), dtype=self.options.reference_dtype)
-        self._pending_reference_grads.append((reference_grad, None))
+        # Computed when the quantized path's gradient is there (`_compare_update`), not here: compared right after
+        # the matmul wrote it, the reference is still in the caches (a weight's size, it is not by then).
+        dtype = self.options.reference_dtype
+        self._pending_reference_grads.append(
+            (functools.partial(run_reference, direct_grad, x, grad_output.detach(), dtype=dtype), None)
+        )
 
     def _on_weight_grad(self, grad: Tensor) -> None:
         if self._computing_reference_grad or not self._pending_reference_grads:
@@ -420,6 +424,8 @@ class _ShadowedModuleAdapter(LayerAdapter):
 
     def _compare_update(self, grad: Tensor) -> None:
         reference_grad, rows = self._pending_reference_grads.popleft()
+        if callable(reference_grad):
+            reference_grad = reference_grad()
         if reference_grad is None:
             return
         # Σ(g_q − g_ref)² taken directly for update_rel_l2: rebuilt from Σq² − 2Σqx + Σx² it cancels catastrophically
