@@ -7,9 +7,10 @@ import torch
 from torch import Tensor
 
 from quantwatch.kernels import ErrorStats, StatsBatch
+from quantwatch.kernels.row_stats import row_comparison_fields
 from quantwatch.kernels.stats import comparison_fields
 
-__all__ = ["comparison_stats"]
+__all__ = ["comparison_stats", "row_comparison_stats"]
 
 
 def comparison_stats(
@@ -27,12 +28,7 @@ def comparison_stats(
     if reference.numel() == 0:
         return ErrorStats.zeros(reference.device)
     if reference.device.type == "cpu" and value.device.type == "cpu":
-        fields = comparison_fields(reference, value, error=error)
-        if weight != 1.0:
-            fields = (*(v * weight for v in fields[:5]), *fields[5:])
-        if batch is not None:
-            return batch.host_stats(fields)
-        return ErrorStats.from_tensor(torch.tensor(fields, dtype=torch.float64))
+        return _host_stats(comparison_fields(reference, value, error=error), batch, weight)
     x = reference.detach()
     q = value.detach()
     x = x.reshape(-1).float()
@@ -59,3 +55,25 @@ def comparison_stats(
         overflow_count=zero,
         nonfinite_count=zero,
     )
+
+
+def row_comparison_stats(
+    reference: Tensor, value: Tensor, rows: Tensor, *, batch: StatsBatch | None = None, weight: float = 1.0
+) -> ErrorStats:
+    """``comparison_stats(reference, value.index_select(0, rows), ...)``: ``reference`` of the rows ``rows`` (kept by
+    ``shadow_rows``) of the matrix ``value``.  On the CPU one native pass reads the rows in place (no copy, the same
+    figures bit for bit: `quantwatch.kernels.row_stats`) where it can; the rows are gathered otherwise."""
+    if reference.numel() and reference.device.type == "cpu":
+        fields = row_comparison_fields(reference, value, rows)
+        if fields is not None:
+            return _host_stats(fields, batch, weight)
+    return comparison_stats(reference, value.index_select(0, rows), batch=batch, weight=weight)
+
+
+def _host_stats(fields: tuple[float, ...], batch: StatsBatch | None, weight: float) -> ErrorStats:
+    """CPU statistics holding a comparison's host ``fields``, the count and the sums scaled by ``weight``."""
+    if weight != 1.0:
+        fields = (*(v * weight for v in fields[:5]), *fields[5:])
+    if batch is not None:
+        return batch.host_stats(fields)
+    return ErrorStats.from_tensor(torch.tensor(fields, dtype=torch.float64))

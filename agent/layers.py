@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from quantwatch.agent.comparison import comparison_stats
+from quantwatch.agent.comparison import comparison_stats, row_comparison_stats
 from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.rows import SEED, RowSampler
 from quantwatch.agent.shadow import ShadowOptions, run_reference
@@ -237,8 +237,8 @@ class _ShadowedModuleAdapter(LayerAdapter):
         self.deferred = deferred
         self._handles: list[RemovableHandle] = []
         self._hooked_weight: Tensor | None = None
-        # (reference weight gradient, rows of it that were computed or None for all)
-        self._pending_reference_grads: deque[tuple[Tensor | None, Tensor | None]] = deque()
+        # (reference weight gradient or what computes it, rows of it that were computed or None for all)
+        self._pending_reference_grads: deque[tuple[Tensor | Callable[[], Tensor] | None, Tensor | None]] = deque()
         self._in_reference = False
         self._computing_reference_grad = False
         self.options = ShadowOptions()
@@ -354,8 +354,7 @@ class _ShadowedModuleAdapter(LayerAdapter):
                 stats = comparison_stats(self._run_reference(x), output, batch=self._batch())
             else:
                 reference = self._run_reference(x.index_select(0, rows))
-                kept = output.index_select(0, rows)
-                stats = comparison_stats(reference, kept, batch=self._batch(), weight=n / rows.numel())
+                stats = row_comparison_stats(reference, output, rows, batch=self._batch(), weight=n / rows.numel())
                 self.estimated.add(KIND_OUTPUT)
             self.record(KIND_OUTPUT, stats)
         if node is not None and weight is not None:
@@ -409,8 +408,12 @@ class _ShadowedModuleAdapter(LayerAdapter):
     def _reference_grad_direct(
         self, direct_grad: Callable[[Tensor, Tensor], Tensor], x: Tensor, grad_output: Tensor
     ) -> None:
-        reference_grad = run_reference(direct_grad, x, grad_output.detach(), dtype=self.options.reference_dtype)
-        self._pending_reference_grads.append((reference_grad, None))
+        # Computed when the quantized path's gradient is there (`_compare_update`), not here: compared right after
+        # the matmul wrote it, the reference is still in the caches (a weight's size, it is not by then).
+        dtype = self.options.reference_dtype
+        self._pending_reference_grads.append(
+            (functools.partial(run_reference, direct_grad, x, grad_output.detach(), dtype=dtype), None)
+        )
 
     def _on_weight_grad(self, grad: Tensor) -> None:
         if self._computing_reference_grad or not self._pending_reference_grads:
@@ -421,17 +424,18 @@ class _ShadowedModuleAdapter(LayerAdapter):
 
     def _compare_update(self, grad: Tensor) -> None:
         reference_grad, rows = self._pending_reference_grads.popleft()
+        if callable(reference_grad):
+            reference_grad = reference_grad()
         if reference_grad is None:
             return
-        weight = 1.0
-        if rows is not None:
-            weight = grad.shape[0] / rows.numel()
-            grad = grad.index_select(0, rows)
-            self.estimated.add(KIND_UPDATE)
-        # update_cosine reads the cosine only: no Σ(q−x)² pass over the gradient.
         # Σ(g_q − g_ref)² taken directly for update_rel_l2: rebuilt from Σq² − 2Σqx + Σx² it cancels catastrophically
         # at FP8-sized errors.
-        stats = comparison_stats(reference_grad, grad, batch=self._batch(), weight=weight)
+        if rows is None:
+            stats = comparison_stats(reference_grad, grad, batch=self._batch())
+        else:
+            weight = grad.shape[0] / rows.numel()
+            stats = row_comparison_stats(reference_grad, grad, rows, batch=self._batch(), weight=weight)
+            self.estimated.add(KIND_UPDATE)
         self.record(KIND_UPDATE, stats)
 
 

@@ -972,4 +972,28 @@ int qw_decode_bytes(const uint8_t* codes, const float* table, float* out, int64_
   return OK;
 }
 
+// ---- Statistics against chosen rows of a matrix (kernels/row_stats.py) ------------------------------------------
+// qw_stats of x (`count` rows of `row` floats, contiguous) against the rows index[0], …, index[count − 1] of q (a
+// matrix of `q_rows` rows of `row` floats) without gathering them: with `row` a multiple of the vector width no vector
+// spans two rows, so every vector, run and sum is the one qw_stats takes over the gathered copy, and the figures are
+// its, bit for bit. BAD_ARGUMENT for another `row` or an index outside q.
+int qw_stats_rows(const float* x, const float* q, const int64_t* index, int64_t count, int64_t row, int64_t q_rows,
+                  double* stats, int threads) {
+  if (row < 1 || row % L != 0) return BAD_ARGUMENT;
+  for (int64_t r = 0; r < count; r++) {
+    if (index[r] < 0 || index[r] >= q_rows) return BAD_ARGUMENT;
+  }
+  each_thread(count * row, threads, stats, [&](int64_t lo, int64_t hi, Sums& totals) {
+    vu q_largest{};
+    in_runs(totals, (hi - lo + L - 1) / L, [&](Run& run, int64_t k) {
+      int64_t i = lo + k * L;
+      vf xv = load_ahead(x + i);
+      vf qv = load(q + index[i / row] * row + i % row);
+      stats_vector(run, xv, qv, q_largest);
+    });
+    count_nonfinite(totals, q_largest);
+  });
+  return stats[9] > 0 ? NONFINITE : OK;
+}
+
 }  // extern "C"

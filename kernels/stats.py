@@ -27,6 +27,7 @@ __all__ = [
     "FlushResult",
     "StatsBatch",
     "comparison_fields",
+    "comparison_of",
     "error_stats",
     "stats_from_masks",
 ]
@@ -305,8 +306,7 @@ def comparison_fields(x: Tensor, q: Tensor, *, error: bool = True) -> tuple[floa
     if _native_applies(x, q, None, native.loaded() is not None):
         fields = native.stats_fields(x, q, None)
         if fields is not None:
-            numel, x2, q2, qx, err2 = fields[:5]
-            return (numel, x2, q2, qx, err2 if error else math.nan, math.nan, math.nan, 0.0, 0.0, 0.0, 0.0)
+            return comparison_of(fields, error)
     work = torch.float64 if torch.float64 in (x.dtype, q.dtype) else torch.float32
     xn, qn = _host_array(x, work), _host_array(q, work)
     x2, q2, qx = float(np.vdot(xn, xn)), float(np.vdot(qn, qn)), float(np.vdot(qn, xn))
@@ -320,6 +320,13 @@ def comparison_fields(x: Tensor, q: Tensor, *, error: bool = True) -> tuple[floa
                 err = qn - xn
                 err2 = float(np.vdot(err, err))
     return (float(xn.size), x2, q2, qx, err2, math.nan, math.nan, 0.0, 0.0, 0.0, 0.0)
+
+
+def comparison_of(fields: Sequence[float], error: bool) -> tuple[float, ...]:
+    """A native statistics pass's fields as a comparison's (`comparison_fields`): the count and the four sums
+    (``Σ(q−x)²`` NaN without ``error``), ``max_abs_err`` and ``amax`` NaN, the counts 0."""
+    numel, x2, q2, qx, err2 = fields[:5]
+    return (numel, x2, q2, qx, err2 if error else math.nan, math.nan, math.nan, 0.0, 0.0, 0.0, 0.0)
 
 
 def _dot_sums(pairs: tuple[tuple[np.ndarray, np.ndarray], ...], n: int) -> list[float]:

@@ -113,3 +113,58 @@ def test_the_draw_is_stratified_seeded_and_without_repeats() -> None:
     uneven = RowSampler(RowSampling(count=3), seed=0).draw(10, torch.device("cpu"))
     assert uneven is not None
     assert [0 <= r < 10 for r in uneven.tolist()] == [True] * 3
+
+
+def test_kept_rows_read_in_place_give_the_gathered_rows_figures_bit_for_bit(monkeypatch: Any) -> None:
+    """The estimates compare the kept rows of each output and weight gradient where they lie (one native pass);
+    gathering them first, as before, gives the same figures to the last bit, every layer and step."""
+    import quantwatch.agent.comparison as comparison
+
+    bench = _bench()
+    torch.set_num_threads(1)
+    base = bench.make_model()
+    read = comparison.row_comparison_fields
+    calls = {"in place": 0}
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fields = read(*args, **kwargs)
+        calls["in place"] += fields is not None
+        return fields
+
+    monkeypatch.setattr(comparison, "row_comparison_fields", counted)
+    in_place = _run(bench, copy.deepcopy(base), 1 / 8)
+    assert calls["in place"] == 2 * 16 * STEPS  # every layer's output and update comparison, every step
+    monkeypatch.setattr(comparison, "row_comparison_fields", lambda *args, **kwargs: None)
+    _same_figures(in_place, _run(bench, copy.deepcopy(base), 1 / 8))
+
+
+def test_exact_reference_gradients_made_at_the_weight_hook_give_the_figures_of_ones_made_at_the_output(
+    monkeypatch: Any,
+) -> None:
+    """Exact comparisons: the FP32 reference weight gradient is computed when the quantized path's gradient arrives
+    (the same matmul on the same tensors), no longer when the output gradient does; every figure stays the same, to
+    the last bit, every layer and step."""
+    from quantwatch.agent.layers import _ShadowedModuleAdapter
+    from quantwatch.agent.shadow import run_reference
+
+    bench = _bench()
+    torch.set_num_threads(1)
+    base = bench.make_model()
+    at_weight_hook = _run(bench, copy.deepcopy(base), None)
+
+    def at_output(self: Any, direct_grad: Any, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+        reference = run_reference(direct_grad, x, grad_output.detach(), dtype=self.options.reference_dtype)
+        self._pending_reference_grads.append((reference, None))
+
+    monkeypatch.setattr(_ShadowedModuleAdapter, "_reference_grad_direct", at_output)
+    _same_figures(at_weight_hook, _run(bench, copy.deepcopy(base), None))
+
+
+def _same_figures(a_records: list[qw.StepRecord], b_records: list[qw.StepRecord]) -> None:
+    """Every metric of every layer and step equal, bit for bit (NaN where the other is NaN)."""
+    for a, b in zip(a_records, b_records, strict=True):
+        assert a.estimated == b.estimated
+        assert a.metrics.keys() == b.metrics.keys()
+        for metric, values in a.metrics.items():
+            got, expected = np.array(values, dtype=float), np.array(b.metrics[metric], dtype=float)
+            assert np.array_equal(got, expected, equal_nan=True), metric

@@ -1,0 +1,94 @@
+"""`row_comparison_fields`: a comparison against chosen rows of a matrix, read in place, bit for bit the comparison
+against the gathered copy (``comparison_fields(x, q.index_select(0, rows))``); declined where it cannot hold that."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from quantwatch.kernels import native
+from quantwatch.kernels.row_stats import row_comparison_fields
+from quantwatch.kernels.stats import comparison_fields
+
+
+@pytest.fixture(autouse=True)
+def _library() -> None:
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+
+
+def _same(got: tuple[float, ...] | None, expected: tuple[float, ...]) -> bool:
+    """Every field equal, bit for bit (NaN where the other is NaN)."""
+    assert got is not None
+    return all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(got, expected, strict=True))
+
+
+def _values(rows: int, columns: int, seed: int) -> Tensor:
+    """Rows of normal values, each row of another magnitude (1e-6 to 1e2), with zeros, signed zeros and 1e-30."""
+    g = torch.Generator().manual_seed(seed)
+    magnitudes = torch.logspace(-6, 2, rows).unsqueeze(1)
+    specials = torch.tensor([0.0, -0.0, 1e-30]).repeat(columns)[:columns]
+    values = torch.randn(rows, columns, generator=g) * magnitudes
+    return torch.where(torch.rand(rows, columns, generator=g) < 0.2, specials, values)
+
+
+@pytest.mark.parametrize(
+    ("kept", "q_rows", "row"),
+    [(16, 128, 768), (16, 128, 256), (16, 128, 1024), (128, 1024, 256), (32, 256, 1024), (1, 3, 16), (5, 5, 32)],
+)
+@pytest.mark.parametrize("error", [True, False])
+def test_in_place_rows_compare_as_the_gathered_copy_bit_for_bit(kept: int, q_rows: int, row: int, error: bool) -> None:
+    q = _values(q_rows, row, seed=kept + row)
+    g = torch.Generator().manual_seed(row)
+    rows = torch.sort(torch.randperm(q_rows, generator=g)[:kept]).values
+    x = q.index_select(0, rows) * (1 + 0.01 * torch.randn(kept, row, generator=g))
+    expected = comparison_fields(x, q.index_select(0, rows), error=error)
+    assert _same(row_comparison_fields(x, q, rows, error=error), expected)
+
+
+def test_unsorted_and_repeated_rows_and_several_threads() -> None:
+    q = _values(600, 256, seed=3)
+    rows = torch.tensor([5, 3, 3, 599, 0] * 60)  # 300 rows of 256: 76,800 elements, a parallel pass
+    x = torch.randn(300, 256)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert _same(row_comparison_fields(x, q, rows), comparison_fields(x, q.index_select(0, rows)))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_values_outside_the_kept_rows_are_never_read() -> None:
+    q = torch.randn(8, 32)
+    q[1] = math.nan
+    q[6] = math.inf
+    rows = torch.tensor([0, 2, 7])
+    x = torch.randn(3, 32)
+    assert _same(row_comparison_fields(x, q, rows), comparison_fields(x, q.index_select(0, rows)))
+
+
+def test_what_cannot_be_read_in_place_is_declined() -> None:
+    q = torch.randn(8, 32)
+    x = torch.randn(2, 32)
+    rows = torch.tensor([1, 4])
+    assert row_comparison_fields(x, q, rows) is not None
+    q_nan = q.clone()
+    q_nan[4, 3] = math.nan
+    declined = {
+        "a NaN in a kept row": (x, q_nan, rows),
+        "an index past the rows": (x, q, torch.tensor([1, 8])),
+        "a negative index": (x, q, torch.tensor([-1, 4])),
+        "rows of 12 floats, not whole vectors": (torch.randn(2, 12), torch.randn(8, 12), rows),
+        "a matrix not contiguous": (x, torch.randn(32, 8).T, rows),
+        "float64": (x.double(), q.double(), rows),
+        "int32 indices": (x, q, rows.int()),
+        "as many indices as rows of x, not more": (x, q, torch.tensor([1, 4, 5])),
+        "rows of different lengths": (torch.randn(2, 16), q, rows),
+        "a vector, not a matrix": (x.reshape(-1), q, rows),
+    }
+    for reason, (a, b, r) in declined.items():
+        assert row_comparison_fields(a, b, r) is None, reason
