@@ -9,7 +9,9 @@ For one batch of one (run, rank), inside the transaction that stores its points:
 3. for the (rule, layer) groups whose series changed status: lock their group rows in sorted order (no deadlocks
    between replicas), re-read every rank's status (committed by whoever held the locks before), advance the
    episodes in memory, then write episodes, group pointers and outbox rows with a few bulk statements per batch
-   (not a dozen per series: a flapping run moves hundreds of series per batch).
+   (not a dozen per series: a flapping run moves hundreds of series per batch); when the run's firing episodes
+   changed, redraw its firing token last (:mod:`~quantwatch.service.alerts.firing`);
+4. read the run's firing episodes for the ingest answer: the list this process kept, while the token is unchanged.
 
 Everything commits with the points, or not at all; the delivery worker only ever sees committed notifications.
 """
@@ -39,6 +41,7 @@ from quantwatch.service.alerts.evaluator import (
     StepInput,
     advance_episode,
 )
+from quantwatch.service.alerts.firing import NO_FIRING, FiringList, FiringLists, redraw_firing_tokens
 from quantwatch.service.alerts.formats import LayerFormatRecorder
 from quantwatch.service.alerts.repository import insert_ignore
 from quantwatch.service.alerts.rules import ReceiverSpec, Rule
@@ -118,6 +121,7 @@ class AlertEngine:
         self._wake = wake
         self._dispatch = dispatch
         self._rules = RuleCache()
+        self._firing = FiringLists()
         # The series state rows this process wrote last, by (run, rank) and rule name: (token, states), kept as the
         # evaluator's rows (replaced after a commit; snapshots built only when read), and each rule's series name.
         self._written: dict[tuple[str, int], dict[str, tuple[int, RuleStates]]] = {}
@@ -144,13 +148,13 @@ class AlertEngine:
 
         self._evaluate(session, batch.run, batch.rank, batch.layers, columns_of)
         # Read in the transaction, after this batch's own episode changes: the ingest answer lists them.
-        self._enqueued.firing = repository.firing_episodes(session, batch.run)
+        self._enqueued.firing = self._firing.current(session, batch.run)
 
-    def take_firing(self) -> list[dict[str, Any]]:
+    def take_firing(self) -> FiringList:
         """The run's firing episodes as the last batch this thread stored left them (then forgotten): the ingest
         answer's ``firing_episodes``; empty after a duplicate or a failed batch."""
-        firing: list[dict[str, Any]] = getattr(self._enqueued, "firing", [])
-        self._enqueued.firing = []
+        firing: FiringList = getattr(self._enqueued, "firing", NO_FIRING)
+        self._enqueued.firing = NO_FIRING
         return firing
 
     def after_commit(self, batch: IngestBatch) -> None:
@@ -271,9 +275,10 @@ class AlertEngine:
         """Write what :meth:`_advance_groups` decided: episodes, group pointers, then the outbox rows."""
         self._remediate(session, batch)
         repository.write_episodes(session, run, batch)
-        if not batch.notifications:
-            return 0
-        return self._write_outbox(session, rules, batch)
+        written = self._write_outbox(session, rules, batch) if batch.notifications else 0
+        if batch.changes_firing():
+            redraw_firing_tokens(session, [run])  # the last lock of the batch's alert writes
+        return written
 
     def _remediate(self, session: Session, batch: EpisodeBatch) -> None:
         """Give the batch's notifications their remediation (one reading per layer), before the episodes' rows

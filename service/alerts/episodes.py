@@ -138,6 +138,11 @@ class EpisodeBatch:
             episode.touched = True
             self.touched.append(episode)
 
+    def changes_firing(self) -> bool:
+        """Whether the batch changes its run's firing episodes: one fired, resolved, or fires on more ranks (a
+        pending episode that opened, grew or was dropped is not among them)."""
+        return any(episode.state != "pending" and not episode.cancelled for episode in self.touched)
+
     def notify(self, episode: Episode, notification: Notification) -> None:
         """Queue ``notification`` (its ``episode_id`` is set once the episode is written)."""
         episode.notified = notification

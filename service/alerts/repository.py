@@ -16,7 +16,6 @@ from sqlalchemy import Table, and_, bindparam, delete, exists, func, insert, sel
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
-from quantwatch.protocol import FIRING_EPISODE_KEYS
 from quantwatch.service.alerts.columns import STATUS_CODES, STATUSES, ColumnStates, RuleStates, stored_statuses
 from quantwatch.service.alerts.episodes import EPISODE_COLUMNS, Episode, EpisodeBatch
 from quantwatch.service.alerts.evaluator import SeriesState, SeriesStatus
@@ -478,30 +477,6 @@ def firing_episode_counts(session: Session, runs: Sequence[str]) -> dict[str, in
         .group_by(EpisodeRow.run)
     )
     return {run: int(total) for run, total in rows}
-
-
-_FIRING = (
-    select(
-        _EPISODES.c.id,
-        _EPISODES.c.rule_name,
-        _EPISODES.c.layer,
-        _EPISODES.c.ranks,
-        _EPISODES.c.firing_step,
-        _EPISODES.c.severity,
-    )
-    .where(_EPISODES.c.run == bindparam("run"), _EPISODES.c.state == "firing")
-    .order_by(_EPISODES.c.id)
-)
-
-
-def firing_episodes(session: Session, run: str) -> list[dict[str, Any]]:
-    """The firing episodes of ``run`` as the ingest answer lists them (protocol ``FIRING_EPISODE_KEYS``), oldest first;
-    one lookup of the (run, state) index, a statement built once."""
-    rows = session.connection().execute(_FIRING, {"run": run})
-    return [
-        dict(zip(FIRING_EPISODE_KEYS, (episode, rule, layer, list(ranks), since, severity), strict=True))
-        for episode, rule, layer, ranks, since, severity in rows
-    ]
 
 
 # -- layer formats ---------------------------------------------------------------------------------------------------

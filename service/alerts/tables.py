@@ -20,6 +20,7 @@ __all__ = [
     "AlertGroupRow",
     "DeliveryRow",
     "EpisodeRow",
+    "FiringTokenRow",
     "LayerFormatRow",
     "ReceiverRow",
     "RuleRow",
@@ -72,6 +73,18 @@ class AlertCursorRow(Base):
 
     run: Mapped[str] = mapped_column(String(200), primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+
+
+class FiringTokenRow(Base):
+    """One row per run whose firing episodes changed (migration 0013): a random ``token`` drawn by every transaction
+    that changes the run's list of firing episodes (one fires, resolves, or fires on more ranks), whichever replica
+    or route it runs in. A process that keeps the list it read last reads only the token to know it is current; a
+    run without a row has token 0 (no change since the migration)."""
+
+    __tablename__ = "alert_firing_tokens"
+
+    run: Mapped[str] = mapped_column(String(200), primary_key=True)
+    token: Mapped[int] = mapped_column(BigInteger)
 
 
 class SeriesStatesRow(Base):
