@@ -17,7 +17,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
 from quantwatch.service.alerts.columns import STATUS_CODES, STATUSES, ColumnStates, RuleStates, stored_statuses
-from quantwatch.service.alerts.episodes import EPISODE_COLUMNS, Episode, EpisodeBatch
+from quantwatch.service.alerts.episodes import EPISODE_READ, Episode, EpisodeBatch
 from quantwatch.service.alerts.evaluator import SeriesState, SeriesStatus
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.tables import (
@@ -258,10 +258,10 @@ def lock_groups(
 
 
 def read_episodes(session: Session, ids: list[int]) -> dict[int, Episode]:
-    """The episodes ``ids`` in memory, by id."""
+    """The episodes ``ids`` in memory, by id (all but their labels and annotations: see ``EPISODE_READ``)."""
     if not ids:
         return {}
-    columns = [_EPISODES.c[name] for name in EPISODE_COLUMNS]
+    columns = [_EPISODES.c[name] for name in EPISODE_READ]
     return {
         int(row[0]): Episode(int(row[0]), *row[1:])
         for row in session.connection().execute(select(_EPISODES.c.id, *columns).where(_EPISODES.c.id.in_(ids)))
@@ -274,8 +274,11 @@ def write_episodes(session: Session, run: str, batch: EpisodeBatch) -> None:
     existing = [episode for episode in batch.touched if not episode.fresh]
     # Ended and dropped episodes first: a group's new open episode must not meet its old one in the unique index.
     kept = [episode for episode in existing if not episode.cancelled]
-    if kept:
-        conn.execute(_EPISODE_UPDATE, [episode.update_values() for episode in kept])
+    # One statement per shape of the changes: with the labels (notified) and without.
+    for notified in (True, False):
+        changes = [episode.update_values() for episode in kept if (episode.notified is not None) is notified]
+        if changes:
+            conn.execute(_EPISODE_UPDATE, changes)
     dropped = [episode.id for episode in existing if episode.cancelled]
     if dropped:
         conn.execute(delete(_EPISODES).where(_EPISODES.c.id.in_(dropped)))
