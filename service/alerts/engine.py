@@ -22,7 +22,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +52,9 @@ if TYPE_CHECKING:
     from quantwatch.service.batch import IngestBatch
     from quantwatch.service.models import Run
 
-Remediation = Callable[[Session, str, str, int], str | None]
+RemedyKey = tuple[str, int]
+"""(layer, rank) of a notification's remediation: the layer on its lowest rank."""
+Remediation = Callable[[Session, str, Sequence[RemedyKey]], Mapping[RemedyKey, str | None]]
 
 LEASE_SECONDS = 120.0
 """How long a delivery worker owns an outbox row it is sending; after that any worker may retry it."""
@@ -129,7 +131,8 @@ class AlertEngine:
         self._latest_lock = threading.Lock()
         self._enqueued = threading.local()
         self.remediation: Remediation | None = None
-        """``(session, run, layer, rank) -> text or None``: the ``remediation`` annotation of a notification."""
+        """``(session, run, keys) -> text by key``: the ``remediation`` annotation of the notifications of ``keys``,
+        (layer, rank) pairs, all at once (a key left out or None: no remediation)."""
 
     # -- rules -------------------------------------------------------------------------------------------------
     def active_rules(self, session: Session) -> list[tuple[int, Rule]]:
@@ -281,17 +284,16 @@ class AlertEngine:
         return written
 
     def _remediate(self, session: Session, batch: EpisodeBatch) -> None:
-        """Give the batch's notifications their remediation (one reading per layer), before the episodes' rows
-        take their annotations from them."""
-        if self.remediation is None:
+        """Give the batch's notifications their remediation (one reading for all their layers: a wave of hundreds
+        firing at once read two statements per layer), before the episodes' rows take their annotations from them."""
+        if self.remediation is None or not batch.notifications:
             return
-        texts: dict[tuple[str, int], str | None] = {}
-        for index, (episode, notification) in enumerate(batch.notifications):
-            key = (notification.layer, min(notification.ranks, default=0))
-            if key not in texts:
-                texts[key] = self.remediation(session, notification.run, *key)
-            if texts[key] is not None:
-                sent = replace(notification, remediation=texts[key])
+        keys = [(notification.layer, min(notification.ranks, default=0)) for _, notification in batch.notifications]
+        texts = self.remediation(session, batch.notifications[0][1].run, list(dict.fromkeys(keys)))
+        for index, ((episode, notification), key) in enumerate(zip(batch.notifications, keys, strict=True)):
+            text = texts.get(key)
+            if text is not None:
+                sent = replace(notification, remediation=text)
                 batch.notifications[index] = (episode, sent)
                 if episode.notified is notification:
                     episode.notified = sent
@@ -352,8 +354,8 @@ class AlertEngine:
         """Write the outbox rows of ``episode``'s ``status`` notification for the rule's receivers."""
         notification = self.notification(episode, rule, status)
         if self.remediation is not None:
-            text = self.remediation(session, episode.run, episode.layer, min(episode.ranks, default=0))
-            notification = replace(notification, remediation=text)
+            key = (episode.layer, min(episode.ranks, default=0))
+            notification = replace(notification, remediation=self.remediation(session, episode.run, [key]).get(key))
         episode.labels = notification.labels()
         episode.annotations = notification.annotations()
         receivers = repository.receivers_for(session, rule)
