@@ -51,7 +51,7 @@ EPISODE_COLUMNS = (
 _EPISODE_FIXED = frozenset({"rule_id", "rule_name", "run", "layer", "severity", "pending_step", "pending_at"})
 EPISODE_CHANGES = tuple(name for name in EPISODE_COLUMNS if name not in _EPISODE_FIXED)
 _LABELS = ("labels", "annotations")
-_UNLABELLED_CHANGES = tuple(name for name in EPISODE_CHANGES if name not in _LABELS)
+_RANKS_ONLY = ("ranks",)
 EPISODE_READ = tuple(name for name in EPISODE_COLUMNS if name not in _LABELS)
 """What the ingest path reads of an open episode: not its labels and annotations, which only a notification
 changes, and then from the notification alone (a rank joining a firing episode, the commonest change, leaves them
@@ -120,10 +120,11 @@ class Episode:
         return {name: getattr(self, name) for name in EPISODE_COLUMNS}
 
     def update_values(self) -> dict[str, Any]:
-        """What a batch may change on an existing episode, keyed ``b_id`` plus the changed columns (the labels and
-        annotations only when it notified)."""
+        """What a batch changed on an existing episode, keyed ``b_id`` plus the changed columns: every column a
+        batch may change when it notified (it fired or resolved), else only its ``ranks`` (a rank joined it: every
+        other change of an existing episode notifies, and a dropped one is deleted)."""
         self._label()
-        names = EPISODE_CHANGES if self.notified is not None else _UNLABELLED_CHANGES
+        names = EPISODE_CHANGES if self.notified is not None else _RANKS_ONLY
         return {"b_id": self.id, **{name: getattr(self, name) for name in names}}
 
     def _label(self) -> None:
