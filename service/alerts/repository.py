@@ -12,7 +12,7 @@ import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, bindparam, delete, exists, func, insert, select, update
+from sqlalchemy import Connection, Table, and_, bindparam, delete, exists, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
@@ -226,26 +226,22 @@ def lock_groups(
     The statuses are read after the locks, so they include what whoever held them before committed.
     """
     conn = session.connection()
-    insert_ignore(
-        session,
-        _GROUPS,
-        [{"rule_id": rule_id, "run": run, "layer": layer, "episode_id": None} for rule_id, layer in keys],
-        ("rule_id", "run", "layer"),
-    )
     layers_by_rule: dict[int, list[str]] = {}
     for rule_id, layer in keys:
         layers_by_rule.setdefault(rule_id, []).append(layer)
-    opened: dict[GroupKey, int | None] = {}
     statuses: dict[GroupKey, dict[int, SeriesStatus]] = {key: {} for key in keys}
-    for rule_id, layers in layers_by_rule.items():
-        # Lock the groups in (rule, layer) order, the same order in every replica: no deadlocks between them.
-        for layer, episode_id in conn.execute(
-            select(_GROUPS.c.layer, _GROUPS.c.episode_id)
-            .where(_GROUPS.c.rule_id == rule_id, _GROUPS.c.run == run, _GROUPS.c.layer.in_(layers))
-            .order_by(_GROUPS.c.layer)
-            .with_for_update()
-        ):
-            opened[(rule_id, layer)] = episode_id
+    if conn.dialect.name == "postgresql":
+        # Every group row exists before the first lock, so the locks are taken in one order everywhere.
+        _create_groups(session, run, keys)
+        opened = _locked_groups(conn, run, layers_by_rule)
+    else:
+        # SQLite: the batch's transaction holds the database's write lock already; create only the missing groups
+        # (a rule's groups exist after its first episode on the run: inserting them all again cost more than the
+        # rest of a rank's first batch).
+        opened = _locked_groups(conn, run, layers_by_rule)
+        missing = [key for key in keys if key not in opened]
+        _create_groups(session, run, missing)
+        opened.update(dict.fromkeys(missing))
     # Every rank's row of the moved rules in one statement, after all the locks.
     for rule_id, rank, series in conn.execute(
         select(_STATES.c.rule_id, _STATES.c.rank, _STATES.c.series).where(
@@ -255,6 +251,26 @@ def lock_groups(
         for layer, code in stored_statuses(series, layers_by_rule[rule_id]).items():
             statuses[(rule_id, layer)][rank] = STATUSES[code]
     return opened, statuses
+
+
+def _create_groups(session: Session, run: str, keys: Sequence[GroupKey]) -> None:
+    rows = [{"rule_id": rule_id, "run": run, "layer": layer, "episode_id": None} for rule_id, layer in keys]
+    insert_ignore(session, _GROUPS, rows, ("rule_id", "run", "layer"))
+
+
+def _locked_groups(conn: Connection, run: str, layers_by_rule: Mapping[int, list[str]]) -> dict[GroupKey, int | None]:
+    """Lock the stored groups of ``layers_by_rule`` (rule id → sorted layers) of ``run``; their open episode ids."""
+    opened: dict[GroupKey, int | None] = {}
+    for rule_id, layers in layers_by_rule.items():
+        # Lock the groups in (rule, layer) order, the same order in every replica: no deadlocks between them.
+        for layer, episode_id in conn.execute(
+            select(_GROUPS.c.layer, _GROUPS.c.episode_id)
+            .where(_GROUPS.c.rule_id == rule_id, _GROUPS.c.run == run, _GROUPS.c.layer.in_(layers))
+            .order_by(_GROUPS.c.layer)
+            .with_for_update()
+        ):
+            opened[(rule_id, layer)] = episode_id
+    return opened
 
 
 def read_episodes(session: Session, ids: list[int]) -> dict[int, Episode]:
@@ -274,7 +290,7 @@ def write_episodes(session: Session, run: str, batch: EpisodeBatch) -> None:
     existing = [episode for episode in batch.touched if not episode.fresh]
     # Ended and dropped episodes first: a group's new open episode must not meet its old one in the unique index.
     kept = [episode for episode in existing if not episode.cancelled]
-    # One statement per shape of the changes: with the labels (notified) and without.
+    # One statement per shape of the changes: fired or resolved (notified), or joined by a rank (see update_values).
     for notified in (True, False):
         changes = [episode.update_values() for episode in kept if (episode.notified is not None) is notified]
         if changes:
