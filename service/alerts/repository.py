@@ -7,12 +7,13 @@ and receiver catalogue (:mod:`~quantwatch.service.alerts.catalog`) reads and loc
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
-from sqlalchemy import Connection, Table, and_, bindparam, delete, exists, func, insert, select, update
+from sqlalchemy import Connection, Table, and_, bindparam, delete, exists, func, insert, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
@@ -253,7 +254,28 @@ def lock_groups(
     return opened, statuses
 
 
+# PostgreSQL: one statement over arrays where an executemany would run one per row (psycopg pipelines them, but a
+# rank's first batch joins hundreds of groups and episodes, all under the groups' locks that the other ranks wait on).
+_PG_GROUPS = text(
+    "INSERT INTO alert_groups (rule_id, run, layer, episode_id) "
+    "SELECT g.rule_id, :run, g.layer, NULL FROM unnest(CAST(:rule_ids AS integer[]), CAST(:layers AS varchar[])) "
+    "WITH ORDINALITY AS g(rule_id, layer, position) ORDER BY g.position "
+    "ON CONFLICT (rule_id, run, layer) DO NOTHING"
+)
+_PG_RANKS = text(
+    "UPDATE alert_episodes SET ranks = CAST(e.ranks AS json) "
+    "FROM unnest(CAST(:ids AS integer[]), CAST(:ranks AS text[])) AS e(id, ranks) WHERE alert_episodes.id = e.id"
+)
+
+
 def _create_groups(session: Session, run: str, keys: Sequence[GroupKey]) -> None:
+    """Create the group rows of ``keys`` that do not exist, in the order of ``keys``."""
+    conn = session.connection()
+    if conn.dialect.name == "postgresql":
+        if keys:
+            rule_ids, layers = [rule_id for rule_id, _ in keys], [layer for _, layer in keys]
+            conn.execute(_PG_GROUPS, {"run": run, "rule_ids": rule_ids, "layers": layers})
+        return
     rows = [{"rule_id": rule_id, "run": run, "layer": layer, "episode_id": None} for rule_id, layer in keys]
     insert_ignore(session, _GROUPS, rows, ("rule_id", "run", "layer"))
 
@@ -291,10 +313,15 @@ def write_episodes(session: Session, run: str, batch: EpisodeBatch) -> None:
     # Ended and dropped episodes first: a group's new open episode must not meet its old one in the unique index.
     kept = [episode for episode in existing if not episode.cancelled]
     # One statement per shape of the changes: fired or resolved (notified), or joined by a rank (see update_values).
-    for notified in (True, False):
-        changes = [episode.update_values() for episode in kept if (episode.notified is not None) is notified]
-        if changes:
-            conn.execute(_EPISODE_UPDATE, changes)
+    notified = [episode.update_values() for episode in kept if episode.notified is not None]
+    if notified:
+        conn.execute(_EPISODE_UPDATE, notified)
+    joined = [episode for episode in kept if episode.notified is None]
+    if joined and conn.dialect.name == "postgresql":
+        ranks = [json.dumps(episode.ranks) for episode in joined]
+        conn.execute(_PG_RANKS, {"ids": [episode.id for episode in joined], "ranks": ranks})
+    elif joined:
+        conn.execute(_EPISODE_UPDATE, [episode.update_values() for episode in joined])
     dropped = [episode.id for episode in existing if episode.cancelled]
     if dropped:
         conn.execute(delete(_EPISODES).where(_EPISODES.c.id.in_(dropped)))
