@@ -1,10 +1,10 @@
-"""A token per run that every change of its firing episodes redraws (issue 21).
+"""Firing tokens: a random token per (run, rank) that every change of the run's firing episodes redraws (issue 21).
 
 The ingest answer lists the run's firing episodes; with hundreds firing, reading and encoding that list was up to a
-third of a one-step batch's CPU. ``alert_firing_tokens`` holds one random token per run, redrawn in the transaction
-of every change to that list (on every replica, and by the rule routes), so a process re-reads the list only when the
-token moved. No row means token 0: the upgrade writes none. The downgrade drops the table (tokens are derived: they
-carry no data of their own).
+third of a one-step batch's CPU. ``alert_firing_tokens`` holds one random token per (run, rank), redrawn in the
+transaction of every change to that list made by the rank's ingest (on every replica; rank -1 for the rule routes),
+so a process re-reads the list only when one of the run's tokens moved. The upgrade writes no rows (no change since);
+the downgrade drops the table (tokens are derived: they carry no data of their own).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ def upgrade() -> None:
     op.create_table(
         "alert_firing_tokens",
         sa.Column("run", sa.String(200), nullable=False),
+        sa.Column("rank", sa.Integer(), nullable=False),
         sa.Column("token", sa.BigInteger(), nullable=False),
-        sa.PrimaryKeyConstraint("run", name="pk_alert_firing_tokens"),
+        sa.PrimaryKeyConstraint("run", "rank", name="pk_alert_firing_tokens"),
     )
 
 

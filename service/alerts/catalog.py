@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from quantwatch.service.alerts import repository
 from quantwatch.service.alerts.engine import AlertEngine
-from quantwatch.service.alerts.firing import redraw_firing_tokens
+from quantwatch.service.alerts.firing import ROUTES_RANK, redraw_firing_token
 from quantwatch.service.alerts.rules import DEFAULT_RULES, ReceiverSpec, Rule, RulesFile
 from quantwatch.service.alerts.tables import ReceiverRow, RuleRow
 
@@ -78,7 +78,8 @@ def retire_rule_state(session: Session, engine: AlertEngine, row: RuleRow, reaso
         episode.annotations = {**episode.annotations, "resolved_reason": reason}
     repository.clear_rule_state(session, row.id)
     session.flush()
-    redraw_firing_tokens(session, resolved)  # their runs' ingest answers list them no more
+    for run in sorted(resolved):  # their runs' ingest answers list them no more
+        redraw_firing_token(session, run, ROUTES_RANK)
     return notified
 
 

@@ -10,8 +10,9 @@ For one batch of one (run, rank), inside the transaction that stores its points:
    between replicas), re-read every rank's status (committed by whoever held the locks before), advance the
    episodes in memory, then write episodes, group pointers and outbox rows with a few bulk statements per batch
    (not a dozen per series: a flapping run moves hundreds of series per batch); when the run's firing episodes
-   changed, redraw its firing token last (:mod:`~quantwatch.service.alerts.firing`);
-4. read the run's firing episodes for the ingest answer: the list this process kept, while the token is unchanged.
+   changed, redraw the rank's firing token last (:mod:`~quantwatch.service.alerts.firing`);
+4. read the run's firing episodes for the ingest answer: the list this process kept, while the run's tokens are
+   unchanged.
 
 Everything commits with the points, or not at all; the delivery worker only ever sees committed notifications.
 """
@@ -41,7 +42,7 @@ from quantwatch.service.alerts.evaluator import (
     StepInput,
     advance_episode,
 )
-from quantwatch.service.alerts.firing import NO_FIRING, FiringList, FiringLists, redraw_firing_tokens
+from quantwatch.service.alerts.firing import NO_FIRING, FiringList, FiringLists, redraw_firing_token
 from quantwatch.service.alerts.formats import LayerFormatRecorder
 from quantwatch.service.alerts.repository import insert_ignore
 from quantwatch.service.alerts.rules import ReceiverSpec, Rule
@@ -218,7 +219,7 @@ class AlertEngine:
         by_group: dict[tuple[int, str], list[SeriesTransition]] = {}
         for transition in transitions:
             by_group.setdefault((ids[transition.rule], transition.layer), []).append(transition)
-        return self._advance_groups(session, dict(rules), run, by_group)
+        return self._advance_groups(session, dict(rules), run, rank, by_group)
 
     def _stored_states(self, session: Session, run: str, rank: int, names: dict[int, str]) -> dict[str, RuleStates]:
         """The stored series states of one (run, rank) by rule name: those this process wrote last when their row's
@@ -245,6 +246,7 @@ class AlertEngine:
         session: Session,
         rules: dict[int, Rule],
         run: str,
+        rank: int,
         by_group: dict[tuple[int, str], list[SeriesTransition]],
     ) -> int:
         """Episode events of every (rule, layer) that moved, with a handful of bulk statements for the whole batch."""
@@ -261,7 +263,7 @@ class AlertEngine:
             group_statuses = statuses[key]
             for move in by_group[key]:
                 group_statuses[move.rank] = move.after
-                active = {rank for rank, status in group_statuses.items() if status is not SeriesStatus.INACTIVE}
+                active = {of for of, status in group_statuses.items() if status is not SeriesStatus.INACTIVE}
                 open_state = episode.state if episode is not None and episode.state != "resolved" else None
                 for event in advance_episode(open_state, group_statuses.values()):  # type: ignore[arg-type]
                     episode = apply_event(
@@ -272,15 +274,17 @@ class AlertEngine:
                     episode.ranks = sorted(set(episode.ranks) | active)
             still_open = episode if episode is not None and episode.state != "resolved" else None
             batch.groups[key] = (episode_id, still_open)
-        return self._write_episodes(session, rules, run, batch)
+        return self._write_episodes(session, rules, run, rank, batch)
 
-    def _write_episodes(self, session: Session, rules: dict[int, Rule], run: str, batch: EpisodeBatch) -> int:
+    def _write_episodes(
+        self, session: Session, rules: dict[int, Rule], run: str, rank: int, batch: EpisodeBatch
+    ) -> int:
         """Write what :meth:`_advance_groups` decided: episodes, group pointers, then the outbox rows."""
         self._remediate(session, batch)
         repository.write_episodes(session, run, batch)
         written = self._write_outbox(session, rules, batch) if batch.notifications else 0
         if batch.changes_firing():
-            redraw_firing_tokens(session, [run])  # the last lock of the batch's alert writes
+            redraw_firing_token(session, run, rank)  # the last lock of the batch's alert writes
         return written
 
     def _remediate(self, session: Session, batch: EpisodeBatch) -> None:
