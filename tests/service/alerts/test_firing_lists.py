@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import inspect
 
+from alembic import command
 from quantwatch.protocol import FIRING_EPISODES_FIELD
 from quantwatch.service.alerts import firing
 from tests.service.conftest import batch_doc, encode
@@ -73,3 +75,31 @@ def test_a_rule_deleted_on_another_replica_leaves_this_replicas_next_answer(
     assert _post(first, 0, range(6, 8), (0.5, 0.5)) == [("a", [0]), ("b", [0])]
     assert second.delete(f"/api/v1/rules/{RULE}").status_code == 204  # its firing episodes resolve
     assert _post(first, 0, range(8, 10), (0.5, 0.5)) == []
+
+
+def test_migration_0013_round_trip_keeps_the_answers_firing_episodes(empty_database_url: str) -> None:
+    """Down to 0011 (the tokens dropped) and up again with episodes firing: a collector started on it lists them, and
+    follows their changes from there (the upgrade writes no tokens: a run without any is read once, then kept)."""
+    from quantwatch.service import Settings, create_app
+    from quantwatch.service.core.db import alembic_config, make_engine, upgrade
+
+    engine = make_engine(Settings(database_url=empty_database_url))
+    cfg = alembic_config(empty_database_url)
+    try:
+        app = create_app(Settings(database_url=empty_database_url))
+        with TestClient(app) as client:
+            assert _post(client, 0, range(6), (1.0, 0.5)) == [("b", [0])]
+        app.state.engine.dispose()
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0011_alert_state_columns")
+        assert "alert_firing_tokens" not in inspect(engine).get_table_names()
+        upgrade(engine)
+        app = create_app(Settings(database_url=empty_database_url))
+        with TestClient(app) as client:
+            assert _post(client, 0, range(6, 8), (1.0, 0.5)) == [("b", [0])]
+            assert _post(client, 1, range(6), (0.5, 1.0)) == [("b", [0]), ("a", [1])]
+            assert _post(client, 0, range(8, 20), (1.0, 1.0)) == [("a", [1])]
+        app.state.engine.dispose()
+    finally:
+        engine.dispose()
