@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from quantwatch.service.alerts import repository
 from quantwatch.service.alerts.engine import AlertEngine
+from quantwatch.service.alerts.firing import ROUTES_RANK, redraw_firing_token
 from quantwatch.service.alerts.rules import DEFAULT_RULES, ReceiverSpec, Rule, RulesFile
 from quantwatch.service.alerts.tables import ReceiverRow, RuleRow
 
@@ -63,10 +64,12 @@ def retire_rule_state(session: Session, engine: AlertEngine, row: RuleRow, reaso
     now = time.time()
     rule = Rule.model_validate(row.definition)
     notified = 0
+    resolved: set[str] = set()
     for episode in repository.open_episodes(session, row.id):
         if episode.state == "pending":
             session.delete(episode)
             continue
+        resolved.add(episode.run)
         episode.state = "resolved"
         episode.resolved_at = now
         episode.resolved_step = episode.step
@@ -75,6 +78,8 @@ def retire_rule_state(session: Session, engine: AlertEngine, row: RuleRow, reaso
         episode.annotations = {**episode.annotations, "resolved_reason": reason}
     repository.clear_rule_state(session, row.id)
     session.flush()
+    for run in sorted(resolved):  # their runs' ingest answers list them no more
+        redraw_firing_token(session, run, ROUTES_RANK)
     return notified
 
 

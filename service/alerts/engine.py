@@ -9,7 +9,10 @@ For one batch of one (run, rank), inside the transaction that stores its points:
 3. for the (rule, layer) groups whose series changed status: lock their group rows in sorted order (no deadlocks
    between replicas), re-read every rank's status (committed by whoever held the locks before), advance the
    episodes in memory, then write episodes, group pointers and outbox rows with a few bulk statements per batch
-   (not a dozen per series: a flapping run moves hundreds of series per batch).
+   (not a dozen per series: a flapping run moves hundreds of series per batch); when the run's firing episodes
+   changed, redraw the rank's firing token last (:mod:`~quantwatch.service.alerts.firing`);
+4. read the run's firing episodes for the ingest answer: the list this process kept, while the run's tokens are
+   unchanged.
 
 Everything commits with the points, or not at all; the delivery worker only ever sees committed notifications.
 """
@@ -20,7 +23,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +42,7 @@ from quantwatch.service.alerts.evaluator import (
     StepInput,
     advance_episode,
 )
+from quantwatch.service.alerts.firing import NO_FIRING, FiringList, FiringLists, redraw_firing_token
 from quantwatch.service.alerts.formats import LayerFormatRecorder
 from quantwatch.service.alerts.repository import insert_ignore
 from quantwatch.service.alerts.rules import ReceiverSpec, Rule
@@ -49,7 +53,9 @@ if TYPE_CHECKING:
     from quantwatch.service.batch import IngestBatch
     from quantwatch.service.models import Run
 
-Remediation = Callable[[Session, str, str, int], str | None]
+RemedyKey = tuple[str, int]
+"""(layer, rank) of a notification's remediation: the layer on its lowest rank."""
+Remediation = Callable[[Session, str, Sequence[RemedyKey]], Mapping[RemedyKey, str | None]]
 
 LEASE_SECONDS = 120.0
 """How long a delivery worker owns an outbox row it is sending; after that any worker may retry it."""
@@ -118,6 +124,7 @@ class AlertEngine:
         self._wake = wake
         self._dispatch = dispatch
         self._rules = RuleCache()
+        self._firing = FiringLists()
         # The series state rows this process wrote last, by (run, rank) and rule name: (token, states), kept as the
         # evaluator's rows (replaced after a commit; snapshots built only when read), and each rule's series name.
         self._written: dict[tuple[str, int], dict[str, tuple[int, RuleStates]]] = {}
@@ -125,7 +132,8 @@ class AlertEngine:
         self._latest_lock = threading.Lock()
         self._enqueued = threading.local()
         self.remediation: Remediation | None = None
-        """``(session, run, layer, rank) -> text or None``: the ``remediation`` annotation of a notification."""
+        """``(session, run, keys) -> text by key``: the ``remediation`` annotation of the notifications of ``keys``,
+        (layer, rank) pairs, all at once (a key left out or None: no remediation)."""
 
     # -- rules -------------------------------------------------------------------------------------------------
     def active_rules(self, session: Session) -> list[tuple[int, Rule]]:
@@ -144,13 +152,13 @@ class AlertEngine:
 
         self._evaluate(session, batch.run, batch.rank, batch.layers, columns_of)
         # Read in the transaction, after this batch's own episode changes: the ingest answer lists them.
-        self._enqueued.firing = repository.firing_episodes(session, batch.run)
+        self._enqueued.firing = self._firing.current(session, batch.run)
 
-    def take_firing(self) -> list[dict[str, Any]]:
+    def take_firing(self) -> FiringList:
         """The run's firing episodes as the last batch this thread stored left them (then forgotten): the ingest
         answer's ``firing_episodes``; empty after a duplicate or a failed batch."""
-        firing: list[dict[str, Any]] = getattr(self._enqueued, "firing", [])
-        self._enqueued.firing = []
+        firing: FiringList = getattr(self._enqueued, "firing", NO_FIRING)
+        self._enqueued.firing = NO_FIRING
         return firing
 
     def after_commit(self, batch: IngestBatch) -> None:
@@ -211,7 +219,7 @@ class AlertEngine:
         by_group: dict[tuple[int, str], list[SeriesTransition]] = {}
         for transition in transitions:
             by_group.setdefault((ids[transition.rule], transition.layer), []).append(transition)
-        return self._advance_groups(session, dict(rules), run, by_group)
+        return self._advance_groups(session, dict(rules), run, rank, by_group)
 
     def _stored_states(self, session: Session, run: str, rank: int, names: dict[int, str]) -> dict[str, RuleStates]:
         """The stored series states of one (run, rank) by rule name: those this process wrote last when their row's
@@ -238,6 +246,7 @@ class AlertEngine:
         session: Session,
         rules: dict[int, Rule],
         run: str,
+        rank: int,
         by_group: dict[tuple[int, str], list[SeriesTransition]],
     ) -> int:
         """Episode events of every (rule, layer) that moved, with a handful of bulk statements for the whole batch."""
@@ -254,7 +263,7 @@ class AlertEngine:
             group_statuses = statuses[key]
             for move in by_group[key]:
                 group_statuses[move.rank] = move.after
-                active = {rank for rank, status in group_statuses.items() if status is not SeriesStatus.INACTIVE}
+                active = {of for of, status in group_statuses.items() if status is not SeriesStatus.INACTIVE}
                 open_state = episode.state if episode is not None and episode.state != "resolved" else None
                 for event in advance_episode(open_state, group_statuses.values()):  # type: ignore[arg-type]
                     episode = apply_event(
@@ -265,28 +274,30 @@ class AlertEngine:
                     episode.ranks = sorted(set(episode.ranks) | active)
             still_open = episode if episode is not None and episode.state != "resolved" else None
             batch.groups[key] = (episode_id, still_open)
-        return self._write_episodes(session, rules, run, batch)
+        return self._write_episodes(session, rules, run, rank, batch)
 
-    def _write_episodes(self, session: Session, rules: dict[int, Rule], run: str, batch: EpisodeBatch) -> int:
+    def _write_episodes(
+        self, session: Session, rules: dict[int, Rule], run: str, rank: int, batch: EpisodeBatch
+    ) -> int:
         """Write what :meth:`_advance_groups` decided: episodes, group pointers, then the outbox rows."""
         self._remediate(session, batch)
         repository.write_episodes(session, run, batch)
-        if not batch.notifications:
-            return 0
-        return self._write_outbox(session, rules, batch)
+        written = self._write_outbox(session, rules, batch) if batch.notifications else 0
+        if batch.changes_firing():
+            redraw_firing_token(session, run, rank)  # the last lock of the batch's alert writes
+        return written
 
     def _remediate(self, session: Session, batch: EpisodeBatch) -> None:
-        """Give the batch's notifications their remediation (one reading per layer), before the episodes' rows
-        take their annotations from them."""
-        if self.remediation is None:
+        """Give the batch's notifications their remediation (one reading for all their layers: a wave of hundreds
+        firing at once read two statements per layer), before the episodes' rows take their annotations from them."""
+        if self.remediation is None or not batch.notifications:
             return
-        texts: dict[tuple[str, int], str | None] = {}
-        for index, (episode, notification) in enumerate(batch.notifications):
-            key = (notification.layer, min(notification.ranks, default=0))
-            if key not in texts:
-                texts[key] = self.remediation(session, notification.run, *key)
-            if texts[key] is not None:
-                sent = replace(notification, remediation=texts[key])
+        keys = [(notification.layer, min(notification.ranks, default=0)) for _, notification in batch.notifications]
+        texts = self.remediation(session, batch.notifications[0][1].run, list(dict.fromkeys(keys)))
+        for index, ((episode, notification), key) in enumerate(zip(batch.notifications, keys, strict=True)):
+            text = texts.get(key)
+            if text is not None:
+                sent = replace(notification, remediation=text)
                 batch.notifications[index] = (episode, sent)
                 if episode.notified is notification:
                     episode.notified = sent
@@ -347,8 +358,8 @@ class AlertEngine:
         """Write the outbox rows of ``episode``'s ``status`` notification for the rule's receivers."""
         notification = self.notification(episode, rule, status)
         if self.remediation is not None:
-            text = self.remediation(session, episode.run, episode.layer, min(episode.ranks, default=0))
-            notification = replace(notification, remediation=text)
+            key = (episode.layer, min(episode.ranks, default=0))
+            notification = replace(notification, remediation=self.remediation(session, episode.run, [key]).get(key))
         episode.labels = notification.labels()
         episode.annotations = notification.annotations()
         receivers = repository.receivers_for(session, rule)

@@ -19,6 +19,7 @@ from quantwatch.service.alerts.webhooks import Notification
 __all__ = [
     "EPISODE_CHANGES",
     "EPISODE_COLUMNS",
+    "EPISODE_READ",
     "Episode",
     "EpisodeBatch",
     "EpisodeFields",
@@ -49,6 +50,12 @@ EPISODE_COLUMNS = (
 # What a later batch may change on an episode: everything but its identity and when it opened.
 _EPISODE_FIXED = frozenset({"rule_id", "rule_name", "run", "layer", "severity", "pending_step", "pending_at"})
 EPISODE_CHANGES = tuple(name for name in EPISODE_COLUMNS if name not in _EPISODE_FIXED)
+_LABELS = ("labels", "annotations")
+_RANKS_ONLY = ("ranks",)
+EPISODE_READ = tuple(name for name in EPISODE_COLUMNS if name not in _LABELS)
+"""What the ingest path reads of an open episode: not its labels and annotations, which only a notification
+changes, and then from the notification alone (a rank joining a firing episode, the commonest change, leaves them
+as they are: reading and writing back two JSON objects per episode was most of that change's cost)."""
 
 
 def json_value(value: float) -> tuple[float | None, str | None]:
@@ -113,9 +120,12 @@ class Episode:
         return {name: getattr(self, name) for name in EPISODE_COLUMNS}
 
     def update_values(self) -> dict[str, Any]:
-        """What a batch may change on an existing episode, keyed ``b_id`` plus the changed columns."""
+        """What a batch changed on an existing episode, keyed ``b_id`` plus the changed columns: every column a
+        batch may change when it notified (it fired or resolved), else only its ``ranks`` (a rank joined it: every
+        other change of an existing episode notifies, and a dropped one is deleted)."""
         self._label()
-        return {"b_id": self.id, **{name: getattr(self, name) for name in EPISODE_CHANGES}}
+        names = EPISODE_CHANGES if self.notified is not None else _RANKS_ONLY
+        return {"b_id": self.id, **{name: getattr(self, name) for name in names}}
 
     def _label(self) -> None:
         # Rendered once per written row rather than once per notification: a flapping batch notifies hundreds.
@@ -137,6 +147,11 @@ class EpisodeBatch:
         if not episode.touched:
             episode.touched = True
             self.touched.append(episode)
+
+    def changes_firing(self) -> bool:
+        """Whether the batch changes its run's firing episodes: one fired, resolved, or fires on more ranks (a
+        pending episode that opened, grew or was dropped is not among them)."""
+        return any(episode.state != "pending" and not episode.cancelled for episode in self.touched)
 
     def notify(self, episode: Episode, notification: Notification) -> None:
         """Queue ``notification`` (its ``episode_id`` is set once the episode is written)."""

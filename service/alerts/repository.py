@@ -7,18 +7,18 @@ and receiver catalogue (:mod:`~quantwatch.service.alerts.catalog`) reads and loc
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, bindparam, delete, exists, func, insert, select, update
+from sqlalchemy import Connection, Table, and_, bindparam, delete, exists, func, insert, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
-from quantwatch.protocol import FIRING_EPISODE_KEYS
 from quantwatch.service.alerts.columns import STATUS_CODES, STATUSES, ColumnStates, RuleStates, stored_statuses
-from quantwatch.service.alerts.episodes import EPISODE_COLUMNS, Episode, EpisodeBatch
+from quantwatch.service.alerts.episodes import EPISODE_READ, Episode, EpisodeBatch
 from quantwatch.service.alerts.evaluator import SeriesState, SeriesStatus
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.tables import (
@@ -227,26 +227,22 @@ def lock_groups(
     The statuses are read after the locks, so they include what whoever held them before committed.
     """
     conn = session.connection()
-    insert_ignore(
-        session,
-        _GROUPS,
-        [{"rule_id": rule_id, "run": run, "layer": layer, "episode_id": None} for rule_id, layer in keys],
-        ("rule_id", "run", "layer"),
-    )
     layers_by_rule: dict[int, list[str]] = {}
     for rule_id, layer in keys:
         layers_by_rule.setdefault(rule_id, []).append(layer)
-    opened: dict[GroupKey, int | None] = {}
     statuses: dict[GroupKey, dict[int, SeriesStatus]] = {key: {} for key in keys}
-    for rule_id, layers in layers_by_rule.items():
-        # Lock the groups in (rule, layer) order, the same order in every replica: no deadlocks between them.
-        for layer, episode_id in conn.execute(
-            select(_GROUPS.c.layer, _GROUPS.c.episode_id)
-            .where(_GROUPS.c.rule_id == rule_id, _GROUPS.c.run == run, _GROUPS.c.layer.in_(layers))
-            .order_by(_GROUPS.c.layer)
-            .with_for_update()
-        ):
-            opened[(rule_id, layer)] = episode_id
+    if conn.dialect.name == "postgresql":
+        # Every group row exists before the first lock, so the locks are taken in one order everywhere.
+        _create_groups(session, run, keys)
+        opened = _locked_groups(conn, run, layers_by_rule)
+    else:
+        # SQLite: the batch's transaction holds the database's write lock already; create only the missing groups
+        # (a rule's groups exist after its first episode on the run: inserting them all again cost more than the
+        # rest of a rank's first batch).
+        opened = _locked_groups(conn, run, layers_by_rule)
+        missing = [key for key in keys if key not in opened]
+        _create_groups(session, run, missing)
+        opened.update(dict.fromkeys(missing))
     # Every rank's row of the moved rules in one statement, after all the locks.
     for rule_id, rank, series in conn.execute(
         select(_STATES.c.rule_id, _STATES.c.rank, _STATES.c.series).where(
@@ -258,11 +254,52 @@ def lock_groups(
     return opened, statuses
 
 
+# PostgreSQL: one statement over arrays where an executemany would run one per row (psycopg pipelines them, but a
+# rank's first batch joins hundreds of groups and episodes, all under the groups' locks that the other ranks wait on).
+_PG_GROUPS = text(
+    "INSERT INTO alert_groups (rule_id, run, layer, episode_id) "
+    "SELECT g.rule_id, :run, g.layer, NULL FROM unnest(CAST(:rule_ids AS integer[]), CAST(:layers AS varchar[])) "
+    "WITH ORDINALITY AS g(rule_id, layer, position) ORDER BY g.position "
+    "ON CONFLICT (rule_id, run, layer) DO NOTHING"
+)
+_PG_RANKS = text(
+    "UPDATE alert_episodes SET ranks = CAST(e.ranks AS json) "
+    "FROM unnest(CAST(:ids AS integer[]), CAST(:ranks AS text[])) AS e(id, ranks) WHERE alert_episodes.id = e.id"
+)
+
+
+def _create_groups(session: Session, run: str, keys: Sequence[GroupKey]) -> None:
+    """Create the group rows of ``keys`` that do not exist, in the order of ``keys``."""
+    conn = session.connection()
+    if conn.dialect.name == "postgresql":
+        if keys:
+            rule_ids, layers = [rule_id for rule_id, _ in keys], [layer for _, layer in keys]
+            conn.execute(_PG_GROUPS, {"run": run, "rule_ids": rule_ids, "layers": layers})
+        return
+    rows = [{"rule_id": rule_id, "run": run, "layer": layer, "episode_id": None} for rule_id, layer in keys]
+    insert_ignore(session, _GROUPS, rows, ("rule_id", "run", "layer"))
+
+
+def _locked_groups(conn: Connection, run: str, layers_by_rule: Mapping[int, list[str]]) -> dict[GroupKey, int | None]:
+    """Lock the stored groups of ``layers_by_rule`` (rule id → sorted layers) of ``run``; their open episode ids."""
+    opened: dict[GroupKey, int | None] = {}
+    for rule_id, layers in layers_by_rule.items():
+        # Lock the groups in (rule, layer) order, the same order in every replica: no deadlocks between them.
+        for layer, episode_id in conn.execute(
+            select(_GROUPS.c.layer, _GROUPS.c.episode_id)
+            .where(_GROUPS.c.rule_id == rule_id, _GROUPS.c.run == run, _GROUPS.c.layer.in_(layers))
+            .order_by(_GROUPS.c.layer)
+            .with_for_update()
+        ):
+            opened[(rule_id, layer)] = episode_id
+    return opened
+
+
 def read_episodes(session: Session, ids: list[int]) -> dict[int, Episode]:
-    """The episodes ``ids`` in memory, by id."""
+    """The episodes ``ids`` in memory, by id (all but their labels and annotations: see ``EPISODE_READ``)."""
     if not ids:
         return {}
-    columns = [_EPISODES.c[name] for name in EPISODE_COLUMNS]
+    columns = [_EPISODES.c[name] for name in EPISODE_READ]
     return {
         int(row[0]): Episode(int(row[0]), *row[1:])
         for row in session.connection().execute(select(_EPISODES.c.id, *columns).where(_EPISODES.c.id.in_(ids)))
@@ -275,8 +312,16 @@ def write_episodes(session: Session, run: str, batch: EpisodeBatch) -> None:
     existing = [episode for episode in batch.touched if not episode.fresh]
     # Ended and dropped episodes first: a group's new open episode must not meet its old one in the unique index.
     kept = [episode for episode in existing if not episode.cancelled]
-    if kept:
-        conn.execute(_EPISODE_UPDATE, [episode.update_values() for episode in kept])
+    # One statement per shape of the changes: fired or resolved (notified), or joined by a rank (see update_values).
+    notified = [episode.update_values() for episode in kept if episode.notified is not None]
+    if notified:
+        conn.execute(_EPISODE_UPDATE, notified)
+    joined = [episode for episode in kept if episode.notified is None]
+    if joined and conn.dialect.name == "postgresql":
+        ranks = [json.dumps(episode.ranks) for episode in joined]
+        conn.execute(_PG_RANKS, {"ids": [episode.id for episode in joined], "ranks": ranks})
+    elif joined:
+        conn.execute(_EPISODE_UPDATE, [episode.update_values() for episode in joined])
     dropped = [episode.id for episode in existing if episode.cancelled]
     if dropped:
         conn.execute(delete(_EPISODES).where(_EPISODES.c.id.in_(dropped)))
@@ -478,30 +523,6 @@ def firing_episode_counts(session: Session, runs: Sequence[str]) -> dict[str, in
         .group_by(EpisodeRow.run)
     )
     return {run: int(total) for run, total in rows}
-
-
-_FIRING = (
-    select(
-        _EPISODES.c.id,
-        _EPISODES.c.rule_name,
-        _EPISODES.c.layer,
-        _EPISODES.c.ranks,
-        _EPISODES.c.firing_step,
-        _EPISODES.c.severity,
-    )
-    .where(_EPISODES.c.run == bindparam("run"), _EPISODES.c.state == "firing")
-    .order_by(_EPISODES.c.id)
-)
-
-
-def firing_episodes(session: Session, run: str) -> list[dict[str, Any]]:
-    """The firing episodes of ``run`` as the ingest answer lists them (protocol ``FIRING_EPISODE_KEYS``), oldest first;
-    one lookup of the (run, state) index, a statement built once."""
-    rows = session.connection().execute(_FIRING, {"run": run})
-    return [
-        dict(zip(FIRING_EPISODE_KEYS, (episode, rule, layer, list(ranks), since, severity), strict=True))
-        for episode, rule, layer, ranks, since, severity in rows
-    ]
 
 
 # -- layer formats ---------------------------------------------------------------------------------------------------

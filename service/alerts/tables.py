@@ -20,6 +20,7 @@ __all__ = [
     "AlertGroupRow",
     "DeliveryRow",
     "EpisodeRow",
+    "FiringTokenRow",
     "LayerFormatRow",
     "ReceiverRow",
     "RuleRow",
@@ -72,6 +73,21 @@ class AlertCursorRow(Base):
 
     run: Mapped[str] = mapped_column(String(200), primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+
+
+class FiringTokenRow(Base):
+    """The firing tokens of a run (migration 0013): a random ``token`` per (run, rank), drawn by every transaction of
+    that rank's ingest that changes the run's list of firing episodes (one fires, resolves, or fires on more ranks),
+    on whichever replica it runs; rank -1 is the rule routes' (they end episodes too). The run's tokens together tell
+    a process that keeps the list it read last whether it is current. One row per rank, not per run: the row's lock,
+    held to the commit on PostgreSQL, is then one that the rank's batches take in turn already (its cursor), not a
+    queue of every rank of a flapping run. A run without rows has no change since the migration."""
+
+    __tablename__ = "alert_firing_tokens"
+
+    run: Mapped[str] = mapped_column(String(200), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    token: Mapped[int] = mapped_column(BigInteger)
 
 
 class SeriesStatesRow(Base):

@@ -97,6 +97,12 @@ class WhatIfStore:
             run_row = find_run(session, run)
             return self.window_in(session, run_row.id, rank, size)
 
+    @staticmethod
+    def has_entries(session: Session, run_id: int, rank: int) -> bool:
+        """Whether ``rank`` of the run ``run_id`` stored any what-if statistics (one primary-key lookup)."""
+        query = select(WhatIfRow.step).where(WhatIfRow.run_id == run_id, WhatIfRow.rank == rank).limit(1)
+        return session.scalar(query) is not None
+
     def window_in(
         self, session: Session, run_id: int, rank: int, size: int, layer: str | None = None
     ) -> tuple[list[int], list[dict[str, Any]]]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fastapi import FastAPI
 from sqlalchemy.orm import Session
 
-from quantwatch.service.alerts.engine import AlertEngine
+from quantwatch.service.alerts.engine import AlertEngine, RemedyKey
 from quantwatch.service.api.deps import ingest_observers_of
 from quantwatch.service.store import Store
 from quantwatch.service.store.common import NotFoundError, find_run
@@ -22,14 +24,22 @@ def install_whatif(app: FastAPI, store: Store, alerts: AlertEngine) -> None:
     ingest_observers_of(app).insert(0, WhatIfRecorder())
     budget = parse_budget(str(DEFAULT_BUDGET))
 
-    def remedy(session: Session, run: str, layer: str, rank: int) -> str | None:
-        if not layer:
-            return None
+    def remedy(session: Session, run: str, keys: Sequence[RemedyKey]) -> dict[RemedyKey, str | None]:
+        wanted = [(layer, rank) for layer, rank in keys if layer]
         try:
-            run_id = find_run(session, run).id
+            run_id = find_run(session, run).id if wanted else None
         except NotFoundError:
-            return None
-        _, rows = store.whatif.window_in(session, run_id, rank, DEFAULT_WINDOW, layer)
-        return remediation(layer, rows, budget, DEFAULT_WINDOW) if rows else None
+            run_id = None
+        texts: dict[RemedyKey, str | None] = {}
+        if run_id is None:
+            return texts
+        for rank in sorted({rank for _, rank in wanted}):
+            if not store.whatif.has_entries(session, run_id, rank):
+                continue  # one lookup for a rank without what-if statistics, not two per layer
+            for layer in (layer for layer, of in wanted if of == rank):
+                _, rows = store.whatif.window_in(session, run_id, rank, DEFAULT_WINDOW, layer)
+                if rows:
+                    texts[(layer, rank)] = remediation(layer, rows, budget, DEFAULT_WINDOW)
+        return texts
 
     alerts.remediation = remedy
