@@ -93,6 +93,7 @@ def client(work: dict[str, Any]) -> dict[str, Any]:
     cpu = os.times()
     latencies: list[float] = []
     points = refused = late = 0
+    lag = 0.0
     for i in range(10**9):
         due = start + phase + i * interval
         if (due if interval > 0 else time.monotonic()) >= end:
@@ -101,6 +102,7 @@ def client(work: dict[str, Any]) -> dict[str, Any]:
             wait = due - time.monotonic()
             time.sleep(max(0.0, wait))
             late += wait < -interval  # sent more than one period after it was due: not keeping up
+            lag = max(lag, -wait)
         body = batch_body(work, (work["warmup"] + i) * per_request)
         t0 = time.monotonic()
         stored, retried = post(conn, body)
@@ -118,6 +120,7 @@ def client(work: dict[str, Any]) -> dict[str, Any]:
         "cpu": used.user - cpu.user + used.system - cpu.system,
         "refused": refused,
         "late": late,
+        "lag": lag,
     }
 
 
@@ -127,6 +130,7 @@ def run_clients(
     """One process per rank's ``works`` entry, rank r posting to ``urls[r % len(urls)]``, each ``warmup`` requests
     first, then all started together for ``seconds``: their totals, with the CPU that the ``collectors`` (pids), the
     clients, PostgreSQL and the whole machine used meanwhile."""
+    spawned = time.monotonic()
     procs = []
     for work in works:
         proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -167,6 +171,8 @@ def run_clients(
         "wall_seconds": wall,
         "refused": sum(r["refused"] for r in results),
         "late": sum(r["late"] for r in results),
+        "lag_seconds": max(r["lag"] for r in results),
+        "setup_seconds": start - spawned,
         "cpu_ms_per_request": collector * 1e3 / len(latencies),
         "collector_cores": collector / span,
         "client_cores": sum(r["cpu"] for r in results) / wall,

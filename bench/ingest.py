@@ -216,8 +216,10 @@ def bench_backend(
     title: str, url: str, size_of: Any, args: argparse.Namespace, tree: Path | None, case: Case
 ) -> dict[str, Any]:
     print(f"\n== {title}: {url}" + (f" (collector from {tree})" if tree is not None else ""), flush=True)
+    began = time.monotonic()
     with ExitStack() as stack:
         replicas = [stack.enter_context(collector(url, tree)) for _ in range(case.replicas)]
+        ready = time.monotonic() - began
         metrics = MANY_RANKS_METRICS if args.many_ranks else METRICS
         scale = FLAPPING_SCALE if args.flapping else HEALTHY_SCALE
         works = [
@@ -234,12 +236,18 @@ def bench_backend(
             f"{ingest['requests'] / ingest['wall_seconds']:.1f} requests/s, {ingest['wall_seconds']:.1f} s), "
             f"p50 {ingest['p50_ms']:.1f} ms, p99 {ingest['p99_ms']:.1f} ms, collector CPU "
             f"{ingest['cpu_ms_per_request']:.1f} ms per request, {ingest['refused']} refused (429), "
-            f"{ingest['late']} sent a period late; cores used: {shares}; load average {os.getloadavg()[0]:.1f}\n"
+            f"{ingest['late']} sent a period late (most behind its time: {ingest['lag_seconds']:.2f} s); cores used: "
+            f"{shares}; load average {os.getloadavg()[0]:.1f}; collectors ready in {ready:.0f} s, clients spawned "
+            f"and warmed up in {ingest['setup_seconds']:.0f} s\n"
             f"episodes: {ingest['episodes']}",
             flush=True,
         )
         per_point = size_of() / ingest["points"]
-        print(f"disk: {per_point:.2f} bytes per point (whole database incl. rollups and indexes)", flush=True)
+        print(
+            f"disk: {per_point:.2f} bytes per point (whole database incl. rollups and indexes); "
+            f"{time.monotonic() - began:.0f} s since the collector started",
+            flush=True,
+        )
         if args.query_steps <= 0:
             return {**ingest, "bytes_per_point": per_point}
         queries = fill_and_query(replicas[0][0], args.query_steps, args.reps)
@@ -457,13 +465,14 @@ def print_summary(results: list[tuple[Case, int, str, dict[str, Any]]], mlflow_r
     print(
         "\n== summary (× : to the first tree of the same case and round; cores: collectors / clients / PostgreSQL "
         "/ the whole machine, of 2)\n"
-        "| case | tree | req/s (offered) | × | points/s | p50 ms | p99 ms | CPU ms/req | B/point | cores | episodes |\n"
+        "| case | tree | req/s (offered, most behind) | × | points/s | p50 ms | p99 ms | CPU ms/req | B/point | cores "
+        "| episodes |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     first = {(case, round_): r for case, round_, _, r in reversed(results)}
     for case, round_, name, r in results:
         rate = r["requests"] / r["wall_seconds"]
-        offered = f" ({case.clients / case.interval:g})" if case.interval > 0 else ""
+        offered = f" ({case.clients / case.interval:g}, lag {r['lag_seconds']:.1f} s)" if case.interval > 0 else ""
         ratio = r["points_per_second"] / first[(case, round_)]["points_per_second"]
         cores = " / ".join(f"{r[k + '_cores']:.2f}" for k in ("collector", "client", "postgres", "machine"))
         e = r["episodes"]
