@@ -41,7 +41,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -62,22 +62,26 @@ LAYERS = [
 
 
 @contextmanager
-def collector(database_url: str, tree: Path | None = None) -> Iterator[tuple[str, int]]:
-    """A ``quantwatch serve`` on ``database_url``, run from the checkout ``tree`` (default: the installed package)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "quantwatch.cli", "serve", "--database-url", database_url, "--port", str(port)]
+def collectors(database_url: str, tree: Path | None = None, count: int = 1) -> Iterator[list[tuple[str, int]]]:
+    """``count`` replicas of ``quantwatch serve`` on ``database_url`` (started together: the migrations take an
+    advisory lock), run from the checkout ``tree`` (default: the installed package); their (URL, pid)."""
+    ports = [free_port() for _ in range(count)]
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), *filter(None, [env.get("PYTHONPATH")])])
     # ``python -m`` puts its working directory first on sys.path, ahead of PYTHONPATH: start it in the tree, or the
     # checkout the benchmark runs from is what every "tree" runs.
-    proc = subprocess.Popen([*cmd, "--log-level", "warning"], env=env, cwd=tree)
+    serve = [sys.executable, "-m", "quantwatch.cli", "serve", "--database-url", database_url, "--log-level", "warning"]
+    procs = [subprocess.Popen([*serve, "--port", str(port)], env=env, cwd=tree) for port in ports]
     try:
-        wait_until_ready(proc, f"http://127.0.0.1:{port}/readyz", 120, "collector")
-        yield f"http://127.0.0.1:{port}", proc.pid
+        for proc, port in zip(procs, ports, strict=True):
+            wait_until_ready(proc, f"http://127.0.0.1:{port}/readyz", 120, "collector")
+        yield [(f"http://127.0.0.1:{port}", proc.pid) for proc, port in zip(procs, ports, strict=True)]
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
 
 
 RUN = "bench-ingest"
@@ -217,8 +221,7 @@ def bench_backend(
 ) -> dict[str, Any]:
     print(f"\n== {title}: {url}" + (f" (collector from {tree})" if tree is not None else ""), flush=True)
     began = time.monotonic()
-    with ExitStack() as stack:
-        replicas = [stack.enter_context(collector(url, tree)) for _ in range(case.replicas)]
+    with collectors(url, tree, case.replicas) as replicas:
         ready = time.monotonic() - began
         metrics = MANY_RANKS_METRICS if args.many_ranks else METRICS
         scale = FLAPPING_SCALE if args.flapping else HEALTHY_SCALE
