@@ -80,8 +80,8 @@ def client(work: dict[str, Any]) -> dict[str, Any]:
     conn = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=300)
     conn.connect()
     per_request = work["steps_per_batch"] * work["stride"]
-    for i in range(work["warmup"]):  # before the common start: the run's episodes open here, not in the window
-        post(conn, batch_body(work, i * per_request))
+    if work["warmup"]:  # before the common start, in one request: the run's episodes open here, not in the window
+        post(conn, batch_body({**work, "steps_per_batch": work["warmup"] * work["steps_per_batch"]}, 0))
     sys.stdout.buffer.write(b"ready\n")
     sys.stdout.buffer.flush()
     (start,) = struct.unpack("<d", sys.stdin.buffer.read(8))
@@ -127,9 +127,9 @@ def client(work: dict[str, Any]) -> dict[str, Any]:
 def run_clients(
     urls: list[str], works: list[dict[str, Any]], seconds: float, warmup: int, collectors: list[int]
 ) -> dict[str, Any]:
-    """One process per rank's ``works`` entry, rank r posting to ``urls[r % len(urls)]``, each ``warmup`` requests
-    first, then all started together for ``seconds``: their totals, with the CPU that the ``collectors`` (pids), the
-    clients, PostgreSQL and the whole machine used meanwhile."""
+    """One process per rank's ``works`` entry, rank r posting to ``urls[r % len(urls)]``, each first ``warmup``
+    batches' steps in one request, then all started together for ``seconds``: their totals, with the CPU that the
+    ``collectors`` (pids), the clients, PostgreSQL and the whole machine used meanwhile."""
     spawned = time.monotonic()
     procs = []
     for work in works:

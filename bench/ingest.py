@@ -25,7 +25,8 @@ the tree before issue 21 against main; ~9 minutes (24 runs; ``--seconds`` sets e
 fresh database; start the bench outside any checkout (``python -m`` puts the working directory first on
 ``sys.path``). Every case (backend × replicas × ranks × interval) runs each tree in turn, ``--rounds`` times, and the
 summary's Markdown rows give each figure with its ratio to the first tree's in the same case and round. Each rank sends
-``--warmup`` requests before the measured window, so the rules' episodes are open when it starts.
+``--warmup`` batches' steps in one request before the measured window, so the rules' episodes are open when it
+starts.
 """
 
 from __future__ import annotations
@@ -371,7 +372,8 @@ def parse_args() -> argparse.Namespace:
         "--warmup",
         type=int,
         default=3,
-        help="requests each rank sends before the measured window (the shipped rules fire after 3 steps)",
+        help="batches' steps each rank sends in one request before the measured window (the shipped rules fire "
+        "after 3 steps)",
     )
     parser.add_argument("--query-steps", type=int, default=100_000)
     parser.add_argument("--reps", type=int, default=20)
