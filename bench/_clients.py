@@ -2,10 +2,11 @@
 
 Each client is this file run as a script (stdlib and msgpack only: no numpy, no httpx, no quantwatch import), so 64 of
 them on a 2-core machine cost little beside the collector. It reads its workload from stdin (a length-prefixed msgpack
-map: the metric blobs are made once, by the parent), opens one keep-alive HTTP/1.1 connection, says ``ready`` and
-waits for the common start time; then it posts its batches closed loop (back to back) or at a fixed cadence (one
-request every ``interval`` seconds from a random phase, as an agent's flush timer does), until ``seconds`` have passed,
-and answers on stdout with its points, latencies and its own CPU time over that window.
+map: the metric blobs are made once, by the parent), opens one keep-alive HTTP/1.1 connection, sends its warm-up
+steps in one request, says ``ready`` and waits for the common start time; then it posts its batches closed loop (back
+to back) or at a fixed cadence (one request every ``interval`` seconds from a random phase, as an agent's flush timer
+does), until ``seconds`` have passed, and answers on stdout with its points, latencies and its own CPU time over that
+window.
 """
 
 from __future__ import annotations

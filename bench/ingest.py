@@ -14,10 +14,11 @@ series. Finally sends the same workload through MLflow's ``log-batch`` REST endp
 Issue 21's "many ranks" set (``--many-ranks``: each rank one sampled step, every 25th, of 512 layers × 12 metrics per
 request; the values make two shipped rules fire on every layer), 16 and 64 ranks, closed loop and at the agent's flush
 interval, SQLite, PostgreSQL and two collector replicas on one PostgreSQL database (rank r posts to replica r % 2),
-the tree before issue 21 against main; ~9 minutes (24 runs; ``--seconds`` sets each run's window):
+the tree before issue 21 against main: 24 runs, 8 minutes at load 7–15 on 2 cores (13 with ``--seconds 10``;
+``--seconds`` sets each run's window):
 
-    cd /tmp && PYTHONPATH=/path/to/checkout .venv/bin/python /path/to/checkout/bench/ingest.py --many-ranks \
-        --clients 16,64 --interval 0,2 --replicas 1,2 --seconds 10 --query-steps 0 --skip-mlflow \
+    cd /tmp && PYTHONPATH=/path/to/checkout .venv/bin/python /path/to/checkout/bench/ingest.py --many-ranks \\
+        --clients 16,64 --interval 0,2 --replicas 1,2 --seconds 8 --query-steps 0 --skip-mlflow \\
         --tree orig=/tmp/qw-orig --tree main=/tmp/qw-main
 
 ``--tree NAME=PATH`` runs the collector from another checkout of the project (``git archive`` it into /tmp; its
