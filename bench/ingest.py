@@ -1,21 +1,33 @@
-"""Collector ingest and query benchmark (issue 3), side by side with an MLflow tracking server.
+"""Collector ingest and query benchmark (issues 3 and 21), side by side with an MLflow tracking server.
 
-Starts a real ``quantwatch serve`` (uvicorn on loopback) on SQLite, then on PostgreSQL, and drives it from
-concurrent client processes sending the agent's binary encoding (msgpack, float32 ``bin`` per metric) of 512 layers ×
-8 metrics per step. Prints acknowledged points/s (each 200 means committed), p50/p99 request latency, bytes per point
-on disk, then fills one run with 100,000 steps × 512 layers and times a 512 × 500 heatmap and a 1,000-point series.
-Finally sends the same workload through MLflow's ``log-batch`` REST endpoint (if MLflow is installed) and prints the
-ratio.
+Starts a real ``quantwatch serve`` (uvicorn on loopback) on SQLite, then on PostgreSQL, and drives it from one client
+process per rank (bench/_clients.py: keep-alive HTTP, bodies from blobs made once) sending the agent's binary encoding
+(msgpack, float32 ``bin`` per metric) of 512 layers × 8 metrics per step. Prints acknowledged points/s (each 200 means
+committed), p50/p99 request latency, the collectors' CPU per request, the cores the collectors, the clients,
+PostgreSQL and the whole machine used, bytes per point on disk, and the run's alert episodes by (rule, layer) through
+the REST API; then fills one run with 100,000 steps × 512 layers and times a 512 × 500 heatmap and a 1,000-point
+series. Finally sends the same workload through MLflow's ``log-batch`` REST endpoint (if MLflow is installed).
 
     .venv/bin/python bench/ingest.py                 # everything (several minutes)
     .venv/bin/python bench/ingest.py --seconds 10 --skip-postgres --query-steps 20000
-    .venv/bin/python bench/ingest.py --clients 8 --many-ranks --skip-mlflow   # issue 21: one step per request
-    .venv/bin/python bench/ingest.py --clients 16 --many-ranks --interval 2 --query-steps 0 --skip-mlflow \
-        --tree orig=/tmp/qw-orig --tree new=. --rounds 2      # trees side by side, alternated, at a fixed cadence
 
-``--tree NAME=PATH`` runs the collector from another checkout of the project (its ``quantwatch`` package first on
-``PYTHONPATH``; the clients are this tree's), each on a fresh database; with several trees every backend runs each
-tree in turn, ``--rounds`` times, and the summary gives each figure as a ratio to the first tree's in the same round.
+Issue 21's "many ranks" set (``--many-ranks``: each rank one sampled step, every 25th, of 512 layers × 12 metrics per
+request; the values make two shipped rules fire on every layer), 16 and 64 ranks, closed loop and at the agent's flush
+interval, SQLite, PostgreSQL and two collector replicas on one PostgreSQL database (rank r posts to replica r % 2),
+the tree before issue 21 against main: 24 runs, 8 minutes at load 7–15 on 2 cores (13 with ``--seconds 10``;
+``--seconds`` sets each run's window):
+
+    cd /tmp && PYTHONPATH=/path/to/checkout .venv/bin/python /path/to/checkout/bench/ingest.py --many-ranks \\
+        --clients 16,64 --interval 0,2 --replicas 1,2 --seconds 8 --query-steps 0 --skip-mlflow \\
+        --tree orig=/tmp/qw-orig --tree main=/tmp/qw-main
+
+``--tree NAME=PATH`` runs the collector from another checkout of the project (``git archive`` it into /tmp; its
+``quantwatch`` package first on ``PYTHONPATH``, the collector started in it; the clients are this tree's), each on a
+fresh database; start the bench outside any checkout (``python -m`` puts the working directory first on
+``sys.path``). Every case (backend × replicas × ranks × interval) runs each tree in turn, ``--rounds`` times, and the
+summary's Markdown rows give each figure with its ratio to the first tree's in the same case and round. Each rank sends
+``--warmup`` batches' steps in one request before the measured window, so the rules' episodes are open when it
+starts.
 """
 
 from __future__ import annotations
@@ -29,16 +41,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
-import msgpack
 import numpy as np
+from _clients import batch_body, run_clients
 from _common import METRICS, postgres_database
 
 from quantwatch.protocol import LAYER_METRICS
@@ -51,24 +64,29 @@ LAYERS = [
 
 
 @contextmanager
-def collector(database_url: str, tree: Path | None = None) -> Iterator[tuple[str, int]]:
-    """A ``quantwatch serve`` on ``database_url``, run from the checkout ``tree`` (default: the installed package)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "quantwatch.cli", "serve", "--database-url", database_url, "--port", str(port)]
+def collectors(database_url: str, tree: Path | None = None, count: int = 1) -> Iterator[list[tuple[str, int]]]:
+    """``count`` replicas of ``quantwatch serve`` on ``database_url`` (started together: the migrations take an
+    advisory lock), run from the checkout ``tree`` (default: the installed package); their (URL, pid)."""
+    ports = [free_port() for _ in range(count)]
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), *filter(None, [env.get("PYTHONPATH")])])
     # ``python -m`` puts its working directory first on sys.path, ahead of PYTHONPATH: start it in the tree, or the
     # checkout the benchmark runs from is what every "tree" runs.
-    proc = subprocess.Popen([*cmd, "--log-level", "warning"], env=env, cwd=tree)
+    serve = [sys.executable, "-m", "quantwatch.cli", "serve", "--database-url", database_url, "--log-level", "warning"]
+    procs = [subprocess.Popen([*serve, "--port", str(port)], env=env, cwd=tree) for port in ports]
     try:
-        wait_until_ready(proc, f"http://127.0.0.1:{port}/readyz", 120, "collector")
-        yield f"http://127.0.0.1:{port}", proc.pid
+        for proc, port in zip(procs, ports, strict=True):
+            wait_until_ready(proc, f"http://127.0.0.1:{port}/readyz", 120, "collector")
+        yield [(f"http://127.0.0.1:{port}", proc.pid) for proc, port in zip(procs, ports, strict=True)]
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
 
 
+RUN = "bench-ingest"
 HEALTHY_SCALE = 0.04  # below the shipped `output_rel_l2 > 0.05` rule: a healthy run
 FLAPPING_SCALE = 1.0  # most layers cross that threshold back and forth every step: the alert engine's worst case
 
@@ -78,89 +96,25 @@ def workload_values(seed: int, scale: float) -> np.ndarray:
     return np.random.default_rng(seed).random((16, len(LAYERS)), dtype=np.float32) * np.float32(scale)
 
 
+def work_spec(
+    run: str, rank: int, metrics: list[str], values: np.ndarray, steps: int, stride: int = 1, interval: float = 0.0
+) -> dict[str, Any]:
+    """What one rank's client makes its bodies from (:func:`_clients.batch_body`): batches of ``steps`` steps
+    ``stride`` apart, metric ``i`` a float32 ``bin`` of row ``i % 16`` of ``values`` (rotated by step)."""
+    blobs = [values[i % values.shape[0]].astype("<f4").tobytes() for i in range(len(metrics))]
+    spec = {"run": run, "rank": rank, "layers": LAYERS, "metrics": metrics, "blobs": blobs}
+    return spec | {"steps_per_batch": steps, "stride": stride, "interval": interval}
+
+
 def encode_batch(run: str, rank: int, steps: range, metrics: list[str], values: np.ndarray) -> bytes:
     """The agent's binary encoding: one float32 ``bin`` per metric and step."""
-    blobs = [values[i % values.shape[0]].astype("<f4").tobytes() for i in range(len(metrics))]
-    doc = {
-        "run": run,
-        "rank": rank,
-        "batch_id": uuid.uuid4().hex,
-        "layers": LAYERS,
-        "steps": [
-            {"step": s, "time": 1.7e9 + s, "metrics": {m: blobs[(j + s) % len(blobs)] for j, m in enumerate(metrics)}}
-            for s in steps
-        ],
-    }
-    return bytes(msgpack.packb(doc, use_bin_type=True))
+    return batch_body(work_spec(run, rank, metrics, values, len(steps), steps.step), steps.start)
 
 
 # The "many ranks" workload (issue 21): each rank posts one sampled step per request, every SAMPLE_EVERY-th step,
 # with 12 of the catalogue's per-layer metrics, as the agent does with its default sampling.
 MANY_RANKS_METRICS = [m for m in LAYER_METRICS if m != "weight_drift_rel_l2"][:12]
-SAMPLE_EVERY = 10
-
-
-def ingest_client(
-    args: tuple[str, str, int, int, float, float, Any, list[str], int, float],
-) -> tuple[int, list[float], float, float]:
-    """One client process: send batches back to back for ``seconds`` (encoding each takes ~1 ms, like the agent),
-    or one every ``interval`` seconds (a fixed cadence, each client starting at a random phase) when it is > 0."""
-    url, run, rank, steps_per_batch, seconds, scale, barrier, metrics, stride, interval = args
-    values = workload_values(rank, scale)
-    latencies: list[float] = []
-    points = 0
-    headers = {"Content-Type": "application/msgpack"}
-    with httpx.Client(base_url=url, timeout=120) as http:
-        barrier.wait()
-        start = time.perf_counter()
-        phase = np.random.default_rng(rank).random() * interval
-        for i in range(10**9):
-            if interval > 0:
-                time.sleep(max(0.0, start + phase + i * interval - time.perf_counter()))
-            steps = range(i * steps_per_batch * stride, (i + 1) * steps_per_batch * stride, stride)
-            body = encode_batch(run, rank, steps, metrics, values)
-            t0 = time.perf_counter()
-            r = http.post("/api/v1/ingest", content=body, headers=headers)
-            latencies.append(time.perf_counter() - t0)
-            r.raise_for_status()
-            points += r.json()["points"]
-            if time.perf_counter() - start >= seconds:
-                break
-        end = time.perf_counter()
-    return points, latencies, start, end
-
-
-def run_clients(
-    url: str,
-    run: str,
-    clients: int,
-    steps_per_batch: int,
-    seconds: float,
-    scale: float,
-    metrics: list[str] = METRICS,
-    stride: int = 1,
-    interval: float = 0.0,
-) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        barrier = manager.Barrier(clients)
-        with ctx.Pool(clients) as pool:
-            jobs = [
-                (url, run, rank, steps_per_batch, seconds, scale, barrier, metrics, stride, interval)
-                for rank in range(clients)
-            ]
-            results = pool.map(ingest_client, jobs)
-    points = sum(r[0] for r in results)
-    latencies = sorted(x for r in results for x in r[1])
-    wall = max(r[3] for r in results) - min(r[2] for r in results)
-    return {
-        "points": points,
-        "points_per_second": points / wall,
-        "p50_ms": 1000 * latencies[len(latencies) // 2],
-        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
-        "requests": len(latencies),
-        "wall_seconds": wall,
-    }
+SAMPLE_EVERY = 25  # the agent's default sampling period (``every``)
 
 
 def fill_client(args: tuple[str, str, int, int, int]) -> float:
@@ -210,13 +164,6 @@ def fill_and_query(url: str, steps: int, reps: int) -> dict[str, float]:
     return out
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far (Linux /proc): the collector's cost, which the load of
-    other jobs on the machine moves far less than its throughput."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def sqlite_bytes(path: Path) -> int:
     import sqlite3
 
@@ -241,35 +188,74 @@ def postgres_bytes(url: str) -> int:
     return int(size)
 
 
-def bench_backend(name: str, url: str, size_of: Any, args: argparse.Namespace, tree: Path | None) -> dict[str, Any]:
-    print(f"\n== {name}: {url}" + (f" (collector from {tree})" if tree is not None else ""), flush=True)
-    with collector(url, tree) as (base, pid):
-        cpu = process_cpu_seconds(pid)
-        ingest = run_clients(
-            base,
-            "bench-ingest",
-            args.clients,
-            1 if args.many_ranks else args.steps_per_batch,
-            args.seconds,
-            FLAPPING_SCALE if args.flapping else HEALTHY_SCALE,
-            MANY_RANKS_METRICS if args.many_ranks else METRICS,
-            SAMPLE_EVERY if args.many_ranks else 1,
-            args.interval,
-        )
-        ingest["cpu_ms_per_request"] = (process_cpu_seconds(pid) - cpu) * 1e3 / ingest["requests"]
+@dataclass(frozen=True)
+class Case:
+    """One ingest configuration: where it is stored and how the ranks send."""
+
+    backend: str
+    replicas: int
+    clients: int
+    interval: float
+
+    def __str__(self) -> str:
+        cadence = f"every {self.interval:g} s" if self.interval > 0 else "closed loop"
+        return f"{self.backend} ×{self.replicas}, {self.clients} ranks, {cadence}"
+
+
+def check_episodes(url: str, run: str) -> dict[str, Any]:
+    """The alert episodes of ``run`` by (rule, layer), through the REST API: a layer firing in several ranks, on
+    any replica, must make one episode (``duplicated``: keys with more than one open episode)."""
+    episodes = httpx.get(f"{url}/api/v1/alerts", params={"run": run, "limit": 10_000}, timeout=120).json()
+    open_ = Counter((e["rule"], e["layer"]) for e in episodes if e["state"] != "resolved")
+    ranks = [len(e["ranks"]) for e in episodes]
+    return {
+        "episodes": len(episodes),
+        "layers": len({e["layer"] for e in episodes}),
+        "rules": len({e["rule"] for e in episodes}),
+        "duplicated": sum(n > 1 for n in open_.values()),
+        "resolved": sum(e["state"] == "resolved" for e in episodes),
+        "ranks": (min(ranks, default=0), max(ranks, default=0)),
+    }
+
+
+def bench_backend(
+    title: str, url: str, size_of: Any, args: argparse.Namespace, tree: Path | None, case: Case
+) -> dict[str, Any]:
+    print(f"\n== {title}: {url}" + (f" (collector from {tree})" if tree is not None else ""), flush=True)
+    began = time.monotonic()
+    with collectors(url, tree, case.replicas) as replicas:
+        ready = time.monotonic() - began
+        metrics = MANY_RANKS_METRICS if args.many_ranks else METRICS
+        scale = FLAPPING_SCALE if args.flapping else HEALTHY_SCALE
+        works = [
+            work_spec(RUN, rank, metrics, workload_values(rank, scale), args.steps_per_batch, args.every, case.interval)
+            for rank in range(case.clients)
+        ]
+        urls, pids = [base for base, _ in replicas], [pid for _, pid in replicas]
+        ingest = run_clients(urls, works, args.seconds, args.warmup, pids)
+        ingest["episodes"] = check_episodes(replicas[-1][0], RUN)
+        shares = ", ".join(f"{k} {ingest[k + '_cores']:.2f}" for k in ("collector", "client", "postgres", "machine"))
         print(
             f"ingest: {ingest['points_per_second']:,.0f} points/s acknowledged "
             f"({ingest['points']:,} points in {ingest['requests']} requests, "
             f"{ingest['requests'] / ingest['wall_seconds']:.1f} requests/s, {ingest['wall_seconds']:.1f} s), "
             f"p50 {ingest['p50_ms']:.1f} ms, p99 {ingest['p99_ms']:.1f} ms, collector CPU "
-            f"{ingest['cpu_ms_per_request']:.1f} ms per request; load average {os.getloadavg()[0]:.1f}",
+            f"{ingest['cpu_ms_per_request']:.1f} ms per request, {ingest['refused']} refused (429), "
+            f"{ingest['late']} sent a period late (most behind its time: {ingest['lag_seconds']:.2f} s); cores used: "
+            f"{shares}; load average {os.getloadavg()[0]:.1f}; collectors ready in {ready:.0f} s, clients spawned "
+            f"and warmed up in {ingest['setup_seconds']:.0f} s\n"
+            f"episodes: {ingest['episodes']}",
             flush=True,
         )
         per_point = size_of() / ingest["points"]
-        print(f"disk: {per_point:.2f} bytes per point (whole database incl. rollups and indexes)", flush=True)
+        print(
+            f"disk: {per_point:.2f} bytes per point (whole database incl. rollups and indexes); "
+            f"{time.monotonic() - began:.0f} s since the collector started",
+            flush=True,
+        )
         if args.query_steps <= 0:
             return {**ingest, "bytes_per_point": per_point}
-        queries = fill_and_query(base, args.query_steps, args.reps)
+        queries = fill_and_query(replicas[0][0], args.query_steps, args.reps)
         print(
             f"fill: {queries['fill_points_per_second']:,.0f} points/s with 1000-step batches; "
             f"heatmap {queries['heatmap_shape']} over {args.query_steps:,} steps: "
@@ -351,11 +337,11 @@ def bench_mlflow(args: argparse.Namespace, workdir: Path) -> float | None:
         wait_until_ready(proc, f"http://127.0.0.1:{port}/health", 300, "mlflow")
         ctx = mp.get_context("spawn")
         with ctx.Manager() as manager:
-            barrier = manager.Barrier(args.clients)
-            with ctx.Pool(args.clients) as pool:
+            barrier = manager.Barrier(args.clients[0])
+            with ctx.Pool(args.clients[0]) as pool:
                 results = pool.map(
                     mlflow_client,
-                    [(f"http://127.0.0.1:{port}", r, args.mlflow_seconds, barrier) for r in range(args.clients)],
+                    [(f"http://127.0.0.1:{port}", r, args.mlflow_seconds, barrier) for r in range(args.clients[0])],
                 )
     finally:
         proc.terminate()
@@ -371,14 +357,29 @@ def bench_mlflow(args: argparse.Namespace, workdir: Path) -> float | None:
     return rate
 
 
-def main() -> None:
+def numbers(kind: type, text: str) -> list[Any]:
+    """A comma-separated list of ``kind`` (``--clients 16,64``)."""
+    return [kind(x) for x in text.split(",")]
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=20, help="ingest phase length per backend")
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--steps-per-batch", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=20, help="ingest phase length per case")
+    parser.add_argument(
+        "--clients", type=partial(numbers, int), default=[4], help="client processes (ranks), a list: 16,64"
+    )
+    parser.add_argument("--steps-per-batch", type=int, help="default 16, 1 with --many-ranks")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="batches' steps each rank sends in one request before the measured window (the shipped rules fire "
+        "after 3 steps)",
+    )
     parser.add_argument("--query-steps", type=int, default=100_000)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--mlflow-seconds", type=float, default=20)
+    parser.add_argument("--skip-sqlite", action="store_true")
     parser.add_argument("--skip-postgres", action="store_true")
     parser.add_argument("--skip-mlflow", action="store_true")
     parser.add_argument(
@@ -387,13 +388,24 @@ def main() -> None:
     parser.add_argument(
         "--many-ranks",
         action="store_true",
-        help=f"each client a rank posting one sampled step (every {SAMPLE_EVERY}th) of 12 metrics per request",
+        help="each client a rank posting one sampled step of 12 metrics per request (as with --steps-per-batch 1)",
+    )
+    parser.add_argument(
+        "--every",
+        type=int,
+        help=f"steps between two sampled steps: default {SAMPLE_EVERY} (the agent's) with --many-ranks, else 1",
     )
     parser.add_argument(
         "--interval",
-        type=float,
-        default=0.0,
-        help="seconds between one client's requests (a fixed cadence); 0: closed loop, back to back",
+        type=partial(numbers, float),
+        default=[0.0],
+        help="seconds between one client's requests (a fixed cadence), a list: 0,2; 0: closed loop, back to back",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=partial(numbers, int),
+        default=[1],
+        help="collector processes on one PostgreSQL database, a list: 1,2 (ranks alternate between them)",
     )
     parser.add_argument(
         "--tree",
@@ -402,60 +414,90 @@ def main() -> None:
         metavar="NAME=PATH",
         help="run the collector from the checkout PATH (repeat to compare trees side by side; the first is the base)",
     )
-    parser.add_argument("--rounds", type=int, default=1, help="how many times each tree runs on each backend")
+    parser.add_argument("--rounds", type=int, default=1, help="how many times each tree runs each case")
     args = parser.parse_args()
+    if args.steps_per_batch is None:
+        args.steps_per_batch = 1 if args.many_ranks else 16
+    if args.every is None:
+        args.every = SAMPLE_EVERY if args.many_ranks else 1
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     trees: list[tuple[str, Path | None]] = [
         (name, Path(path)) for name, _, path in (spec.partition("=") for spec in args.tree)
     ] or [("this", None)]
-    steps, metrics = (1, MANY_RANKS_METRICS) if args.many_ranks else (args.steps_per_batch, METRICS)
-    cadence = f"one request per client every {args.interval:g} s" if args.interval > 0 else "closed loop"
+    metrics = MANY_RANKS_METRICS if args.many_ranks else METRICS
+    steps = args.steps_per_batch
     print(
-        f"workload: {args.clients} client processes × batches of {steps} steps × {len(LAYERS)} layers × "
+        f"workload: {args.clients} client processes (ranks) × batches of {steps} steps (every {args.every}th) × "
+        f"{len(LAYERS)} layers × "
         f"{len(metrics)} metrics (msgpack float32 bin, {steps * len(LAYERS) * len(metrics):,} points/batch), "
-        f"{cadence}, values uniform in [0, {FLAPPING_SCALE if args.flapping else HEALTHY_SCALE}) with the shipped "
-        f"alert rules on; load average {os.getloadavg()[0]:.1f}"
+        f"requests every {args.interval} s (0: closed loop), values uniform in "
+        f"[0, {FLAPPING_SCALE if args.flapping else HEALTHY_SCALE}) with the shipped alert rules on; load average "
+        f"{os.getloadavg()[0]:.1f}"
     )
-    results: list[tuple[str, int, str, dict[str, Any]]] = []
+    backends = [b for b, skip in (("sqlite", args.skip_sqlite), ("postgres", args.skip_postgres)) if not skip]
+    cases = [
+        Case(backend, replicas, clients, interval)
+        for backend in backends
+        for replicas in (args.replicas if backend == "postgres" else [1])
+        for clients in args.clients
+        for interval in args.interval
+    ]
+    results: list[tuple[Case, int, str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="qw-bench-") as tmp:
         workdir = Path(tmp)
-        backends = ["sqlite"] if args.skip_postgres else ["sqlite", "postgres"]
-        for backend in backends:
+        for n, case in enumerate(cases):
             for round_ in range(args.rounds):
                 for name, tree in trees:
-                    label = f"{name} round {round_ + 1}"
-                    if backend == "sqlite":
-                        db = workdir / f"{name}-{round_}" / "quantwatch.db"
+                    title = f"{case}, {name} round {round_ + 1}"
+                    if case.backend == "sqlite":
+                        db = workdir / f"{name}-{n}-{round_}" / "quantwatch.db"
                         db.parent.mkdir()
-                        result = bench_backend(
-                            f"SQLite, {label}", f"sqlite:///{db}", partial(sqlite_bytes, db), args, tree
-                        )
+                        result = bench_backend(title, f"sqlite:///{db}", partial(sqlite_bytes, db), args, tree, case)
                     else:
-                        with postgres_database(f"qw_bench_{name}_{round_}") as url:
-                            result = bench_backend(
-                                f"PostgreSQL, {label}", url, partial(postgres_bytes, url), args, tree
-                            )
-                    results.append((backend, round_, name, result))
+                        with postgres_database(f"qw_bench_{name}_{n}_{round_}") as url:
+                            result = bench_backend(title, url, partial(postgres_bytes, url), args, tree, case)
+                    results.append((case, round_, name, result))
         mlflow_rate = None if args.skip_mlflow else bench_mlflow(args, workdir)
     print_summary(results, mlflow_rate)
 
 
-def print_summary(results: list[tuple[str, int, str, dict[str, Any]]], mlflow_rate: float | None) -> None:
-    print("\n== summary (ratios: to the first tree of the same backend and round)")
-    first = {(backend, round_): r for backend, round_, _, r in reversed(results)}
-    for backend, round_, name, r in results:
-        ratio = r["points_per_second"] / first[(backend, round_)]["points_per_second"]
+def print_summary(results: list[tuple[Case, int, str, dict[str, Any]]], mlflow_rate: float | None) -> None:
+    """One Markdown row per run: requests/s (× the first tree's in the same case and round), points/s, latency,
+    the collectors' CPU per request, bytes/point, the cores each part used and the episode check."""
+    print(
+        "\n== summary (× : to the first tree of the same case and round; cores: collectors / clients / PostgreSQL "
+        "/ the whole machine, of 2)\n"
+        "| case | tree | req/s (offered, most behind) | × | points/s | p50 ms | p99 ms | CPU ms/req | B/point | cores "
+        "| episodes |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    first = {(case, round_): r for case, round_, _, r in reversed(results)}
+    for case, round_, name, r in results:
+        rate = r["requests"] / r["wall_seconds"]
+        offered = f" ({case.clients / case.interval:g}, lag {r['lag_seconds']:.1f} s)" if case.interval > 0 else ""
+        ratio = r["points_per_second"] / first[(case, round_)]["points_per_second"]
+        cores = " / ".join(f"{r[k + '_cores']:.2f}" for k in ("collector", "client", "postgres", "machine"))
+        e = r["episodes"]
+        episodes = (
+            f"{e['episodes']} on {e['layers']} layers × {e['rules']} rules, {e['duplicated']} duplicated, "
+            f"{e['resolved']} resolved, ranks {e['ranks'][0]}–{e['ranks'][1]}"
+        )
         line = (
-            f"{backend:9s} {name:>8s} r{round_ + 1} {r['points_per_second']:>11,.0f} points/s "
-            f"{r['requests'] / r['wall_seconds']:7.1f} req/s ({ratio:.2f}×)  CPU {r['cpu_ms_per_request']:5.1f} ms/req"
-            f"  p50 {r['p50_ms']:6.1f} ms  p99 {r['p99_ms']:7.1f} ms  {r['bytes_per_point']:.2f} B/point"
+            f"| {case} | {name} r{round_ + 1} | {rate:.1f}{offered} | {ratio:.2f} | {r['points_per_second']:,.0f} | "
+            f"{r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['cpu_ms_per_request']:.1f} | {r['bytes_per_point']:.2f} | "
+            f"{cores} | {episodes} |"
         )
         if "heatmap_ms_p50" in r:
-            line += f"  heatmap {r['heatmap_ms_p50']:.1f} ms  series {r['series_ms_p50']:.1f} ms"
+            line += f" heatmap {r['heatmap_ms_p50']:.1f} ms, series {r['series_ms_p50']:.1f} ms |"
         if mlflow_rate:
-            line += f"  = {r['points_per_second'] / mlflow_rate:,.0f}× MLflow"
+            line += f" {r['points_per_second'] / mlflow_rate:,.0f}× MLflow |"
         print(line)
     if mlflow_rate:
-        print(f"{'mlflow':9s} {mlflow_rate:>11,.0f} points/s")
+        print(f"MLflow: {mlflow_rate:,.0f} points/s")
 
 
 if __name__ == "__main__":

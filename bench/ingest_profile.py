@@ -1,7 +1,7 @@
 """Where a small ingest batch's time goes (issue 21): ``Store.ingest`` in-process with the app's observers.
 
 Builds the collector with ``create_app`` on ``--database-url`` (a fresh database), then stores ``--batches``
-batches of ``--steps`` steps (every 10th) × 512 layers × 8 metrics in bench/ingest.py's binary encoding (healthy
+batches of ``--steps`` steps (every 25th) × 512 layers × 8 metrics in bench/ingest.py's binary encoding (healthy
 values, 8 ranks in turn, the shipped rules), after 16 warm-up batches. Prints wall and CPU time per batch, the SQL
 statements per batch and their time by kind (SQLAlchemy cursor events), and with ``--profile`` the cProfile listing
 by cumulative time.

@@ -1,4 +1,5 @@
-"""Real collector processes: a restart mid-episode, and two replicas on one PostgreSQL ingesting the same run."""
+"""Real collector processes: a restart mid-episode, and two replicas on one PostgreSQL ingesting the same run (one
+firing layer, retried through the other replica; many firing layers, every rank at once)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgpack
+import numpy as np
 import pytest
 
 from quantwatch.service.server import free_port, serve_command, wait_until_ready
@@ -144,3 +147,50 @@ def test_two_replicas_on_one_postgres_make_one_episode(
         assert episodes[0]["state"] == "resolved"
         assert episodes[0]["layer"] == "l0"
         assert episodes[0]["ranks"] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+def test_two_replicas_open_one_episode_per_firing_layer(
+    tmp_path: Path, collectors: Callable[[Path], Collector], receivers: Callable[..., Any]
+) -> None:
+    # Issue 21's two replicas on one PostgreSQL: ranks alternate between them, every rank posts the same step at
+    # once (a barrier per step), in the agent's binary encoding; a third of the layers cross the rule in every rank.
+    rules = rules_file(tmp_path, receivers().url)
+    replicas = [collectors(rules), collectors(rules)]
+    layers = [f"l{i}" for i in range(48)]
+    firing = set(layers[::3])
+    values = np.array([0.5 if layer in firing else 0.01 for layer in layers], dtype="<f4").tobytes()
+    ranks = 6
+    barrier = threading.Barrier(ranks)
+    failures: list[str] = []
+
+    def rank_sends(rank: int) -> None:
+        for step in range(1, 6):
+            body = {
+                "run": "wide",
+                "rank": rank,
+                "batch_id": f"wide-{rank}-{step}",
+                "layers": layers,
+                "steps": [{"step": step, "time": 1.7e9 + step, "metrics": {"output_rel_l2": values}}],
+            }
+            barrier.wait()
+            answer = httpx.post(
+                f"{replicas[(rank + step) % 2].url}/api/v1/ingest",
+                content=msgpack.packb(body),
+                headers={"Content-Type": "application/msgpack"},
+                timeout=60,
+            )
+            if answer.status_code != 200:
+                failures.append(answer.text)
+
+    threads = [threading.Thread(target=rank_sends, args=(rank,)) for rank in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    for replica in replicas:
+        episodes = httpx.get(f"{replica.url}/api/v1/alerts", params={"run": "wide"}).json()
+        assert sorted(e["layer"] for e in episodes) == sorted(firing)  # one each, none on a healthy layer
+        assert {e["state"] for e in episodes} == {"firing"}
+        assert all(e["ranks"] == list(range(ranks)) for e in episodes)
