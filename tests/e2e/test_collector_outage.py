@@ -52,6 +52,9 @@ for line in sys.stdin:
         child = 0
     if line.strip() == "stop":
         break
+    if line.strip() == "down":
+        print(0, flush=True)
+        continue
     child = os.fork()
     if child == 0:
         app = create_app(Settings(**settings))
@@ -91,6 +94,14 @@ class CollectorProcess:
         assert self.parent.stdin is not None
         assert self.parent.stdout is not None
         self.parent.stdin.write(b"restart\n")
+        self.parent.stdin.flush()
+        self.parent.stdout.readline()
+
+    def down(self) -> None:
+        """SIGKILL the collector and leave it down until `restart`."""
+        assert self.parent.stdin is not None
+        assert self.parent.stdout is not None
+        self.parent.stdin.write(b"down\n")
         self.parent.stdin.flush()
         self.parent.stdout.readline()
 
@@ -162,11 +173,24 @@ def _job(collector: CollectorProcess, run: str, spool: Path) -> tuple[nn.Module,
 def test_two_collector_kills_while_fast_and_slow_jobs_train_lose_and_duplicate_nothing(
     collector: CollectorProcess, tmp_path: Path
 ) -> None:
-    """The measured failure: kill -9 and restart twice mid-run, close() while the collector is (re)starting."""
-    first_outage = threading.Barrier(3, action=collector.restart)  # both jobs at step 40, then the first kill
-    second_outage = threading.Barrier(2, action=collector.restart)  # the slow job at step 100, then the second
+    """The measured failure: kill -9 and restart twice mid-run, close() while the collector is (re)starting.
+
+    The collector stays down until the jobs it kills have spooled a batch: a forked collector is back within a
+    fraction of a second, which a job on a loaded machine may not post in."""
+    first_outage = threading.Barrier(3, action=collector.down)  # both jobs at step 40, then the first kill
+    second_outage = threading.Barrier(2, action=collector.down)  # the slow job at step 100, then the second
     back = threading.Event()
     results: dict[str, Any] = {}
+    monitors: dict[str, qw.Monitor] = {}
+
+    def restart_once_spooled(names: tuple[str, ...], before: dict[str, int]) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(
+            name not in monitors or monitors[name].stats()["spooled_batches"] <= before.get(name, 0) for name in names
+        ):
+            time.sleep(0.01)
+        collector.restart()
+        collector.wait_ready()
 
     def fast_pause(step: int) -> None:
         if step == 40:
@@ -183,6 +207,7 @@ def test_two_collector_kills_while_fast_and_slow_jobs_train_lose_and_duplicate_n
 
     def run(name: str, pause: Any) -> None:
         model, monitor, exporter = _job(collector, name, tmp_path / name)
+        monitors[name] = monitor
         _train(model, monitor, range(STEPS), pause)
         results[name] = (monitor.close(60), monitor.stats(), exporter, monitor.layers)
 
@@ -190,17 +215,18 @@ def test_two_collector_kills_while_fast_and_slow_jobs_train_lose_and_duplicate_n
     for job in jobs:
         job.start()
     first_outage.wait(60)
-    collector.wait_ready()
+    restart_once_spooled(("fast", "slow"), {})
     back.set()
+    spooled = {"slow": monitors["slow"].stats()["spooled_batches"]}
     second_outage.wait(60)
-    collector.wait_ready()
+    restart_once_spooled(("slow",), spooled)
     for job in jobs:
         job.join(120)
     for name in ("fast", "slow"):
         result, stats, exporter, layers = results[name]
         assert result.delivered, (name, result, stats)
         assert (stats["spool_batches"], stats["dropped_batches"], stats["rejected_batches"]) == (0, 0, 0), stats
-        assert stats["spooled_batches"] > 0  # the outages did reach this job
+        assert stats["spooled_batches"] > 0, (name, stats)  # the outages did reach this job
         stored = collector.stored_steps(name, layers)
         assert all(steps == list(range(STEPS)) for steps in stored.values()), (name, stored)
         assert collector.points(name) == exporter.produced_points  # exactly once: nothing stored twice
