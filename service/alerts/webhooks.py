@@ -22,6 +22,7 @@ from typing import Any, Literal
 from urllib.parse import quote, urlencode
 
 from quantwatch.service.alerts.rules import Rule, render_template
+from quantwatch.service.rollups import json_float
 
 __all__ = [
     "ALERTMANAGER_FIRING_TTL_SECONDS",
@@ -63,16 +64,7 @@ def fingerprint(labels: Mapping[str, str]) -> str:
 
 
 def _format_value(value: float) -> str:
-    return repr(float(value)) if math.isfinite(value) else str(_json_value(value))
-
-
-def _json_value(value: float) -> float | str:
-    # JSON has no NaN/inf; use the wire format's strings for them.
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return float(value)
+    return repr(float(value)) if math.isfinite(value) else str(json_float(value))
 
 
 @dataclass(frozen=True)
@@ -174,7 +166,7 @@ def webhook_body(notification: Notification, receiver: str) -> dict[str, Any]:
             "scalar": notification.rule.scalar,
             "ranks": list(notification.ranks),
             "step": notification.step,
-            "value": _json_value(notification.value),
+            "value": json_float(float(notification.value)),
             "op": notification.rule.op,
             "threshold": notification.rule.threshold,
             "consecutive": notification.rule.consecutive,
