@@ -142,18 +142,15 @@ class PointChunk(Base):
 
     __tablename__ = "point_chunks"
 
-    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
-    run_id: Mapped[int] = mapped_column(RowId, ForeignKey("runs.id", ondelete="CASCADE"))
-    rank: Mapped[int] = mapped_column(Integer)
-    name_id: Mapped[int] = mapped_column(RowId, ForeignKey("metric_names.id"))
-    first_step: Mapped[int] = mapped_column(BigInteger)
+    run_id: Mapped[int] = mapped_column(RowId, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name_id: Mapped[int] = mapped_column(RowId, ForeignKey("metric_names.id"), primary_key=True)
+    first_step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     last_step: Mapped[int] = mapped_column(BigInteger)
     rows: Mapped[int] = mapped_column(Integer)
     steps: Mapped[bytes] = mapped_column(LargeBinary)
     times: Mapped[bytes] = mapped_column(LargeBinary)
     vals: Mapped[bytes] = mapped_column(LargeBinary)
-
-    __table_args__ = (Index("ix_point_chunks_key", "run_id", "rank", "name_id", "first_step", unique=True),)
 
 
 class Rollup(Base):

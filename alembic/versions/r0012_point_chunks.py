@@ -12,7 +12,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
-from quantwatch.service.migrations.common import RowId, fk, name_id, rank
+from quantwatch.service.migrations.common import RowId, series_table
 from quantwatch.service.store.chunk_codec import decode_steps, decode_times, decode_values
 
 revision: str = "0012_point_chunks"
@@ -22,21 +22,10 @@ BLOBS = ("steps", "times", "vals")
 
 
 def upgrade() -> None:
-    op.create_table(
-        "point_chunks",
-        sa.Column("id", RowId, primary_key=True, autoincrement=True),
-        sa.Column("run_id", RowId, nullable=False),
-        rank(),
-        name_id(),
-        sa.Column("first_step", sa.BigInteger(), nullable=False),
-        sa.Column("last_step", sa.BigInteger(), nullable=False),
-        sa.Column("rows", sa.Integer(), nullable=False),
-        *(sa.Column(blob, sa.LargeBinary(), nullable=False) for blob in BLOBS),
-        fk("point_chunks", "run_id", "runs", ondelete="CASCADE"),
-        fk("point_chunks", "name_id", "metric_names"),
-        sa.PrimaryKeyConstraint("id", name="pk_point_chunks"),
-    )
-    op.create_index("ix_point_chunks_key", "point_chunks", ["run_id", "rank", "name_id", "first_step"], unique=True)
+    """Create ``point_chunks``, keyed by the series and the chunk's first step."""
+    steps = [sa.Column(name, sa.BigInteger(), nullable=False) for name in ("first_step", "last_step")]
+    blobs = [sa.Column(blob, sa.LargeBinary(), nullable=False) for blob in BLOBS]
+    series_table("point_chunks", *steps, sa.Column("rows", sa.Integer(), nullable=False), *blobs, key=("first_step",))
     if op.get_bind().dialect.name == "postgresql":
         for blob in BLOBS:
             op.execute(f"ALTER TABLE point_chunks ALTER COLUMN {blob} SET STORAGE EXTERNAL")
@@ -44,7 +33,7 @@ def upgrade() -> None:
 
 CHUNKS = sa.table(
     "point_chunks",
-    sa.column("id", RowId),
+    sa.column("first_step", sa.BigInteger()),
     sa.column("run_id", RowId),
     sa.column("rank", sa.Integer()),
     sa.column("name_id", RowId),
@@ -64,10 +53,11 @@ POINTS = sa.table(
 
 def downgrade() -> None:
     bind = op.get_bind()
-    for chunk_id in bind.execute(sa.select(CHUNKS.c.id).order_by(CHUNKS.c.id)).scalars().all():
+    key = (CHUNKS.c.run_id, CHUNKS.c.rank, CHUNKS.c.name_id, CHUNKS.c.first_step)
+    for chunk in bind.execute(sa.select(*key).order_by(*key)).all():
         run_id, rank_, nid, rows, steps, times, vals = bind.execute(
             sa.select(*(CHUNKS.c[c] for c in ("run_id", "rank", "name_id", "rows", *BLOBS))).where(
-                CHUNKS.c.id == chunk_id
+                *(column == value for column, value in zip(key, chunk, strict=True))
             )
         ).one()
         step_list = decode_steps(bytes(steps)).tolist()
@@ -89,5 +79,4 @@ def downgrade() -> None:
         ]
         if new:
             bind.execute(sa.insert(POINTS), new)
-    op.drop_index("ix_point_chunks_key", table_name="point_chunks")
     op.drop_table("point_chunks")

@@ -53,12 +53,24 @@ class ChunkFolder:
         )
         self._last_chunk = select(PointChunk.last_step).where(*_KEY).order_by(PointChunk.first_step.desc()).limit(1)
         self._spans = (
-            select(PointChunk.id, PointChunk.first_step, PointChunk.last_step)
+            select(PointChunk.first_step, PointChunk.last_step)
             .where(*_KEY, PointChunk.last_step >= bindparam("lo"), PointChunk.first_step <= bindparam("hi"))
             .order_by(PointChunk.first_step)
         )
         self._chunk = select(PointChunk.rows, PointChunk.steps, PointChunk.times, PointChunk.vals).where(
-            PointChunk.id == bindparam("id")
+            *_KEY, PointChunk.first_step == bindparam("first")
+        )
+        # A chunk's steps stay within its span (rows merged in lie inside it), so its key stays.
+        # An UPDATE reserves its table's column names as parameter names: its key parameters are named apart.
+        self._update = (
+            update(PointChunk)
+            .where(
+                PointChunk.run_id == bindparam("chunk_run_id"),
+                PointChunk.rank == bindparam("chunk_rank"),
+                PointChunk.name_id == bindparam("nid"),
+                PointChunk.first_step == bindparam("first"),
+            )
+            .values({c: bindparam(f"new_{c}") for c in ("last_step", "rows", "steps", "times", "vals")})
         )
         self._delete = delete(Point).where(*rank_key, Point.name_id == bindparam("nid"), Point.step <= bindparam("hi"))
 
@@ -99,17 +111,19 @@ class ChunkFolder:
         per gap between chunks."""
         lo, hi = int(late.steps[0]), int(late.steps[-1])
         spans = conn.execute(self._spans, {**key, "lo": lo, "hi": hi}).all()
-        firsts = np.array([int(s[1]) for s in spans], dtype=np.int64)
-        lasts = np.array([int(s[2]) for s in spans], dtype=np.int64)
+        firsts = np.array([int(s[0]) for s in spans], dtype=np.int64)
+        lasts = np.array([int(s[1]) for s in spans], dtype=np.int64)
         # The last chunk starting at or before each row (-1: before every chunk of the span) and whether it spans it.
         at = np.searchsorted(firsts, late.steps, side="right") - 1
         inside = (at >= 0) & (late.steps <= lasts[np.maximum(at, 0)]) if spans else np.zeros(late.steps.size, bool)
         for i in np.unique(at[inside]).tolist():
-            chunk_id = int(spans[i][0])
-            rows, steps, times, vals = conn.execute(self._chunk, {"id": chunk_id}).one()
+            first = int(firsts[i])
+            rows, steps, times, vals = conn.execute(self._chunk, {**key, "first": first}).one()
             stored = decode_chunk(int(rows), steps, times, vals, None, late.values.shape[1])
             merged = merge([stored, late.take(np.flatnonzero(inside & (at == i)))])
-            conn.execute(update(PointChunk).where(PointChunk.id == chunk_id).values(**chunk_row(merged)))
+            new = {f"new_{c}": v for c, v in chunk_row(merged).items() if c != "first_step"}
+            where = {"chunk_run_id": key["run_id"], "chunk_rank": key["rank"], "nid": key["nid"], "first": first}
+            conn.execute(self._update, {**where, **new})
         gaps = ~inside
         if gaps.any():
             groups = np.unique(at[gaps])

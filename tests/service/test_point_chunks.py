@@ -5,12 +5,9 @@ duplicates nothing, and the downgrade of migration 0012 gives the raw rows back.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,8 +30,16 @@ from quantwatch.service.store.chunk_codec import (
     encode_times,
     encode_values,
 )
-from tests.service.conftest import batch_doc
-from tests.service.test_rollup_frontier import LAYERS, Reference, _assert_exact, _frontier, _ingest
+from tests.service.test_rollup_frontier import (
+    LAYERS,
+    Reference,
+    _assert_exact,
+    _frontier,
+    _ingest,
+    batches,
+    crash_crossing_batch,
+    ingest_shapes,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -102,22 +107,6 @@ def _assert_export(store: Store, run: str, ref: Reference) -> None:
     assert got == want
 
 
-batches = st.lists(
-    st.tuples(
-        st.lists(
-            st.one_of(st.integers(0, 900), st.integers(0, 13).map(lambda k: 64 * k + 63)),
-            min_size=1,
-            max_size=30,
-            unique=True,
-        ),
-        st.lists(st.sampled_from(LAYERS), min_size=1, max_size=4, unique=True),
-        st.integers(0, 2**32 - 1),
-    ),
-    min_size=2,
-    max_size=10,
-)
-
-
 @settings(
     max_examples=10,
     deadline=None,
@@ -127,13 +116,7 @@ batches = st.lists(
 @given(shapes=batches)
 def test_reads_across_chunks_and_raw_rows_are_exact(store: Store, shapes: list[Any]) -> None:
     run = f"chunks-{uuid.uuid4().hex[:8]}"
-    ref = Reference()
-    for steps, layers, seed in shapes:
-        rng = np.random.default_rng(seed)
-        values = rng.standard_normal((len(steps), len(layers))).astype(np.float32)
-        values[rng.random(values.shape) < 0.2] = np.nan  # not measured in this batch
-        _ingest(store, run, sorted(steps), values, layers, ref)
-        _assert_exact(store, run, ref)
+    ref = ingest_shapes(store, run, shapes)
     store.compact_rollups(run)  # the frontier passes the last step: every metric's rows are folded or late-merged
     _assert_exact(store, run, ref)
     _assert_export(store, run, ref)
@@ -195,22 +178,7 @@ FOLD_CRASH = textwrap.dedent(
 
 def test_a_crash_while_folding_loses_and_duplicates_nothing(store: Store, database_url: str) -> None:
     run = "fold-crash"
-    ref = Reference()
-    first = np.arange(60, dtype=np.float32)[:, None] * np.ones((1, 4), dtype=np.float32)
-    _ingest(store, run, list(range(60)), first, LAYERS, ref)
-    assert _counts(store, run) == (0, 60)
-    crossing = np.full((68, 4), 100.0, dtype=np.float32)
-    doc = batch_doc(run, LAYERS, list(range(60, 128)), {"m": crossing}, batch_id="crossing")
-    proc = subprocess.run(
-        [sys.executable, "-c", FOLD_CRASH, database_url, json.dumps(doc)],
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == -9, proc.stderr.decode()
-    for step, row in zip(range(60, 128), crossing, strict=True):
-        ref.values[step] = row
+    ref, doc = crash_crossing_batch(store, database_url, run, FOLD_CRASH)
     assert _counts(store, run) == (0, 128)  # the batch committed; its compaction and fold rolled back
     assert _frontier(store, run) == 0
     _assert_exact(store, run, ref)
