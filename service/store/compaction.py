@@ -82,7 +82,7 @@ class Compactor:
                 conn.execute(
                     update(RunRank).where(RunRank.run_id == run_id, RunRank.rank == rank).values(compacted_step=target)
                 )
-                self.folder.fold(conn, run_id, rank, target, n_layers)
+                self.folder.fold(conn, run_id, rank, target, n_layers, tail, frontier)
                 session.commit()
             except BaseException:
                 session.rollback()

@@ -74,11 +74,28 @@ class ChunkFolder:
         )
         self._delete = delete(Point).where(*rank_key, Point.name_id == bindparam("nid"), Point.step <= bindparam("hi"))
 
-    def fold(self, conn: Connection, run_id: int, rank: int, frontier: int, n_layers: int) -> None:
-        """Fold what is due of (run, rank)'s raw rows behind ``frontier`` in ``conn``'s transaction."""
+    def fold(
+        self,
+        conn: Connection,
+        run_id: int,
+        rank: int,
+        frontier: int,
+        n_layers: int,
+        fresh: dict[int, Rows] | None = None,
+        fresh_from: int = 0,
+    ) -> None:
+        """Fold what is due of (run, rank)'s raw rows behind ``frontier`` in ``conn``'s transaction. ``fresh``: the
+        raw rows (with times) of every metric from ``fresh_from``, the rank's frontier before, up to ``frontier``, as
+        the compactor just read them: a metric with no other row waiting is folded from them without reading again."""
         rank_key = {"run_id": run_id, "rank": rank}
         for nid, count, first in conn.execute(self._waiting, {**rank_key, "frontier": frontier}).all():
             key = {**rank_key, "nid": int(nid)}
+            rows = None if fresh is None else fresh.get(int(nid))
+            if rows is not None and int(first) >= fresh_from and int(count) == rows.steps.size:
+                # Chunks hold only steps before the old frontier, so none of these rows is late.
+                if rows.steps.size >= CHUNK_ROWS:
+                    self._insert(conn, key, rows, frontier)
+                continue
             last = conn.execute(self._last_chunk, key).scalar()
             late = last is not None and int(first) <= int(last)
             if int(count) >= CHUNK_ROWS or late:
@@ -94,13 +111,17 @@ class ChunkFolder:
         late = raw.take(np.flatnonzero(raw.steps <= cut))
         if late.steps.size:
             self._fold_late(conn, key, late)
-        folded_to = cut
         if tail.steps.size >= CHUNK_ROWS:
-            pieces = np.array_split(np.arange(tail.steps.size), tail.steps.size // CHUNK_ROWS)
-            conn.execute(insert(PointChunk), [{**self._row_key(key), **chunk_row(tail.take(p))} for p in pieces])
-            folded_to = frontier - 1
-        if folded_to >= 0:
-            conn.execute(self._delete, {**key, "hi": folded_to})
+            self._insert(conn, key, tail, frontier)
+        elif cut >= 0:
+            conn.execute(self._delete, {**key, "hi": cut})
+
+    def _insert(self, conn: Connection, key: dict[str, int], tail: Rows, frontier: int) -> None:
+        """Fold ``tail``, every raw row of the series behind ``frontier`` after its last chunk (if any), into chunks
+        of at least CHUNK_ROWS rows; delete the raw rows behind the frontier."""
+        pieces = np.array_split(np.arange(tail.steps.size), tail.steps.size // CHUNK_ROWS)
+        conn.execute(insert(PointChunk), [{**self._row_key(key), **chunk_row(tail.take(p))} for p in pieces])
+        conn.execute(self._delete, {**key, "hi": frontier - 1})
 
     @staticmethod
     def _row_key(key: dict[str, int]) -> dict[str, int]:

@@ -127,7 +127,7 @@ class RawPoints:
             .limit(1)
         )
         self._rank_tail = (
-            select(Point.name_id, Point.step, Point.vals)
+            select(Point.name_id, Point.step, Point.vals, Point.time)
             .where(*raw[:2], Point.step >= bindparam("lo"), Point.step < bindparam("hi"))
             .order_by(Point.name_id, Point.step)
         )
@@ -172,18 +172,19 @@ class RawPoints:
         return merge([*parts, raw])
 
     def rank_tail(self, conn: Connection, run_id: int, rank: int, lo: int, hi: int, width: int) -> dict[int, Rows]:
-        """Every metric's rows of (run, rank) with lo <= step < hi, by name id, where ``lo`` is at or past the rank's
-        frontier: raw rows only, as chunks hold none there (the compactor's read of the blocks it builds)."""
+        """Every metric's rows of (run, rank) with lo <= step < hi (with times), by name id, where ``lo`` is at or past
+        the rank's frontier: raw rows only, as chunks hold none there (the compactor's read of the blocks it builds)."""
         found = conn.execute(self._rank_tail, {"run_id": run_id, "rank": rank, "lo": lo, "hi": hi}).all()
         if not found:
             return {}
         nids = np.fromiter((r[0] for r in found), dtype=np.int64, count=len(found))
         steps = np.fromiter((r[1] for r in found), dtype=np.int64, count=len(found))
         values = rows_from_blobs([bytes(r[2]) for r in found], width)
+        times = times_array([r[3] for r in found])
         keys, starts = group_starts(nids)
         ends = [*starts[1:].tolist(), len(found)]
         return {
-            int(nid): Rows(steps[a:b], values[a:b])
+            int(nid): Rows(steps[a:b], values[a:b], times[a:b])
             for nid, a, b in zip(keys.tolist(), starts.tolist(), ends, strict=True)
         }
 

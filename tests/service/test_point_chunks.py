@@ -162,14 +162,14 @@ FOLD_CRASH = textwrap.dedent(
     from quantwatch.service.core.db import make_engine, make_sessionmaker
     from quantwatch.service.store import Store, folding
 
-    fold = folding.ChunkFolder._fold_series
+    fold = folding.ChunkFolder._insert
 
     def killed(self, conn, *args, **kwargs):  # the chunks are inserted and the raw rows deleted: die before commit
         fold(self, conn, *args, **kwargs)
         os.kill(os.getpid(), signal.SIGKILL)
 
     folding.CHUNK_ROWS = 4
-    folding.ChunkFolder._fold_series = killed
+    folding.ChunkFolder._insert = killed
     engine = make_engine(Settings(database_url=sys.argv[1], auto_upgrade=False))
     Store(engine, make_sessionmaker(engine)).ingest(decode_json(sys.argv[2].encode()))
     """
