@@ -20,6 +20,7 @@ from alembic import command
 from quantwatch.service import Settings
 from quantwatch.service.batch import decode_json
 from quantwatch.service.core.db import alembic_config, make_engine, make_sessionmaker, upgrade
+from quantwatch.service.exposition.queries import RankReader, RestoreLimits, recent_runs
 from quantwatch.service.models import Point, PointChunk
 from quantwatch.service.store import Store, folding
 from quantwatch.service.store.chunk_codec import (
@@ -223,3 +224,23 @@ def test_downgrade_of_0012_gives_the_raw_rows_back(store: Store) -> None:
     assert _counts(store, run)[1] < 4 + 64
     _assert_exact(store, run, ref)
     _assert_export(store, run, ref)
+
+
+def test_the_metrics_restore_finds_latest_values_inside_chunks(store: Store) -> None:
+    """Layer "a" was last measured long ago (its value now in a chunk), "b" at every step: the restore of the
+    exposition's state reads back through the chunks to a's latest value."""
+    run = "restore"
+    ref = Reference()
+    _ingest(store, run, list(range(40)), np.arange(80, dtype=np.float32).reshape(40, 2), ["a", "b"], ref)
+    _ingest(store, run, list(range(40, 300)), np.arange(260, dtype=np.float32)[:, None] + 1000, ["b"], ref)
+    assert _counts(store, run)[0] > 0
+    with store.engine.connect() as conn:
+        assert (
+            conn.execute(select(func.count()).where(Point.run_id == store.run_id(run), Point.step < 40)).scalar() == 0
+        )
+    with store.factory() as session:
+        (recent,) = recent_runs(session, 0.0, 10)
+        (stored,) = RankReader(RestoreLimits(max_rows=400, idle_rows=400)).stored_ranks(session, recent)
+    values, measured = stored.latest["m"]
+    assert measured[:2].tolist() == [True, True]
+    assert values[:2].tolist() == [78.0, 1259.0]  # a at step 39 (in a chunk), b at step 299
