@@ -48,8 +48,9 @@ class Store(HistoryReader):
         return self._writer.ingest(batch, observers)
 
     def compact_rollups(self, run: str) -> None:
-        """Build every rollup block of ``run`` now, each rank's partial last block included (raises NotFoundError).
-        Ingest builds blocks once they are complete; this is for a downgrade below migration 0004 and for tests."""
+        """Build every rollup block of ``run`` now, each rank's partial last block included, and fold what is due of
+        its raw points into chunks (raises NotFoundError). Ingest builds blocks once they are complete; this is for a
+        downgrade below migration 0004 and for tests."""
         self._writer.compact_all(run)
 
     def delete_run(self, name: str) -> None:
