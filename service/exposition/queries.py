@@ -188,6 +188,7 @@ class RankReader:
         fills = {name_id: _LatestValues(n_layers) for name_id in metrics}
         page = 2 * len(metrics)
         rows = conn.execute(self._newest, {**key, "last_step": last_step, "rows": page}).all()
+        # Read after the page: a fold committed since the page's read moved it past every row it deleted.
         frontier = int(conn.execute(self._frontier, key).scalar() or 0)
         full = len(rows) == page
         cut = int(rows[-1][1]) if full else frontier
@@ -203,13 +204,13 @@ class RankReader:
                 if full and cut >= frontier:
                     # A full page holds every row newer than its oldest step ``cut``, and some of those at ``cut``.
                     before = cut if fill.oldest_step == cut else cut + 1
-                self._read_older(conn, {**key, "nid": name_id}, before, last_step, frontier, fill)
+                self._read_older(conn, {**key, "nid": name_id}, before, last_step, fill)
         return {
             metrics[name_id]: (fill.values, fill.measured) for name_id, fill in fills.items() if fill.measured.any()
         }
 
     def _read_older(
-        self, conn: Connection, key: dict[str, int], before: int, last_step: int, frontier: int, fill: _LatestValues
+        self, conn: Connection, key: dict[str, int], before: int, last_step: int, fill: _LatestValues
     ) -> None:
         """Rows of one metric before ``before``, newest first, until ``fill`` is done or the look-back ends."""
         limits = self.limits
@@ -217,7 +218,7 @@ class RankReader:
         hi, span = before - 1, 2 * limits.idle_rows
         while not fill.done(limits) and hi >= floor:
             lo = max(floor, hi - span + 1)
-            found = self._points.read(conn, key, lo, hi, frontier, len(fill.values))
+            found = self._points.read(conn, key, lo, hi, None, len(fill.values))  # no lock: frontier may be stale
             for i in range(found.steps.size - 1, -1, -1):
                 fill.take(int(found.steps[i]), found.values[i])
                 if fill.done(limits):

@@ -42,7 +42,7 @@ class Exporter:
             layer_arr = np.array(layers, dtype=object)
             conn = session.connection()
             ranks = session.execute(
-                select(RunRank.rank, RunRank.first_step, RunRank.last_step, RunRank.compacted_step)
+                select(RunRank.rank, RunRank.first_step, RunRank.last_step)
                 .where(RunRank.run_id == r.id)
                 .order_by(RunRank.rank)
             ).all()
@@ -52,9 +52,9 @@ class Exporter:
                     select(RunMetric.name_id).where(RunMetric.run_id == r.id, RunMetric.kind == "layer")
                 )
             )
-            for rank, first, last, frontier in ranks:
+            for rank, first, last in ranks:
                 for w_steps, w_times, w_ids, values in self._rank_points(
-                    conn, r.id, rank, nids, first, last, frontier, chunk_rows
+                    conn, r.id, rank, nids, first, last, chunk_rows
                 ):
                     cols: tuple[list[Any], ...] = ([], [], [], [], [], [], [])
                     for i in range(len(w_steps)):
@@ -95,7 +95,6 @@ class Exporter:
         nids: list[int],
         first: int,
         last: int,
-        frontier: int,
         chunk_rows: int,
     ) -> Iterator[tuple[I64, F64, I64, F32]]:
         """The rank's points in (step, metric) order, in windows of steps holding about ``chunk_rows`` rows each:
@@ -108,7 +107,7 @@ class Exporter:
                 (
                     nid,
                     self.points.read(
-                        conn, {"run_id": run_id, "rank": rank, "nid": nid}, lo, hi, frontier, width, times=True
+                        conn, {"run_id": run_id, "rank": rank, "nid": nid}, lo, hi, None, width, times=True
                     ),
                 )
                 for nid in nids

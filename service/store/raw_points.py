@@ -1,8 +1,11 @@
 """Every read of raw points goes through here: the compactor's chunks (``point_chunks``) merged with the raw rows
 (``points``), a raw row winning over a chunk's row of the same step (issue 21).
 
-Chunks hold only steps behind their rank's frontier (``compacted_step``), so a read that starts at or after the
-frontier needs no chunk lookup: the raw tail is the whole answer, as before chunks existed.
+Chunks hold only steps behind their rank's frontier (``compacted_step``), so under the rank's write lock (ingest, the
+compactor) a read that starts at or after the frontier needs no chunk lookup. Without the lock a frontier read a
+moment ago may be stale (a compaction may have folded the rows since): such reads pass ``frontier=None`` and always
+look the chunks up, after the raw rows, so a fold committing in between leaves a row in one or the other, never in
+neither.
 """
 
 from __future__ import annotations
@@ -139,14 +142,15 @@ class RawPoints:
         key: dict[str, int],
         lo: int,
         hi: int,
-        frontier: int,
+        frontier: int | None,
         width: int,
         *,
         layer: int | None = None,
         times: bool = False,
     ) -> Rows:
         """Rows of the series ``key`` (run_id, rank, nid) with lo <= step <= hi: every layer (``width`` of them), or
-        only ``layer`` (one column); with ``times``, their times too."""
+        only ``layer`` (one column); with ``times``, their times too. ``frontier``: the rank's, read under its write
+        lock, or None (see the module)."""
         params = {**key, "lo": lo, "hi": hi}
         if layer is not None:
             rows = conn.execute(self._raw_layer, {**params, "offset": 4 * layer + 1}).all()
@@ -159,7 +163,7 @@ class RawPoints:
         else:
             steps, blobs = columns(conn.execute(self._raw, params).all())
             raw = Rows(steps, rows_from_blobs(blobs, width))
-        if lo >= frontier:
+        if frontier is not None and lo >= frontier:
             return raw
         statement = self._chunks_timed if times else self._chunks
         parts = []
@@ -188,25 +192,22 @@ class RawPoints:
             for nid, a, b in zip(keys.tolist(), starts.tolist(), ends, strict=True)
         }
 
-    def next_step(self, conn: Connection, key: dict[str, int], lo: int, frontier: int) -> int | None:
+    def next_step(self, conn: Connection, key: dict[str, int], lo: int) -> int | None:
         """The first step at or after ``lo`` of the series ``key`` (None when there is none)."""
         params = {**key, "lo": lo}
         found = conn.execute(self._next_raw, params).scalar()
-        if lo < frontier:
-            blob = conn.execute(self._next_chunk, params).scalar()
-            if blob is not None:
-                steps = decode_steps(bytes(blob))
-                first = int(steps[np.searchsorted(steps, lo)])
-                found = first if found is None else min(int(found), first)
+        blob = conn.execute(self._next_chunk, params).scalar()
+        if blob is not None:
+            steps = decode_steps(bytes(blob))
+            first = int(steps[np.searchsorted(steps, lo)])
+            found = first if found is None else min(int(found), first)
         return None if found is None else int(found)
 
-    def steps(self, conn: Connection, key: dict[str, int], lo: int, hi: int, frontier: int, limit: int) -> I64:
+    def steps(self, conn: Connection, key: dict[str, int], lo: int, hi: int, limit: int) -> I64:
         """The distinct steps of the series ``key`` in [lo, hi], at least the first ``limit`` of them (all when
         fewer): enough to tell whether the range holds more than ``limit`` samples without decoding values."""
         params = {**key, "lo": lo, "hi": hi}
         raw = np.array(conn.execute(self._raw_steps, {**params, "limit": limit}).scalars().all(), dtype=np.int64)
-        if lo >= frontier:
-            return raw
         found = [raw]
         total = raw.size
         for (blob,) in conn.execute(self._chunk_steps, params):

@@ -181,12 +181,11 @@ class HistoryReader:
         hi: int,
         layer: int | None,
         n_layers: int,
-        frontier: int,
     ) -> tuple[I64, Partials]:
         width = 1 if layer is not None else n_layers
         if lo > hi:
             return np.zeros(0, dtype=np.int64), Partials.empty(0, width)
-        rows = self._points.read(conn, key, lo, hi, frontier, n_layers, layer=layer)
+        rows = self._points.read(conn, key, lo, hi, None, n_layers, layer=layer)  # no lock: see raw_points
         return rows.steps, Partials.from_values(rows.values)
 
     def _rollup_partials(
@@ -231,18 +230,18 @@ class HistoryReader:
         levels = [lv for lv in LEVELS if lv <= width]
         key = {"run_id": run_id, "rank": rank, "nid": nid}
         if not levels:
-            steps, part = self._raw_partials(conn, key, lo, hi, layer, n_layers, frontier)
+            steps, part = self._raw_partials(conn, key, lo, hi, layer, n_layers)
             keys, starts = group_starts(steps // width)
             return keys, part.reduce(starts) if keys.size else part
         level = levels[-1]
         first_full = -(-lo // level)
         last_full = min(hi + 1, frontier) // level - 1
         if first_full > last_full:
-            steps, part = self._raw_partials(conn, key, lo, hi, layer, n_layers, frontier)
+            steps, part = self._raw_partials(conn, key, lo, hi, layer, n_layers)
         else:
-            h_steps, head = self._raw_partials(conn, key, lo, first_full * level - 1, layer, n_layers, frontier)
+            h_steps, head = self._raw_partials(conn, key, lo, first_full * level - 1, layer, n_layers)
             m_steps, mid = self._rollup_partials(conn, run_id, rank, nid, level, first_full, last_full, layer, n_layers)
-            t_steps, tail = self._raw_partials(conn, key, (last_full + 1) * level, hi, layer, n_layers, frontier)
+            t_steps, tail = self._raw_partials(conn, key, (last_full + 1) * level, hi, layer, n_layers)
             steps = np.concatenate([h_steps, m_steps, t_steps])
             part = Partials(
                 np.concatenate([head.vmin, mid.vmin, tail.vmin]),
@@ -276,7 +275,7 @@ class HistoryReader:
             if hi - lo + 1 > max_points:
                 # Only whether the range holds more than max_points samples matters: count at most max_points + 1.
                 key = {"run_id": run_id, "rank": rank, "nid": nid}
-                if self._points.steps(conn, key, lo, hi, int(frontier), max_points + 1).size > max_points:
+                if self._points.steps(conn, key, lo, hi, max_points + 1).size > max_points:
                     width = choose_width(lo, hi, max_points)
             keys, part = self._bucketed(conn, run_id, rank, nid, lo, hi, width, int(idx), int(n_layers), int(frontier))
             params = {"run_id": run_id, "rank": rank, "nid": nid, "lo": lo, "hi": hi}
@@ -417,22 +416,19 @@ class HistoryReader:
             r = find_run(session, run)
             nid = self._name_id(session, r.id, metric, "layer")
             names = [n for (n,) in session.execute(select(Layer.name).where(Layer.run_id == r.id).order_by(Layer.idx))]
-            frontiers = {
-                int(k): int(f)
-                for k, f in session.execute(
-                    select(RunRank.rank, RunRank.compacted_step).where(RunRank.run_id == r.id).order_by(RunRank.rank)
-                )
-            }
-            ranks = list(frontiers)
+            ranks = [
+                int(k)
+                for (k,) in session.execute(select(RunRank.rank).where(RunRank.run_id == r.id).order_by(RunRank.rank))
+            ]
             conn = session.connection()
             # Per rank: each lookup is one walk of the points index (and of the chunks index) from ``step`` on.
             keys = {rank: {"run_id": r.id, "rank": rank, "nid": nid} for rank in ranks}
-            firsts = (self._points.next_step(conn, keys[rank], step, frontiers[rank]) for rank in ranks)
+            firsts = (self._points.next_step(conn, keys[rank], step) for rank in ranks)
             at = min((s for s in firsts if s is not None), default=None)
             grid = np.repeat(missing_row(len(names))[:, None], len(ranks), axis=1)
             for i, rank in enumerate(ranks):
                 if at is not None:
-                    found = self._points.read(conn, keys[rank], at, at, frontiers[rank], len(names))
+                    found = self._points.read(conn, keys[rank], at, at, None, len(names))
                     if found.steps.size:
                         grid[:, i] = found.values[0]
         return {

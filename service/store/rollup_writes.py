@@ -87,8 +87,8 @@ class RollupWriter:
                 # Replaced values cannot be subtracted from a min or max: recompute the touched blocks from raw.
                 touched = steps // base
                 lo, hi = int(touched.min()) * base, (int(touched.max()) + 1) * base - 1
-                # Behind the frontier, so some of these steps may be in chunks: a frontier past ``hi`` reads them.
-                raw = self.points.read(conn, {"run_id": run_id, "rank": rank, "nid": nid}, lo, hi, hi + 1, n_layers)
+                # Behind the frontier, so some of these steps may be in chunks.
+                raw = self.points.read(conn, {"run_id": run_id, "rank": rank, "nid": nid}, lo, hi, None, n_layers)
                 keys, starts = group_starts(raw.steps // base)
                 part = Partials.from_values(raw.values).reduce(starts)
             else:

@@ -244,3 +244,28 @@ def test_the_metrics_restore_finds_latest_values_inside_chunks(store: Store) -> 
     values, measured = stored.latest["m"]
     assert measured[:2].tolist() == [True, True]
     assert values[:2].tolist() == [78.0, 1259.0]  # a at step 39 (in a chunk), b at step 299
+
+
+def test_a_fold_between_a_reads_frontier_and_its_rows_loses_nothing(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A series read takes the rank's frontier first; a compaction that folds rows before the read reaches them must
+    not hide them (the read looks the chunks up whatever the frontier it took). PostgreSQL's statements each see the
+    latest commit (read committed), where skipping the chunks on the stale frontier failed this; a SQLite read keeps
+    its snapshot."""
+    run = "race"
+    ref = Reference()
+    _ingest(store, run, list(range(60)), np.arange(240, dtype=np.float32).reshape(60, 4), LAYERS, ref)
+    assert _counts(store, run) == (0, 60)
+    bucketed = store._bucketed
+
+    def folded_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(store, "_bucketed", bucketed)
+        _ingest(store, run, [127], np.ones((1, 4), dtype=np.float32), LAYERS, Reference())  # folds steps 0–59
+        assert _counts(store, run) == (60 // 4, 1)
+        return bucketed(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_bucketed", folded_meanwhile)
+    got = store.series(run, "m", "b", 0, None, None, 100_000)  # frontier and last step read before the fold
+    assert np.asarray(got["steps"]).tolist() == list(range(60))
+    assert np.asarray(got["min"], dtype=np.float64).tolist() == [float(4 * s + 1) for s in range(60)]
