@@ -6,7 +6,8 @@ one or more whole base blocks, :meth:`Compactor.compact` builds them and every l
 transaction of its own and moves the frontier. Reads use blocks that end before the frontier and the raw points after
 it, so they are exact whatever the frontier; a crash between a batch's commit and the compaction loses nothing (the
 points are committed) and duplicates nothing (the next compaction of the rank rebuilds its blocks from raw). The same
-transaction then folds the raw rows behind the new frontier into compressed chunks (:mod:`.folding`).
+transaction then folds the raw rows behind the new frontier into compressed chunks (:mod:`.folding`) when folding is
+on (the ``fold_chunks`` setting); off, compaction builds the blocks only.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ def read_frontier(conn: Connection, run_id: int, rank: int) -> int:
 class Compactor:
     """Builds the complete blocks of a rank from its raw points and moves its frontier."""
 
-    def __init__(self, factory: sessionmaker[Session], rollups: RollupWriter, pg: bool) -> None:
+    def __init__(self, factory: sessionmaker[Session], rollups: RollupWriter, pg: bool, *, fold: bool) -> None:
         self.factory = factory
         self.rollups = rollups
         self.points = rollups.points
-        self.folder = ChunkFolder(rollups.points)
+        self.folder = ChunkFolder(rollups.points) if fold else None
         self.pg = pg
 
     def compact(self, run_id: int, rank: int, lock_key: int, *, whole: bool = False) -> int:
@@ -68,21 +69,22 @@ class Compactor:
                 frontier, last_step, n_layers = int(row[0]), int(row[1]), int(row[2])
                 target = last_step + 1 if whole else frontier_after(last_step)
                 if target <= frontier:
-                    if whole:  # nothing to build, but late rows behind the frontier may wait to be folded
+                    if whole and self.folder is not None:  # nothing to build, but late rows may wait to be folded
                         self.folder.fold(conn, run_id, rank, frontier, n_layers)
                         session.commit()
                     else:
                         session.rollback()
                     return frontier
                 start = frontier // BLOCK_STEPS * BLOCK_STEPS  # whole blocks: a frontier from before 0004 may not be
-                tail = self.points.rank_tail(conn, run_id, rank, start, target, n_layers)
+                tail = self.points.rank_tail(conn, run_id, rank, start, target, n_layers, times=self.folder is not None)
                 matrices = {nid: (rows.steps, rows.values) for nid, rows in tail.items()}
                 if matrices:
                     self.rollups.write(conn, run_id, rank, matrices, set(), n_layers, merge=False)
                 conn.execute(
                     update(RunRank).where(RunRank.run_id == run_id, RunRank.rank == rank).values(compacted_step=target)
                 )
-                self.folder.fold(conn, run_id, rank, target, n_layers, tail, frontier)
+                if self.folder is not None:
+                    self.folder.fold(conn, run_id, rank, target, n_layers, tail, frontier)
                 session.commit()
             except BaseException:
                 session.rollback()

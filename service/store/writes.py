@@ -72,13 +72,13 @@ _STORED_STEPS = select(Point.step, Point.name_id).where(
 class BatchWriter:
     """The ingest path of one engine; holds small caches of immutable facts (name ids, layer order) per process."""
 
-    def __init__(self, engine: Engine, factory: sessionmaker[Session]) -> None:
+    def __init__(self, engine: Engine, factory: sessionmaker[Session], *, fold_chunks: bool = False) -> None:
         self.factory = factory
         self.pg = engine.dialect.name == "postgresql"
         self._insert = postgresql.insert if self.pg else sqlite.insert
         self._points = RawPoints()
         self._rollups = RollupWriter(self._insert, self._points)
-        self._compactor = Compactor(factory, self._rollups, self.pg)
+        self._compactor = Compactor(factory, self._rollups, self.pg, fold=fold_chunks)
         self._batch_insert = self._insert(Batch).on_conflict_do_nothing().returning(Batch.batch_id)
         point = self._insert(Point)
         self._point_upsert = point.on_conflict_do_update(

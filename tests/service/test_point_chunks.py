@@ -18,8 +18,9 @@ from sqlalchemy import func, select
 
 from alembic import command
 from quantwatch.service import Settings
+from quantwatch.service.app import create_app
 from quantwatch.service.batch import decode_json
-from quantwatch.service.core.db import alembic_config, make_engine, make_sessionmaker, upgrade
+from quantwatch.service.core.db import alembic_config, upgrade
 from quantwatch.service.exposition.queries import RankReader, RestoreLimits, recent_runs
 from quantwatch.service.models import Point, PointChunk
 from quantwatch.service.store import Store, folding
@@ -70,13 +71,29 @@ def test_the_codec_gives_back_every_bit(rows: int, cols: int, seed: int, kind: s
     assert decode_times(encode_times(times), rows) == times
 
 
+def _app_store(database_url: str, **settings: Any) -> Store:
+    """The store of a collector built from these settings (its engine disposed by the caller)."""
+    store: Store = create_app(Settings(database_url=database_url, **settings)).state.store
+    return store
+
+
 @pytest.fixture
 def store(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
-    # Four rows per chunk: small histories make many chunks, and late steps land in them and between them.
+    """A collector's store with folding on. Four rows per chunk: small histories make many chunks, and late steps land
+    in them and between them."""
     monkeypatch.setattr(folding, "CHUNK_ROWS", 4)
-    engine = make_engine(Settings(database_url=database_url))
-    yield Store(engine, make_sessionmaker(engine))
-    engine.dispose()
+    folded = _app_store(database_url, fold_chunks=True)
+    yield folded
+    folded.engine.dispose()
+
+
+@pytest.fixture
+def unfolded(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
+    """A collector's store with the default settings, over the same database."""
+    monkeypatch.setattr(folding, "CHUNK_ROWS", 4)
+    default = _app_store(database_url)
+    yield default
+    default.engine.dispose()
 
 
 def _counts(store: Store, run: str) -> tuple[int, int]:
@@ -133,12 +150,50 @@ def test_reads_across_chunks_and_raw_rows_are_exact(store: Store, shapes: list[A
         assert np.array_equal(got, want[[LAYERS.index(n) for n in heat["layers"]]], equal_nan=True), step
 
 
-def test_late_and_re_sent_steps_into_folded_chunks(store: Store) -> None:
-    run = "late"
-    ref = Reference()
+def _late_history(store: Store, run: str, ref: Reference) -> None:
+    """200 steps of a ramp in batches of 20: enough for many chunks when folding is on."""
     ramp = np.arange(200, dtype=np.float32)[:, None] * np.float32([1, -1, 0.5, 2])
     for lo in range(0, 200, 20):
         _ingest(store, run, list(range(lo, lo + 20)), ramp[lo : lo + 20], LAYERS, ref)
+
+
+def test_the_default_settings_never_fold(unfolded: Store) -> None:
+    """Folding is opt-in: with the default settings a history that folds into chunks with it on stays raw, compacted
+    to its last step included, and reads back exactly."""
+    assert not Settings().fold_chunks
+    run = "unfolded"
+    ref = Reference()
+    _late_history(unfolded, run, ref)
+    _ingest(unfolded, run, [5, 6, 70], np.float32([[9], [8], [7]]), ["b"], ref)
+    unfolded.compact_rollups(run)
+    assert _frontier(unfolded, run) == 200
+    assert _counts(unfolded, run) == (0, 200)
+    _assert_exact(unfolded, run, ref)
+    _assert_export(unfolded, run, ref)
+
+
+def test_chunks_folded_earlier_read_back_with_folding_off(store: Store, unfolded: Store) -> None:
+    """A database folded by a collector with folding on, then served with it off: its chunks read back exactly, a
+    re-sent step over a chunk wins as a raw row, and nothing more is folded."""
+    run = "was-folded"
+    ref = Reference()
+    _late_history(store, run, ref)
+    chunks, _ = _counts(store, run)
+    assert chunks > 10
+    _assert_exact(unfolded, run, ref)
+    _ingest(unfolded, run, [5, 6, 70], np.float32([[9], [8], [7]]), ["b"], ref)
+    _ingest(unfolded, run, list(range(300, 400)), np.ones((100, 4), dtype=np.float32), LAYERS, ref)
+    unfolded.compact_rollups(run)
+    assert _counts(unfolded, run)[0] == chunks
+    _assert_exact(unfolded, run, ref)
+    _assert_export(unfolded, run, ref)
+    assert [row[0] for row in unfolded.step_ranks(run, "m", 6)["values"]] == [6.0, 8.0, 3.0, 12.0]
+
+
+def test_late_and_re_sent_steps_into_folded_chunks(store: Store) -> None:
+    run = "late"
+    ref = Reference()
+    _late_history(store, run, ref)
     chunks, _ = _counts(store, run)
     assert chunks > 10
     # Re-sent steps inside chunks (one layer only: the others keep their values), and late steps between chunks.
@@ -171,8 +226,9 @@ FOLD_CRASH = textwrap.dedent(
 
     folding.CHUNK_ROWS = 4
     folding.ChunkFolder._insert = killed
-    engine = make_engine(Settings(database_url=sys.argv[1], auto_upgrade=False))
-    Store(engine, make_sessionmaker(engine)).ingest(decode_json(sys.argv[2].encode()))
+    settings = Settings(database_url=sys.argv[1], auto_upgrade=False, fold_chunks=True)
+    engine = make_engine(settings)
+    Store(engine, make_sessionmaker(engine), fold_chunks=settings.fold_chunks).ingest(decode_json(sys.argv[2].encode()))
     """
 )
 
