@@ -14,9 +14,10 @@ points/s (16-step) or requests/s (1-step) by CPU and wall time, and, after the 1
 reads (median CPU milliseconds).
 
 Each ``--tree NAME=PATH`` runs the store of another checkout (its package first on ``PYTHONPATH``), the trees
-alternated case by case; ratios are to the first tree's.
+alternated case by case; ratios are to the first tree's. ``NAME=PATH,fold`` builds that tree's store with folding on
+(the collector's ``fold_chunks`` setting; off by default), so one checkout can run both ways side by side.
 
-    .venv/bin/python bench/storage_layout.py --tree main=/tmp/qw-main --tree new=.
+    .venv/bin/python bench/storage_layout.py --tree main=/tmp/qw-main --tree new=. --tree fold=.,fold
     .venv/bin/python bench/storage_layout.py --skip-postgres --workloads demo --steps 256 --requests 200
 """
 
@@ -116,7 +117,7 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
         engine = make_engine(Settings(database_url=url))
         stack.callback(engine.dispose)
         upgrade(engine)
-        store = Store(engine, make_sessionmaker(engine))
+        store = Store(engine, make_sessionmaker(engine), **({"fold_chunks": True} if case["fold"] else {}))
         half = len(decoded) // 2
         cpu, wall = time.process_time(), time.perf_counter()
         first = sum(store.ingest(batch).points for batch in decoded[:half])
@@ -177,6 +178,14 @@ def run_case(tree: Path, case: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def tree_spec(spec: str) -> tuple[Path, bool]:
+    """``PATH`` or ``PATH,fold``: the checkout and whether its store folds."""
+    path, _, option = spec.partition(",")
+    if option not in ("", "fold"):
+        raise SystemExit(f"--tree: unknown option {option!r} after {path!r} (accepted: fold)")
+    return Path(path), option == "fold"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1024, help="steps of the 16-step-batch fill")
@@ -189,7 +198,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return
-    trees = [(n, Path(p)) for n, p in (t.split("=", 1) for t in args.tree)] or [("this", Path.cwd())]
+    trees = [(n, *tree_spec(p)) for n, p in (t.split("=", 1) for t in args.tree)] or [("this", Path.cwd(), False)]
     backends = ["sqlite"] + ([] if args.skip_postgres else ["postgres"])
     print(f"load average {os.getloadavg()[0]:.1f} at start; {len(LAYERS)} layers × {len(METRICS)} metrics")
     for backend in backends:
@@ -197,7 +206,7 @@ def main() -> None:
             for workload in args.workloads:
                 case = {"backend": backend, "batch": batch, "workload": workload}
                 case |= {"steps": args.steps, "requests": args.requests}
-                results = [(name, run_case(tree, case)) for name, tree in trees]
+                results = [(name, run_case(tree, {**case, "fold": fold})) for name, tree, fold in trees]
                 base = results[0][1]
                 for name, r in results:
                     unit = "requests/s" if batch == 1 else "points/s"
