@@ -1,103 +1,230 @@
-"""Narrow rows versus float32 blobs on SQLite: the measurement behind README "Storage" (issue 3).
+"""Bytes per point of the collector's store on realistic values, before and after (issue 21).
 
-Writes the same points (512 layers × 8 metrics per step) both ways into fresh SQLite files (WAL, synchronous=FULL,
-one transaction per 16-step batch, like the collector) and prints points/s and bytes per point.
+Ingests the same batches through the store (``Store.ingest``, in process: what a request costs the store, without
+HTTP) into a fresh database per case: 512 layers × 12 metrics, either 16-step batches of consecutive steps, or
+1-step batches of every 10th step (the agent's sampling, as bench/ingest.py ``--many-ranks`` sends them). Values
+come from bench/workloads.py: the demo's and the agent benchmark's recorded series replayed at scale, a random walk,
+and uniform random numbers (incompressible, the bound). Prints bytes per point of the whole database (SQLite: the
+files after a checkpoint; PostgreSQL: ``pg_total_relation_size`` of every table, as bench/ingest.py measures it:
+dead tuples of deleted raw rows included until autovacuum), the share of the raw points, chunks and rollups in it,
+and the bytes per point the second half of the batches added (on PostgreSQL after a ``VACUUM`` between the halves,
+as autovacuum does in time): the raw tail waiting to be folded and the space its deleted rows free for the next
+ones stay about the same size however long the run, so this is the cost per point of a long run. Then ingest
+points/s (16-step) or requests/s (1-step) by CPU and wall time, and, after the 16-step fill, heatmap and series
+reads (median CPU milliseconds).
 
-    .venv/bin/python bench/storage_layout.py [--steps 256]
+Each ``--tree NAME=PATH`` runs the store of another checkout (its package first on ``PYTHONPATH``), the trees
+alternated case by case; ratios are to the first tree's. ``NAME=PATH,fold`` builds that tree's store with folding on
+(the collector's ``fold_chunks`` setting; off by default), so one checkout can run both ways side by side.
+
+    .venv/bin/python bench/storage_layout.py --tree main=/tmp/qw-main --tree new=. --tree fold=.,fold
+    .venv/bin/python bench/storage_layout.py --skip-postgres --workloads demo --steps 256 --requests 200
 """
 
 from __future__ import annotations
 
 import argparse
-import sqlite3
+import json
+import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+import uuid
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
-import numpy as np
+import msgpack
+from _common import postgres_database
+from workloads import WORKLOADS
 
-LAYERS, METRICS, BATCH_STEPS = 512, 8, 16
+from quantwatch.protocol import LAYER_METRICS
 
-
-def connect(path: Path, page_size: int) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute(f"PRAGMA page_size={page_size}")
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
-    return conn
-
-
-def size(path: Path, conn: sqlite3.Connection) -> int:
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))
+LAYERS = [f"blocks.{i // 8}.l{i % 8}" for i in range(512)]
+METRICS = [m for m in LAYER_METRICS if m != "weight_drift_rel_l2"][:12]
+SAMPLE_EVERY = 10
+READ_REPS = 15
 
 
-Row = tuple[object, ...]
+def batches(workload: str, steps_per_batch: int, count: int, stride: int) -> list[bytes]:
+    """The agent's binary encoding of ``count`` batches (float32 ``bin`` per metric and step)."""
+    values = WORKLOADS[workload](len(LAYERS), len(METRICS))
+    out = []
+    for b in range(count):
+        steps = [(b * steps_per_batch + i) * stride for i in range(steps_per_batch)]
+        doc = {
+            "run": "bench",
+            "rank": 0,
+            "batch_id": uuid.uuid4().hex,
+            "layers": LAYERS,
+            "steps": [
+                {
+                    "step": s,
+                    "time": 1.7e9 + s,
+                    "metrics": {m: values(j, s).astype("<f4").tobytes() for j, m in enumerate(METRICS)},
+                }
+                for s in steps
+            ],
+        }
+        out.append(bytes(msgpack.packb(doc, use_bin_type=True)))
+    return out
 
 
-def write_batches(
-    path: Path, conn: sqlite3.Connection, steps: int, insert: str, rows: Callable[[range], list[Row]]
-) -> tuple[float, float]:
-    """Insert ``rows(batch_steps)`` one transaction per batch, like the collector; points/s and bytes per point."""
-    t0 = time.perf_counter()
-    for s0 in range(0, steps, BATCH_STEPS):
-        batch = rows(range(s0, s0 + BATCH_STEPS))
-        conn.execute("BEGIN IMMEDIATE")
-        conn.executemany(insert, batch)
-        conn.execute("COMMIT")
-    rate = steps * LAYERS * METRICS / (time.perf_counter() - t0)
-    return rate, size(path, conn) / (steps * LAYERS * METRICS)
+def database_size(engine: Any) -> dict[str, int]:
+    """Bytes of the whole database and of its point, chunk and rollup tables (with their indexes)."""
+    from sqlalchemy import text
+
+    with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+            tables = dict(conn.execute(text("SELECT name, sum(pgsize) FROM dbstat GROUP BY name")).all())
+            path = Path(engine.url.database)
+            total = sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))
+            index = {"points": ["ix_points_key"], "point_chunks": ["ix_point_chunks_key"], "rollups": []}
+            parts = {t: int(tables.get(t, 0)) + sum(int(tables.get(i, 0)) for i in index[t]) for t in index}
+        else:
+            rows = conn.execute(
+                text(
+                    "SELECT c.relname, pg_total_relation_size(c.oid) FROM pg_class c "
+                    "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND c.relkind = 'r'"
+                )
+            ).all()
+            sizes = {str(r[0]): int(r[1]) for r in rows}
+            total = sum(sizes.values())
+            parts = {t: sizes.get(t, 0) for t in ("points", "point_chunks", "rollups")}
+    return {"total": total, **parts}
 
 
-def narrow(path: Path, values: np.ndarray, steps: int) -> tuple[float, float]:
-    conn = connect(path, 4096)
-    conn.execute(
-        "CREATE TABLE p (run INTEGER, rank INTEGER, layer INTEGER, metric INTEGER, step INTEGER, value REAL,"
-        " PRIMARY KEY (run, rank, layer, metric, step)) WITHOUT ROWID"
+def worker(case: dict[str, Any]) -> dict[str, Any]:
+    """One case in this process: fill a fresh database, measure it."""
+    from quantwatch.service import Settings
+    from quantwatch.service.batch import decode_msgpack
+    from quantwatch.service.core.db import make_engine, make_sessionmaker, upgrade
+    from quantwatch.service.store import Store
+
+    one_step = case["batch"] == 1
+    count = case["requests"] if one_step else case["steps"] // 16
+    bodies = batches(case["workload"], case["batch"], count, SAMPLE_EVERY if one_step else 1)
+    decoded = [decode_msgpack(b) for b in bodies]
+    with ExitStack() as stack:
+        if case["backend"] == "sqlite":
+            tmp = stack.enter_context(tempfile.TemporaryDirectory())
+            url = f"sqlite:///{tmp}/bench.db"
+        else:
+            url = stack.enter_context(postgres_database("bench_storage"))
+        engine = make_engine(Settings(database_url=url))
+        stack.callback(engine.dispose)
+        upgrade(engine)
+        store = Store(engine, make_sessionmaker(engine), **({"fold_chunks": True} if case["fold"] else {}))
+        half = len(decoded) // 2
+        cpu, wall = time.process_time(), time.perf_counter()
+        first = sum(store.ingest(batch).points for batch in decoded[:half])
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        before = database_size(engine)
+        if case["backend"] == "postgres":  # what autovacuum does in time: the space of deleted rows becomes reusable
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                conn.exec_driver_sql("VACUUM")
+        cpu2, wall2 = time.process_time(), time.perf_counter()
+        points = first + sum(store.ingest(batch).points for batch in decoded[half:])
+        cpu, wall = cpu + time.process_time() - cpu2, wall + time.perf_counter() - wall2
+        sizes = database_size(engine)
+        out: dict[str, Any] = {
+            "points": points,
+            "bytes_per_point": sizes["total"] / points,
+            "shares": {t: sizes[t] / sizes["total"] for t in ("points", "point_chunks", "rollups")},
+            # What the second half added per point: the raw tail waiting to be folded and the space its deleted rows
+            # leave stay about the same size however long the run, so this is what a long run costs per point.
+            "marginal_bytes_per_point": (sizes["total"] - before["total"]) / (points - first),
+            "rate_cpu": (count if one_step else points) / cpu,
+            "rate_wall": (count if one_step else points) / wall,
+        }
+        if not one_step:
+            reads = {
+                "heatmap 512×500": lambda: store.heatmap("bench", METRICS[0], 0, None, None, 500, None, "max"),
+                "series exact": lambda: store.series("bench", METRICS[0], LAYERS[300], 0, None, None, 100_000),
+                "series 200 pts": lambda: store.series("bench", METRICS[0], LAYERS[300], 0, None, None, 200),
+            }
+            out["reads_ms"] = {}
+            for name, read in reads.items():
+                read()
+                times = []
+                for _ in range(READ_REPS):
+                    # CPU time: on a shared machine it moves far less than wall time (on PostgreSQL it leaves out
+                    # the server's share, the same statements in both trees but for the chunks' reads).
+                    t0 = time.process_time()
+                    read()
+                    times.append((time.process_time() - t0) * 1e3)
+                out["reads_ms"][name] = statistics.median(times)
+    return out
+
+
+def run_case(tree: Path, case: dict[str, Any]) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), str(Path(__file__).parent)])
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(case)],
+        env=env,
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        check=False,
     )
-    return write_batches(
-        path,
-        conn,
-        steps,
-        "INSERT INTO p VALUES (?, ?, ?, ?, ?, ?)",
-        lambda batch_steps: [
-            (1, 0, layer, m, s, float(values[s % 16, m, layer]))
-            for s in batch_steps
-            for m in range(METRICS)
-            for layer in range(LAYERS)
-        ],
-    )
+    if proc.returncode:
+        raise RuntimeError(f"{tree} {case}: {proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
 
 
-def blobs(path: Path, values: np.ndarray, steps: int) -> tuple[float, float]:
-    conn = connect(path, 65536)
-    conn.execute(
-        "CREATE TABLE p (id INTEGER PRIMARY KEY, run INTEGER, rank INTEGER, step INTEGER, metric INTEGER, vals BLOB)"
-    )
-    conn.execute("CREATE UNIQUE INDEX k ON p (run, rank, step, metric)")
-    return write_batches(
-        path,
-        conn,
-        steps,
-        "INSERT INTO p (run, rank, step, metric, vals) VALUES (?, ?, ?, ?, ?)",
-        lambda batch_steps: [
-            (1, 0, s, m, values[s % 16, m].astype("<f4").tobytes()) for s in batch_steps for m in range(METRICS)
-        ],
-    )
+def tree_spec(spec: str) -> tuple[Path, bool]:
+    """``PATH`` or ``PATH,fold``: the checkout and whether its store folds."""
+    path, _, option = spec.partition(",")
+    if option not in ("", "fold"):
+        raise SystemExit(f"--tree: unknown option {option!r} after {path!r} (accepted: fold)")
+    return Path(path), option == "fold"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=1024, help="steps of the 16-step-batch fill")
+    parser.add_argument("--requests", type=int, default=1000, help="1-step batches (every 10th step)")
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--skip-postgres", action="store_true")
+    parser.add_argument("--tree", action="append", default=[], help="NAME=PATH (default: this checkout)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    values = np.random.default_rng(0).random((16, METRICS, LAYERS), dtype=np.float32)
-    with tempfile.TemporaryDirectory() as tmp:
-        n_rate, n_size = narrow(Path(tmp) / "narrow.db", values, args.steps)
-        b_rate, b_size = blobs(Path(tmp) / "blobs.db", values, args.steps)
-    print(f"narrow rows (one per point, WITHOUT ROWID): {n_rate:12,.0f} points/s  {n_size:6.2f} bytes/point")
-    print(f"float32 blob per (step, metric):            {b_rate:12,.0f} points/s  {b_size:6.2f} bytes/point")
-    print(f"blob / narrow: {b_rate / n_rate:.0f}× faster, {n_size / b_size:.1f}× smaller")
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    trees = [(n, *tree_spec(p)) for n, p in (t.split("=", 1) for t in args.tree)] or [("this", Path.cwd(), False)]
+    backends = ["sqlite"] + ([] if args.skip_postgres else ["postgres"])
+    print(f"load average {os.getloadavg()[0]:.1f} at start; {len(LAYERS)} layers × {len(METRICS)} metrics")
+    for backend in backends:
+        for batch in (16, 1):
+            for workload in args.workloads:
+                case = {"backend": backend, "batch": batch, "workload": workload}
+                case |= {"steps": args.steps, "requests": args.requests}
+                results = [(name, run_case(tree, {**case, "fold": fold})) for name, tree, fold in trees]
+                base = results[0][1]
+                for name, r in results:
+                    unit = "requests/s" if batch == 1 else "points/s"
+                    shares = " ".join(f"{t} {100 * s:4.1f}%" for t, s in r["shares"].items())
+                    line = (
+                        f"{backend:8s} {batch:2d}-step {workload:24s} {name:6s} {r['bytes_per_point']:6.2f} B/point "
+                        f"({r['bytes_per_point'] / base['bytes_per_point']:.2f}×; {shares}), second half "
+                        f"{r['marginal_bytes_per_point']:.2f} B/point "
+                        f"({r['marginal_bytes_per_point'] / base['marginal_bytes_per_point']:.2f}×)  "
+                        f"{r['rate_cpu']:,.0f} {unit} by CPU ({r['rate_cpu'] / base['rate_cpu']:.2f}×), "
+                        f"{r['rate_wall']:,.0f} by wall ({r['rate_wall'] / base['rate_wall']:.2f}×)"
+                    )
+                    if "reads_ms" in r:
+                        line += "  reads " + ", ".join(
+                            f"{k} {v:.1f} ms ({v / base['reads_ms'][k]:.2f}×)" for k, v in r["reads_ms"].items()
+                        )
+                    print(line, flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f} at end")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def create_app(
     )
     app.state.settings = settings
     app.state.engine = engine
-    store = Store(engine, make_sessionmaker(engine))
+    store = Store(engine, make_sessionmaker(engine), fold_chunks=settings.fold_chunks)
     app.state.store = store
     write_health = WriteHealth()
     app.state.write_health = write_health

@@ -48,7 +48,7 @@ def _database_failed(settings: Settings, action: str, exc: Exception) -> typer.E
 
 
 #: The settings ``serve`` has an option for; every other one is set by its environment variable only.
-_SERVE_OPTIONS = ("host", "port", "database_url", "rules_file", "token_file", "insecure")
+_SERVE_OPTIONS = ("host", "port", "database_url", "rules_file", "token_file", "insecure", "fold_chunks")
 
 
 def _env_var(field: str) -> str:
@@ -85,6 +85,7 @@ def serve(
     rules: Annotated[Path | None, typer.Option(help=_setting_help("rules_file"))] = None,
     token_file: Annotated[Path | None, typer.Option(help=_setting_help("token_file"))] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help=_setting_help("insecure"))] = False,
+    fold_chunks: Annotated[bool, typer.Option("--fold-chunks", help=_setting_help("fold_chunks"))] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Run the collector on uvicorn (upgrades the database schema first).
@@ -103,6 +104,7 @@ def serve(
         rules_file=rules,
         token_file=token_file,
         insecure=True if insecure else None,
+        fold_chunks=True if fold_chunks else None,
     )
     if settings.rules_file is not None and not settings.rules_file.is_file():
         typer.echo(f"error: --rules: {settings.rules_file} is not a readable file", err=True)

@@ -131,6 +131,28 @@ class Point(Base):
     __table_args__ = (Index("ix_points_key", "run_id", "rank", "step", "name_id", unique=True),)
 
 
+class PointChunk(Base):
+    """Raw points of one (run, rank, metric) folded by the compactor into one compressed chunk (issue 21).
+
+    ``rows`` points at steps ``first_step`` … ``last_step`` (``steps``, sorted, distinct), their times and their
+    values as a (rows × ``layers``) float32 matrix, in the blobs of :mod:`.store.chunk_codec`; lossless, so a chunk
+    reads back as the raw rows it replaced. Chunks of a series never overlap in steps; a raw row of the same step
+    (written after the chunk, by a re-sent or late batch) wins over the chunk's, until the next compaction re-folds it.
+    """
+
+    __tablename__ = "point_chunks"
+
+    run_id: Mapped[int] = mapped_column(RowId, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name_id: Mapped[int] = mapped_column(RowId, ForeignKey("metric_names.id"), primary_key=True)
+    first_step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    rows: Mapped[int] = mapped_column(Integer)
+    steps: Mapped[bytes] = mapped_column(LargeBinary)
+    times: Mapped[bytes] = mapped_column(LargeBinary)
+    vals: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 class Rollup(Base):
     """min, max, sum and count per layer over steps [bucket·level, (bucket+1)·level) of one metric."""
 

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0013_alert_firing_tokens"
-down_revision: str | None = "0011_alert_state_columns"
+down_revision: str | None = "0012_point_chunks"
 
 
 def upgrade() -> None:

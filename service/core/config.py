@@ -93,6 +93,11 @@ class Settings(BaseSettings):
     sqlite_synchronous: Literal["FULL", "NORMAL"] = Field(
         default="FULL", description="SQLite synchronous mode in WAL: FULL makes every acknowledged batch durable."
     )
+    fold_chunks: bool = Field(
+        default=False,
+        description="Fold raw points behind the compaction frontier into compressed chunks (fewer bytes per point, "
+        "slower ingest and reads; README Storage).",
+    )
     db_pool_size: int = Field(default=8, ge=1, le=256, description="Connections kept open per collector process.")
     external_url: str | None = Field(
         default=None, description="Base URL of this collector in alert links (default http://host:port)."

@@ -22,6 +22,7 @@ from quantwatch.service.exposition.alert_states import DeliveryCounts, StoredSer
 from quantwatch.service.exposition.cache import StoredRank
 from quantwatch.service.models import Layer, MetricName, Point, Run, RunMetric, RunRank, ScalarPoint
 from quantwatch.service.rollups import is_missing, rows_from_blobs
+from quantwatch.service.store.raw_points import RawPoints
 
 __all__ = [
     "RankReader",
@@ -150,19 +151,9 @@ class RankReader:
             .order_by(Point.step.desc(), Point.name_id.desc())
             .limit(bindparam("rows", type_=Integer))
         )
-        # Older rows of one metric, for a metric the newest rows left without a value for some layer.
-        self._older = (
-            select(Point.step, Point.vals)
-            .where(
-                Point.run_id == run_id,
-                Point.rank == rank,
-                Point.name_id == bindparam("name_id"),
-                Point.step < bindparam("before"),
-                Point.step >= bindparam("floor"),
-            )
-            .order_by(Point.step.desc())
-            .limit(bindparam("rows", type_=Integer))
-        )
+        # Older rows of one metric (raw rows and chunks), for a metric the newest rows left without some layer.
+        self._points = RawPoints()
+        self._frontier = select(RunRank.compacted_step).where(RunRank.run_id == run_id, RunRank.rank == rank)
         self._scalar = (
             select(ScalarPoint.value)
             .where(ScalarPoint.run_id == run_id, ScalarPoint.rank == rank, ScalarPoint.name_id == bindparam("name_id"))
@@ -197,16 +188,23 @@ class RankReader:
         fills = {name_id: _LatestValues(n_layers) for name_id in metrics}
         page = 2 * len(metrics)
         rows = conn.execute(self._newest, {**key, "last_step": last_step, "rows": page}).all()
+        # Read after the page: a fold committed since the page's read moved it past every row it deleted.
+        frontier = int(conn.execute(self._frontier, key).scalar() or 0)
+        full = len(rows) == page
+        cut = int(rows[-1][1]) if full else frontier
+        # Chunks hold only steps behind the frontier: the raw page is the whole history from max(frontier, cut) on.
+        trusted = max(frontier, cut)
         for (name_id, step, _), row in zip(rows, rows_from_blobs([bytes(r[2]) for r in rows], n_layers), strict=True):
             fill = fills.get(int(name_id))
-            if fill is not None and not fill.done(limits):
+            if fill is not None and int(step) >= trusted and not fill.done(limits):
                 fill.take(int(step), row)
-        if len(rows) == page:  # older rows exist: read on for the metrics still without every layer
-            cut = int(rows[-1][1])
+        if full or frontier > 0:  # older rows may exist: read on for the metrics still without every layer
             for name_id, fill in fills.items():
-                # The page holds every row newer than its oldest step ``cut``, and some of those at ``cut``.
-                before = cut if fill.oldest_step == cut else cut + 1
-                self._read_older(conn, {**key, "name_id": name_id}, before, last_step, fill)
+                before = trusted
+                if full and cut >= frontier:
+                    # A full page holds every row newer than its oldest step ``cut``, and some of those at ``cut``.
+                    before = cut if fill.oldest_step == cut else cut + 1
+                self._read_older(conn, {**key, "nid": name_id}, before, last_step, fill)
         return {
             metrics[name_id]: (fill.values, fill.measured) for name_id, fill in fills.items() if fill.measured.any()
         }
@@ -214,21 +212,18 @@ class RankReader:
     def _read_older(
         self, conn: Connection, key: dict[str, int], before: int, last_step: int, fill: _LatestValues
     ) -> None:
+        """Rows of one metric before ``before``, newest first, until ``fill`` is done or the look-back ends."""
         limits = self.limits
-        floor = last_step - limits.look_back_steps
-        while not fill.done(limits):
-            rows = conn.execute(
-                self._older, {**key, "before": before, "floor": floor, "rows": 2 * limits.idle_rows}
-            ).all()
-            if not rows:
-                return
-            for (step, _), row in zip(
-                rows, rows_from_blobs([bytes(r[1]) for r in rows], len(fill.values)), strict=True
-            ):
-                fill.take(int(step), row)
+        floor = max(0, last_step - limits.look_back_steps)
+        hi, span = before - 1, 2 * limits.idle_rows
+        while not fill.done(limits) and hi >= floor:
+            lo = max(floor, hi - span + 1)
+            found = self._points.read(conn, key, lo, hi, None, len(fill.values))  # no lock: frontier may be stale
+            for i in range(found.steps.size - 1, -1, -1):
+                fill.take(int(found.steps[i]), found.values[i])
                 if fill.done(limits):
                     return
-            before = int(rows[-1][0])
+            hi, span = lo - 1, span * 2
 
 
 def open_alert_series(session: Session, runs: Sequence[str], per_group: int) -> list[StoredSeries]:

@@ -30,10 +30,12 @@ class Store(HistoryReader):
 
     EXPORT_COLUMNS = EXPORT_COLUMNS
 
-    def __init__(self, engine: Engine, factory: sessionmaker[Session]) -> None:
+    def __init__(self, engine: Engine, factory: sessionmaker[Session], *, fold_chunks: bool = False) -> None:
+        """``fold_chunks``: the compactor folds raw points into chunks (the setting of that name); reads merge the
+        chunks stored either way."""
         super().__init__(engine, factory)
         self.pg = engine.dialect.name == "postgresql"
-        self._writer = BatchWriter(engine, factory)
+        self._writer = BatchWriter(engine, factory, fold_chunks=fold_chunks)
         self._exporter = Exporter(factory)
         self.whatif = WhatIfStore(factory)
         """The what-if statistics' reads."""
@@ -48,8 +50,9 @@ class Store(HistoryReader):
         return self._writer.ingest(batch, observers)
 
     def compact_rollups(self, run: str) -> None:
-        """Build every rollup block of ``run`` now, each rank's partial last block included (raises NotFoundError).
-        Ingest builds blocks once they are complete; this is for a downgrade below migration 0004 and for tests."""
+        """Build every rollup block of ``run`` now, each rank's partial last block included, and, with folding on,
+        fold what is due of its raw points into chunks (raises NotFoundError). Ingest builds blocks once they are
+        complete; this is for a downgrade below migration 0004 and for tests."""
         self._writer.compact_all(run)
 
     def delete_run(self, name: str) -> None:

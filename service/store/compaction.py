@@ -5,17 +5,19 @@ A batch commits its raw points only (plus the blocks of any steps that arrive be
 one or more whole base blocks, :meth:`Compactor.compact` builds them and every level above from the raw points in a
 transaction of its own and moves the frontier. Reads use blocks that end before the frontier and the raw points after
 it, so they are exact whatever the frontier; a crash between a batch's commit and the compaction loses nothing (the
-points are committed) and duplicates nothing (the next compaction of the rank rebuilds its blocks from raw).
+points are committed) and duplicates nothing (the next compaction of the rank rebuilds its blocks from raw). The same
+transaction then folds the raw rows behind the new frontier into compressed chunks (:mod:`.folding`) when folding is
+on (the ``fold_chunks`` setting); off, compaction builds the blocks only.
 """
 
 from __future__ import annotations
 
-import numpy as np
 from sqlalchemy import Connection, bindparam, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from quantwatch.service.models import Point, Run, RunRank
-from quantwatch.service.rollups import F32, I64, LEVELS, group_starts, rows_from_blobs
+from quantwatch.service.models import Run, RunRank
+from quantwatch.service.rollups import LEVELS
+from quantwatch.service.store.folding import ChunkFolder
 from quantwatch.service.store.rollup_writes import RollupWriter
 
 BLOCK_STEPS = LEVELS[0]
@@ -40,9 +42,11 @@ def read_frontier(conn: Connection, run_id: int, rank: int) -> int:
 class Compactor:
     """Builds the complete blocks of a rank from its raw points and moves its frontier."""
 
-    def __init__(self, factory: sessionmaker[Session], rollups: RollupWriter, pg: bool) -> None:
+    def __init__(self, factory: sessionmaker[Session], rollups: RollupWriter, pg: bool, *, fold: bool) -> None:
         self.factory = factory
         self.rollups = rollups
+        self.points = rollups.points
+        self.folder = ChunkFolder(rollups.points) if fold else None
         self.pg = pg
 
     def compact(self, run_id: int, rank: int, lock_key: int, *, whole: bool = False) -> int:
@@ -65,38 +69,24 @@ class Compactor:
                 frontier, last_step, n_layers = int(row[0]), int(row[1]), int(row[2])
                 target = last_step + 1 if whole else frontier_after(last_step)
                 if target <= frontier:
-                    session.rollback()
+                    if whole and self.folder is not None:  # nothing to build, but late rows may wait to be folded
+                        self.folder.fold(conn, run_id, rank, frontier, n_layers)
+                        session.commit()
+                    else:
+                        session.rollback()
                     return frontier
                 start = frontier // BLOCK_STEPS * BLOCK_STEPS  # whole blocks: a frontier from before 0004 may not be
-                matrices = self._raw_blocks(conn, run_id, rank, start, target, n_layers)
+                tail = self.points.rank_tail(conn, run_id, rank, start, target, n_layers, times=self.folder is not None)
+                matrices = {nid: (rows.steps, rows.values) for nid, rows in tail.items()}
                 if matrices:
                     self.rollups.write(conn, run_id, rank, matrices, set(), n_layers, merge=False)
                 conn.execute(
                     update(RunRank).where(RunRank.run_id == run_id, RunRank.rank == rank).values(compacted_step=target)
                 )
+                if self.folder is not None:
+                    self.folder.fold(conn, run_id, rank, target, n_layers, tail, frontier)
                 session.commit()
             except BaseException:
                 session.rollback()
                 raise
         return target
-
-    @staticmethod
-    def _raw_blocks(
-        conn: Connection, run_id: int, rank: int, lo: int, hi: int, n_layers: int
-    ) -> dict[int, tuple[I64, F32]]:
-        """Every raw point of the rank with lo <= step < hi, as (steps, values) per name id, step order."""
-        rows = conn.execute(
-            select(Point.name_id, Point.step, Point.vals)
-            .where(Point.run_id == run_id, Point.rank == rank, Point.step >= lo, Point.step < hi)
-            .order_by(Point.name_id, Point.step)
-        ).all()
-        if not rows:
-            return {}
-        nids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
-        steps = np.fromiter((r[1] for r in rows), dtype=np.int64, count=len(rows))
-        values = rows_from_blobs([bytes(r[2]) for r in rows], n_layers)
-        keys, starts = group_starts(nids)
-        ends = [*starts[1:].tolist(), len(rows)]
-        return {
-            int(nid): (steps[a:b], values[a:b]) for nid, a, b in zip(keys.tolist(), starts.tolist(), ends, strict=True)
-        }

@@ -10,12 +10,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from quantwatch.service.models import Layer, MetricName, Point, ScalarPoint
-from quantwatch.service.rollups import is_missing, json_float, rows_from_blobs
+from quantwatch.service.models import Layer, MetricName, Run, RunMetric, RunRank, ScalarPoint
+from quantwatch.service.rollups import F32, F64, I64, is_missing, json_float
 from quantwatch.service.store.common import find_run
+from quantwatch.service.store.raw_points import RawPoints
 
 EXPORT_COLUMNS = ("rank", "step", "time", "kind", "name", "layer", "value")
 
@@ -25,6 +26,7 @@ class Exporter:
 
     def __init__(self, factory: sessionmaker[Session]) -> None:
         self.factory = factory
+        self.points = RawPoints()
 
     def _check(self, run: str) -> None:
         """Raise NotFoundError before a stream starts (afterwards the status line is sent)."""
@@ -38,26 +40,35 @@ class Exporter:
             layers = [n for (n,) in session.execute(select(Layer.name).where(Layer.run_id == r.id).order_by(Layer.idx))]
             names = dict(session.execute(select(MetricName.id, MetricName.name)).all())
             layer_arr = np.array(layers, dtype=object)
-            result = session.execute(
-                select(Point.rank, Point.step, Point.time, Point.name_id, Point.vals)
-                .where(Point.run_id == r.id)
-                .order_by(Point.rank, Point.step, Point.name_id)
-                .execution_options(yield_per=chunk_rows)
+            conn = session.connection()
+            ranks = session.execute(
+                select(RunRank.rank, RunRank.first_step, RunRank.last_step)
+                .where(RunRank.run_id == r.id)
+                .order_by(RunRank.rank)
+            ).all()
+            nids = sorted(
+                int(n)
+                for (n,) in session.execute(
+                    select(RunMetric.name_id).where(RunMetric.run_id == r.id, RunMetric.kind == "layer")
+                )
             )
-            for part in result.partitions():
-                cols: tuple[list[Any], ...] = ([], [], [], [], [], [], [])
-                for rank, step, tm, nid, vals in part:
-                    values = rows_from_blobs([bytes(vals)], len(layers))[0]
-                    keep = ~is_missing(values)
-                    k = int(keep.sum())
-                    cols[0].extend([rank] * k)
-                    cols[1].extend([step] * k)
-                    cols[2].extend([tm] * k)
-                    cols[3].extend(["metric"] * k)
-                    cols[4].extend([names[nid]] * k)
-                    cols[5].extend(layer_arr[keep].tolist())
-                    cols[6].extend(values[keep].tolist())
-                yield cols
+            for rank, first, last in ranks:
+                for w_steps, w_times, w_ids, values in self._rank_points(
+                    conn, r.id, rank, nids, first, last, chunk_rows
+                ):
+                    cols: tuple[list[Any], ...] = ([], [], [], [], [], [], [])
+                    for i in range(len(w_steps)):
+                        row = values[i, : len(layers)]
+                        keep = ~is_missing(row)
+                        k = int(keep.sum())
+                        cols[0].extend([rank] * k)
+                        cols[1].extend([int(w_steps[i])] * k)
+                        cols[2].extend([None if np.isnan(w_times[i]) else float(w_times[i])] * k)
+                        cols[3].extend(["metric"] * k)
+                        cols[4].extend([names[int(w_ids[i])]] * k)
+                        cols[5].extend(layer_arr[keep].tolist())
+                        cols[6].extend(row[keep].tolist())
+                    yield cols
             scal = session.execute(
                 select(ScalarPoint.rank, ScalarPoint.step, ScalarPoint.time, ScalarPoint.name_id, ScalarPoint.value)
                 .where(ScalarPoint.run_id == r.id)
@@ -75,6 +86,42 @@ class Exporter:
                     cols[5].append(None)
                     cols[6].append(struct.unpack("<d", value)[0])
                 yield cols
+
+    def _rank_points(
+        self,
+        conn: Connection,
+        run_id: int,
+        rank: int,
+        nids: list[int],
+        first: int,
+        last: int,
+        chunk_rows: int,
+    ) -> Iterator[tuple[I64, F64, I64, F32]]:
+        """The rank's points in (step, metric) order, in windows of steps holding about ``chunk_rows`` rows each:
+        (steps, times, name ids, values) per window."""
+        width = conn.execute(select(Run.layer_count).where(Run.id == run_id)).scalar_one()
+        lo, span = first, chunk_rows
+        while lo <= last:
+            hi = min(last, lo + span - 1)
+            found = [
+                (
+                    nid,
+                    self.points.read(
+                        conn, {"run_id": run_id, "rank": rank, "nid": nid}, lo, hi, None, width, times=True
+                    ),
+                )
+                for nid in nids
+            ]
+            steps = np.concatenate([f.steps for _, f in found])
+            ids = np.concatenate([np.full(f.steps.size, nid, dtype=np.int64) for nid, f in found])
+            order = np.lexsort((ids, steps))
+            if order.size:
+                times = np.concatenate([f.times for _, f in found if f.times is not None])
+                values = np.concatenate([f.values for _, f in found])
+                yield steps[order], times[order], ids[order], values[order]
+            # About chunk_rows rows per window, whatever the density of sampled steps.
+            span = max(1, min(span * 4, int(span * chunk_rows / max(order.size, 1))))
+            lo = hi + 1
 
     def export_csv(self, run: str) -> Iterator[bytes]:
         """CSV of every stored point (header first); float32 values printed exactly (round-trip)."""

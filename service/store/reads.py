@@ -30,11 +30,11 @@ from quantwatch.service.rollups import (
     group_starts,
     is_missing,
     missing_row,
-    rows_from_blobs,
     to_json_floats,
     to_json_matrix,
 )
 from quantwatch.service.store.common import NotFoundError, choose_width, columns, find_run
+from quantwatch.service.store.raw_points import RawPoints
 
 
 def _one_series(
@@ -62,31 +62,13 @@ class HistoryReader:
         """Prebuilt statements of the history reads (a series answer runs four of them; building each per call cost
         more than executing it)."""
         offset = bindparam("offset", type_=Integer)
-        points = _one_series(Point, Point.step)
-        self._raw_rows = select(Point.step, Point.vals).where(*points).order_by(Point.step)
-        self._raw_layer_rows = (
-            select(Point.step, func.substr(Point.vals, offset, 4)).where(*points).order_by(Point.step)
-        )
-        self._raw_count = select(func.count()).select_from(
-            select(Point.step).where(*points).limit(bindparam("limit", type_=Integer)).subquery()
-        )
+        self._points = RawPoints()
         blocks = (*_one_series(Rollup, Rollup.bucket), Rollup.level == bindparam("level"))
         self._block_rows = select(Rollup.bucket, Rollup.stats).where(*blocks).order_by(Rollup.bucket)
         self._block_layer_rows = (
             select(Rollup.bucket, func.substr(Rollup.stats, offset, STATS_DTYPE.itemsize))
             .where(*blocks)
             .order_by(Rollup.bucket)
-        )
-        self._next_step = (
-            select(Point.step)
-            .where(
-                Point.run_id == bindparam("run_id"),
-                Point.rank == bindparam("rank"),
-                Point.step >= bindparam("lo"),
-                Point.name_id == bindparam("nid"),
-            )
-            .order_by(Point.step)
-            .limit(1)
         )
         self._estimated_steps = select(EstimatedPoint.step).where(*_one_series(EstimatedPoint, EstimatedPoint.step))
         # Everything a series read needs to know before reading values, in one round trip: the run, the layer's
@@ -192,18 +174,19 @@ class HistoryReader:
         return (lo, hi) if lo <= hi else None
 
     def _raw_partials(
-        self, conn: Connection, run_id: int, rank: int, nid: int, lo: int, hi: int, layer: int | None, n_layers: int
+        self,
+        conn: Connection,
+        key: dict[str, int],
+        lo: int,
+        hi: int,
+        layer: int | None,
+        n_layers: int,
     ) -> tuple[I64, Partials]:
         width = 1 if layer is not None else n_layers
         if lo > hi:
             return np.zeros(0, dtype=np.int64), Partials.empty(0, width)
-        params = {"run_id": run_id, "rank": rank, "nid": nid, "lo": lo, "hi": hi}
-        if layer is None:
-            rows = conn.execute(self._raw_rows, params).all()
-        else:
-            rows = conn.execute(self._raw_layer_rows, {**params, "offset": 4 * layer + 1}).all()
-        steps, blobs = columns(rows)
-        return steps, Partials.from_values(rows_from_blobs(blobs, width))
+        rows = self._points.read(conn, key, lo, hi, None, n_layers, layer=layer)  # no lock: see raw_points
+        return rows.steps, Partials.from_values(rows.values)
 
     def _rollup_partials(
         self,
@@ -245,19 +228,20 @@ class HistoryReader:
         Rollup blocks are used only where they end before the rank's ``frontier`` (``compacted_step``): later steps
         come from the raw points, whose blocks may not be built yet."""
         levels = [lv for lv in LEVELS if lv <= width]
+        key = {"run_id": run_id, "rank": rank, "nid": nid}
         if not levels:
-            steps, part = self._raw_partials(conn, run_id, rank, nid, lo, hi, layer, n_layers)
+            steps, part = self._raw_partials(conn, key, lo, hi, layer, n_layers)
             keys, starts = group_starts(steps // width)
             return keys, part.reduce(starts) if keys.size else part
         level = levels[-1]
         first_full = -(-lo // level)
         last_full = min(hi + 1, frontier) // level - 1
         if first_full > last_full:
-            steps, part = self._raw_partials(conn, run_id, rank, nid, lo, hi, layer, n_layers)
+            steps, part = self._raw_partials(conn, key, lo, hi, layer, n_layers)
         else:
-            h_steps, head = self._raw_partials(conn, run_id, rank, nid, lo, first_full * level - 1, layer, n_layers)
+            h_steps, head = self._raw_partials(conn, key, lo, first_full * level - 1, layer, n_layers)
             m_steps, mid = self._rollup_partials(conn, run_id, rank, nid, level, first_full, last_full, layer, n_layers)
-            t_steps, tail = self._raw_partials(conn, run_id, rank, nid, (last_full + 1) * level, hi, layer, n_layers)
+            t_steps, tail = self._raw_partials(conn, key, (last_full + 1) * level, hi, layer, n_layers)
             steps = np.concatenate([h_steps, m_steps, t_steps])
             part = Partials(
                 np.concatenate([head.vmin, mid.vmin, tail.vmin]),
@@ -290,8 +274,8 @@ class HistoryReader:
             width = 1
             if hi - lo + 1 > max_points:
                 # Only whether the range holds more than max_points samples matters: count at most max_points + 1.
-                params = {"run_id": run_id, "rank": rank, "nid": nid, "lo": lo, "hi": hi, "limit": max_points + 1}
-                if conn.execute(self._raw_count, params).scalar_one() > max_points:
+                key = {"run_id": run_id, "rank": rank, "nid": nid}
+                if self._points.steps(conn, key, lo, hi, max_points + 1).size > max_points:
                     width = choose_width(lo, hi, max_points)
             keys, part = self._bucketed(conn, run_id, rank, nid, lo, hi, width, int(idx), int(n_layers), int(frontier))
             params = {"run_id": run_id, "rank": rank, "nid": nid, "lo": lo, "hi": hi}
@@ -437,23 +421,16 @@ class HistoryReader:
                 for (k,) in session.execute(select(RunRank.rank).where(RunRank.run_id == r.id).order_by(RunRank.rank))
             ]
             conn = session.connection()
-            # Per rank: each lookup is one walk of the points index from ``step`` on.
-            params = {"run_id": r.id, "lo": step, "nid": nid}
-            firsts = (conn.execute(self._next_step, {**params, "rank": rank}).scalar() for rank in ranks)
+            # Per rank: each lookup is one walk of the points index (and of the chunks index) from ``step`` on.
+            keys = {rank: {"run_id": r.id, "rank": rank, "nid": nid} for rank in ranks}
+            firsts = (self._points.next_step(conn, keys[rank], step) for rank in ranks)
             at = min((s for s in firsts if s is not None), default=None)
-            rows = (
-                []
-                if at is None
-                else session.execute(
-                    select(Point.rank, Point.vals).where(
-                        Point.run_id == r.id, Point.rank.in_(ranks), Point.step == at, Point.name_id == nid
-                    )
-                ).all()
-            )
-        grid = np.repeat(missing_row(len(names))[:, None], len(ranks), axis=1)
-        if rows:
-            measured = rows_from_blobs([bytes(vals) for _, vals in rows], len(names))
-            grid[:, [ranks.index(int(rank)) for rank, _ in rows]] = measured.T
+            grid = np.repeat(missing_row(len(names))[:, None], len(ranks), axis=1)
+            for i, rank in enumerate(ranks):
+                if at is not None:
+                    found = self._points.read(conn, keys[rank], at, at, None, len(names))
+                    if found.steps.size:
+                        grid[:, i] = found.values[0]
         return {
             "step": at,
             "metric": metric,

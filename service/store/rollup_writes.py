@@ -8,14 +8,16 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, bindparam, select
 
-from quantwatch.service.models import Point, Rollup
-from quantwatch.service.rollups import F32, I64, LEVELS, Partials, group_starts, rows_from_blobs
+from quantwatch.service.models import Rollup
+from quantwatch.service.rollups import F32, I64, LEVELS, Partials, group_starts
+from quantwatch.service.store.raw_points import RawPoints
 
 
 class RollupWriter:
     """Reads and upserts rollup blocks inside an ingest transaction (statements built once per store)."""
 
-    def __init__(self, insert: Callable[..., Any]) -> None:
+    def __init__(self, insert: Callable[..., Any], points: RawPoints) -> None:
+        self.points = points
         rollup = insert(Rollup)
         # Built once: constructing and cache-keying Core statements per batch cost more than executing them.
         self._upsert = rollup.on_conflict_do_update(
@@ -84,19 +86,11 @@ class RollupWriter:
             if nid in replaced:
                 # Replaced values cannot be subtracted from a min or max: recompute the touched blocks from raw.
                 touched = steps // base
-                raw = conn.execute(
-                    select(Point.step, Point.vals)
-                    .where(
-                        Point.run_id == run_id,
-                        Point.rank == rank,
-                        Point.name_id == nid,
-                        Point.step >= int(touched.min()) * base,
-                        Point.step <= (int(touched.max()) + 1) * base - 1,
-                    )
-                    .order_by(Point.step)
-                ).all()
-                keys, starts = group_starts(np.array([r[0] for r in raw], dtype=np.int64) // base)
-                part = Partials.from_values(rows_from_blobs([r[1] for r in raw], n_layers)).reduce(starts)
+                lo, hi = int(touched.min()) * base, (int(touched.max()) + 1) * base - 1
+                # Behind the frontier, so some of these steps may be in chunks.
+                raw = self.points.read(conn, {"run_id": run_id, "rank": rank, "nid": nid}, lo, hi, None, n_layers)
+                keys, starts = group_starts(raw.steps // base)
+                part = Partials.from_values(raw.values).reduce(starts)
             else:
                 keys, starts = group_starts(steps // base)
                 part = Partials.from_values(values).reduce(starts)

@@ -38,6 +38,7 @@ from quantwatch.service.store.actions import write_actions
 from quantwatch.service.store.common import IngestResult, RunCache, find_run
 from quantwatch.service.store.compaction import Compactor, frontier_after, read_frontier
 from quantwatch.service.store.group_commit import GroupCommit
+from quantwatch.service.store.raw_points import RawPoints, Rows
 from quantwatch.service.store.rollup_writes import RollupWriter
 
 log = logging.getLogger("quantwatch.service")
@@ -71,12 +72,13 @@ _STORED_STEPS = select(Point.step, Point.name_id).where(
 class BatchWriter:
     """The ingest path of one engine; holds small caches of immutable facts (name ids, layer order) per process."""
 
-    def __init__(self, engine: Engine, factory: sessionmaker[Session]) -> None:
+    def __init__(self, engine: Engine, factory: sessionmaker[Session], *, fold_chunks: bool = False) -> None:
         self.factory = factory
         self.pg = engine.dialect.name == "postgresql"
         self._insert = postgresql.insert if self.pg else sqlite.insert
-        self._rollups = RollupWriter(self._insert)
-        self._compactor = Compactor(factory, self._rollups, self.pg)
+        self._points = RawPoints()
+        self._rollups = RollupWriter(self._insert, self._points)
+        self._compactor = Compactor(factory, self._rollups, self.pg, fold=fold_chunks)
         self._batch_insert = self._insert(Batch).on_conflict_do_nothing().returning(Batch.batch_id)
         point = self._insert(Point)
         self._point_upsert = point.on_conflict_do_update(
@@ -294,10 +296,18 @@ class BatchWriter:
             return
         lo = min(s.step for s in batch.steps)
         hi = max(s.step for s in batch.steps)
-        existing = {
-            (int(r[0]), int(r[1]))
-            for r in conn.execute(_STORED_STEPS, {"run_id": run_id, "rank": batch.rank, "lo": lo, "hi": hi})
-        }
+        # Chunks hold only steps behind the frontier: a batch wholly past it (the usual case) looks at raw rows only.
+        stored: dict[int, Rows] = {}
+        if lo < frontier:
+            for name in steps_by_metric:
+                key = {"run_id": run_id, "rank": batch.rank, "nid": name_ids[name]}
+                stored[name_ids[name]] = self._points.read(conn, key, lo, hi, frontier, n_layers)
+            existing = {(int(s), nid) for nid, found in stored.items() for s in found.steps.tolist()}
+        else:
+            existing = {
+                (int(r[0]), int(r[1]))
+                for r in conn.execute(_STORED_STEPS, {"run_id": run_id, "rank": batch.rank, "lo": lo, "hi": hi})
+            }
         rows: list[dict[str, Any]] = []
         matrices: dict[int, tuple[I64, F32]] = {}
         for name, entries in steps_by_metric.items():
@@ -306,18 +316,22 @@ class BatchWriter:
             values = np.stack([e[2] for e in entries])
             hits = [i for i, s in enumerate(steps.tolist()) if (s, nid) in existing]
             if hits:
-                old_rows = {
-                    int(r[0]): r[1]
-                    for r in conn.execute(
-                        select(Point.step, Point.vals).where(
-                            Point.run_id == run_id,
-                            Point.rank == batch.rank,
-                            Point.name_id == nid,
-                            Point.step.in_([int(steps[i]) for i in hits]),
+                if nid in stored:
+                    found = stored[nid]
+                    old = found.values[np.searchsorted(found.steps, steps[hits])]
+                else:
+                    old_rows = {
+                        int(r[0]): r[1]
+                        for r in conn.execute(
+                            select(Point.step, Point.vals).where(
+                                Point.run_id == run_id,
+                                Point.rank == batch.rank,
+                                Point.name_id == nid,
+                                Point.step.in_([int(steps[i]) for i in hits]),
+                            )
                         )
-                    )
-                }
-                old = rows_from_blobs([old_rows[int(steps[i])] for i in hits], n_layers)
+                    }
+                    old = rows_from_blobs([old_rows[int(steps[i])] for i in hits], n_layers)
                 new = values[hits]
                 # Last write wins per (layer, step): a re-sent step replaces what it measures, keeps the rest.
                 values[hits] = np.where(is_missing(new), old, new)

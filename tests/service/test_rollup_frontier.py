@@ -96,6 +96,19 @@ def _frontier(store: Store, run: str) -> int:
         return int(session.scalars(select(RunRank.compacted_step).where(RunRank.run_id == store.run_id(run))).one())
 
 
+def ingest_shapes(store: Store, run: str, shapes: list[Any]) -> Reference:
+    """Ingest one batch per (steps, layers, seed) of ``shapes`` (random values, a fifth not measured), checking every
+    read after each; what the store must hold."""
+    ref = Reference()
+    for steps, layers, seed in shapes:
+        rng = np.random.default_rng(seed)
+        values = rng.standard_normal((len(steps), len(layers))).astype(np.float32)
+        values[rng.random(values.shape) < 0.2] = np.nan  # not measured in this batch
+        _ingest(store, run, sorted(steps), values, layers, ref)
+        _assert_exact(store, run, ref)
+    return ref
+
+
 batches = st.lists(
     st.tuples(
         # Steps: late, re-sent, far ahead, and often a block's last step (then the newest block is complete).
@@ -117,13 +130,7 @@ batches = st.lists(
 @given(shapes=batches)
 def test_reads_across_the_raw_tail_and_finished_blocks_are_exact(store: Store, shapes: list[Any]) -> None:
     run = f"prop-{uuid.uuid4().hex[:8]}"
-    ref = Reference()
-    for steps, layers, seed in shapes:
-        rng = np.random.default_rng(seed)
-        values = rng.standard_normal((len(steps), len(layers))).astype(np.float32)
-        values[rng.random(values.shape) < 0.2] = np.nan  # not measured in this batch
-        _ingest(store, run, sorted(steps), values, layers, ref)
-        _assert_exact(store, run, ref)
+    ref = ingest_shapes(store, run, shapes)
     assert _frontier(store, run) == max(ref.values) // 64 * 64  # every block before the newest one is built
     store.compact_rollups(run)
     assert _frontier(store, run) == max(ref.values) + 1
@@ -149,10 +156,9 @@ CRASHING_INGEST = textwrap.dedent(
 )
 
 
-def test_a_crash_between_commit_and_compaction_loses_and_duplicates_nothing(
-    store: Store, database_url: str, tmp_path: Path
-) -> None:
-    run = "crash"
+def crash_crossing_batch(store: Store, database_url: str, run: str, script: str) -> tuple[Reference, dict[str, Any]]:
+    """Ingest steps 0–59 of ``run``, then send steps 60–127 (up to a block's last step) from a process running
+    ``script``, which must kill itself after the batch's commit; what the store must hold, and the batch sent."""
     ref = Reference()
     first = np.arange(60, dtype=np.float32)[:, None] * np.ones((1, 4), dtype=np.float32)
     _ingest(store, run, list(range(60)), first, LAYERS, ref)
@@ -161,7 +167,7 @@ def test_a_crash_between_commit_and_compaction_loses_and_duplicates_nothing(
     crossing = np.full((68, 4), 100.0, dtype=np.float32)
     doc = batch_doc(run, LAYERS, list(range(60, 128)), {"m": crossing}, batch_id="crossing")
     proc = subprocess.run(
-        [sys.executable, "-c", CRASHING_INGEST, database_url, json.dumps(doc)],
+        [sys.executable, "-c", script, database_url, json.dumps(doc)],
         cwd=Path(__file__).parents[2],
         capture_output=True,
         timeout=120,
@@ -170,6 +176,12 @@ def test_a_crash_between_commit_and_compaction_loses_and_duplicates_nothing(
     assert proc.returncode == -9, proc.stderr.decode()
     for step, row in zip(range(60, 128), crossing, strict=True):
         ref.values[step] = row
+    return ref, doc
+
+
+def test_a_crash_between_commit_and_compaction_loses_and_duplicates_nothing(store: Store, database_url: str) -> None:
+    run = "crash"
+    ref, doc = crash_crossing_batch(store, database_url, run, CRASHING_INGEST)
     assert _frontier(store, run) == 0  # committed, not compacted
     _assert_exact(store, run, ref)
     assert store.ingest(decode_json(json.dumps(doc).encode())).duplicate  # the batch was durable

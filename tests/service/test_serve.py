@@ -88,3 +88,38 @@ def test_serve_help_lists_every_setting_with_its_environment_variable_and_defaul
     # The names shown are the ones the collector reads.
     monkeypatch.setenv("QUANTWATCH_METRICS_TOP_K", "7")
     assert Settings().metrics_top_k == 7
+
+
+def test_serve_refuses_a_fold_chunks_value_that_is_not_a_boolean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from quantwatch.service.core.config import Settings
+
+    monkeypatch.setenv("QUANTWATCH_FOLD_CHUNKS", "maybe")
+    result = CliRunner().invoke(app, ["serve", "--port", "0", "--database-url", f"sqlite:///{tmp_path}/q.db"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: fold_chunks: Input should be a valid boolean"), result.output
+    assert not (tmp_path / "q.db").exists()
+    monkeypatch.setenv("QUANTWATCH_FOLD_CHUNKS", "true")
+    assert Settings().fold_chunks
+    monkeypatch.delenv("QUANTWATCH_FOLD_CHUNKS")
+    assert not Settings().fold_chunks
+
+
+def test_serve_takes_fold_chunks_from_its_flag_or_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    served: list[Any] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **_options: served.append(app))
+    try:
+        for args, env in ((["--fold-chunks"], None), ([], "true"), ([], None)):
+            if env is None:
+                monkeypatch.delenv("QUANTWATCH_FOLD_CHUNKS", raising=False)
+            else:
+                monkeypatch.setenv("QUANTWATCH_FOLD_CHUNKS", env)
+            db = f"sqlite:///{tmp_path}/q{len(served)}.db"
+            result = CliRunner().invoke(app, ["serve", "--port", "0", "--database-url", db, *args])
+            assert result.exit_code == 0, result.output
+    finally:
+        gc.unfreeze()  # serve froze what it built
+    assert [a.state.settings.fold_chunks for a in served] == [True, True, False]
+    for a in served:
+        a.state.engine.dispose()

@@ -1,0 +1,327 @@
+"""Raw points folded into compressed chunks (issue 21): the codec is lossless to the bit, reads across chunks, folded
+rows and the raw tail equal the exact values (late and re-sent steps included), a crash while folding loses and
+duplicates nothing, and the downgrade of migration 0012 gives the raw rows back."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import func, select
+
+from alembic import command
+from quantwatch.service import Settings
+from quantwatch.service.app import create_app
+from quantwatch.service.batch import decode_json
+from quantwatch.service.core.db import alembic_config, upgrade
+from quantwatch.service.exposition.queries import RankReader, RestoreLimits, recent_runs
+from quantwatch.service.models import Point, PointChunk
+from quantwatch.service.store import Store, folding
+from quantwatch.service.store.chunk_codec import (
+    decode_steps,
+    decode_times,
+    decode_values,
+    encode_steps,
+    encode_times,
+    encode_values,
+)
+from tests.service.test_rollup_frontier import (
+    LAYERS,
+    Reference,
+    _assert_exact,
+    _frontier,
+    _ingest,
+    batches,
+    crash_crossing_batch,
+    ingest_shapes,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 140),
+    seed=st.integers(0, 2**32 - 1),
+    kind=st.sampled_from(["bits", "walk", "special"]),
+)
+def test_the_codec_gives_back_every_bit(rows: int, cols: int, seed: int, kind: str) -> None:
+    rng = np.random.default_rng(seed)
+    if kind == "bits":  # every pattern: NaN payloads, the missing pattern, denormals, -0, ±inf
+        words = rng.integers(0, 2**32, (rows, cols), dtype=np.uint64).astype(np.uint32)
+    elif kind == "walk":
+        words = (np.exp(np.cumsum(rng.normal(0, 0.01, (rows, cols)), axis=0)) * 0.03).astype(np.float32).view(np.uint32)
+    else:
+        special = np.array([0x7FC00001, 0x7FC00000, 0xFFC00000, 0x80000000, 0, 0x7F800000, 0xFF800000, 1], np.uint32)
+        words = rng.choice(special, (rows, cols))
+    blob = encode_values(words.view(np.float32))
+    assert decode_values(blob).view(np.uint32).tolist() == words.tolist()
+    for layer in {0, cols - 1, int(rng.integers(cols))}:
+        assert decode_values(blob, layer)[:, 0].view(np.uint32).tolist() == words[:, layer].tolist()
+    assert decode_values(blob, cols + 3).view(np.uint32).tolist() == [[0x7FC00001]] * rows  # a later layer: missing
+    steps = np.sort(rng.choice(10**12, rows, replace=False)).astype(np.int64)
+    assert decode_steps(encode_steps(steps)).tolist() == steps.tolist()
+    times = [None if rng.random() < 0.3 else float(rng.random() * 2e9) for _ in range(rows)]
+    assert decode_times(encode_times(times), rows) == times
+
+
+def _app_store(database_url: str, **settings: Any) -> Store:
+    """The store of a collector built from these settings (its engine disposed by the caller)."""
+    store: Store = create_app(Settings(database_url=database_url, **settings)).state.store
+    return store
+
+
+@pytest.fixture
+def store(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
+    """A collector's store with folding on. Four rows per chunk: small histories make many chunks, and late steps land
+    in them and between them."""
+    monkeypatch.setattr(folding, "CHUNK_ROWS", 4)
+    folded = _app_store(database_url, fold_chunks=True)
+    yield folded
+    folded.engine.dispose()
+
+
+@pytest.fixture
+def unfolded(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
+    """A collector's store with the default settings, over the same database."""
+    monkeypatch.setattr(folding, "CHUNK_ROWS", 4)
+    default = _app_store(database_url)
+    yield default
+    default.engine.dispose()
+
+
+def _counts(store: Store, run: str) -> tuple[int, int]:
+    """(chunks, raw rows) of ``run``."""
+    run_id = store.run_id(run)
+    with store.engine.connect() as conn:
+        chunks = conn.execute(select(func.count()).where(PointChunk.run_id == run_id)).scalar_one()
+        raw = conn.execute(select(func.count()).where(Point.run_id == run_id)).scalar_one()
+    return int(chunks), int(raw)
+
+
+def _assert_export(store: Store, run: str, ref: Reference) -> None:
+    """The CSV export holds every measured (step, layer) value exactly once, with its exact value."""
+    text = b"".join(store.export_csv(run)).decode()
+    lines = text.splitlines()[1:]
+    got = {}
+    for line in lines:
+        _rank, step, _, kind, name, layer, value = line.split(",")
+        assert kind == "metric"
+        assert name == "m"
+        assert (int(step), layer) not in got
+        got[(int(step), layer)] = np.float32(float(value))
+    want = {
+        (s, name): np.float32(v[i])
+        for s, v in ref.values.items()
+        for i, name in enumerate(LAYERS)
+        if not np.isnan(v[i])
+    }
+    assert got == want
+
+
+@settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
+@given(shapes=batches)
+def test_reads_across_chunks_and_raw_rows_are_exact(store: Store, shapes: list[Any]) -> None:
+    run = f"chunks-{uuid.uuid4().hex[:8]}"
+    ref = ingest_shapes(store, run, shapes)
+    store.compact_rollups(run)  # the frontier passes the last step: every metric's rows are folded or late-merged
+    _assert_exact(store, run, ref)
+    _assert_export(store, run, ref)
+    chunks, raw = _counts(store, run)
+    if len(ref.values) >= folding.CHUNK_ROWS:
+        assert chunks > 0
+        assert raw < folding.CHUNK_ROWS  # what is left raw waits to fill a chunk
+    heat = store.heatmap(run, "m", 0, None, None, 100_000, None, "max")
+    assert heat["bucket_steps"] == 1
+    for step, column in zip(heat["steps"], zip(*heat["values"], strict=True), strict=True):
+        want = ref.values.get(int(step), np.full(len(LAYERS), np.nan, dtype=np.float32))
+        got = np.float32([np.nan if v is None else v for v in column])
+        assert np.array_equal(got, want[[LAYERS.index(n) for n in heat["layers"]]], equal_nan=True), step
+
+
+def _late_history(store: Store, run: str, ref: Reference) -> None:
+    """200 steps of a ramp in batches of 20: enough for many chunks when folding is on."""
+    ramp = np.arange(200, dtype=np.float32)[:, None] * np.float32([1, -1, 0.5, 2])
+    for lo in range(0, 200, 20):
+        _ingest(store, run, list(range(lo, lo + 20)), ramp[lo : lo + 20], LAYERS, ref)
+
+
+def test_the_default_settings_never_fold(unfolded: Store) -> None:
+    """Folding is opt-in: with the default settings a history that folds into chunks with it on stays raw, compacted
+    to its last step included, and reads back exactly."""
+    assert not Settings().fold_chunks
+    run = "unfolded"
+    ref = Reference()
+    _late_history(unfolded, run, ref)
+    _ingest(unfolded, run, [5, 6, 70], np.float32([[9], [8], [7]]), ["b"], ref)
+    unfolded.compact_rollups(run)
+    assert _frontier(unfolded, run) == 200
+    assert _counts(unfolded, run) == (0, 200)
+    _assert_exact(unfolded, run, ref)
+    _assert_export(unfolded, run, ref)
+
+
+def test_chunks_folded_earlier_read_back_with_folding_off(store: Store, unfolded: Store) -> None:
+    """A database folded by a collector with folding on, then served with it off: its chunks read back exactly, a
+    re-sent step over a chunk wins as a raw row, and nothing more is folded."""
+    run = "was-folded"
+    ref = Reference()
+    _late_history(store, run, ref)
+    chunks, _ = _counts(store, run)
+    assert chunks > 10
+    _assert_exact(unfolded, run, ref)
+    _ingest(unfolded, run, [5, 6, 70], np.float32([[9], [8], [7]]), ["b"], ref)
+    _ingest(unfolded, run, list(range(300, 400)), np.ones((100, 4), dtype=np.float32), LAYERS, ref)
+    unfolded.compact_rollups(run)
+    assert _counts(unfolded, run)[0] == chunks
+    _assert_exact(unfolded, run, ref)
+    _assert_export(unfolded, run, ref)
+    assert [row[0] for row in unfolded.step_ranks(run, "m", 6)["values"]] == [6.0, 8.0, 3.0, 12.0]
+
+
+def test_late_and_re_sent_steps_into_folded_chunks(store: Store) -> None:
+    run = "late"
+    ref = Reference()
+    _late_history(store, run, ref)
+    chunks, _ = _counts(store, run)
+    assert chunks > 10
+    # Re-sent steps inside chunks (one layer only: the others keep their values), and late steps between chunks.
+    _ingest(store, run, [5, 6, 70], np.float32([[9], [8], [7]]), ["b"], ref)
+    _assert_exact(store, run, ref)
+    _ingest(store, run, list(range(300, 400)), np.ones((100, 4), dtype=np.float32), LAYERS, ref)  # compacts: refolds
+    _assert_exact(store, run, ref)
+    with store.engine.connect() as conn:
+        behind = conn.execute(select(func.count()).select_from(Point).where(Point.step < 200)).scalar_one()
+    assert behind == 0  # the re-sent rows went into their chunks
+    _assert_export(store, run, ref)
+    ranks = store.step_ranks(run, "m", 6)
+    assert ranks["step"] == 6
+    assert [row[0] for row in ranks["values"]] == [6.0, 8.0, 3.0, 12.0]
+
+
+FOLD_CRASH = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from quantwatch.service import Settings
+    from quantwatch.service.batch import decode_json
+    from quantwatch.service.core.db import make_engine, make_sessionmaker
+    from quantwatch.service.store import Store, folding
+
+    fold = folding.ChunkFolder._insert
+
+    def killed(self, conn, *args, **kwargs):  # the chunks are inserted and the raw rows deleted: die before commit
+        fold(self, conn, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    folding.CHUNK_ROWS = 4
+    folding.ChunkFolder._insert = killed
+    settings = Settings(database_url=sys.argv[1], auto_upgrade=False, fold_chunks=True)
+    engine = make_engine(settings)
+    Store(engine, make_sessionmaker(engine), fold_chunks=settings.fold_chunks).ingest(decode_json(sys.argv[2].encode()))
+    """
+)
+
+
+def test_a_crash_while_folding_loses_and_duplicates_nothing(store: Store, database_url: str) -> None:
+    run = "fold-crash"
+    ref, doc = crash_crossing_batch(store, database_url, run, FOLD_CRASH)
+    assert _counts(store, run) == (0, 128)  # the batch committed; its compaction and fold rolled back
+    assert _frontier(store, run) == 0
+    _assert_exact(store, run, ref)
+    assert store.ingest(decode_json(json.dumps(doc).encode())).duplicate
+    _ingest(store, run, [130], np.full((1, 4), 5.0, dtype=np.float32), LAYERS, ref)  # the next batch folds
+    chunks, raw = _counts(store, run)
+    assert chunks == 128 // 4
+    assert raw == 1
+    _assert_exact(store, run, ref)
+    assert store.get_run(run)["points"] == 129 * 4
+
+
+def test_downgrade_of_0012_gives_the_raw_rows_back(store: Store) -> None:
+    run = "mig-chunks"
+    ref = Reference()
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((300, 4)).astype(np.float32)
+    values[rng.random(values.shape) < 0.1] = np.nan
+    values[7, 2] = np.inf
+    for lo in range(0, 300, 50):
+        _ingest(store, run, list(range(lo, lo + 50)), values[lo : lo + 50], LAYERS, ref)
+    _ingest(store, run, [10], np.float32([[42.0]]), ["c"], ref)  # a re-sent step: raw, over its chunk's row
+    chunks, raw = _counts(store, run)
+    assert chunks > 0
+    assert raw > 0
+    before = b"".join(store.export_csv(run))
+    engine = store.engine
+    cfg = alembic_config(engine.url.render_as_string(hide_password=False))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0011_alert_state_columns")
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(Point)).scalar_one() == 300
+    upgrade(engine)
+    assert _counts(store, run) == (
+        0,
+        300,
+    )  # upgraded: the raw rows are valid as they are, folded at the next compaction
+    assert b"".join(store.export_csv(run)) == before
+    _assert_exact(store, run, ref)
+    _ingest(store, run, list(range(300, 400)), np.ones((100, 4), dtype=np.float32), LAYERS, ref)
+    assert _counts(store, run)[1] < 4 + 64
+    _assert_exact(store, run, ref)
+    _assert_export(store, run, ref)
+
+
+def test_the_metrics_restore_finds_latest_values_inside_chunks(store: Store) -> None:
+    """Layer "a" was last measured long ago (its value now in a chunk), "b" at every step: the restore of the
+    exposition's state reads back through the chunks to a's latest value."""
+    run = "restore"
+    ref = Reference()
+    _ingest(store, run, list(range(40)), np.arange(80, dtype=np.float32).reshape(40, 2), ["a", "b"], ref)
+    _ingest(store, run, list(range(40, 300)), np.arange(260, dtype=np.float32)[:, None] + 1000, ["b"], ref)
+    assert _counts(store, run)[0] > 0
+    with store.engine.connect() as conn:
+        assert (
+            conn.execute(select(func.count()).where(Point.run_id == store.run_id(run), Point.step < 40)).scalar() == 0
+        )
+    with store.factory() as session:
+        (recent,) = recent_runs(session, 0.0, 10)
+        (stored,) = RankReader(RestoreLimits(max_rows=400, idle_rows=400)).stored_ranks(session, recent)
+    values, measured = stored.latest["m"]
+    assert measured[:2].tolist() == [True, True]
+    assert values[:2].tolist() == [78.0, 1259.0]  # a at step 39 (in a chunk), b at step 299
+
+
+def test_a_fold_between_a_reads_frontier_and_its_rows_loses_nothing(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A series read takes the rank's frontier first; a compaction that folds rows before the read reaches them must
+    not hide them (the read looks the chunks up whatever the frontier it took). PostgreSQL's statements each see the
+    latest commit (read committed), where skipping the chunks on the stale frontier failed this; a SQLite read keeps
+    its snapshot."""
+    run = "race"
+    ref = Reference()
+    _ingest(store, run, list(range(60)), np.arange(240, dtype=np.float32).reshape(60, 4), LAYERS, ref)
+    assert _counts(store, run) == (0, 60)
+    bucketed = store._bucketed
+
+    def folded_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(store, "_bucketed", bucketed)
+        _ingest(store, run, [127], np.ones((1, 4), dtype=np.float32), LAYERS, Reference())  # folds steps 0–59
+        assert _counts(store, run) == (60 // 4, 1)
+        return bucketed(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_bucketed", folded_meanwhile)
+    got = store.series(run, "m", "b", 0, None, None, 100_000)  # frontier and last step read before the fold
+    assert np.asarray(got["steps"]).tolist() == list(range(60))
+    assert np.asarray(got["min"], dtype=np.float64).tolist() == [float(4 * s + 1) for s in range(60)]
