@@ -91,17 +91,16 @@ class CollectorProcess:
 
     def restart(self) -> None:
         """SIGKILL the collector (if one runs), then start it again without waiting for it to answer."""
-        assert self.parent.stdin is not None
-        assert self.parent.stdout is not None
-        self.parent.stdin.write(b"restart\n")
-        self.parent.stdin.flush()
-        self.parent.stdout.readline()
+        self._tell(b"restart\n")
 
     def down(self) -> None:
         """SIGKILL the collector and leave it down until `restart`."""
+        self._tell(b"down\n")
+
+    def _tell(self, line: bytes) -> None:
         assert self.parent.stdin is not None
         assert self.parent.stdout is not None
-        self.parent.stdin.write(b"down\n")
+        self.parent.stdin.write(line)
         self.parent.stdin.flush()
         self.parent.stdout.readline()
 
