@@ -45,6 +45,6 @@ def float8_to_float32(t: Tensor, divisor: Tensor | None = None) -> Tensor | None
     if out.stride() != t.stride():
         return None
     n = t.numel()
-    threads = torch.get_num_threads() if n >= native.PARALLEL_MIN_NUMEL else 1
+    threads = native.threads_for(n)
     lib.qw_decode_bytes(t.data_ptr(), table.data_ptr(), out.data_ptr(), n, threads)
     return out

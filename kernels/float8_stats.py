@@ -11,14 +11,12 @@ two equal.
 
 from __future__ import annotations
 
-from array import array
-
 import torch
 from torch import Tensor
 
 from . import native
 from .decode import decode_table
-from .partial_sums import ErrorStats, RowStats, pass_fields
+from .partial_sums import ErrorStats, RowStats, pass_buffer, pass_fields
 
 __all__ = ["float8_cast_stats"]
 
@@ -58,8 +56,8 @@ def float8_cast_stats(x: Tensor, codes: Tensor, scale: Tensor, max_value: float)
     if held is None:
         table = decode_table(codes.dtype)
         held = _TABLES[codes.dtype] = (table, table.data_ptr())
-    partial = array("d", bytes(8 * 10))
-    threads = torch.get_num_threads() if n >= native.PARALLEL_MIN_NUMEL else 1
+    partial = pass_buffer()
+    threads = native.threads_for(n)
     status = lib.qw_float8_stats(
         x.data_ptr(),
         codes.data_ptr(),

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from .backends import QuantRequest, QuantResult, raise_if_unsupported
 from .formats import FP4_E2M1, FP8_E4M3, NVFP4_BLOCK_SCALE_MIN, FormatSpec, Kind, Special
 from .options import Backend, BackendUnavailableError, Rounding, Scaling, ScalingSpec
-from .partial_sums import RowStats, lane_sums_in_range, pass_fields
+from .partial_sums import RowStats, lane_sums_in_range, pass_buffer, pass_fields
 from .reference import amax_to_scale, channel_dims
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,6 @@ MAX_NUMEL = 1 << 40
 MIN_SCALE = 2.0**-80
 MAX_QUOTIENT = 2.0**120
 BUILD_TIMEOUT_SECONDS = 120
-# Below this many elements one thread runs a call: waking the others (and, on a busy machine, waiting until each
-# gets a core at the closing barrier) costs more than they save.
 PARALLEL_MIN_NUMEL = 1 << 16
 
 # The kernels' roundings (`Round` in native.cpp): an integer grid rounds stochastically on the signed value, as the
@@ -94,9 +92,7 @@ _TWO_PASS = (_TENSOR, _NV_BLOCK, _CHANNEL, _COLUMNS)  # modes whose scales need 
 # element) rows of channels with a vector of scales each: shorter segments, or rows of fewer channels, would spend
 # more on each segment or row than on its elements, and fewer rows more on the channels' scales than on the rows.
 MIN_CHANNEL_SEGMENT = 16
-_STATUS_OK = 0
-_STATUS_BAD_ARGUMENT = 3
-_PARTIAL_FIELDS = 10
+_STATUS_OK, _STATUS_BAD_ARGUMENT = 0, 3
 _F32 = ctypes.c_float
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
@@ -109,10 +105,17 @@ _SIGNATURES = {
     "qw_scan_columns": [_PTR, _I64, _I64, _PTR, _PTR, _INT],
     "qw_cast": _CAST,
     "qw_stats": [_PTR, _PTR, _PTR, _I64, _PTR, _INT],
+    "qw_stats_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "qw_float8_stats": [_PTR, _PTR, _PTR, _PTR, _I64, _F32, _F32, _I64, _PTR, _INT],
     "qw_decode_bytes": [_PTR, _PTR, _PTR, _I64, _INT],
     "qw_vector_isa": [],
 }
+
+
+def threads_for(n: int) -> int:
+    """The threads a call over ``n`` elements runs on: one below `PARALLEL_MIN_NUMEL` (waking the others, and on a
+    busy machine waiting until each gets a core at the closing barrier, costs more than they save), else torch's."""
+    return torch.get_num_threads() if n >= PARALLEL_MIN_NUMEL else 1
 
 
 def plain(x: Tensor) -> bool:
@@ -378,8 +381,7 @@ def _build_and_load() -> ctypes.CDLL | BackendUnavailableError:
         log.warning("quantwatch.kernels: native kernels unavailable, CPU quantization falls back: %s", reason)
         return error if isinstance(error, BackendUnavailableError) else BackendUnavailableError(str(reason))
     for name, argtypes in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.restype, function.argtypes = _INT, argtypes
+        getattr(lib, name).restype, getattr(lib, name).argtypes = _INT, argtypes
     return lib
 
 
@@ -461,14 +463,14 @@ def quantize_native(
     x = x.detach()
     values = out if out is not None and out.is_contiguous() else torch.empty_like(x)
     n = x.numel()
-    threads = torch.get_num_threads() if n >= PARALLEL_MIN_NUMEL else 1
+    threads = threads_for(n)
     mode, block = _channel_layout(x, spec) if spec.kind is Scaling.CHANNEL else (_MODES[spec.kind], spec.block_size)
     # MX and NVFP4: the block scales, written by the cast (NVFP4: the block amaxes by the scan before).
     scales = torch.empty(n // block, dtype=torch.float32) if mode in (_MX_BLOCK, _NV_BLOCK) else None
     scales_address = scales.data_ptr() if scales is not None else None
     cast_scales_address = scales_address
     channel_scale: Tensor | None = None
-    scanned = array("d", bytes(8 * _PARTIAL_FIELDS))
+    scanned = pass_buffer()
     element_scale = 1.0
     if mode in (_CHANNEL, _COLUMNS):
         channel = _channel_scales(lib, x, fmt, spec, mode, block, scanned, threads)
@@ -494,7 +496,7 @@ def quantize_native(
             # The smallest element scale is the tensor scale times the smallest E4M3 block scale, 2^-6.
             if element_scale * NVFP4_BLOCK_SCALE_MIN < MIN_SCALE:
                 return None
-    partial = array("d", bytes(8 * _PARTIAL_FIELDS))
+    partial = pass_buffer()
     stream = n * 4 >= STREAM_MIN_BYTES and values.data_ptr() % 64 == 0
     status = lib.qw_cast(
         x.data_ptr(),
@@ -590,10 +592,8 @@ def stats_fields(x: Tensor, q: Tensor, overflow_mask: Tensor | None) -> tuple[fl
         return None
     if not (plain(x) and plain(q)):
         return None
-    partial = array("d", bytes(8 * _PARTIAL_FIELDS))
-    address, _ = partial.buffer_info()
-    threads = torch.get_num_threads() if n >= PARALLEL_MIN_NUMEL else 1
+    partial = pass_buffer()
     mask = overflow_mask.data_ptr() if overflow_mask is not None else None
-    if lib.qw_stats(x.data_ptr(), q.data_ptr(), mask, n, address, threads) != _STATUS_OK:
+    if lib.qw_stats(x.data_ptr(), q.data_ptr(), mask, n, partial.buffer_info()[0], threads_for(n)) != _STATUS_OK:
         return None
     return pass_fields(partial, n)

@@ -32,6 +32,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+# How many float64 partial sums a native pass writes (`pass_buffer`).
+_PASS_FIELDS = 10
 _SUM_FIELDS = (
     "numel",
     "sum_x2",
@@ -198,6 +200,11 @@ def lane_sums_in_range(stats: list[float] | tuple[float, ...]) -> bool:
         and (sum_err2 >= least or max_err == 0)
         and (sum_q2 >= least or max_err == amax == 0)  # q == x + (q − x)
     )
+
+
+def pass_buffer() -> array[float]:
+    """A zeroed buffer for what a native statistics or scan pass writes (its partial sums; `pass_fields` reads it)."""
+    return array("d", bytes(8 * _PASS_FIELDS))
 
 
 def pass_fields(partial: Sequence[float], numel: int) -> tuple[float, ...] | None:

@@ -10,24 +10,14 @@ declined (None) and the caller gathers.
 
 from __future__ import annotations
 
-import ctypes
-from array import array
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
 from . import native
-from .partial_sums import pass_fields
+from .partial_sums import pass_buffer, pass_fields
 from .stats import comparison_of
 
 __all__ = ["row_comparison_fields"]
-
-_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
-# Bound here, not in native's table of signatures: a prototype of its own, made once per loaded library.
-_PROTOTYPE = ctypes.CFUNCTYPE(ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, ctypes.c_int)
-_BOUND: dict[int, Callable[..., int]] = {}
-_PARTIAL_FIELDS = 10  # what a statistics pass writes (native.py's `_PARTIAL_FIELDS`)
 
 
 def row_comparison_fields(x: Tensor, q: Tensor, rows: Tensor, *, error: bool = True) -> tuple[float, ...] | None:
@@ -43,14 +33,11 @@ def row_comparison_fields(x: Tensor, q: Tensor, rows: Tensor, *, error: bool = T
     tensors = (x, q, rows)
     if not all(t.device.type == "cpu" and t.is_contiguous() and native.plain(t) for t in tensors):
         return None
-    function = _BOUND.get(id(lib))
-    if function is None:
-        function = _BOUND[id(lib)] = _PROTOTYPE(("qw_stats_rows", lib))
-    n = x.numel()
-    partial = array("d", bytes(8 * _PARTIAL_FIELDS))
-    threads = torch.get_num_threads() if n >= native.PARALLEL_MIN_NUMEL else 1
+    partial = pass_buffer()
     count, row = x.shape
-    status = function(
+    n = x.numel()
+    threads = native.threads_for(n)
+    status = lib.qw_stats_rows(
         x.data_ptr(), q.data_ptr(), rows.data_ptr(), count, row, q.shape[0], partial.buffer_info()[0], threads
     )
     fields = pass_fields(partial, n) if status == 0 else None
