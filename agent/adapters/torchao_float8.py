@@ -138,43 +138,32 @@ class _RecomputedCast(CastResult):
     the dequantized cast, the mask) are made only if read."""
 
     _measured: ErrorStats
-    _scale: Tensor | None
     _inputs: tuple[Tensor, Any, float]
-    _result: CastResult | None
 
-    def __init__(self, hp: Tensor, fp8: Any, fmax: float) -> None:  # the dataclass fields are read lazily
+    def __init__(self, hp: Tensor, fp8: Any, fmax: float) -> None:  # the tensor fields are read lazily
         measured, scale = _cast_stats(hp, fp8, fmax, with_scale=True)
+        object.__setattr__(self, "scale", scale)
         object.__setattr__(self, "_measured", measured)
-        object.__setattr__(self, "_scale", scale)
         object.__setattr__(self, "_inputs", (hp, fp8, fmax))
-        object.__setattr__(self, "_result", None)
 
+    @functools.cached_property
     def _tensors(self) -> CastResult:
-        result = self._result
-        if result is None:
-            result = _cast_result(*self._inputs, with_scale=False)
-            object.__setattr__(self, "_result", result)
-        return result
+        return _cast_result(*self._inputs, with_scale=False)
 
     @property
     def hp(self) -> Tensor:
         """The high-precision tensor as measured (W for the weight's ``Wᵀ``)."""
-        return self._tensors().hp
+        return self._tensors.hp
 
     @property
     def dequantized(self) -> Tensor:
         """The dequantized cast, in ``hp``'s layout."""
-        return self._tensors().dequantized
+        return self._tensors.dequantized
 
     @property
     def overflow(self) -> Tensor | None:
         """The clipped elements (None: none was)."""
-        return self._tensors().overflow
-
-    @property
-    def scale(self) -> Tensor | None:
-        """The dequantization scale (largest)."""
-        return self._scale
+        return self._tensors.overflow
 
     def stats(self) -> ErrorStats:
         """The cast's error statistics, as ``stats_from_masks(hp, dequantized, overflow)`` gives them."""
