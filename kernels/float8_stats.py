@@ -24,9 +24,6 @@ __all__ = ["float8_cast_stats"]
 # the fnuz formats 0x80 is NaN).
 SIGNED_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-# Each format's decode table (`decode.decode_table`) and its address, held here.
-_TABLES: dict[torch.dtype, tuple[Tensor, int]] = {}
-
 
 def float8_cast_stats(x: Tensor, codes: Tensor, scale: Tensor, max_value: float) -> ErrorStats | None:
     """The error statistics (a CPU row) of the cast ``codes`` of ``x``, as
@@ -52,16 +49,13 @@ def float8_cast_stats(x: Tensor, codes: Tensor, scale: Tensor, max_value: float)
         scales_address, row = scale.data_ptr(), x.shape[-1]
     else:
         return None
-    held = _TABLES.get(codes.dtype)
-    if held is None:
-        table = decode_table(codes.dtype)
-        held = _TABLES[codes.dtype] = (table, table.data_ptr())
+    table = decode_table(codes.dtype)  # made once, held by `decode`
     partial = pass_buffer()
     threads = native.threads_for(n)
     status = lib.qw_float8_stats(
         x.data_ptr(),
         codes.data_ptr(),
-        held[1],
+        table.data_ptr(),
         scales_address,
         row,
         tensor_scale,
