@@ -42,6 +42,7 @@ __all__ = [
     "decode_row",
     "decode_series",
     "disable_receiver",
+    "draw_token",
     "enabled_rules",
     "encode_row",
     "encode_series",
@@ -104,6 +105,12 @@ def _state_upsert(dialect: str) -> Any:
 
 # Built once per dialect: building and cache-keying the statement per batch costs more than running it.
 _STATE_UPSERTS = {dialect: _state_upsert(dialect) for dialect in ("sqlite", "postgresql")}
+
+
+def draw_token() -> int:
+    """A new random row token in [1, 2**63) (0 marks the rows migration 0008 carried over): the series states' and
+    the firing lists' (:mod:`~quantwatch.service.alerts.firing`)."""
+    return secrets.randbelow(_TOKENS) + 1
 
 
 # -- the ingest path -------------------------------------------------------------------------------------------------
@@ -205,7 +212,7 @@ def upsert_series_states(
 ) -> dict[str, tuple[int, RuleStates]]:
     """Write the rows of one (run, rank) that changed: each rule's complete states (``rows``, by rule name mapped to
     ids by ``ids``), under a new token. Returns what it wrote: (token, states) by rule name."""
-    written = {name: (secrets.randbelow(_TOKENS) + 1, states) for name, states in rows.items()}
+    written = {name: (draw_token(), states) for name, states in rows.items()}
     values = [
         {"rule_id": ids[name], "run": run, "rank": rank, "token": token, "series": encode_row(states)}
         for name, (token, states) in written.items()
