@@ -22,11 +22,10 @@ from typing import Any, cast
 
 import orjson
 from sqlalchemy import Table, bindparam, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from quantwatch.protocol import FIRING_EPISODE_KEYS
-from quantwatch.service.alerts.repository import draw_token
+from quantwatch.service.alerts.repository import conflict_statements, draw_token
 from quantwatch.service.alerts.tables import EpisodeRow, FiringTokenRow
 
 __all__ = [
@@ -50,15 +49,7 @@ _EPISODES = cast(Table, EpisodeRow.__table__)
 _TOKENS_OF = select(_TOKENS.c.rank, _TOKENS.c.token).where(_TOKENS.c.run == bindparam("run")).order_by(_TOKENS.c.rank)
 
 
-def _token_upsert(module: Any) -> Any:
-    statement = module.insert(_TOKENS)
-    return statement.on_conflict_do_update(index_elements=["run", "rank"], set_={"token": statement.excluded.token})
-
-
-# Built once per dialect, as the series states' upsert: building and cache-keying one per batch costs more.
-_TOKEN_UPSERTS = {
-    dialect: _token_upsert(module) for dialect, module in (("sqlite", sqlite), ("postgresql", postgresql))
-}
+_TOKEN_UPSERTS = conflict_statements(_TOKENS, ("run", "rank"), ("token",))
 _FIRING = (
     select(
         _EPISODES.c.id,

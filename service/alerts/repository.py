@@ -39,6 +39,7 @@ __all__ = [
     "cancel_delivery",
     "claim_deliveries",
     "clear_rule_state",
+    "conflict_statements",
     "decode_row",
     "decode_series",
     "disable_receiver",
@@ -95,16 +96,23 @@ def insert_ignore(session: Session, table: Any, rows: list[dict[str, Any]], keys
     conn.execute(dialect_insert(table).on_conflict_do_nothing(index_elements=list(keys)), rows)
 
 
-def _state_upsert(dialect: str) -> Any:
-    statement = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(_STATES)
-    return statement.on_conflict_do_update(
-        index_elements=["rule_id", "run", "rank"],
-        set_={"token": statement.excluded.token, "series": statement.excluded.series},
-    )
+def conflict_statements(table: Table, keys: Sequence[str], updated: Sequence[str] = ()) -> dict[str, Any]:
+    """``INSERT … ON CONFLICT (keys)`` setting the ``updated`` columns (none: ``DO NOTHING``), by dialect name.
+
+    Built once per dialect at import: building and cache-keying the statement per batch costs more than running it.
+    """
+    statements: dict[str, Any] = {}
+    for dialect, module in (("sqlite", sqlite), ("postgresql", postgresql)):
+        statement = module.insert(table)
+        if updated:
+            excluded = {name: statement.excluded[name] for name in updated}
+            statements[dialect] = statement.on_conflict_do_update(index_elements=list(keys), set_=excluded)
+        else:
+            statements[dialect] = statement.on_conflict_do_nothing(index_elements=list(keys))
+    return statements
 
 
-# Built once per dialect: building and cache-keying the statement per batch costs more than running it.
-_STATE_UPSERTS = {dialect: _state_upsert(dialect) for dialect in ("sqlite", "postgresql")}
+_STATE_UPSERTS = conflict_statements(_STATES, ("rule_id", "run", "rank"), ("token", "series"))
 
 
 def draw_token() -> int:
@@ -117,10 +125,7 @@ def draw_token() -> int:
 _RULES = cast(Table, RuleRow.__table__)
 _ENABLED = select(_RULES.c.id, _RULES.c.revision).where(_RULES.c.enabled.is_(True))
 _DEFINITIONS = select(_RULES.c.id, _RULES.c.definition).where(_RULES.c.id.in_(bindparam("ids", expanding=True)))
-_CURSOR_INSERTS = {
-    dialect: module.insert(_CURSORS).on_conflict_do_nothing(index_elements=["run", "rank"])
-    for dialect, module in (("sqlite", sqlite), ("postgresql", postgresql))
-}
+_CURSOR_INSERTS = conflict_statements(_CURSORS, ("run", "rank"))
 _CURSOR_LOCK = (
     select(_CURSORS.c.run)
     .where(_CURSORS.c.run == bindparam("run"), _CURSORS.c.rank == bindparam("rank"))
