@@ -11,6 +11,7 @@ its :class:`~quantwatch.service.alerts.evaluator.SeriesState` mapping. :func:`ev
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
@@ -109,7 +110,7 @@ class ColumnStates(Mapping[SeriesKey, SeriesState]):
             raise KeyError(key)
         state = self.state(position)
         value = state.last_value
-        return state if value is not None and math.isfinite(value) else SeriesState(*_fields(state)[:4])
+        return state if value is not None and math.isfinite(value) else dataclasses.replace(state, last_value=None)
 
     def __iter__(self) -> Iterator[SeriesKey]:
         return ((self.rule, self.layers[position]) for position in np.flatnonzero(self.seen).tolist())
@@ -207,10 +208,6 @@ def stored_statuses(series: Mapping[str, list[Any]] | Sequence[Any], layers: Seq
     _, names, seen, status, *_ = series
     wanted = set(layers)
     return {name: status[i] for i, name in enumerate(names) if name in wanted and seen[i]}
-
-
-def _fields(state: SeriesState) -> tuple[Any, ...]:
-    return state.status, state.last_step, state.streak, state.clear_streak, state.last_value
 
 
 RuleStates = Mapping[SeriesKey, SeriesState]

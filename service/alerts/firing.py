@@ -16,17 +16,16 @@ in the list but not in the tokens, and the next batch reads the list again; neve
 
 from __future__ import annotations
 
-import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any, cast
 
 import orjson
 from sqlalchemy import Table, bindparam, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from quantwatch.protocol import FIRING_EPISODE_KEYS
+from quantwatch.service.alerts.repository import conflict_statements, draw_token
 from quantwatch.service.alerts.tables import EpisodeRow, FiringTokenRow
 
 __all__ = [
@@ -45,21 +44,12 @@ MAX_RUNS = 1024
 ROUTES_RANK = -1
 """The rank of the firing-token row the rule routes redraw (ranks of ingest are ≥ 0)."""
 
-_TOKENS_RANGE = 2**63 - 1  # a drawn token is in [1, 2**63)
 _TOKENS = cast(Table, FiringTokenRow.__table__)
 _EPISODES = cast(Table, EpisodeRow.__table__)
 _TOKENS_OF = select(_TOKENS.c.rank, _TOKENS.c.token).where(_TOKENS.c.run == bindparam("run")).order_by(_TOKENS.c.rank)
 
 
-def _token_upsert(module: Any) -> Any:
-    statement = module.insert(_TOKENS)
-    return statement.on_conflict_do_update(index_elements=["run", "rank"], set_={"token": statement.excluded.token})
-
-
-# Built once per dialect, as the series states' upsert: building and cache-keying one per batch costs more.
-_TOKEN_UPSERTS = {
-    dialect: _token_upsert(module) for dialect, module in (("sqlite", sqlite), ("postgresql", postgresql))
-}
+_TOKEN_UPSERTS = conflict_statements(_TOKENS, ("run", "rank"), ("token",))
 _FIRING = (
     select(
         _EPISODES.c.id,
@@ -88,9 +78,7 @@ def redraw_firing_token(session: Session, run: str, rank: int) -> None:
     writes, and only the rank's own batches (already in turn on its cursor) want it.
     """
     conn = session.connection()
-    conn.execute(
-        _TOKEN_UPSERTS[conn.dialect.name], {"run": run, "rank": rank, "token": secrets.randbelow(_TOKENS_RANGE) + 1}
-    )
+    conn.execute(_TOKEN_UPSERTS[conn.dialect.name], {"run": run, "rank": rank, "token": draw_token()})
 
 
 def firing_episodes(session: Session, run: str) -> list[dict[str, Any]]:

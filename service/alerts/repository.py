@@ -39,9 +39,11 @@ __all__ = [
     "cancel_delivery",
     "claim_deliveries",
     "clear_rule_state",
+    "conflict_statements",
     "decode_row",
     "decode_series",
     "disable_receiver",
+    "draw_token",
     "enabled_rules",
     "encode_row",
     "encode_series",
@@ -94,26 +96,36 @@ def insert_ignore(session: Session, table: Any, rows: list[dict[str, Any]], keys
     conn.execute(dialect_insert(table).on_conflict_do_nothing(index_elements=list(keys)), rows)
 
 
-def _state_upsert(dialect: str) -> Any:
-    statement = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(_STATES)
-    return statement.on_conflict_do_update(
-        index_elements=["rule_id", "run", "rank"],
-        set_={"token": statement.excluded.token, "series": statement.excluded.series},
-    )
+def conflict_statements(table: Table, keys: Sequence[str], updated: Sequence[str] = ()) -> dict[str, Any]:
+    """``INSERT … ON CONFLICT (keys)`` setting the ``updated`` columns (none: ``DO NOTHING``), by dialect name.
+
+    Built once per dialect at import: building and cache-keying the statement per batch costs more than running it.
+    """
+    statements: dict[str, Any] = {}
+    for dialect, module in (("sqlite", sqlite), ("postgresql", postgresql)):
+        statement = module.insert(table)
+        if updated:
+            excluded = {name: statement.excluded[name] for name in updated}
+            statements[dialect] = statement.on_conflict_do_update(index_elements=list(keys), set_=excluded)
+        else:
+            statements[dialect] = statement.on_conflict_do_nothing(index_elements=list(keys))
+    return statements
 
 
-# Built once per dialect: building and cache-keying the statement per batch costs more than running it.
-_STATE_UPSERTS = {dialect: _state_upsert(dialect) for dialect in ("sqlite", "postgresql")}
+_STATE_UPSERTS = conflict_statements(_STATES, ("rule_id", "run", "rank"), ("token", "series"))
+
+
+def draw_token() -> int:
+    """A new random row token in [1, 2**63) (0 marks the rows migration 0008 carried over): the series states' and
+    the firing lists' (:mod:`~quantwatch.service.alerts.firing`)."""
+    return secrets.randbelow(_TOKENS) + 1
 
 
 # -- the ingest path -------------------------------------------------------------------------------------------------
 _RULES = cast(Table, RuleRow.__table__)
 _ENABLED = select(_RULES.c.id, _RULES.c.revision).where(_RULES.c.enabled.is_(True))
 _DEFINITIONS = select(_RULES.c.id, _RULES.c.definition).where(_RULES.c.id.in_(bindparam("ids", expanding=True)))
-_CURSOR_INSERTS = {
-    dialect: module.insert(_CURSORS).on_conflict_do_nothing(index_elements=["run", "rank"])
-    for dialect, module in (("sqlite", sqlite), ("postgresql", postgresql))
-}
+_CURSOR_INSERTS = conflict_statements(_CURSORS, ("run", "rank"))
 _CURSOR_LOCK = (
     select(_CURSORS.c.run)
     .where(_CURSORS.c.run == bindparam("run"), _CURSORS.c.rank == bindparam("rank"))
@@ -205,7 +217,7 @@ def upsert_series_states(
 ) -> dict[str, tuple[int, RuleStates]]:
     """Write the rows of one (run, rank) that changed: each rule's complete states (``rows``, by rule name mapped to
     ids by ``ids``), under a new token. Returns what it wrote: (token, states) by rule name."""
-    written = {name: (secrets.randbelow(_TOKENS) + 1, states) for name, states in rows.items()}
+    written = {name: (draw_token(), states) for name, states in rows.items()}
     values = [
         {"rule_id": ids[name], "run": run, "rank": rank, "token": token, "series": encode_row(states)}
         for name, (token, states) in written.items()

@@ -26,13 +26,13 @@ def install_whatif(app: FastAPI, store: Store, alerts: AlertEngine) -> None:
 
     def remedy(session: Session, run: str, keys: Sequence[RemedyKey]) -> dict[RemedyKey, str | None]:
         wanted = [(layer, rank) for layer, rank in keys if layer]
+        if not wanted:
+            return {}
         try:
-            run_id = find_run(session, run).id if wanted else None
+            run_id = find_run(session, run).id
         except NotFoundError:
-            run_id = None
+            return {}
         texts: dict[RemedyKey, str | None] = {}
-        if run_id is None:
-            return texts
         for rank in sorted({rank for _, rank in wanted}):
             if not store.whatif.has_entries(session, run_id, rank):
                 continue  # one lookup for a rank without what-if statistics, not two per layer
