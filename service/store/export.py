@@ -13,7 +13,7 @@ import numpy as np
 from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from quantwatch.service.models import Layer, MetricName, Run, RunMetric, RunRank, ScalarPoint
+from quantwatch.service.models import Layer, MetricName, RunMetric, RunRank, ScalarPoint
 from quantwatch.service.rollups import F32, F64, I64, is_missing, json_float
 from quantwatch.service.store.common import find_run
 from quantwatch.service.store.raw_points import RawPoints
@@ -54,11 +54,11 @@ class Exporter:
             )
             for rank, first, last in ranks:
                 for w_steps, w_times, w_ids, values in self._rank_points(
-                    conn, r.id, rank, nids, first, last, chunk_rows
+                    conn, r.id, rank, nids, first, last, len(layers), chunk_rows
                 ):
                     cols: tuple[list[Any], ...] = ([], [], [], [], [], [], [])
                     for i in range(len(w_steps)):
-                        row = values[i, : len(layers)]
+                        row = values[i]
                         keep = ~is_missing(row)
                         k = int(keep.sum())
                         cols[0].extend([rank] * k)
@@ -95,11 +95,11 @@ class Exporter:
         nids: list[int],
         first: int,
         last: int,
+        width: int,
         chunk_rows: int,
     ) -> Iterator[tuple[I64, F64, I64, F32]]:
         """The rank's points in (step, metric) order, in windows of steps holding about ``chunk_rows`` rows each:
-        (steps, times, name ids, values) per window."""
-        width = conn.execute(select(Run.layer_count).where(Run.id == run_id)).scalar_one()
+        (steps, times, name ids, values (rows × ``width``, the run's layers)) per window."""
         lo, span = first, chunk_rows
         while lo <= last:
             hi = min(last, lo + span - 1)

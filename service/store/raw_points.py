@@ -29,14 +29,6 @@ class Rows:
     values: F32
     times: F64 | None = None
 
-    @classmethod
-    def empty(cls, width: int, times: bool = False) -> Rows:
-        return cls(
-            np.zeros(0, dtype=np.int64),
-            np.zeros((0, width), dtype=np.float32),
-            np.zeros(0, dtype=np.float64) if times else None,
-        )
-
     def take(self, index: I64 | slice) -> Rows:
         return Rows(self.steps[index], self.values[index], None if self.times is None else self.times[index])
 

@@ -423,11 +423,12 @@ class HistoryReader:
             conn = session.connection()
             # Per rank: each lookup is one walk of the points index (and of the chunks index) from ``step`` on.
             keys = {rank: {"run_id": r.id, "rank": rank, "nid": nid} for rank in ranks}
-            firsts = (self._points.next_step(conn, keys[rank], step) for rank in ranks)
+            firsts = [self._points.next_step(conn, keys[rank], step) for rank in ranks]
             at = min((s for s in firsts if s is not None), default=None)
             grid = np.repeat(missing_row(len(names))[:, None], len(ranks), axis=1)
+            # Only the ranks whose first step is ``at`` have a point there: the others are not read again.
             for i, rank in enumerate(ranks):
-                if at is not None:
+                if at is not None and firsts[i] == at:
                     found = self._points.read(conn, keys[rank], at, at, None, len(names))
                     if found.steps.size:
                         grid[:, i] = found.values[0]

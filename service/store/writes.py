@@ -33,7 +33,7 @@ from quantwatch.service.models import (
     RunRank,
     ScalarPoint,
 )
-from quantwatch.service.rollups import F32, I64, MISSING_BITS, is_missing, missing_row, rows_from_blobs
+from quantwatch.service.rollups import F32, I64, MISSING_BITS, is_missing, missing_row
 from quantwatch.service.store.actions import write_actions
 from quantwatch.service.store.common import IngestResult, RunCache, find_run
 from quantwatch.service.store.compaction import Compactor, frontier_after, read_frontier
@@ -316,22 +316,12 @@ class BatchWriter:
             values = np.stack([e[2] for e in entries])
             hits = [i for i, s in enumerate(steps.tolist()) if (s, nid) in existing]
             if hits:
-                if nid in stored:
-                    found = stored[nid]
-                    old = found.values[np.searchsorted(found.steps, steps[hits])]
-                else:
-                    old_rows = {
-                        int(r[0]): r[1]
-                        for r in conn.execute(
-                            select(Point.step, Point.vals).where(
-                                Point.run_id == run_id,
-                                Point.rank == batch.rank,
-                                Point.name_id == nid,
-                                Point.step.in_([int(steps[i]) for i in hits]),
-                            )
-                        )
-                    }
-                    old = rows_from_blobs([old_rows[int(steps[i])] for i in hits], n_layers)
+                found = stored.get(nid)
+                if found is None:  # past the frontier: RawPoints reads the raw rows only
+                    key = {"run_id": run_id, "rank": batch.rank, "nid": nid}
+                    lo_hit, hi_hit = int(steps[hits].min()), int(steps[hits].max())
+                    found = self._points.read(conn, key, lo_hit, hi_hit, frontier, n_layers)
+                old = found.values[np.searchsorted(found.steps, steps[hits])]
                 new = values[hits]
                 # Last write wins per (layer, step): a re-sent step replaces what it measures, keeps the rest.
                 values[hits] = np.where(is_missing(new), old, new)
