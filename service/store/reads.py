@@ -50,6 +50,22 @@ def _one_series(
     )
 
 
+def retained_width(width: int, dropped: bool) -> int:
+    """The bucket width of a read asking for ``width``: at least the base rollup level where its range reaches steps
+    whose raw points retention dropped (``dropped``), as that is the finest resolution stored there."""
+    return max(width, LEVELS[0]) if dropped else width
+
+
+def _concatenated(parts: Sequence[Partials]) -> Partials:
+    """The rows of ``parts`` one after another."""
+    return Partials(
+        np.concatenate([p.vmin for p in parts]),
+        np.concatenate([p.vmax for p in parts]),
+        np.concatenate([p.vsum for p in parts]),
+        np.concatenate([p.vcount for p in parts]),
+    )
+
+
 class HistoryReader:
     """The read side of one engine, with its statements prebuilt."""
 
@@ -82,6 +98,7 @@ class HistoryReader:
                 RunRank.first_step,
                 RunRank.last_step,
                 RunRank.compacted_step,
+                RunRank.raw_from_step,
             )
             .select_from(Run)
             .outerjoin(Layer, and_(Layer.run_id == Run.id, Layer.name == bindparam("layer")))
@@ -188,6 +205,29 @@ class HistoryReader:
         rows = self._points.read(conn, key, lo, hi, None, n_layers, layer=layer)  # no lock: see raw_points
         return rows.steps, Partials.from_values(rows.values)
 
+    def _fine_partials(
+        self,
+        conn: Connection,
+        key: dict[str, int],
+        lo: int,
+        hi: int,
+        layer: int | None,
+        n_layers: int,
+        raw_from: int,
+    ) -> tuple[I64, Partials]:
+        """Partials of [lo, hi] at the finest resolution stored: the raw points, and before ``raw_from`` (where
+        retention dropped them) the base rollup blocks, keyed by their first step (a block holding ``lo`` starts
+        before it)."""
+        if lo >= raw_from or lo > hi:
+            return self._raw_partials(conn, key, lo, hi, layer, n_layers)
+        cut = min(hi + 1, raw_from)  # a block boundary
+        base = LEVELS[0]
+        b_steps, blocks = self._rollup_partials(
+            conn, key["run_id"], key["rank"], key["nid"], base, lo // base, (cut - 1) // base, layer, n_layers
+        )
+        r_steps, raw = self._raw_partials(conn, key, cut, hi, layer, n_layers)
+        return np.concatenate([b_steps, r_steps]), _concatenated([blocks, raw])
+
     def _rollup_partials(
         self,
         conn: Connection,
@@ -222,11 +262,14 @@ class HistoryReader:
         layer: int | None,
         n_layers: int,
         frontier: int,
+        raw_from: int = 0,
     ) -> tuple[I64, Partials]:
         """Partials per aligned bucket of ``width`` steps over [lo, hi]; keys are bucket indexes (step // width).
 
         Rollup blocks are used only where they end before the rank's ``frontier`` (``compacted_step``): later steps
-        come from the raw points, whose blocks may not be built yet."""
+        come from the raw points, whose blocks may not be built yet. Before ``raw_from`` (``raw_from_step``: where
+        retention dropped the raw points) the base blocks stand in for them, so there ``width`` must be a multiple of
+        the base level (see :func:`retained_width`)."""
         levels = [lv for lv in LEVELS if lv <= width]
         key = {"run_id": run_id, "rank": rank, "nid": nid}
         if not levels:
@@ -237,18 +280,13 @@ class HistoryReader:
         first_full = -(-lo // level)
         last_full = min(hi + 1, frontier) // level - 1
         if first_full > last_full:
-            steps, part = self._raw_partials(conn, key, lo, hi, layer, n_layers)
+            steps, part = self._fine_partials(conn, key, lo, hi, layer, n_layers, raw_from)
         else:
-            h_steps, head = self._raw_partials(conn, key, lo, first_full * level - 1, layer, n_layers)
+            h_steps, head = self._fine_partials(conn, key, lo, first_full * level - 1, layer, n_layers, raw_from)
             m_steps, mid = self._rollup_partials(conn, run_id, rank, nid, level, first_full, last_full, layer, n_layers)
-            t_steps, tail = self._raw_partials(conn, key, (last_full + 1) * level, hi, layer, n_layers)
+            t_steps, tail = self._fine_partials(conn, key, (last_full + 1) * level, hi, layer, n_layers, raw_from)
             steps = np.concatenate([h_steps, m_steps, t_steps])
-            part = Partials(
-                np.concatenate([head.vmin, mid.vmin, tail.vmin]),
-                np.concatenate([head.vmax, mid.vmax, tail.vmax]),
-                np.concatenate([head.vsum, mid.vsum, tail.vsum]),
-                np.concatenate([head.vcount, mid.vcount, tail.vcount]),
-            )
+            part = _concatenated([head, mid, tail])
         keys, starts = group_starts(steps // width)
         return keys, part.reduce(starts) if keys.size else part
 
@@ -262,7 +300,7 @@ class HistoryReader:
             ).first()
             if keys_row is None:
                 raise NotFoundError(f"run {run!r} not found")
-            run_id, n_layers, idx, nid, first_step, last_step, frontier = keys_row
+            run_id, n_layers, idx, nid, first_step, last_step, frontier, raw_from = keys_row
             if idx is None:
                 raise NotFoundError(f"layer {layer!r} not found in run {run!r}")
             if nid is None:
@@ -271,13 +309,18 @@ class HistoryReader:
             hi = last_step if end is None else end
             if first_step is None or lo > hi:
                 return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": 1, "estimated": []}
+            dropped = lo < raw_from  # retention dropped raw points of this range
             width = 1
             if hi - lo + 1 > max_points:
-                # Only whether the range holds more than max_points samples matters: count at most max_points + 1.
+                # Only whether the range holds more than max_points samples matters: count at most max_points + 1
+                # (where retention dropped them they cannot be counted: taken as more).
                 key = {"run_id": run_id, "rank": rank, "nid": nid}
-                if self._points.steps(conn, key, lo, hi, max_points + 1).size > max_points:
+                if dropped or self._points.steps(conn, key, lo, hi, max_points + 1).size > max_points:
                     width = choose_width(lo, hi, max_points)
-            keys, part = self._bucketed(conn, run_id, rank, nid, lo, hi, width, int(idx), int(n_layers), int(frontier))
+            width = retained_width(width, dropped)
+            keys, part = self._bucketed(
+                conn, run_id, rank, nid, lo, hi, width, int(idx), int(n_layers), int(frontier), int(raw_from)
+            )
             params = {"run_id": run_id, "rank": rank, "nid": nid, "lo": lo, "hi": hi}
             marked = {int(step) for (step,) in conn.execute(self._estimated_steps, params)}
         answer = self._series_answer(
@@ -286,6 +329,8 @@ class HistoryReader:
         # The buckets holding an estimated point, by their first step as ``steps`` gives it.
         buckets = {max((step // width) * width, lo) for step in marked}
         answer["estimated"] = [int(step) for step in answer["steps"] if int(step) in buckets]
+        if dropped:
+            answer["raw_from_step"] = int(raw_from)
         return answer
 
     @staticmethod
@@ -369,8 +414,9 @@ class HistoryReader:
                     "bucket_steps": 1,
                 }
             lo, hi = rng
-            width = choose_width(lo, hi, max_steps)
             frontier = session.get(RunRank, (r.id, rank))  # in the session already: read by _range
+            raw_from = 0 if frontier is None else frontier.raw_from_step
+            width = retained_width(choose_width(lo, hi, max_steps), lo < raw_from)
             keys, part = self._bucketed(
                 session.connection(),
                 r.id,
@@ -382,6 +428,7 @@ class HistoryReader:
                 None,
                 r.layer_count,
                 0 if frontier is None else frontier.compacted_step,
+                raw_from,
             )
         grid = np.arange(lo // width, hi // width + 1, dtype=np.int64)
         pos = np.searchsorted(grid, keys)
@@ -402,12 +449,15 @@ class HistoryReader:
             valid = np.zeros((n_cols, len(chosen)), dtype=bool)
             full[pos] = data
             valid[pos] = part.vcount[:, sel] > 0
-        return {
+        answer: dict[str, Any] = {
             "layers": [names[i] for i in chosen],
             "steps": np.maximum(grid * width, lo),
             "values": to_json_matrix(full.T, valid.T),
             "bucket_steps": width,
         }
+        if lo < raw_from:
+            answer["raw_from_step"] = raw_from
+        return answer
 
     def step_ranks(self, run: str, metric: str, step: int) -> dict[str, Any]:
         """Layers (model order) × the run's ranks of ``metric`` at the first step at or after ``step`` that some rank
