@@ -84,10 +84,10 @@ class RetentionPass:
 def keep_retained(
     conn: Connection, run_id: int, rank: int, entries: dict[str, list[Any]], frontier: int
 ) -> dict[str, list[Any]]:
-    """The ingest path's ``(step, …)`` entries per metric without those of steps behind the rank's retention cut
-    (see the module). Read in the batch's transaction, under the rank's write lock; a batch wholly at or past the
-    frontier (the usual case) costs no read, as the cut never passes the frontier."""
-    if all(entry[0] >= frontier for found in entries.values() for entry in found):
+    """The ingest path's ``(step, …)`` entries per metric (each list in step order) without those of steps behind the
+    rank's retention cut (see the module). Read in the batch's transaction, under the rank's write lock; a batch
+    wholly at or past the frontier (the usual case) costs no read, as the cut never passes the frontier."""
+    if all(found[0][0] >= frontier for found in entries.values()):
         return entries
     cut = conn.execute(_RAW_FROM, {"run_id": run_id, "rank": rank}).scalar_one_or_none()
     if not cut:
