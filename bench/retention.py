@@ -8,6 +8,8 @@ database's bytes per point received (as storage_layout measures them: SQLite fil
 ``pg_total_relation_size`` after a ``VACUUM``, whose freed space is reusable but stays in the files) and the share of
 raw rows, chunks and rollups, the ratio to retention off, and the store's ingest points/s by CPU with the sweeps in.
 
+Cases run one after the other in this process, on the checkout it imports (run it from an archived tree in /tmp).
+
     .venv/bin/python bench/retention.py --steps 4096 --keep-steps 512
     .venv/bin/python bench/retention.py --skip-postgres --workloads demo
 """
@@ -15,38 +17,24 @@ raw rows, chunks and rollups, the ratio to retention off, and the store's ingest
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
-from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
-from _common import postgres_database
+from _common import fresh_engine
 from storage_layout import batches, database_size
 from workloads import WORKLOADS
 
 
-def worker(case: dict[str, Any]) -> dict[str, Any]:
-    """One case in this process: fill a fresh database, sweeping when retention is on; measure it."""
-    from quantwatch.service import Settings
+def measure(case: dict[str, Any]) -> dict[str, Any]:
+    """One case: fill a fresh database, sweeping when retention is on; measure it."""
     from quantwatch.service.batch import decode_msgpack
-    from quantwatch.service.core.db import make_engine, make_sessionmaker, upgrade
+    from quantwatch.service.core.db import make_sessionmaker
     from quantwatch.service.store import RetentionPolicy, Store
 
     decoded = [decode_msgpack(b) for b in batches(case["workload"], 16, case["steps"] // 16, 1)]
     policy = RetentionPolicy(steps=case["keep"])
-    with ExitStack() as stack:
-        if case["backend"] == "sqlite":
-            url = f"sqlite:///{stack.enter_context(tempfile.TemporaryDirectory())}/bench.db"
-        else:
-            url = stack.enter_context(postgres_database("bench_retention"))
-        engine = make_engine(Settings(database_url=url))
-        stack.callback(engine.dispose)
-        upgrade(engine)
+    with fresh_engine(case["backend"], "bench_retention") as engine:
         store = Store(engine, make_sessionmaker(engine), fold_chunks=case["fold"])
         points = dropped = 0
         cpu = time.process_time()
@@ -68,21 +56,6 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_case(case: dict[str, Any]) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(case)],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), str(Path(__file__).parent)])},
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        check=False,
-    )
-    if proc.returncode:
-        raise RuntimeError(f"{case}: {proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4096, help="steps ingested, in 16-step batches")
@@ -90,19 +63,15 @@ def main() -> None:
     parser.add_argument("--sweep-every", type=int, default=16, help="batches between two sweeps")
     parser.add_argument("--workloads", nargs="*", default=["demo", "random-walk"], choices=list(WORKLOADS))
     parser.add_argument("--skip-postgres", action="store_true")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))))
-        return
     print(f"load average {os.getloadavg()[0]:.1f} at start; {args.steps} steps, keeping {args.keep_steps} raw")
     for backend in ["sqlite"] + ([] if args.skip_postgres else ["postgres"]):
         for workload in args.workloads:
             for fold in (False, True):
                 case = {"backend": backend, "workload": workload, "fold": fold, "steps": args.steps}
                 case["sweep_every"] = args.sweep_every
-                off = run_case({**case, "keep": None})
-                on = run_case({**case, "keep": args.keep_steps})
+                off = measure({**case, "keep": None})
+                on = measure({**case, "keep": args.keep_steps})
                 for name, r in (("off", off), ("on", on)):
                     shares = " ".join(f"{t} {100 * s:4.1f}%" for t, s in r["shares"].items())
                     print(

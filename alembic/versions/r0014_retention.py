@@ -10,6 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
+from quantwatch.service.migrations.common import drop_rank_column
 
 revision: str = "0014_retention"
 down_revision: str | None = "0013_alert_firing_tokens"
@@ -21,12 +22,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    dropped = op.get_bind().execute(sa.text("SELECT count(*) FROM run_ranks WHERE raw_from_step > 0"))
-    count = int(dropped.scalar_one())
-    if count:
-        raise RuntimeError(
-            f"{count} run ranks had raw points dropped by retention (run_ranks.raw_from_step); downgrading below "
-            "0014_retention would make their reads over the dropped steps come back empty"
-        )
-    with op.batch_alter_table("run_ranks") as batch:
-        batch.drop_column("raw_from_step")
+    drop_rank_column(
+        "raw_from_step",
+        "raw_from_step > 0",
+        "had raw points dropped by retention (run_ranks.raw_from_step); downgrading below 0014_retention would make "
+        "their reads over the dropped steps come back empty",
+    )

@@ -198,35 +198,23 @@ class HistoryReader:
         hi: int,
         layer: int | None,
         n_layers: int,
+        raw_from: int = 0,
     ) -> tuple[I64, Partials]:
+        """Partials of the raw points in [lo, hi], one per step; before ``raw_from`` (where retention dropped them:
+        a block boundary) those of the base rollup blocks instead, keyed by their first step (a block holding ``lo``
+        starts before it)."""
         width = 1 if layer is not None else n_layers
         if lo > hi:
             return np.zeros(0, dtype=np.int64), Partials.empty(0, width)
+        if lo < raw_from:
+            cut, base = min(hi + 1, raw_from), LEVELS[0]
+            b_steps, blocks = self._rollup_partials(
+                conn, key["run_id"], key["rank"], key["nid"], base, lo // base, (cut - 1) // base, layer, n_layers
+            )
+            r_steps, raw = self._raw_partials(conn, key, cut, hi, layer, n_layers)
+            return np.concatenate([b_steps, r_steps]), _concatenated([blocks, raw])
         rows = self._points.read(conn, key, lo, hi, None, n_layers, layer=layer)  # no lock: see raw_points
         return rows.steps, Partials.from_values(rows.values)
-
-    def _fine_partials(
-        self,
-        conn: Connection,
-        key: dict[str, int],
-        lo: int,
-        hi: int,
-        layer: int | None,
-        n_layers: int,
-        raw_from: int,
-    ) -> tuple[I64, Partials]:
-        """Partials of [lo, hi] at the finest resolution stored: the raw points, and before ``raw_from`` (where
-        retention dropped them) the base rollup blocks, keyed by their first step (a block holding ``lo`` starts
-        before it)."""
-        if lo >= raw_from or lo > hi:
-            return self._raw_partials(conn, key, lo, hi, layer, n_layers)
-        cut = min(hi + 1, raw_from)  # a block boundary
-        base = LEVELS[0]
-        b_steps, blocks = self._rollup_partials(
-            conn, key["run_id"], key["rank"], key["nid"], base, lo // base, (cut - 1) // base, layer, n_layers
-        )
-        r_steps, raw = self._raw_partials(conn, key, cut, hi, layer, n_layers)
-        return np.concatenate([b_steps, r_steps]), _concatenated([blocks, raw])
 
     def _rollup_partials(
         self,
@@ -280,11 +268,11 @@ class HistoryReader:
         first_full = -(-lo // level)
         last_full = min(hi + 1, frontier) // level - 1
         if first_full > last_full:
-            steps, part = self._fine_partials(conn, key, lo, hi, layer, n_layers, raw_from)
+            steps, part = self._raw_partials(conn, key, lo, hi, layer, n_layers, raw_from)
         else:
-            h_steps, head = self._fine_partials(conn, key, lo, first_full * level - 1, layer, n_layers, raw_from)
+            h_steps, head = self._raw_partials(conn, key, lo, first_full * level - 1, layer, n_layers, raw_from)
             m_steps, mid = self._rollup_partials(conn, run_id, rank, nid, level, first_full, last_full, layer, n_layers)
-            t_steps, tail = self._fine_partials(conn, key, (last_full + 1) * level, hi, layer, n_layers, raw_from)
+            t_steps, tail = self._raw_partials(conn, key, (last_full + 1) * level, hi, layer, n_layers, raw_from)
             steps = np.concatenate([h_steps, m_steps, t_steps])
             part = _concatenated([head, mid, tail])
         keys, starts = group_starts(steps // width)
