@@ -10,8 +10,8 @@ raw rows, chunks and rollups, the ratio to retention off, and the store's ingest
 
 Cases run one after the other in this process, on the checkout it imports (run it from an archived tree in /tmp).
 
-    .venv/bin/python bench/retention.py --steps 4096 --keep-steps 512
-    .venv/bin/python bench/retention.py --skip-postgres --workloads demo
+    PYTHONPATH=. .venv/bin/python bench/retention.py --steps 4096 --keep-steps 512
+    PYTHONPATH=. .venv/bin/python bench/retention.py --skip-postgres --workloads demo
 """
 
 from __future__ import annotations
