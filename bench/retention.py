@@ -5,8 +5,9 @@ batches (512 layers × 12 metrics, 16 consecutive steps per batch, recorded or r
 retention off and once keeping the newest ``--keep-steps`` raw steps, swept every ``--sweep-every`` batches as the
 collector's background sweep would (``Store.sweep_retention``); each way with folding off and on. Prints the
 database's bytes per point received (as storage_layout measures them: SQLite files after a checkpoint, PostgreSQL
-``pg_total_relation_size`` after a ``VACUUM``, whose freed space is reusable but stays in the files) and the share of
-raw rows, chunks and rollups, the ratio to retention off, and the store's ingest points/s by CPU with the sweeps in.
+``pg_total_relation_size``, with a ``VACUUM`` after every sweep, retention on or off, as autovacuum does in time: the
+space of deleted rows is reused by the next ones but stays in the files) and the share of raw rows, chunks and
+rollups, the ratio to retention off, and the store's ingest points/s by this process's CPU, the sweeps included.
 
 Cases run one after the other in this process, on the checkout it imports (run it from an archived tree in /tmp).
 
@@ -40,12 +41,13 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
         cpu = time.process_time()
         for i, batch in enumerate(decoded, start=1):
             points += store.ingest(batch).points
-            if case["keep"] is not None and i % case["sweep_every"] == 0:
-                dropped += store.sweep_retention(policy, time.time()).points
+            if i % case["sweep_every"] == 0:
+                if case["keep"] is not None:
+                    dropped += store.sweep_retention(policy, time.time()).points
+                if case["backend"] == "postgres":  # what autovacuum does in time: deleted rows' space reusable
+                    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                        conn.exec_driver_sql("VACUUM")
         cpu = time.process_time() - cpu
-        if case["backend"] == "postgres":
-            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                conn.exec_driver_sql("VACUUM")
         sizes = database_size(engine)
     return {
         "points": points,
