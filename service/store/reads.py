@@ -35,6 +35,7 @@ from quantwatch.service.rollups import (
 )
 from quantwatch.service.store.common import NotFoundError, choose_width, columns, find_run
 from quantwatch.service.store.raw_points import RawPoints
+from quantwatch.service.store.retention import read_raw_from
 
 
 def _one_series(
@@ -311,6 +312,10 @@ class HistoryReader:
             )
             params = {"run_id": run_id, "rank": rank, "nid": nid, "lo": lo, "hi": hi}
             marked = {int(step) for (step,) in conn.execute(self._estimated_steps, params)}
+            # Reads hold no lock: a retention sweep that committed since raw_from was read may have dropped raw
+            # points this read took as kept (only behind the frontier). Then read again, with the new cut.
+            if lo < frontier and read_raw_from(conn, run_id, rank) != raw_from:
+                return self.series(run, metric, layer, rank, start, end, max_points)
         answer = self._series_answer(
             keys, width, lo, part.vmin[:, 0], part.vmax[:, 0], part.mean()[:, 0], part.vcount[:, 0]
         )
@@ -403,7 +408,7 @@ class HistoryReader:
                 }
             lo, hi = rng
             frontier = session.get(RunRank, (r.id, rank))  # in the session already: read by _range
-            raw_from = 0 if frontier is None else frontier.raw_from_step
+            compacted, raw_from = (0, 0) if frontier is None else (frontier.compacted_step, frontier.raw_from_step)
             width = retained_width(choose_width(lo, hi, max_steps), lo < raw_from)
             keys, part = self._bucketed(
                 session.connection(),
@@ -415,9 +420,11 @@ class HistoryReader:
                 width,
                 None,
                 r.layer_count,
-                0 if frontier is None else frontier.compacted_step,
+                compacted,
                 raw_from,
             )
+            if lo < compacted and read_raw_from(session.connection(), r.id, rank) != raw_from:  # see series
+                return self.heatmap(run, metric, rank, start, end, max_steps, layers, agg)
         grid = np.arange(lo // width, hi // width + 1, dtype=np.int64)
         pos = np.searchsorted(grid, keys)
         n_cols = grid.size

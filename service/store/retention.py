@@ -81,6 +81,11 @@ class RetentionPass:
         return RetentionPass(self.ranks + other.ranks, self.rows + other.rows, self.points + other.points)
 
 
+def read_raw_from(conn: Connection, run_id: int, rank: int) -> int:
+    """The rank's ``raw_from_step`` (0: nothing dropped, or no such rank)."""
+    return int(conn.execute(_RAW_FROM, {"run_id": run_id, "rank": rank}).scalar_one_or_none() or 0)
+
+
 def keep_retained(
     conn: Connection, run_id: int, rank: int, entries: dict[str, list[Any]], frontier: int
 ) -> dict[str, list[Any]]:
@@ -89,7 +94,7 @@ def keep_retained(
     wholly at or past the frontier (the usual case) costs no read, as the cut never passes the frontier."""
     if all(found[0][0] >= frontier for found in entries.values()):
         return entries
-    cut = conn.execute(_RAW_FROM, {"run_id": run_id, "rank": rank}).scalar_one_or_none()
+    cut = read_raw_from(conn, run_id, rank)
     if not cut:
         return entries
     kept = {name: [e for e in found if e[0] >= cut] for name, found in entries.items()}

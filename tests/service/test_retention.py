@@ -29,6 +29,7 @@ from quantwatch.service.core.db import alembic_config, make_engine, make_session
 from quantwatch.service.models import Point, PointChunk, Rollup, RunRank
 from quantwatch.service.store import RetentionPass, RetentionPolicy, Store, folding
 from quantwatch.service.store.chunk_codec import decode_steps
+from quantwatch.service.store.reads import HistoryReader
 from tests.service.conftest import batch_doc, encode
 
 LAYERS = ["a", "b", "c", "d"]
@@ -164,6 +165,34 @@ def test_raw_resolution_over_the_dropped_range_answers_at_the_base_rollup_level(
     assert store.step_ranks(run, "m", 1000)["step"] == 1000
     exported = b"".join(store.export_csv(run)).decode().splitlines()[1:]
     assert min(int(line.split(",")[1]) for line in exported) == 960
+
+
+def test_a_read_that_a_sweep_overtakes_never_answers_with_holes(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = f"ret-{uuid.uuid4().hex[:8]}"
+    _filled(store, run)
+    want = {n: store.series(run, "m", "a", 0, None, None, n) for n in (21, 100_000)}
+    heat = store.heatmap(run, "m", 0, None, None, 21, None, "max")
+    swept: list[RetentionPass] = []
+    bucketed = HistoryReader._bucketed
+
+    def sweep_first(self: HistoryReader, *args: Any) -> Any:
+        # The sweep commits after the read took the rank's cut, before it reads the points (PostgreSQL reads each
+        # statement at its own snapshot; a SQLite read keeps the one it started with).
+        if not swept:
+            swept.append(store.sweep_retention(RetentionPolicy(steps=300), TIME0 + STEPS))
+        return bucketed(self, *args)
+
+    monkeypatch.setattr(HistoryReader, "_bucketed", sweep_first)
+    # The exact answer as before the sweep (a snapshot from before it), or the one after it: never one with holes.
+    overtaken = _without_mark(store.series(run, "m", "a", 0, None, None, 100_000))
+    assert overtaken in (_without_mark(want[100_000]), _without_mark(want[21]))
+    assert swept[0].points == 960 * len(LAYERS)
+    swept.clear()
+    assert _without_mark(store.heatmap(run, "m", 0, None, None, 21, None, "max")) == _without_mark(heat)
+    assert swept == [RetentionPass()]  # nothing left to drop: the answer is the same either way
+    got = store.series(run, "m", "a", 0, None, None, 100_000)
+    assert got["raw_from_step"] == 960
+    assert _without_mark(got) == _without_mark(want[21])
 
 
 def test_points_past_the_frontier_are_never_dropped(store: Store) -> None:
