@@ -67,6 +67,14 @@ def store(database_url: str, request: pytest.FixtureRequest, monkeypatch: pytest
     engine.dispose()
 
 
+@pytest.fixture
+def raw_store(database_url: str) -> Iterator[Store]:
+    """A store over this test's database with folding off (where folding changes nothing the test checks)."""
+    engine = make_engine(Settings(database_url=database_url))
+    yield Store(engine, make_sessionmaker(engine))
+    engine.dispose()
+
+
 def _raw_from(store: Store, run: str) -> int:
     with store.factory() as session:
         return int(session.scalars(select(RunRank.raw_from_step).where(RunRank.run_id == store.run_id(run))).one())
@@ -167,7 +175,10 @@ def test_raw_resolution_over_the_dropped_range_answers_at_the_base_rollup_level(
     assert min(int(line.split(",")[1]) for line in exported) == 960
 
 
-def test_a_read_that_a_sweep_overtakes_never_answers_with_holes(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_read_that_a_sweep_overtakes_never_answers_with_holes(
+    raw_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = raw_store
     run = f"ret-{uuid.uuid4().hex[:8]}"
     _filled(store, run)
     want = {n: store.series(run, "m", "a", 0, None, None, n) for n in (21, 100_000)}
@@ -217,7 +228,8 @@ def test_age_judges_each_step_by_its_time(store: Store) -> None:
     assert _raw_from(store, run) == 1152
 
 
-def test_a_step_sent_behind_the_cut_keeps_the_rollups_as_they_were(store: Store) -> None:
+def test_a_step_sent_behind_the_cut_keeps_the_rollups_as_they_were(raw_store: Store) -> None:
+    store = raw_store
     run = f"ret-{uuid.uuid4().hex[:8]}"
     values = _filled(store, run)
     store.sweep_retention(RetentionPolicy(steps=300), TIME0 + STEPS)
