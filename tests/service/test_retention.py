@@ -351,6 +351,9 @@ def test_the_collector_sweeps_in_the_background(start_collector: Callable[..., A
         assert answer["bucket_steps"] == 64
         metrics = client.get("/metrics").text
     assert "quantwatch_retention_dropped_points_total 3840.0" in metrics.splitlines()
+    shown = CliRunner().invoke(app, ["series", "swept", "--metric", "m", "--layer", "a", "--url", server.url])
+    assert shown.exit_code == 0, shown.output
+    assert shown.output.splitlines()[-1].startswith("Retention dropped the raw points before step 960:")
 
 
 def _downgrade_to_0013(engine: Any) -> None:
