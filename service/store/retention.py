@@ -8,9 +8,9 @@ the cut: reads answer the steps before it from the rollups (:mod:`.reads`), and 
 step behind it (its block is final: a re-sent value there could not be merged into a min or a max without the raw
 points it replaced).
 
-Each (run, rank) is swept in a transaction of its own under the rank's write lock (PostgreSQL: its advisory lock;
-SQLite: the one writer), reading the cut again under the lock, so two replicas sweeping at once drop each point once
-and never move a cut backwards. One transaction drops at most :data:`STEPS_PER_PASS` steps of one rank; a sweep
+Each (run, rank) is looked at without a lock; when something is due, it is swept in a transaction of its own under
+the rank's write lock (PostgreSQL: its advisory lock; SQLite: the one writer), which works the cut out again under the
+lock, so two replicas sweeping at once drop each point once and never move a cut backwards. One transaction drops at most :data:`STEPS_PER_PASS` steps of one rank; a sweep
 visits at most ``max_ranks`` ranks, carrying on where the previous sweep stopped.
 """
 
@@ -171,17 +171,20 @@ class Retention:
         """Drop what ``policy`` makes due of (run, rank)'s raw points, at most STEPS_PER_PASS steps of them, in one
         transaction under the rank's write lock."""
         key = {"run_id": run_id, "rank": rank}
+        with self.factory() as session:  # a look without the write lock first: most visits find nothing due
+            if self._due(session.connection(), key, policy, now) is None:
+                return RetentionPass()
         with self._exclusive(), self.factory() as session:
             conn = session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
             try:
                 if self.pg:
                     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": self._lock_key(run_id, rank)})
-                row = conn.execute(self._rank, key).first()
-                cut = None if row is None else self._cut(conn, key, policy, now, *map(int, row[:4]))
-                if row is None or cut is None:
+                due = self._due(conn, key, policy, now)  # again under the lock: another sweeper may have been first
+                if due is None:
                     session.rollback()
                     return RetentionPass()
-                done = self._drop(conn, key, cut, int(row[4]))
+                cut, n_layers = due
+                done = self._drop(conn, key, cut, n_layers)
                 moved = update(RunRank).where(RunRank.run_id == run_id, RunRank.rank == rank)
                 conn.execute(moved.values(raw_from_step=cut))
                 session.commit()
@@ -189,6 +192,16 @@ class Retention:
                 session.rollback()
                 raise
         return done
+
+    def _due(
+        self, conn: Connection, key: dict[str, int], policy: RetentionPolicy, now: float
+    ) -> tuple[int, int] | None:
+        """The rank's new cut and the run's layer count, or None when the cut would not move (or the run is gone)."""
+        row = conn.execute(self._rank, key).first()
+        if row is None:
+            return None
+        cut = self._cut(conn, key, policy, now, *map(int, row[:4]))
+        return None if cut is None else (cut, int(row[4]))
 
     def _cut(
         self,
