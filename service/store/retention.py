@@ -10,8 +10,9 @@ points it replaced).
 
 Each (run, rank) is looked at without a lock; when something is due, it is swept in a transaction of its own under
 the rank's write lock (PostgreSQL: its advisory lock; SQLite: the one writer), which works the cut out again under the
-lock, so two replicas sweeping at once drop each point once and never move a cut backwards. One transaction drops at most :data:`STEPS_PER_PASS` steps of one rank; a sweep
-visits at most ``max_ranks`` ranks, carrying on where the previous sweep stopped.
+lock, so two replicas sweeping at once drop each point once and never move a cut backwards. One transaction drops at
+most :data:`STEPS_PER_PASS` steps of one rank; a sweep visits at most ``max_ranks`` ranks, carrying on where the
+previous sweep stopped.
 """
 
 from __future__ import annotations
