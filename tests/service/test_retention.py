@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import numpy as np
@@ -30,6 +30,7 @@ from quantwatch.service.models import Point, PointChunk, Rollup, RunRank
 from quantwatch.service.store import RetentionPass, RetentionPolicy, Store, folding
 from quantwatch.service.store.chunk_codec import decode_steps
 from quantwatch.service.store.reads import HistoryReader
+from quantwatch.service.sweeper import RetentionSweeper
 from tests.service.conftest import batch_doc, encode
 
 LAYERS = ["a", "b", "c", "d"]
@@ -310,6 +311,9 @@ def test_durations_and_policies() -> None:
             RetentionPolicy(steps, age)
     assert not RetentionPolicy().enabled
     assert RetentionPolicy(age_seconds=1).enabled
+    for interval in (0, -1.0, True):
+        with pytest.raises(ValueError, match="retention_interval_seconds"):
+            RetentionSweeper(cast("Store", None), RetentionPolicy(steps=1), interval)
 
 
 def _cli(*args: str) -> Any:
