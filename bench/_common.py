@@ -1,8 +1,11 @@
-"""What several benchmarks share: the metric names of the synthetic workload, a scratch PostgreSQL database."""
+"""What several benchmarks share: the metric names of the synthetic workload, a scratch PostgreSQL database, a
+fresh migrated engine on either backend."""
 
 import os
+import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from typing import Any
 
 from quantwatch.protocol import OVERVIEW_METRICS
 
@@ -27,3 +30,21 @@ def postgres_database(prefix: str) -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@contextmanager
+def fresh_engine(backend: str, prefix: str) -> Iterator[Any]:
+    """A collector engine on a new, migrated database (``backend`` ``sqlite``: a temporary file; else a scratch
+    PostgreSQL database), disposed and removed after."""
+    from quantwatch.service import Settings
+    from quantwatch.service.core.db import make_engine, upgrade
+
+    with ExitStack() as stack:
+        if backend == "sqlite":
+            url = f"sqlite:///{stack.enter_context(tempfile.TemporaryDirectory())}/{prefix}.db"
+        else:
+            url = stack.enter_context(postgres_database(prefix))
+        engine = make_engine(Settings(database_url=url))
+        stack.callback(engine.dispose)
+        upgrade(engine)
+        yield engine

@@ -29,15 +29,13 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import msgpack
-from _common import postgres_database
+from _common import fresh_engine
 from workloads import WORKLOADS
 
 from quantwatch.protocol import LAYER_METRICS
@@ -99,24 +97,15 @@ def database_size(engine: Any) -> dict[str, int]:
 
 def worker(case: dict[str, Any]) -> dict[str, Any]:
     """One case in this process: fill a fresh database, measure it."""
-    from quantwatch.service import Settings
     from quantwatch.service.batch import decode_msgpack
-    from quantwatch.service.core.db import make_engine, make_sessionmaker, upgrade
+    from quantwatch.service.core.db import make_sessionmaker
     from quantwatch.service.store import Store
 
     one_step = case["batch"] == 1
     count = case["requests"] if one_step else case["steps"] // 16
     bodies = batches(case["workload"], case["batch"], count, SAMPLE_EVERY if one_step else 1)
     decoded = [decode_msgpack(b) for b in bodies]
-    with ExitStack() as stack:
-        if case["backend"] == "sqlite":
-            tmp = stack.enter_context(tempfile.TemporaryDirectory())
-            url = f"sqlite:///{tmp}/bench.db"
-        else:
-            url = stack.enter_context(postgres_database("bench_storage"))
-        engine = make_engine(Settings(database_url=url))
-        stack.callback(engine.dispose)
-        upgrade(engine)
+    with fresh_engine(case["backend"], "bench_storage") as engine:
         store = Store(engine, make_sessionmaker(engine), **({"fold_chunks": True} if case["fold"] else {}))
         half = len(decoded) // 2
         cpu, wall = time.process_time(), time.perf_counter()

@@ -294,6 +294,11 @@ def series(
             ["step", "min", "mean", "max"],
             [list(row) for row in zip(steps, lows, means, highs, strict=False)],
         )
+    if body.get("raw_from_step") is not None:
+        typer.echo(
+            f"Retention dropped the raw points before step {body['raw_from_step']}: "
+            "those buckets come from the rollups (at least 64 steps each)."
+        )
 
 
 @app.command()

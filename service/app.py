@@ -19,7 +19,8 @@ from quantwatch.service.core.config import Settings
 from quantwatch.service.core.db import WriteHealth, make_engine, make_sessionmaker, upgrade
 from quantwatch.service.exposition import StartupRestore, alert_series_source, delivery_counts, install_exposition
 from quantwatch.service.ranks.setup import install_ranks
-from quantwatch.service.store import Store
+from quantwatch.service.store import RetentionPolicy, Store
+from quantwatch.service.sweeper import RetentionSweeper
 from quantwatch.service.whatif import routes as whatif_routes
 from quantwatch.service.whatif.setup import install_whatif
 
@@ -47,9 +48,11 @@ def create_app(
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         worker.start()
         exposition.start()
+        sweeper.start()
         try:
             yield
         finally:
+            sweeper.stop()
             exposition.stop()
             worker.stop()
 
@@ -63,6 +66,9 @@ def create_app(
     app.state.engine = engine
     store = Store(engine, make_sessionmaker(engine), fold_chunks=settings.fold_chunks)
     app.state.store = store
+    policy = RetentionPolicy(settings.retention_steps, settings.retention_age)
+    sweeper = RetentionSweeper(store, policy, settings.retention_interval_seconds)
+    app.state.retention = sweeper
     write_health = WriteHealth()
     app.state.write_health = write_health
     app.state.ingest_observers = list(observers)
@@ -90,6 +96,7 @@ def create_app(
         alerts=alert_series_source(alerts, restore.alert_series),
         deliveries=delivery_counts(store.factory),
         restore=restore,
+        retention_dropped=sweeper.dropped_points if policy.enabled else None,
     )
     web.install(app)
     return app

@@ -1,4 +1,5 @@
-"""``quantwatch serve`` and ``quantwatch db upgrade`` (mounted into the top-level ``quantwatch`` command)."""
+"""``quantwatch serve``, ``quantwatch db upgrade`` and ``quantwatch db retention`` (mounted into the top-level
+``quantwatch`` command)."""
 
 from __future__ import annotations
 
@@ -146,6 +147,40 @@ def db_upgrade(
     finally:
         engine.dispose()
     typer.echo(f"database at {engine.url.render_as_string(hide_password=True)} is at {revision}")
+
+
+@db_app.command("retention")
+def db_retention(
+    database_url: Annotated[str | None, typer.Option(help="sqlite:///… or postgresql+psycopg://…")] = None,
+    steps: Annotated[int | None, typer.Option(help=_setting_help("retention_steps"))] = None,
+    age: Annotated[str | None, typer.Option(help=_setting_help("retention_age"))] = None,
+) -> None:
+    """Apply the retention policy now: drop the raw points it makes due, their rollups kept, until none is left
+    (what the collector's sweep does in the background; README Retention). Exit codes as ``serve``; 2 too when
+    no policy is set."""
+    import time
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from quantwatch.service.core.db import make_engine, make_sessionmaker
+    from quantwatch.service.store import RetentionPass, RetentionPolicy, Store
+
+    settings = _settings(database_url=database_url, retention_steps=steps, retention_age=age, auto_upgrade=False)
+    policy = RetentionPolicy(settings.retention_steps, settings.retention_age)
+    if not policy.enabled:
+        typer.echo("error: retention is off: give --steps or --age (or set their variables)", err=True)
+        raise typer.Exit(code=EXIT_USAGE)
+    engine = make_engine(settings)
+    total = RetentionPass()
+    try:
+        store = Store(engine, make_sessionmaker(engine))
+        while (done := store.sweep_retention(policy, time.time())).ranks:
+            total += done
+    except SQLAlchemyError as exc:
+        raise _database_failed(settings, "apply retention to", exc) from None
+    finally:
+        engine.dispose()
+    typer.echo(f"retention dropped {total.points} raw points ({total.rows} rows) in {total.ranks} transactions")
 
 
 def register(app: typer.Typer) -> None:

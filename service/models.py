@@ -66,6 +66,8 @@ class RunRank(Base):
     points: Mapped[int] = mapped_column(BigInteger)
     # Rollup blocks ending before this step are complete; reads take later steps from the raw points (issue 21).
     compacted_step: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    # Retention dropped the raw points before this step (0: none); reads take those steps from rollups (issue 21).
+    raw_from_step: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
 
 
 class Layer(Base):

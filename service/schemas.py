@@ -97,6 +97,11 @@ class Series(BaseModel):
         description="The `steps` of the buckets holding a value the agent estimated from a subset of rows "
         "(`shadow_rows`) rather than computed exactly; empty when all are exact."
     )
+    raw_from_step: int | None = Field(
+        default=None,
+        description="Present only when the range reaches steps whose raw points retention dropped: the first step "
+        "still held raw. Buckets before it come from the rollups, so `bucket_steps` is at least 64 (README Retention).",
+    )
 
 
 class Heatmap(BaseModel):
@@ -106,6 +111,9 @@ class Heatmap(BaseModel):
     steps: list[int]
     values: list[list[Value]]
     bucket_steps: int
+    raw_from_step: int | None = Field(
+        default=None, description="As in a series: present only when the range reaches steps retention dropped."
+    )
 
 
 class StepRanks(BaseModel):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from alembic import op
+from quantwatch.service.migrations.common import drop_rank_column
 
 revision: str = "0007_rollup_frontier"
 down_revision: str | None = "0006_estimated"
@@ -25,12 +26,9 @@ def upgrade() -> None:
 def downgrade() -> None:
     # The code before this revision reads every rollup block as current, so it would answer wrongly for a raw tail
     # that has no blocks yet: refuse rather than drop the frontier of such a rank.
-    behind = op.get_bind().execute(sa.text("SELECT count(*) FROM run_ranks WHERE compacted_step <= last_step"))
-    count = int(behind.scalar_one())
-    if count:
-        raise RuntimeError(
-            f"{count} run ranks hold steps past their rollup frontier (run_ranks.compacted_step); "
-            "downgrading below 0007_rollup_frontier would make their reads wrong"
-        )
-    with op.batch_alter_table("run_ranks") as batch:
-        batch.drop_column("compacted_step")
+    drop_rank_column(
+        "compacted_step",
+        "compacted_step <= last_step",
+        "hold steps past their rollup frontier (run_ranks.compacted_step); downgrading below 0007_rollup_frontier "
+        "would make their reads wrong",
+    )

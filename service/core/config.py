@@ -13,6 +13,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 Scope = Literal["ingest", "read", "admin"]
 SCOPES: tuple[Scope, ...] = ("ingest", "read", "admin")
 DEFAULT_DATABASE_URL = "sqlite:///./quantwatch.db"
+DURATION_UNITS_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+"""The units of a duration setting such as ``retention_age`` (``90m``, ``12h``, ``30d``, ``2w``)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -41,6 +43,21 @@ def _parse_scopes(field: str, raw: object) -> frozenset[Scope]:
             raise ValueError(f"{field}: unknown scope {name!r}; accepted: {', '.join(SCOPES)}")
         scopes.add(name)  # type: ignore[arg-type,unused-ignore]
     return frozenset(scopes)
+
+
+def parse_duration_seconds(field: str, raw: object) -> object:
+    """Seconds from a duration (``"30d"``, ``"12h"``, ``"90m"``, ``"45s"``, ``"2w"``) or a number of seconds; other
+    values pass through for the field's own checks. Raises ValueError naming ``field`` for a malformed duration."""
+    if not isinstance(raw, str):
+        return raw
+    text = raw.strip().lower()
+    number, unit = (text[:-1], text[-1]) if text[-1:] in DURATION_UNITS_SECONDS else (text, "s")
+    try:
+        value = float(number)
+    except ValueError:
+        units = ", ".join(DURATION_UNITS_SECONDS)
+        raise ValueError(f"{field}: {raw!r} is not a duration: seconds, or a number with a unit ({units})") from None
+    return value * DURATION_UNITS_SECONDS[unit]
 
 
 def read_token_file(path: Path) -> dict[str, frozenset[Scope]]:
@@ -98,6 +115,23 @@ class Settings(BaseSettings):
         description="Fold raw points behind the compaction frontier into compressed chunks (fewer bytes per point, "
         "slower ingest and reads; README Storage).",
     )
+    retention_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**62,
+        description="Keep raw points for the newest N steps of each rank; older ones are dropped once their rollups "
+        "are built (off by default: every raw point is kept; README Retention).",
+    )
+    retention_age: float | None = Field(
+        default=None,
+        gt=0,
+        le=100 * 366 * 86400,
+        description="Keep raw points this long by their step's time (seconds, or 90m, 12h, 30d, 2w); older ones are "
+        "dropped once their rollups are built (off by default; README Retention).",
+    )
+    retention_interval_seconds: float = Field(
+        default=300.0, gt=0, le=86400, description="How often the collector sweeps retention, when it is on."
+    )
     db_pool_size: int = Field(default=8, ge=1, le=256, description="Connections kept open per collector process.")
     external_url: str | None = Field(
         default=None, description="Base URL of this collector in alert links (default http://host:port)."
@@ -129,6 +163,11 @@ class Settings(BaseSettings):
                 raise ValueError("tokens: a token must be non-empty and contain no whitespace")
             _parse_scopes(f"tokens[{token[:4]}…]", scopes)
         return value
+
+    @field_validator("retention_age", mode="before")
+    @classmethod
+    def _parse_retention_age(cls, value: object) -> object:
+        return parse_duration_seconds("retention_age", value)
 
     @field_validator("database_url")
     @classmethod

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -33,11 +33,14 @@ class QuantWatchCollector(Collector):
         ingest: IngestMetrics | None = None,
         alerts: AlertSeriesSource | None = None,
         deliveries: DeliveryCounts | None = None,
+        retention_dropped: Callable[[], int] | None = None,
     ) -> None:
+        """``retention_dropped``: the raw points retention dropped so far (its counter is exported only with it)."""
         self.cache = cache
         self.ingest = ingest if ingest is not None else IngestMetrics()
         self.alerts = alerts
         self.deliveries = deliveries
+        self.retention_dropped = retention_dropped
 
     def collect(self) -> Iterator[Metric]:
         """Yield every family of a scrape, in a stable order."""
@@ -83,6 +86,12 @@ class QuantWatchCollector(Collector):
         )
         yield from self._alert_families({run for run, _ in snap.last_seen})
         yield from self.ingest.families()
+        if self.retention_dropped is not None:
+            yield CounterMetricFamily(
+                "quantwatch_retention_dropped_points",
+                "Raw points (one value of one series at one step) that retention dropped; their rollups stay.",
+                value=self.retention_dropped(),
+            )
         yield InfoMetricFamily(
             "quantwatch_build",
             "QuantWatch collector build.",

@@ -61,15 +61,17 @@ def install_exposition(
     clock: Callable[[], float] = time.time,
     render_interval_seconds: float = DEFAULT_RENDER_INTERVAL_SECONDS,
     restore: StartupRestore | None = None,
+    retention_dropped: Callable[[], int] | None = None,
 ) -> Exposition:
     """Give ``app`` its ``GET /metrics``: a registry of its own, the cache as an ingest observer, ingest timing.
 
     The app's lifespan starts and stops the exposition's background parts (:meth:`Exposition.start`): the renderer,
     and ``restore``, which rebuilds the cache from the database (its ``alert_series`` belong in ``alerts``).
+    ``retention_dropped`` gives the retention counter (exported only when given: retention is on).
     """
     cache = LatestValueCache(top_k=top_k, run_ttl_seconds=run_ttl_seconds, clock=clock)
     ingest = IngestMetrics()
-    collector = QuantWatchCollector(cache, ingest, alerts, deliveries)
+    collector = QuantWatchCollector(cache, ingest, alerts, deliveries, retention_dropped)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     renderer = BackgroundRenderer(cache, render_interval_seconds)

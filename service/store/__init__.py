@@ -1,6 +1,6 @@
 """All database access of the collector behind one facade, :class:`Store`: ingest (``writes``, with ``rollup_writes``),
-history reads (``reads``: a Store is a ``HistoryReader``), export (``export``), the what-if statistics (``whatif``) and
-the health probe.
+history reads (``reads``: a Store is a ``HistoryReader``), export (``export``), the what-if statistics (``whatif``),
+retention (``retention``) and the health probe.
 
 See README "Storage" for the layout. Callers hold a ``Store``; the modules behind it are private.
 """
@@ -18,10 +18,11 @@ from quantwatch.service.store.actions import list_actions
 from quantwatch.service.store.common import IngestResult, NotFoundError, choose_width
 from quantwatch.service.store.export import EXPORT_COLUMNS, Exporter
 from quantwatch.service.store.reads import HistoryReader
+from quantwatch.service.store.retention import Retention, RetentionPass, RetentionPolicy
 from quantwatch.service.store.whatif import WhatIfStore
 from quantwatch.service.store.writes import BatchWriter
 
-__all__ = ["IngestResult", "NotFoundError", "Store", "choose_width"]
+__all__ = ["IngestResult", "NotFoundError", "RetentionPass", "RetentionPolicy", "Store", "choose_width"]
 
 
 class Store(HistoryReader):
@@ -37,6 +38,7 @@ class Store(HistoryReader):
         self.pg = engine.dialect.name == "postgresql"
         self._writer = BatchWriter(engine, factory, fold_chunks=fold_chunks)
         self._exporter = Exporter(factory)
+        self._retention = Retention(factory, self.pg, self._writer._exclusive, BatchWriter.rank_key)
         self.whatif = WhatIfStore(factory)
         """The what-if statistics' reads."""
 
@@ -54,6 +56,11 @@ class Store(HistoryReader):
         fold what is due of its raw points into chunks (raises NotFoundError). Ingest builds blocks once they are
         complete; this is for a downgrade below migration 0004 and for tests."""
         self._writer.compact_all(run)
+
+    def sweep_retention(self, policy: RetentionPolicy, now: float, *, max_ranks: int | None = None) -> RetentionPass:
+        """Drop the raw points ``policy`` makes due at time ``now`` (seconds since the epoch), their rollups kept: one
+        transaction per (run, rank), at most ``max_ranks`` of them (the next sweep carries on after the last one)."""
+        return self._retention.sweep(policy, now, max_ranks=max_ranks)
 
     def delete_run(self, name: str) -> None:
         """Delete a run and everything stored for it (foreign keys cascade)."""

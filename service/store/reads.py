@@ -35,6 +35,7 @@ from quantwatch.service.rollups import (
 )
 from quantwatch.service.store.common import NotFoundError, choose_width, columns, find_run
 from quantwatch.service.store.raw_points import RawPoints
+from quantwatch.service.store.retention import read_raw_from
 
 
 def _one_series(
@@ -47,6 +48,22 @@ def _one_series(
         table.name_id == bindparam("nid"),
         position >= bindparam("lo"),
         position <= bindparam("hi"),
+    )
+
+
+def retained_width(width: int, dropped: bool) -> int:
+    """The bucket width of a read asking for ``width``: at least the base rollup level where its range reaches steps
+    whose raw points retention dropped (``dropped``), as that is the finest resolution stored there."""
+    return max(width, LEVELS[0]) if dropped else width
+
+
+def _concatenated(parts: Sequence[Partials]) -> Partials:
+    """The rows of ``parts`` one after another."""
+    return Partials(
+        np.concatenate([p.vmin for p in parts]),
+        np.concatenate([p.vmax for p in parts]),
+        np.concatenate([p.vsum for p in parts]),
+        np.concatenate([p.vcount for p in parts]),
     )
 
 
@@ -82,6 +99,7 @@ class HistoryReader:
                 RunRank.first_step,
                 RunRank.last_step,
                 RunRank.compacted_step,
+                RunRank.raw_from_step,
             )
             .select_from(Run)
             .outerjoin(Layer, and_(Layer.run_id == Run.id, Layer.name == bindparam("layer")))
@@ -181,10 +199,21 @@ class HistoryReader:
         hi: int,
         layer: int | None,
         n_layers: int,
+        raw_from: int = 0,
     ) -> tuple[I64, Partials]:
+        """Partials of the raw points in [lo, hi], one per step; before ``raw_from`` (where retention dropped them:
+        a block boundary) those of the base rollup blocks instead, keyed by their first step (a block holding ``lo``
+        starts before it)."""
         width = 1 if layer is not None else n_layers
         if lo > hi:
             return np.zeros(0, dtype=np.int64), Partials.empty(0, width)
+        if lo < raw_from:
+            cut, base = min(hi + 1, raw_from), LEVELS[0]
+            b_steps, blocks = self._rollup_partials(
+                conn, key["run_id"], key["rank"], key["nid"], base, lo // base, (cut - 1) // base, layer, n_layers
+            )
+            r_steps, raw = self._raw_partials(conn, key, cut, hi, layer, n_layers)
+            return np.concatenate([b_steps, r_steps]), _concatenated([blocks, raw])
         rows = self._points.read(conn, key, lo, hi, None, n_layers, layer=layer)  # no lock: see raw_points
         return rows.steps, Partials.from_values(rows.values)
 
@@ -222,11 +251,14 @@ class HistoryReader:
         layer: int | None,
         n_layers: int,
         frontier: int,
+        raw_from: int = 0,
     ) -> tuple[I64, Partials]:
         """Partials per aligned bucket of ``width`` steps over [lo, hi]; keys are bucket indexes (step // width).
 
         Rollup blocks are used only where they end before the rank's ``frontier`` (``compacted_step``): later steps
-        come from the raw points, whose blocks may not be built yet."""
+        come from the raw points, whose blocks may not be built yet. Before ``raw_from`` (``raw_from_step``: where
+        retention dropped the raw points) the base blocks stand in for them, so there ``width`` must be a multiple of
+        the base level (see :func:`retained_width`)."""
         levels = [lv for lv in LEVELS if lv <= width]
         key = {"run_id": run_id, "rank": rank, "nid": nid}
         if not levels:
@@ -237,18 +269,13 @@ class HistoryReader:
         first_full = -(-lo // level)
         last_full = min(hi + 1, frontier) // level - 1
         if first_full > last_full:
-            steps, part = self._raw_partials(conn, key, lo, hi, layer, n_layers)
+            steps, part = self._raw_partials(conn, key, lo, hi, layer, n_layers, raw_from)
         else:
-            h_steps, head = self._raw_partials(conn, key, lo, first_full * level - 1, layer, n_layers)
+            h_steps, head = self._raw_partials(conn, key, lo, first_full * level - 1, layer, n_layers, raw_from)
             m_steps, mid = self._rollup_partials(conn, run_id, rank, nid, level, first_full, last_full, layer, n_layers)
-            t_steps, tail = self._raw_partials(conn, key, (last_full + 1) * level, hi, layer, n_layers)
+            t_steps, tail = self._raw_partials(conn, key, (last_full + 1) * level, hi, layer, n_layers, raw_from)
             steps = np.concatenate([h_steps, m_steps, t_steps])
-            part = Partials(
-                np.concatenate([head.vmin, mid.vmin, tail.vmin]),
-                np.concatenate([head.vmax, mid.vmax, tail.vmax]),
-                np.concatenate([head.vsum, mid.vsum, tail.vsum]),
-                np.concatenate([head.vcount, mid.vcount, tail.vcount]),
-            )
+            part = _concatenated([head, mid, tail])
         keys, starts = group_starts(steps // width)
         return keys, part.reduce(starts) if keys.size else part
 
@@ -262,7 +289,7 @@ class HistoryReader:
             ).first()
             if keys_row is None:
                 raise NotFoundError(f"run {run!r} not found")
-            run_id, n_layers, idx, nid, first_step, last_step, frontier = keys_row
+            run_id, n_layers, idx, nid, first_step, last_step, frontier, raw_from = keys_row
             if idx is None:
                 raise NotFoundError(f"layer {layer!r} not found in run {run!r}")
             if nid is None:
@@ -271,21 +298,32 @@ class HistoryReader:
             hi = last_step if end is None else end
             if first_step is None or lo > hi:
                 return {"steps": [], "min": [], "mean": [], "max": [], "bucket_steps": 1, "estimated": []}
+            dropped = lo < raw_from  # retention dropped raw points of this range
             width = 1
             if hi - lo + 1 > max_points:
-                # Only whether the range holds more than max_points samples matters: count at most max_points + 1.
+                # Only whether the range holds more than max_points samples matters: count at most max_points + 1
+                # (where retention dropped them they cannot be counted: taken as more).
                 key = {"run_id": run_id, "rank": rank, "nid": nid}
-                if self._points.steps(conn, key, lo, hi, max_points + 1).size > max_points:
+                if dropped or self._points.steps(conn, key, lo, hi, max_points + 1).size > max_points:
                     width = choose_width(lo, hi, max_points)
-            keys, part = self._bucketed(conn, run_id, rank, nid, lo, hi, width, int(idx), int(n_layers), int(frontier))
+            width = retained_width(width, dropped)
+            keys, part = self._bucketed(
+                conn, run_id, rank, nid, lo, hi, width, int(idx), int(n_layers), int(frontier), int(raw_from)
+            )
             params = {"run_id": run_id, "rank": rank, "nid": nid, "lo": lo, "hi": hi}
             marked = {int(step) for (step,) in conn.execute(self._estimated_steps, params)}
+            # Reads hold no lock: a retention sweep that committed since raw_from was read may have dropped raw
+            # points this read took as kept (only behind the frontier). Then read again, with the new cut.
+            if lo < frontier and read_raw_from(conn, run_id, rank) != raw_from:
+                return self.series(run, metric, layer, rank, start, end, max_points)
         answer = self._series_answer(
             keys, width, lo, part.vmin[:, 0], part.vmax[:, 0], part.mean()[:, 0], part.vcount[:, 0]
         )
         # The buckets holding an estimated point, by their first step as ``steps`` gives it.
         buckets = {max((step // width) * width, lo) for step in marked}
         answer["estimated"] = [int(step) for step in answer["steps"] if int(step) in buckets]
+        if dropped:
+            answer["raw_from_step"] = int(raw_from)
         return answer
 
     @staticmethod
@@ -369,8 +407,9 @@ class HistoryReader:
                     "bucket_steps": 1,
                 }
             lo, hi = rng
-            width = choose_width(lo, hi, max_steps)
             frontier = session.get(RunRank, (r.id, rank))  # in the session already: read by _range
+            compacted, raw_from = (0, 0) if frontier is None else (frontier.compacted_step, frontier.raw_from_step)
+            width = retained_width(choose_width(lo, hi, max_steps), lo < raw_from)
             keys, part = self._bucketed(
                 session.connection(),
                 r.id,
@@ -381,8 +420,11 @@ class HistoryReader:
                 width,
                 None,
                 r.layer_count,
-                0 if frontier is None else frontier.compacted_step,
+                compacted,
+                raw_from,
             )
+            if lo < compacted and read_raw_from(session.connection(), r.id, rank) != raw_from:  # see series
+                return self.heatmap(run, metric, rank, start, end, max_steps, layers, agg)
         grid = np.arange(lo // width, hi // width + 1, dtype=np.int64)
         pos = np.searchsorted(grid, keys)
         n_cols = grid.size
@@ -402,12 +444,15 @@ class HistoryReader:
             valid = np.zeros((n_cols, len(chosen)), dtype=bool)
             full[pos] = data
             valid[pos] = part.vcount[:, sel] > 0
-        return {
+        answer: dict[str, Any] = {
             "layers": [names[i] for i in chosen],
             "steps": np.maximum(grid * width, lo),
             "values": to_json_matrix(full.T, valid.T),
             "bucket_steps": width,
         }
+        if lo < raw_from:
+            answer["raw_from_step"] = raw_from
+        return answer
 
     def step_ranks(self, run: str, metric: str, step: int) -> dict[str, Any]:
         """Layers (model order) × the run's ranks of ``metric`` at the first step at or after ``step`` that some rank

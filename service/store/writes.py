@@ -39,6 +39,7 @@ from quantwatch.service.store.common import IngestResult, RunCache, find_run
 from quantwatch.service.store.compaction import Compactor, frontier_after, read_frontier
 from quantwatch.service.store.group_commit import GroupCommit
 from quantwatch.service.store.raw_points import RawPoints, Rows
+from quantwatch.service.store.retention import keep_retained
 from quantwatch.service.store.rollup_writes import RollupWriter
 
 log = logging.getLogger("quantwatch.service")
@@ -292,6 +293,7 @@ class BatchWriter:
                 if miss is not None:
                     full.view(np.uint32)[columns[miss]] = MISSING_BITS
                 steps_by_metric.setdefault(name, []).append((st.step, st.time, full))
+        steps_by_metric = keep_retained(conn, run_id, batch.rank, steps_by_metric, frontier)
         if not steps_by_metric:
             return
         lo = min(s.step for s in batch.steps)
