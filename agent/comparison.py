@@ -8,7 +8,7 @@ from torch import Tensor
 
 from quantwatch.kernels import ErrorStats, StatsBatch
 from quantwatch.kernels.row_stats import row_comparison_fields
-from quantwatch.kernels.stats import comparison_fields
+from quantwatch.kernels.stats import HostRow, comparison_fields, host_row
 
 __all__ = ["comparison_stats", "row_comparison_stats"]
 
@@ -63,17 +63,24 @@ def row_comparison_stats(
     """``comparison_stats(reference, value.index_select(0, rows), ...)``: ``reference`` of the rows ``rows`` (kept by
     ``shadow_rows``) of the matrix ``value``.  On the CPU one native pass reads the rows in place (no copy, the same
     figures bit for bit: `quantwatch.kernels.row_stats`) where it can; the rows are gathered otherwise."""
-    if reference.numel() and reference.device.type == "cpu":
-        fields = row_comparison_fields(reference, value, rows)
-        if fields is not None:
-            return _host_stats(fields, batch, weight)
+    if reference.numel() and reference.is_cpu:
+        # The pass writes the weighted fields into the statistics' row itself.
+        row = batch.host_row() if batch is not None else host_row()
+        if row_comparison_fields(reference, value, rows, weight=weight, out=row) is not None:
+            return row.stats
+        if value.is_cpu:
+            return _host_stats(comparison_fields(reference, value.index_select(0, rows)), row, weight)
     return comparison_stats(reference, value.index_select(0, rows), batch=batch, weight=weight)
 
 
-def _host_stats(fields: tuple[float, ...], batch: StatsBatch | None, weight: float) -> ErrorStats:
-    """CPU statistics holding a comparison's host ``fields``, the count and the sums scaled by ``weight``."""
+def _host_stats(fields: tuple[float, ...], row: StatsBatch | HostRow | None, weight: float) -> ErrorStats:
+    """CPU statistics holding a comparison's host ``fields``, the count and the sums scaled by ``weight``: in
+    ``row`` (or a row of that batch) when given."""
     if weight != 1.0:
         fields = (*(v * weight for v in fields[:5]), *fields[5:])
-    if batch is not None:
-        return batch.host_stats(fields)
+    if isinstance(row, StatsBatch):
+        return row.host_stats(fields)
+    if row is not None:
+        row.values[:] = fields
+        return row.stats
     return ErrorStats.from_tensor(torch.tensor(fields, dtype=torch.float64))

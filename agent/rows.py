@@ -39,11 +39,14 @@ import torch
 from torch import Tensor
 
 from quantwatch.agent.errors import ConfigError
+from quantwatch.kernels.row_stats import stratified_rows
 
 __all__ = ["SEED", "RowSampler", "RowSampling", "parse_shadow_rows"]
 
 #: Base seed of the row draws (a layer's generator starts at ``SEED + its index``).
 SEED = 0x5EED_0F_2025
+# Host uniforms drawn at once (a sampled step of a 16-layer model takes ~500 for its two draws per layer at 1/8).
+_UNIFORM_BLOCK = 4096
 
 
 @dataclass(frozen=True)
@@ -83,26 +86,30 @@ class RowSampler:
         self.sampling = sampling
         self.seed = seed
         self._host = np.random.default_rng(seed)
+        # The host generator's uniforms, drawn a block at a time (the same stream as one `random(k)` per draw) and
+        # consumed from `_next` on; `_address` is the block's.
+        self._uniforms = np.empty(0)
+        self._address = 0
+        self._next = 0
         self._generators: dict[torch.device, torch.Generator] = {}
         self._strata: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
-        self._host_strata: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def draw(self, n: int, device: torch.device, kept: int | None = None) -> Tensor | None:
         """Sorted indices of the kept rows of ``n`` (``kept`` of them if given), on ``device``; None = all rows."""
         k = self.sampling.kept(n) if kept is None else min(kept, n)
         if k >= n:
             return None
-        # Stratum j is rows [floor(j·n/k), floor((j+1)·n/k)); one uniform row of each.  A few calls per draw: a
-        # sampled step draws twice per layer, and each torch call costs microseconds there.
+        # Stratum j is rows [floor(j·n/k), floor((j+1)·n/k)); one uniform row of each.  On the host one native call
+        # per draw, its uniforms from a block drawn ahead: a sampled step draws twice per layer, and each torch or
+        # NumPy call costs several microseconds there.
         if device.type == "cpu":
-            host = self._host_strata.get((n, k))
-            if host is None:
-                bounds = np.arange(k + 1, dtype=np.int64) * n // k
-                host = (bounds[:-1], bounds[1:] - bounds[:-1])
-                self._host_strata[(n, k)] = host
-            starts, sizes = host
-            offsets = np.minimum((self._host.random(k) * sizes).astype(np.int64), sizes - 1)
-            return torch.from_numpy(starts + offsets)
+            start = self._next
+            if start + k > self._uniforms.size:
+                self._uniforms = np.concatenate([self._uniforms[start:], self._host.random(max(k, _UNIFORM_BLOCK))])
+                self._address = self._uniforms.ctypes.data
+                start = 0
+            self._next = start + k
+            return stratified_rows(self._uniforms, start, self._address, n, k)
         strata = self._strata.get((n, k, device))
         if strata is None:
             edges = torch.arange(k + 1, device=device, dtype=torch.int64).mul_(n).div_(k, rounding_mode="floor")

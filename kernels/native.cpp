@@ -996,4 +996,41 @@ int qw_stats_rows(const float* x, const float* q, const int64_t* index, int64_t 
   return stats[9] > 0 ? NONFINITE : OK;
 }
 
+
+// qw_stats_rows as a comparison's statistics (quantwatch.kernels.stats.comparison_fields), written in place: the 11
+// float64 fields of ErrorStats.FIELDS into `fields` — the count and Σx², Σq², Σqx, Σ(q−x)² each multiplied by
+// `weight` (Σ(q−x)² NaN without `error`), max |q − x| and amax NaN, the counts 0 — in the float64 operations of
+// pass_fields, comparison_of and the weighting in Python, so the same bits. NONFINITE or OUT_OF_RANGE (the sums beyond
+// what float32 runs hold: lane_sums_in_range in partial_sums.py) leave `fields` untouched; the caller then compares
+// another way.
+int qw_compare_rows(const float* x, const float* q, const int64_t* index, int64_t count, int64_t row, int64_t q_rows,
+                    double weight, int error, double* fields, int threads) {
+  double s[10];
+  int status = qw_stats_rows(x, q, index, count, row, q_rows, s, threads);
+  if (status != OK) return status;
+  const double numel = (double)(count * row), least = numel * 0x1p-100, magnitude = 0x1p40;
+  const double sum_x2 = s[0], sum_q2 = s[1], sum_qx = s[2], sum_err2 = s[3], max_err = s[4], amax = s[5];
+  bool in_range = max_err <= magnitude && amax <= magnitude && (sum_x2 >= least || amax == 0) &&
+                  (sum_err2 >= least || max_err == 0) && (sum_q2 >= least || (max_err == amax && amax == 0));
+  if (!in_range) return OUT_OF_RANGE;
+  const double nan = __builtin_nan("");
+  double out[11] = {numel * weight, sum_x2 * weight, sum_q2 * weight, sum_qx * weight,
+                    error ? sum_err2 * weight : nan, nan, nan, 0.0, 0.0, 0.0, 0.0};
+  std::memcpy(fields, out, sizeof out);
+  return OK;
+}
+
+// The rows a stratified draw keeps (quantwatch.agent.rows): `k` strata of [0, n), stratum j = [⌊j·n/k⌋,
+// ⌊(j+1)·n/k⌋) of size s_j, its row ⌊j·n/k⌋ + min(⌊u_j · s_j⌋, s_j − 1) from the uniform u_j in [0, 1) into
+// rows[j]: NumPy's `starts + minimum((u * sizes).astype(int64), sizes - 1)`, the same float64 product and truncation.
+int qw_stratified_rows(const double* uniforms, int64_t n, int64_t k, int64_t* rows) {
+  if (k < 1 || k > n) return BAD_ARGUMENT;
+  for (int64_t j = 0; j < k; j++) {
+    int64_t start = j * n / k, size = (j + 1) * n / k - start;
+    int64_t offset = (int64_t)(uniforms[j] * (double)size);
+    rows[j] = start + (offset < size - 1 ? offset : size - 1);
+  }
+  return OK;
+}
+
 }  // extern "C"

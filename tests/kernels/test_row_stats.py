@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
 
-from quantwatch.kernels import native
-from quantwatch.kernels.row_stats import row_comparison_fields
-from quantwatch.kernels.stats import comparison_fields
+from quantwatch.kernels import StatsBatch, native
+from quantwatch.kernels.row_stats import row_comparison_fields, stratified_rows
+from quantwatch.kernels.stats import comparison_fields, host_row
 
 
 @pytest.fixture(autouse=True)
@@ -20,9 +21,9 @@ def _library() -> None:
         pytest.skip("native kernels unavailable")
 
 
-def _same(got: tuple[float, ...] | None, expected: tuple[float, ...]) -> bool:
+def _same(got: object, expected: tuple[float, ...]) -> bool:
     """Every field equal, bit for bit (NaN where the other is NaN)."""
-    assert got is not None
+    assert isinstance(got, tuple)
     return all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(got, expected, strict=True))
 
 
@@ -92,3 +93,57 @@ def test_what_cannot_be_read_in_place_is_declined() -> None:
     }
     for reason, (a, b, r) in declined.items():
         assert row_comparison_fields(a, b, r) is None, reason
+
+
+def _weighted(fields: tuple[float, ...], weight: float) -> tuple[float, ...]:
+    """What the agent's comparisons made of the fields before the pass weighted them itself (comparison.py)."""
+    return (*(v * weight for v in fields[:5]), *fields[5:])
+
+
+@pytest.mark.parametrize(("kept", "q_rows", "row"), [(16, 128, 768), (16, 128, 1024), (128, 1024, 256), (1, 3, 16)])
+@pytest.mark.parametrize("weight", [1.0, 8.0, 1024 / 129])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fields_written_into_a_row_are_the_weighted_fields_bit_for_bit(
+    kept: int, q_rows: int, row: int, weight: float, threads: int
+) -> None:
+    q = _values(q_rows, row, seed=row)
+    rows = torch.sort(torch.randperm(q_rows, generator=torch.Generator().manual_seed(kept))[:kept]).values
+    x = q.index_select(0, rows) * 1.01
+    saved = torch.get_num_threads()
+    batch = StatsBatch()
+    try:
+        torch.set_num_threads(threads)
+        for error in (True, False):
+            expected = _weighted(comparison_fields(x, q.index_select(0, rows), error=error), weight)
+            for out in (batch.host_row(), host_row()):
+                assert row_comparison_fields(x, q, rows, error=error, weight=weight, out=out) is out
+                assert _same(tuple(out.values.tolist()), expected)
+                assert _same(tuple(out.stats.as_tensor().tolist()), expected)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_declined_pass_leaves_the_row_untouched() -> None:
+    q = torch.randn(8, 32)
+    q[4, 3] = math.nan
+    out = host_row()
+    assert row_comparison_fields(torch.randn(2, 32), q, torch.tensor([1, 4]), weight=4.0, out=out) is None
+    assert all(math.isnan(v) for v in out.values.tolist())
+
+
+def _numpy_rows(uniforms: np.ndarray, n: int, k: int) -> list[int]:
+    """The stratified rows as agent/rows.py drew them with NumPy before the native draw."""
+    bounds = np.arange(k + 1, dtype=np.int64) * n // k
+    sizes = bounds[1:] - bounds[:-1]
+    return (bounds[:-1] + np.minimum((uniforms * sizes).astype(np.int64), sizes - 1)).tolist()
+
+
+@pytest.mark.parametrize(("n", "k"), [(128, 16), (1024, 128), (256, 32), (10, 3), (7, 7), (1000, 1), (129, 17)])
+def test_the_native_stratified_draw_keeps_numpys_rows(n: int, k: int) -> None:
+    uniforms = np.random.default_rng(n * k).random(k + 5)
+    # Uniforms at the edges too: 0, the largest below 1 and the one below it (the last row of each stratum).
+    uniforms[:3] = [0.0, np.nextafter(1.0, 0.0), np.nextafter(1.0, 0.0) - 2.0**-52]
+    for start in (0, 5):
+        rows = stratified_rows(uniforms, start, uniforms.ctypes.data, n, k)
+        assert rows.dtype == torch.int64
+        assert rows.tolist() == _numpy_rows(uniforms[start : start + k], n, k)
