@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from quantwatch.kernels import ErrorStats, StatsBatch
-from quantwatch.kernels.row_stats import row_comparison_fields
+from quantwatch.kernels.row_stats import comparison_into, row_comparison_fields
 from quantwatch.kernels.stats import HostRow, comparison_fields, host_row
 
 __all__ = ["comparison_stats", "row_comparison_stats"]
@@ -27,8 +27,12 @@ def comparison_stats(
     count and the sums: ``n/k`` for a comparison of ``k`` rows kept of ``n`` (an estimate of the full sums)."""
     if reference.numel() == 0:
         return ErrorStats.zeros(reference.device)
-    if reference.device.type == "cpu" and value.device.type == "cpu":
-        return _host_stats(comparison_fields(reference, value, error=error), batch, weight)
+    if reference.is_cpu and value.is_cpu:
+        # One native pass writes the weighted fields into the statistics' row where it can.
+        row = batch.host_row() if batch is not None else host_row()
+        if comparison_into(reference, value, row, error=error, weight=weight):
+            return row.stats
+        return _host_stats(comparison_fields(reference, value, error=error), row, weight)
     x = reference.detach()
     q = value.detach()
     x = x.reshape(-1).float()
@@ -73,14 +77,9 @@ def row_comparison_stats(
     return comparison_stats(reference, value.index_select(0, rows), batch=batch, weight=weight)
 
 
-def _host_stats(fields: tuple[float, ...], row: StatsBatch | HostRow | None, weight: float) -> ErrorStats:
-    """CPU statistics holding a comparison's host ``fields``, the count and the sums scaled by ``weight``: in
-    ``row`` (or a row of that batch) when given."""
+def _host_stats(fields: tuple[float, ...], row: HostRow, weight: float) -> ErrorStats:
+    """``row``'s statistics holding a comparison's host ``fields``, the count and the sums scaled by ``weight``."""
     if weight != 1.0:
         fields = (*(v * weight for v in fields[:5]), *fields[5:])
-    if isinstance(row, StatsBatch):
-        return row.host_stats(fields)
-    if row is not None:
-        row.values[:] = fields
-        return row.stats
-    return ErrorStats.from_tensor(torch.tensor(fields, dtype=torch.float64))
+    row.values[:] = fields
+    return row.stats

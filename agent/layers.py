@@ -40,6 +40,7 @@ from quantwatch.agent.rows import SEED, RowSampler
 from quantwatch.agent.shadow import ShadowOptions, run_reference
 from quantwatch.agent.wrappers import shards_after_forward
 from quantwatch.kernels import ErrorStats, StatsBatch, error_stats
+from quantwatch.kernels.row_stats import weight_grad_rows
 
 __all__ = [
     "KIND_DRIFT",
@@ -372,11 +373,16 @@ class _ShadowedModuleAdapter(LayerAdapter):
             self._guard("reference_grad", self._reference_grad_rows, x, grad_rows, grad_output)
 
     def _reference_grad_rows(self, x: Tensor, grad_rows: Tensor | None, grad_output: Tensor) -> None:
-        # nn.Linear's weight gradient dYᵀX, for the kept rows J of it: dY[:, J]ᵀ X.
+        # nn.Linear's weight gradient dYᵀX, for the kept rows J of it: dY[:, J]ᵀ X, in FP32 one native pass reading
+        # dY's columns in place where it can (float32 tensors: what run_reference would compute in FP32).
         dy = grad_output.detach().reshape(-1, grad_output.shape[-1])
-        if grad_rows is not None:
-            dy = dy.index_select(1, grad_rows)
-        reference_grad = run_reference(_weight_grad, dy, x, dtype=self.options.reference_dtype)
+        reference_grad = None
+        if grad_rows is not None and self.options.reference_dtype == torch.float32:
+            reference_grad = weight_grad_rows(dy, x, grad_rows)
+        if reference_grad is None:
+            if grad_rows is not None:
+                dy = dy.index_select(1, grad_rows)
+            reference_grad = run_reference(_weight_grad, dy, x, dtype=self.options.reference_dtype)
         self._pending_reference_grads.append((reference_grad, grad_rows))
 
     def _on_output_grad(

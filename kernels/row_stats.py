@@ -24,26 +24,34 @@ from torch import Tensor
 from . import native
 from .stats import HostRow
 
-__all__ = ["row_comparison_fields", "stratified_rows"]
+__all__ = ["comparison_into", "row_comparison_fields", "stratified_rows", "weight_grad_rows"]
 
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGUMENTS = {
+    "qw_compare": [_PTR, _PTR, _I64, ctypes.c_double, _INT, _PTR, _INT],
     "qw_compare_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_double, _INT, _PTR, _INT],
     "qw_stratified_rows": [_PTR, _I64, _I64, _PTR],
+    "qw_weight_grad_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT],
 }
 _FIELD_COUNT = 11
-_bound: tuple[ctypes.CDLL, Any, Any] | None = None
+_bound: tuple[ctypes.CDLL, Any, Any, Any, Any] | None = None
 
 
-def _functions(lib: ctypes.CDLL) -> tuple[ctypes.CDLL, Any, Any]:
-    """``(lib, qw_compare_rows, qw_stratified_rows)`` of the loaded library, their types set once."""
+def _functions(lib: ctypes.CDLL) -> tuple[ctypes.CDLL, Any, Any, Any, Any]:
+    """``(lib, qw_compare_rows, qw_stratified_rows, qw_weight_grad_rows, qw_compare)`` of the loaded library, typed
+    once."""
     global _bound
     if _bound is None or _bound[0] is not lib:
         for name, argtypes in _ARGUMENTS.items():
             function = getattr(lib, name)
             function.restype, function.argtypes = _INT, argtypes
-        _bound = (lib, lib.qw_compare_rows, lib.qw_stratified_rows)
+        _bound = (lib, lib.qw_compare_rows, lib.qw_stratified_rows, lib.qw_weight_grad_rows, lib.qw_compare)
     return _bound
+
+
+def _readable(*tensors: Tensor) -> bool:
+    """Whether the kernels can read each of ``tensors`` in place: contiguous plain CPU tensors."""
+    return all(t.is_cpu and t.is_contiguous() and native.plain(t) for t in tensors)
 
 
 def row_comparison_fields(
@@ -60,9 +68,8 @@ def row_comparison_fields(
         return None
     if not (x.dtype == q.dtype == torch.float32 and rows.dtype == torch.int64):
         return None
-    for t in (x, q, rows):
-        if not (t.is_cpu and t.is_contiguous() and native.plain(t)):
-            return None
+    if not _readable(x, q, rows):
+        return None
     count, row = x.shape
     buffer = array("d", bytes(8 * _FIELD_COUNT))
     address = buffer.buffer_info()[0] if out is None else out.address
@@ -71,6 +78,19 @@ def row_comparison_fields(
     if compare(x.data_ptr(), q.data_ptr(), rows.data_ptr(), count, row, q.shape[0], weight, error, address, threads):
         return None
     return tuple(buffer) if out is None else out
+
+
+def comparison_into(x: Tensor, q: Tensor, out: HostRow, *, error: bool = True, weight: float = 1.0) -> bool:
+    """``comparison_fields(x, q, error=error)`` weighted as `row_comparison_fields` weights them, written into
+    ``out`` by one native pass: True when written, bit for bit the fields of its native path; False (``out``
+    untouched) when the library is not loaded, for tensors it cannot read in place (not contiguous float32 CPU
+    tensors of as many elements, a subclass), or where the pass declines (NaN/±inf, sums beyond its float32 runs)."""
+    lib = native.loaded()
+    n = x.numel()
+    if lib is None or q.numel() != n or not (x.dtype == q.dtype == torch.float32 and _readable(x, q)):
+        return False
+    compare = _functions(lib)[4]
+    return bool(compare(x.data_ptr(), q.data_ptr(), n, weight, error, out.address, native.threads_for(n)) == 0)
 
 
 def stratified_rows(uniforms: np.ndarray, start: int, address: int, n: int, k: int) -> Tensor:
@@ -86,3 +106,33 @@ def stratified_rows(uniforms: np.ndarray, start: int, address: int, n: int, k: i
     starts, sizes = bounds[:-1], bounds[1:] - bounds[:-1]
     offsets = np.minimum((uniforms[start : start + k] * sizes).astype(np.int64), sizes - 1)
     return torch.from_numpy(starts + offsets)
+
+
+def weight_grad_rows(dy: Tensor, x: Tensor, columns: Tensor) -> Tensor | None:
+    """``dy[:, columns].T @ x`` in float32 (an ``nn.Linear``'s weight gradient ``dYᵀX`` for the kept rows
+    ``columns`` of it) in one native pass that reads ``dy``'s columns where they are: each element the float32 sum
+    over the tokens in their order, the same on any number of threads.  None when the library is not loaded, for
+    tensors it cannot read (not contiguous float32 CPU matrices of as many rows, ``columns`` not an int64 vector, a
+    subclass), a row length of ``x`` that is not whole vectors of the build, or an index outside ``dy``'s columns."""
+    lib = native.loaded()
+    if lib is None or dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or columns.dim() != 1:
+        return None
+    if not (dy.dtype == x.dtype == torch.float32 and columns.dtype == torch.int64 and _readable(dy, x, columns)):
+        return None
+    (tokens, out_features), in_features, k = dy.shape, x.shape[1], columns.shape[0]
+    reference = torch.empty((k, in_features))
+    threads = native.threads_for(k * in_features * tokens)
+    gradient = _functions(lib)[3]
+    if gradient(
+        dy.data_ptr(),
+        x.data_ptr(),
+        columns.data_ptr(),
+        tokens,
+        out_features,
+        in_features,
+        k,
+        reference.data_ptr(),
+        threads,
+    ):
+        return None
+    return reference

@@ -168,3 +168,29 @@ def _same_figures(a_records: list[qw.StepRecord], b_records: list[qw.StepRecord]
         for metric, values in a.metrics.items():
             got, expected = np.array(values, dtype=float), np.array(b.metrics[metric], dtype=float)
             assert np.array_equal(got, expected, equal_nan=True), metric
+
+
+def test_exact_comparisons_written_into_their_rows_natively_give_the_figures_of_the_python_fields(
+    monkeypatch: Any,
+) -> None:
+    """Exact comparisons: one native pass writes each comparison's fields into its statistics row; computed as the
+    host fields in Python and then copied into the row, every figure is the same, to the last bit, every layer and
+    step."""
+    import quantwatch.agent.comparison as comparison
+
+    bench = _bench()
+    torch.set_num_threads(1)
+    base = bench.make_model()
+    written = comparison.comparison_into
+    calls = {"written": 0}
+
+    def counted(*args: Any, **kwargs: Any) -> bool:
+        done = written(*args, **kwargs)
+        calls["written"] += done
+        return done
+
+    monkeypatch.setattr(comparison, "comparison_into", counted)
+    natively = _run(bench, copy.deepcopy(base), None)
+    assert calls["written"] == 2 * 16 * STEPS  # every layer's output and update comparison, every step
+    monkeypatch.setattr(comparison, "comparison_into", lambda *args, **kwargs: False)
+    _same_figures(natively, _run(bench, copy.deepcopy(base), None))

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from quantwatch.kernels import StatsBatch, native
-from quantwatch.kernels.row_stats import row_comparison_fields, stratified_rows
+from quantwatch.kernels.row_stats import comparison_into, row_comparison_fields, stratified_rows, weight_grad_rows
 from quantwatch.kernels.stats import comparison_fields, host_row
 
 
@@ -147,3 +147,89 @@ def test_the_native_stratified_draw_keeps_numpys_rows(n: int, k: int) -> None:
         rows = stratified_rows(uniforms, start, uniforms.ctypes.data, n, k)
         assert rows.dtype == torch.int64
         assert rows.tolist() == _numpy_rows(uniforms[start : start + k], n, k)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "out_features", "in_features", "kept"),
+    [(128, 768, 256, 96), (128, 256, 1024, 32), (7, 20, 48, 5), (3, 4, 16, 1)],
+)
+def test_the_kept_rows_weight_gradient_is_each_rows_float32_sum_over_the_tokens(
+    tokens: int, out_features: int, in_features: int, kept: int
+) -> None:
+    g = torch.Generator().manual_seed(in_features + kept)
+    columns = torch.randperm(out_features, generator=g)[:kept]  # unsorted: any kept rows, in any order
+    # Small integers times powers of two: every product and partial sum is exact in float32, so each element has
+    # one right value whatever the order of the sums.
+    dy = torch.randint(-8, 9, (tokens, out_features), generator=g).float() * 2.0**-3
+    x = torch.randint(-8, 9, (tokens, in_features), generator=g).float() * 2.0**-5
+    exact = dy.index_select(1, columns).T.double().mm(x.double()).float()
+    saved = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = weight_grad_rows(dy, x, columns)
+            assert got is not None
+            assert torch.equal(got, exact)
+            # Normal values: within float32 sums' rounding of the float64 product, the same bits on any thread count.
+            normal = weight_grad_rows(dy * torch.pi, x * torch.e, columns)
+            assert normal is not None
+            results.append(normal)
+        torch.testing.assert_close(
+            results[0].double(), (dy * torch.pi)[:, columns].T.double().mm((x * torch.e).double()), rtol=1e-5, atol=1e-4
+        )
+        assert torch.equal(results[0], results[1])
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_kept_rows_weight_gradient_the_pass_cannot_compute_is_declined() -> None:
+    dy, x, columns = torch.randn(8, 32), torch.randn(8, 16), torch.tensor([3, 31])
+    assert weight_grad_rows(dy, x, columns) is not None
+    declined = {
+        "an index past dy's columns": (dy, x, torch.tensor([3, 32])),
+        "a negative index": (dy, x, torch.tensor([-1, 3])),
+        "rows of x of 12 floats, not whole vectors": (dy, torch.randn(8, 12), columns),
+        "fewer tokens in x": (dy, torch.randn(7, 16), columns),
+        "dy not contiguous": (torch.randn(32, 8).T, x, columns),
+        "float64": (dy.double(), x.double(), columns),
+        "int32 indices": (dy, x, columns.int()),
+    }
+    for reason, (a, b, c) in declined.items():
+        assert weight_grad_rows(a, b, c) is None, reason
+
+
+@pytest.mark.parametrize("shape", [(128, 768), (16, 1024), (1000,), (3, 5), (256, 1024)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_comparison_written_into_a_row_is_the_weighted_fields_bit_for_bit(
+    shape: tuple[int, ...], threads: int
+) -> None:
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 3
+    q = x + 0.01 * torch.randn(shape, generator=g)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for error in (True, False):
+            for weight in (1.0, 8.0):
+                out = host_row()
+                assert comparison_into(x, q, out, error=error, weight=weight)
+                assert _same(tuple(out.values.tolist()), _weighted(comparison_fields(x, q, error=error), weight))
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_comparison_the_pass_cannot_write_is_declined_and_the_row_untouched() -> None:
+    x, q = torch.randn(4, 32), torch.randn(4, 32)
+    q_nan = q.clone()
+    q_nan[2, 2] = math.inf
+    declined = {
+        "an infinity": (x, q_nan),
+        "float64": (x.double(), q.double()),
+        "not contiguous": (x, torch.randn(32, 4).T),
+        "fewer elements": (x, q[:3]),
+    }
+    for reason, (a, b) in declined.items():
+        out = host_row()
+        assert not comparison_into(a, b, out), reason
+        assert all(math.isnan(v) for v in out.values.tolist()), reason
