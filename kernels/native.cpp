@@ -1031,16 +1031,22 @@ int qw_compare_rows(const float* x, const float* q, const int64_t* index, int64_
   return status != OK ? status : comparison_into(s, (double)(count * row), weight, error, fields);
 }
 
-// The rows a stratified draw keeps (quantwatch.agent.rows): `k` strata of [0, n), stratum j = [⌊j·n/k⌋,
-// ⌊(j+1)·n/k⌋) of size s_j, its row ⌊j·n/k⌋ + min(⌊u_j · s_j⌋, s_j − 1) from the uniform u_j in [0, 1) into
-// rows[j]: NumPy's `starts + minimum((u * sizes).astype(int64), sizes - 1)`, the same float64 product and truncation.
-int qw_stratified_rows(const double* uniforms, int64_t n, int64_t k, int64_t* rows) {
-  if (k < 1 || k > n) return BAD_ARGUMENT;
+// The rows stratified draws keep (quantwatch.agent.rows): of `n` rows `k` strata, stratum j = [⌊j·n/k⌋, ⌊(j+1)·n/k⌋)
+// of size s_j, its row ⌊j·n/k⌋ + min(⌊u_j · s_j⌋, s_j − 1) from the uniform u_j in [0, 1): NumPy's `starts +
+// minimum((u * sizes).astype(int64), sizes - 1)`, the same float64 product and truncation. Two draws, the second's
+// uniforms after the first's and its rows after the first's in `rows`; a draw of k = 0 takes none.
+static void stratified(const double* uniforms, int64_t n, int64_t k, int64_t* rows) {
   for (int64_t j = 0; j < k; j++) {
     int64_t start = j * n / k, size = (j + 1) * n / k - start;
     int64_t offset = (int64_t)(uniforms[j] * (double)size);
     rows[j] = start + (offset < size - 1 ? offset : size - 1);
   }
+}
+
+int qw_stratified_rows(const double* uniforms, int64_t n, int64_t k, int64_t n2, int64_t k2, int64_t* rows) {
+  if (k < 0 || k > n || k2 < 0 || k2 > n2) return BAD_ARGUMENT;
+  stratified(uniforms, n, k, rows);
+  stratified(uniforms + k, n2, k2, rows + k);
   return OK;
 }
 

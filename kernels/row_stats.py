@@ -30,7 +30,7 @@ _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGUMENTS = {
     "qw_compare": [_PTR, _PTR, _I64, ctypes.c_double, _INT, _PTR, _INT],
     "qw_compare_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_double, _INT, _PTR, _INT],
-    "qw_stratified_rows": [_PTR, _I64, _I64, _PTR],
+    "qw_stratified_rows": [_PTR, _I64, _I64, _I64, _I64, _PTR],
     "qw_weight_grad_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT],
 }
 _FIELD_COUNT = 11
@@ -93,19 +93,28 @@ def comparison_into(x: Tensor, q: Tensor, out: HostRow, *, error: bool = True, w
     return bool(compare(x.data_ptr(), q.data_ptr(), n, weight, error, out.address, native.threads_for(n)) == 0)
 
 
-def stratified_rows(uniforms: np.ndarray, start: int, address: int, n: int, k: int) -> Tensor:
-    """The rows a stratified draw keeps of ``n`` (one of each of ``k`` strata, quantwatch.agent.rows) from the
-    float64 uniforms ``uniforms[start:start + k]`` (``address``: that of ``uniforms``' first element), as a CPU
-    int64 tensor: one native call where the library is loaded, NumPy's operations otherwise (the same rows)."""
+def stratified_rows(
+    uniforms: np.ndarray, start: int, address: int, draws: tuple[int, int, int, int]
+) -> tuple[Tensor | None, Tensor | None]:
+    """The rows two stratified draws keep, ``draws = (n, k, n2, k2)``: ``k`` of ``n`` (one of each of ``k`` strata,
+    quantwatch.agent.rows) from the float64 uniforms ``uniforms[start:start + k]``, then ``k2`` of ``n2`` from the
+    next ``k2`` (``address``: that of ``uniforms``' first element), as CPU int64 tensors (None for a draw of none):
+    one native call where the library is loaded, NumPy's operations otherwise (the same rows)."""
+    n, k, n2, k2 = draws
     lib = native.loaded()
     if lib is not None:
-        rows = torch.empty(k, dtype=torch.int64)
-        if _functions(lib)[2](address + 8 * start, n, k, rows.data_ptr()) == 0:
-            return rows
+        rows = torch.empty(k + k2, dtype=torch.int64)
+        if _functions(lib)[2](address + 8 * start, n, k, n2, k2, rows.data_ptr()) == 0:
+            return (rows[:k] if k else None), (rows[k:] if k2 else None)
+    return _numpy_rows(uniforms[start : start + k], n, k), _numpy_rows(uniforms[start + k : start + k + k2], n2, k2)
+
+
+def _numpy_rows(uniforms: np.ndarray, n: int, k: int) -> Tensor | None:
+    if not k:
+        return None
     bounds = np.arange(k + 1, dtype=np.int64) * n // k
     starts, sizes = bounds[:-1], bounds[1:] - bounds[:-1]
-    offsets = np.minimum((uniforms[start : start + k] * sizes).astype(np.int64), sizes - 1)
-    return torch.from_numpy(starts + offsets)
+    return torch.from_numpy(starts + np.minimum((uniforms * sizes).astype(np.int64), sizes - 1))
 
 
 def weight_grad_rows(dy: Tensor, x: Tensor, columns: Tensor) -> Tensor | None:

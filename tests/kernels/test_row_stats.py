@@ -139,14 +139,23 @@ def _numpy_rows(uniforms: np.ndarray, n: int, k: int) -> list[int]:
 
 
 @pytest.mark.parametrize(("n", "k"), [(128, 16), (1024, 128), (256, 32), (10, 3), (7, 7), (1000, 1), (129, 17)])
-def test_the_native_stratified_draw_keeps_numpys_rows(n: int, k: int) -> None:
-    uniforms = np.random.default_rng(n * k).random(k + 5)
+def test_the_native_stratified_draws_keep_numpys_rows(n: int, k: int) -> None:
+    uniforms = np.random.default_rng(n * k).random(2 * k + 5)
     # Uniforms at the edges too: 0, the largest below 1 and the one below it (the last row of each stratum).
     uniforms[:3] = [0.0, np.nextafter(1.0, 0.0), np.nextafter(1.0, 0.0) - 2.0**-52]
+    n2, k2 = 3 * n + 1, max(1, k // 2)
     for start in (0, 5):
-        rows = stratified_rows(uniforms, start, uniforms.ctypes.data, n, k)
-        assert rows.dtype == torch.int64
-        assert rows.tolist() == _numpy_rows(uniforms[start : start + k], n, k)
+        first, second = stratified_rows(uniforms, start, uniforms.ctypes.data, (n, k, n2, k2))
+        assert first is not None
+        assert second is not None
+        assert first.dtype == second.dtype == torch.int64
+        assert first.tolist() == _numpy_rows(uniforms[start : start + k], n, k)
+        assert second.tolist() == _numpy_rows(uniforms[start + k : start + k + k2], n2, k2)
+        only_second = stratified_rows(uniforms, start, uniforms.ctypes.data, (n, 0, n2, k2))
+        assert only_second[0] is None
+        assert only_second[1] is not None
+        assert only_second[1].tolist() == _numpy_rows(uniforms[start : start + k2], n2, k2)
+    assert stratified_rows(uniforms, 0, uniforms.ctypes.data, (n, 0, n2, 0)) == (None, None)
 
 
 @pytest.mark.parametrize(
