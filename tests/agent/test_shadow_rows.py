@@ -178,19 +178,17 @@ def test_exact_comparisons_written_into_their_rows_natively_give_the_figures_of_
     step."""
     import quantwatch.agent.comparison as comparison
 
+    native, written = comparison.comparison_into, []
+
+    def writing(*args: Any, **kwargs: Any) -> bool:
+        written.append(native(*args, **kwargs))
+        return written[-1]
+
     bench = _bench()
     torch.set_num_threads(1)
     base = bench.make_model()
-    written = comparison.comparison_into
-    calls = {"written": 0}
-
-    def counted(*args: Any, **kwargs: Any) -> bool:
-        done = written(*args, **kwargs)
-        calls["written"] += done
-        return done
-
-    monkeypatch.setattr(comparison, "comparison_into", counted)
+    monkeypatch.setattr(comparison, "comparison_into", writing)
     natively = _run(bench, copy.deepcopy(base), None)
-    assert calls["written"] == 2 * 16 * STEPS  # every layer's output and update comparison, every step
+    assert written == [True] * (2 * 16 * STEPS)  # every layer's output and update comparison, every step
     monkeypatch.setattr(comparison, "comparison_into", lambda *args, **kwargs: False)
     _same_figures(natively, _run(bench, copy.deepcopy(base), None))
