@@ -436,8 +436,7 @@ class Monitor:
             taken = adapter.take()
             present.append([s is not None for s in taken])
             for stats in taken:
-                # Few torch calls per layer: each costs several times its warm cost at the end of a step (is_cpu a
-                # third of making a tensor's device to compare).
+                # Few, cheap torch calls per layer (is_cpu, not a device made to compare): each costs more here.
                 row = nan_row if stats is None else stats.as_tensor()
                 rows.append(row if (row.is_cpu if on_cpu else row.device == device) else row.to(device))
             scale = adapter.scale() if with_scale else None
