@@ -7,8 +7,8 @@ import torch
 from torch import Tensor
 
 from quantwatch.kernels import ErrorStats, StatsBatch
-from quantwatch.kernels.row_stats import row_comparison_fields
-from quantwatch.kernels.stats import comparison_fields
+from quantwatch.kernels.row_stats import comparison_into, row_comparison_fields
+from quantwatch.kernels.stats import HostRow, comparison_fields, host_row
 
 __all__ = ["comparison_stats", "row_comparison_stats"]
 
@@ -27,8 +27,12 @@ def comparison_stats(
     count and the sums: ``n/k`` for a comparison of ``k`` rows kept of ``n`` (an estimate of the full sums)."""
     if reference.numel() == 0:
         return ErrorStats.zeros(reference.device)
-    if reference.device.type == "cpu" and value.device.type == "cpu":
-        return _host_stats(comparison_fields(reference, value, error=error), batch, weight)
+    if reference.is_cpu and value.is_cpu:
+        # One native pass writes the weighted fields into the statistics' row where it can.
+        row = batch.host_row() if batch is not None else host_row()
+        if comparison_into(reference, value, row, error=error, weight=weight):
+            return row.stats
+        return _host_stats(comparison_fields(reference, value, error=error), row, weight)
     x = reference.detach()
     q = value.detach()
     x = x.reshape(-1).float()
@@ -63,17 +67,19 @@ def row_comparison_stats(
     """``comparison_stats(reference, value.index_select(0, rows), ...)``: ``reference`` of the rows ``rows`` (kept by
     ``shadow_rows``) of the matrix ``value``.  On the CPU one native pass reads the rows in place (no copy, the same
     figures bit for bit: `quantwatch.kernels.row_stats`) where it can; the rows are gathered otherwise."""
-    if reference.numel() and reference.device.type == "cpu":
-        fields = row_comparison_fields(reference, value, rows)
-        if fields is not None:
-            return _host_stats(fields, batch, weight)
+    if reference.numel() and reference.is_cpu:
+        # The pass writes the weighted fields into the statistics' row itself.
+        row = batch.host_row() if batch is not None else host_row()
+        if row_comparison_fields(reference, value, rows, weight=weight, out=row) is not None:
+            return row.stats
+        if value.is_cpu:
+            return _host_stats(comparison_fields(reference, value.index_select(0, rows)), row, weight)
     return comparison_stats(reference, value.index_select(0, rows), batch=batch, weight=weight)
 
 
-def _host_stats(fields: tuple[float, ...], batch: StatsBatch | None, weight: float) -> ErrorStats:
-    """CPU statistics holding a comparison's host ``fields``, the count and the sums scaled by ``weight``."""
+def _host_stats(fields: tuple[float, ...], row: HostRow, weight: float) -> ErrorStats:
+    """``row``'s statistics holding a comparison's host ``fields``, the count and the sums scaled by ``weight``."""
     if weight != 1.0:
         fields = (*(v * weight for v in fields[:5]), *fields[5:])
-    if batch is not None:
-        return batch.host_stats(fields)
-    return ErrorStats.from_tensor(torch.tensor(fields, dtype=torch.float64))
+    row.values[:] = fields
+    return row.stats

@@ -24,7 +24,6 @@ Three kinds of modules are recognised:
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from quantwatch.agent.rows import SEED, RowSampler
 from quantwatch.agent.shadow import ShadowOptions, run_reference
 from quantwatch.agent.wrappers import shards_after_forward
 from quantwatch.kernels import ErrorStats, StatsBatch, error_stats
+from quantwatch.kernels.row_stats import weight_grad_rows
 
 __all__ = [
     "KIND_DRIFT",
@@ -348,8 +348,14 @@ class _ShadowedModuleAdapter(LayerAdapter):
     def _compare_rows(self, sampler: RowSampler, x: Tensor, output: Tensor, node: Any, weight: Tensor | None) -> None:
         """``shadow_rows``: the comparisons of an ``nn.Linear`` call on kept rows (see quantwatch.agent.rows)."""
         n = x.shape[0]
-        if KIND_OUTPUT in self.kinds:
-            rows = sampler.draw(n, x.device)
+        want_output = KIND_OUTPUT in self.kinds
+        grad_weight = weight if node is not None else None  # whose gradient's rows are compared
+        device = x.device
+        out_features, grad_device = (
+            (None, device) if grad_weight is None else (grad_weight.shape[0], grad_weight.device)
+        )
+        rows, grad_rows = sampler.draw_layer(n, want_output, out_features, device, grad_device)
+        if want_output:
             if rows is None:
                 stats = comparison_stats(self._run_reference(x), output, batch=self._batch())
             else:
@@ -357,12 +363,9 @@ class _ShadowedModuleAdapter(LayerAdapter):
                 stats = row_comparison_stats(reference, output, rows, batch=self._batch(), weight=n / rows.numel())
                 self.estimated.add(KIND_OUTPUT)
             self.record(KIND_OUTPUT, stats)
-        if node is not None and weight is not None:
-            out_features = weight.shape[0]
-            kept_rows = min(out_features, max(1, math.ceil(out_features * sampler.fraction_of(n))))
-            grad_rows = sampler.draw(out_features, weight.device, kept=kept_rows)
+        if grad_weight is not None:
             node.register_prehook(functools.partial(self._on_output_grad_rows, x, grad_rows, output.output_nr))
-            self._hook_weight(weight)
+            self._hook_weight(grad_weight)
 
     def _on_output_grad_rows(
         self, x: Tensor, grad_rows: Tensor | None, index: int, grad_outputs: tuple[Tensor | None, ...]
@@ -372,11 +375,16 @@ class _ShadowedModuleAdapter(LayerAdapter):
             self._guard("reference_grad", self._reference_grad_rows, x, grad_rows, grad_output)
 
     def _reference_grad_rows(self, x: Tensor, grad_rows: Tensor | None, grad_output: Tensor) -> None:
-        # nn.Linear's weight gradient dYᵀX, for the kept rows J of it: dY[:, J]ᵀ X.
+        # nn.Linear's weight gradient dYᵀX, for the kept rows J of it: dY[:, J]ᵀ X, in FP32 one native pass reading
+        # dY's columns in place where it can (float32 tensors: what run_reference would compute in FP32).
         dy = grad_output.detach().reshape(-1, grad_output.shape[-1])
-        if grad_rows is not None:
-            dy = dy.index_select(1, grad_rows)
-        reference_grad = run_reference(_weight_grad, dy, x, dtype=self.options.reference_dtype)
+        reference_grad = None
+        if grad_rows is not None and self.options.reference_dtype == torch.float32:
+            reference_grad = weight_grad_rows(dy, x, grad_rows)
+        if reference_grad is None:
+            if grad_rows is not None:
+                dy = dy.index_select(1, grad_rows)
+            reference_grad = run_reference(_weight_grad, dy, x, dtype=self.options.reference_dtype)
         self._pending_reference_grads.append((reference_grad, grad_rows))
 
     def _on_output_grad(

@@ -430,18 +430,19 @@ class Monitor:
         present: list[list[bool]] = []
         scales: list[Tensor] = []
         estimated_kinds: set[int] = set()
-        device, nan_row, with_scale = self._device, self._nan_row, "scale" in armed
+        device, nan_row, with_scale, on_cpu = self._device, self._nan_row, "scale" in armed, self._device.type == "cpu"
         for adapter in adapters:
             estimated_kinds |= adapter.take_estimated()
             taken = adapter.take()
             present.append([s is not None for s in taken])
             for stats in taken:
-                # Few torch calls per layer: each costs several times its warm cost at the end of a step.
+                # Few, cheap torch calls per layer (is_cpu, not a device made to compare): each costs more here.
                 row = nan_row if stats is None else stats.as_tensor()
-                rows.append(row if row.device == device else row.to(device))
+                rows.append(row if (row.is_cpu if on_cpu else row.device == device) else row.to(device))
             scale = adapter.scale() if with_scale else None
             present[-1].append(scale is not None)
-            scales.append(self._nan_scale if scale is None else scale if scale.device == device else scale.to(device))
+            same = scale is None or (scale.is_cpu if on_cpu else scale.device == device)
+            scales.append(self._nan_scale if scale is None else scale if same else scale.to(device))
         if scales:  # every layer's scale after every layer's sums: one float64 conversion for all of them
             rows.append(torch.stack(scales).to(torch.float64))
 

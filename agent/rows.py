@@ -39,11 +39,14 @@ import torch
 from torch import Tensor
 
 from quantwatch.agent.errors import ConfigError
+from quantwatch.kernels.row_stats import stratified_rows
 
 __all__ = ["SEED", "RowSampler", "RowSampling", "parse_shadow_rows"]
 
 #: Base seed of the row draws (a layer's generator starts at ``SEED + its index``).
 SEED = 0x5EED_0F_2025
+# Host uniforms drawn at once (a sampled step of a 16-layer model takes ~500 for its two draws per layer at 1/8).
+_UNIFORM_BLOCK = 4096
 
 
 @dataclass(frozen=True)
@@ -83,26 +86,25 @@ class RowSampler:
         self.sampling = sampling
         self.seed = seed
         self._host = np.random.default_rng(seed)
+        # The host generator's uniforms, drawn a block at a time (the same stream as one `random(k)` per draw) and
+        # consumed from `_next` on; `_address` is the block's.
+        self._uniforms = np.empty(0)
+        self._address = 0
+        self._next = 0
         self._generators: dict[torch.device, torch.Generator] = {}
         self._strata: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
-        self._host_strata: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        # draw_layer's counts by its arguments: the tokens and the gradient's rows it draws (0: none, or all), and the
+        # gradient's rows kept as `draw` takes them
+        self._layer_counts: dict[tuple[int, bool, int | None], tuple[int, int, int]] = {}
 
     def draw(self, n: int, device: torch.device, kept: int | None = None) -> Tensor | None:
         """Sorted indices of the kept rows of ``n`` (``kept`` of them if given), on ``device``; None = all rows."""
         k = self.sampling.kept(n) if kept is None else min(kept, n)
         if k >= n:
             return None
-        # Stratum j is rows [floor(j·n/k), floor((j+1)·n/k)); one uniform row of each.  A few calls per draw: a
-        # sampled step draws twice per layer, and each torch call costs microseconds there.
+        # Stratum j is rows [floor(j·n/k), floor((j+1)·n/k)); one uniform row of each.
         if device.type == "cpu":
-            host = self._host_strata.get((n, k))
-            if host is None:
-                bounds = np.arange(k + 1, dtype=np.int64) * n // k
-                host = (bounds[:-1], bounds[1:] - bounds[:-1])
-                self._host_strata[(n, k)] = host
-            starts, sizes = host
-            offsets = np.minimum((self._host.random(k) * sizes).astype(np.int64), sizes - 1)
-            return torch.from_numpy(starts + offsets)
+            return self._host_draws(n, k, 0, 0)[0]
         strata = self._strata.get((n, k, device))
         if strata is None:
             edges = torch.arange(k + 1, device=device, dtype=torch.int64).mul_(n).div_(k, rounding_mode="floor")
@@ -115,6 +117,39 @@ class RowSampler:
         starts_t, sizes_t = strata
         offsets_t = torch.rand(k, generator=generator, device=device).mul_(sizes_t).long()
         return torch.minimum(offsets_t, sizes_t - 1).add_(starts_t)
+
+    def draw_layer(
+        self, n: int, output: bool, out_features: int | None, device: torch.device, grad_device: torch.device
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """An ``nn.Linear`` call's draws, one after the other: its kept tokens of ``n`` on ``device`` when ``output``
+        (``draw(n, device)``), then its weight gradient's kept rows of ``out_features`` on ``grad_device`` when given,
+        the same share of them as of the tokens (``draw(out_features, grad_device, kept=...)``); None for a draw
+        not made or of all rows.  On the host the same rows in one native call: a sampled step draws for every
+        layer, and each torch or NumPy call costs several microseconds there."""
+        counts = self._layer_counts.get((n, output, out_features))
+        if counts is None:
+            k, grad_kept, rows_of = self.sampling.kept(n), 0, out_features or 0
+            if out_features is not None:
+                grad_kept = min(out_features, max(1, math.ceil(out_features * self.fraction_of(n))))
+            counts = (k if output and k < n else 0, grad_kept if grad_kept < rows_of else 0, grad_kept)
+            self._layer_counts[(n, output, out_features)] = counts
+        k, k2, grad_kept = counts
+        if device.type == grad_device.type == "cpu":
+            return self._host_draws(n, k, out_features or 0, k2)
+        rows = self.draw(n, device) if output else None
+        return rows, (self.draw(out_features, grad_device, kept=grad_kept) if out_features is not None else None)
+
+    def _host_draws(self, n: int, k: int, n2: int, k2: int) -> tuple[Tensor | None, Tensor | None]:
+        """``k`` rows of ``n``, then ``k2`` of ``n2``, from the host generator's next ``k + k2`` uniforms."""
+        if not k + k2:
+            return None, None
+        start = self._next
+        if start + k + k2 > self._uniforms.size:
+            self._uniforms = np.concatenate([self._uniforms[start:], self._host.random(max(k + k2, _UNIFORM_BLOCK))])
+            self._address = self._uniforms.ctypes.data
+            start = 0
+        self._next = start + k + k2
+        return stratified_rows(self._uniforms, start, self._address, (n, k, n2, k2))
 
     def fraction_of(self, n: int) -> float:
         """The kept share of ``n`` rows (for the gradient's rows: the same share as the tokens')."""

@@ -996,4 +996,106 @@ int qw_stats_rows(const float* x, const float* q, const int64_t* index, int64_t 
   return stats[9] > 0 ? NONFINITE : OK;
 }
 
+
+// A statistics pass's sums `s` (`Partial` order, over `numel` elements) as a comparison's statistics
+// (quantwatch.kernels.stats.comparison_fields), written in place: the 11 float64 fields of ErrorStats.FIELDS into
+// `fields` — the count and Σx², Σq², Σqx, Σ(q−x)² each multiplied by `weight` (Σ(q−x)² NaN without `error`), max
+// |q − x| and amax NaN, the counts 0 — in the float64 operations of pass_fields, comparison_of and the agent's
+// weighting in Python, so the same bits. OUT_OF_RANGE (the sums beyond what float32 runs hold: lane_sums_in_range in
+// partial_sums.py) leaves `fields` untouched; the caller then compares another way.
+static int comparison_into(const double* s, double numel, double weight, int error, double* fields) {
+  const double least = numel * 0x1p-100, magnitude = 0x1p40;
+  const double sum_x2 = s[0], sum_q2 = s[1], sum_qx = s[2], sum_err2 = s[3], max_err = s[4], amax = s[5];
+  bool in_range = max_err <= magnitude && amax <= magnitude && (sum_x2 >= least || amax == 0) &&
+                  (sum_err2 >= least || max_err == 0) && (sum_q2 >= least || (max_err == amax && amax == 0));
+  if (!in_range) return OUT_OF_RANGE;
+  const double nan = __builtin_nan("");
+  double out[11] = {numel * weight, sum_x2 * weight, sum_q2 * weight, sum_qx * weight,
+                    error ? sum_err2 * weight : nan, nan, nan, 0.0, 0.0, 0.0, 0.0};
+  std::memcpy(fields, out, sizeof out);
+  return OK;
+}
+
+// qw_stats of x against q (n floats each, no overflow mask) as a comparison's fields (comparison_into).
+int qw_compare(const float* x, const float* q, int64_t n, double weight, int error, double* fields, int threads) {
+  double s[10];
+  int status = qw_stats(x, q, nullptr, n, s, threads);
+  return status != OK ? status : comparison_into(s, (double)n, weight, error, fields);
+}
+
+// qw_stats_rows as a comparison's fields (comparison_into).
+int qw_compare_rows(const float* x, const float* q, const int64_t* index, int64_t count, int64_t row, int64_t q_rows,
+                    double weight, int error, double* fields, int threads) {
+  double s[10];
+  int status = qw_stats_rows(x, q, index, count, row, q_rows, s, threads);
+  return status != OK ? status : comparison_into(s, (double)(count * row), weight, error, fields);
+}
+
+// The rows stratified draws keep (quantwatch.agent.rows): of `n` rows `k` strata, stratum j = [⌊j·n/k⌋, ⌊(j+1)·n/k⌋)
+// of size s_j, its row ⌊j·n/k⌋ + min(⌊u_j · s_j⌋, s_j − 1) from the uniform u_j in [0, 1): NumPy's `starts +
+// minimum((u * sizes).astype(int64), sizes - 1)`, the same float64 product and truncation. Two draws, the second's
+// uniforms after the first's and its rows after the first's in `rows`; a draw of k = 0 takes none.
+static void stratified(const double* uniforms, int64_t n, int64_t k, int64_t* rows) {
+  for (int64_t j = 0; j < k; j++) {
+    int64_t start = j * n / k, size = (j + 1) * n / k - start;
+    int64_t offset = (int64_t)(uniforms[j] * (double)size);
+    rows[j] = start + (offset < size - 1 ? offset : size - 1);
+  }
+}
+
+int qw_stratified_rows(const double* uniforms, int64_t n, int64_t k, int64_t n2, int64_t k2, int64_t* rows) {
+  if (k < 0 || k > n || k2 < 0 || k2 > n2) return BAD_ARGUMENT;
+  stratified(uniforms, n, k, rows);
+  stratified(uniforms + k, n2, k2, rows + k);
+  return OK;
+}
+
+// The FP32 reference weight gradient's kept rows (shadow_rows, agent/layers.py): ref[j][c] = Σ_t dy[t][cols[j]] ·
+// x[t][c] for the `k` kept output features cols[] of dy (`tokens` rows of `out_features` floats) and x (`tokens` rows
+// of `in_features`, a multiple of the vector width: BAD_ARGUMENT otherwise, or for an index outside dy's columns),
+// into ref (`k` rows of `in_features`): dy[:, cols]ᵀ x without gathering dy's columns, each element a float32 sum
+// over the tokens in order (one fused multiply-add each where the unit has them), whichever thread computes it.
+int qw_weight_grad_rows(const float* dy, const float* x, const int64_t* cols, int64_t tokens, int64_t out_features,
+                        int64_t in_features, int64_t k, float* ref, int threads) {
+  if (in_features < 1 || in_features % L != 0) return BAD_ARGUMENT;
+  for (int64_t j = 0; j < k; j++) {
+    if (cols[j] < 0 || cols[j] >= out_features) return BAD_ARGUMENT;
+  }
+  constexpr int64_t R = 4, C = 4;  // a tile of R kept rows by C vectors: R · C accumulators in registers
+  const int64_t vectors = in_features / L, row_tiles = (k + R - 1) / R;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t tile = 0; tile < row_tiles; tile++) {
+    const int64_t j0 = tile * R, rows = k - j0 < R ? k - j0 : R;
+    for (int64_t v0 = 0; v0 < vectors; v0 += C) {
+      const int64_t width = vectors - v0 < C ? vectors - v0 : C;
+      vf acc[R][C] = {};
+      if (rows == R && width == C) {
+        for (int64_t t = 0; t < tokens; t++) {
+          const float* xt = x + t * in_features + v0 * L;
+          const float* dyt = dy + t * out_features;
+          vf xv[C];
+          for (int c = 0; c < C; c++) xv[c] = load(xt + c * L);
+          for (int r = 0; r < R; r++) {
+            vf g = splat(dyt[cols[j0 + r]]);
+            for (int c = 0; c < C; c++) acc[r][c] = fused_add(acc[r][c], g, xv[c]);
+          }
+        }
+      } else {  // the last tiles: the same sums, fewer of them
+        for (int64_t t = 0; t < tokens; t++) {
+          const float* xt = x + t * in_features + v0 * L;
+          const float* dyt = dy + t * out_features;
+          for (int64_t r = 0; r < rows; r++) {
+            vf g = splat(dyt[cols[j0 + r]]);
+            for (int64_t c = 0; c < width; c++) acc[r][c] = fused_add(acc[r][c], g, load(xt + c * L));
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < width; c++) store(ref + (j0 + r) * in_features + (v0 + c) * L, acc[r][c], false);
+      }
+    }
+  }
+  return OK;
+}
+
 }  // extern "C"

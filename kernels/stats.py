@@ -25,10 +25,12 @@ from .partial_sums import ErrorStats, RowStats, lane_sums_in_range, masked_float
 __all__ = [
     "ErrorStats",
     "FlushResult",
+    "HostRow",
     "StatsBatch",
     "comparison_fields",
     "comparison_of",
     "error_stats",
+    "host_row",
     "stats_from_masks",
 ]
 
@@ -104,7 +106,7 @@ class StatsBatch:
         # Rows for the statistics handed out until the next flush, made at the last flush (with warm caches): taking
         # one then costs no torch call. As many as were taken between two flushes at most (the first period makes
         # its own).
-        self._blank: list[_Row] = []
+        self._blank: list[HostRow] = []
         self._taken = 0
         self._wanted = 0
 
@@ -121,6 +123,10 @@ class StatsBatch:
         row = self._row()
         row.values[:] = fields
         return row.stats
+
+    def host_row(self) -> HostRow:
+        """A row for statistics that a native pass writes in place (at `HostRow.address`), NaN until it does."""
+        return self._row()
 
     def flush(self) -> FlushResult:
         """Compute every pending statistic. Those whose tensors changed in place since (``stale``) or whose
@@ -143,7 +149,7 @@ class StatsBatch:
             self._blank.extend(_blank_rows(missing))
         return result
 
-    def _row(self) -> _Row:
+    def _row(self) -> HostRow:
         self._taken += 1
         try:
             return self._blank.pop()  # one call: two threads forwarding through one model cannot both take the last
@@ -165,17 +171,25 @@ class FlushResult:
     error: Exception | None = None
 
 
-class _Row(NamedTuple):
-    """Statistics whose fields are views of one float64 row (``values``, the row as NumPy), NaN until set."""
+class HostRow(NamedTuple):
+    """Statistics whose fields are views of one float64 row (``values``, the row as NumPy; ``address``, that of its
+    first field, for a native pass to write), NaN until set."""
 
     stats: ErrorStats
     values: np.ndarray
+    address: int
 
 
-def _blank_rows(count: int) -> list[_Row]:
+def _blank_rows(count: int) -> list[HostRow]:
     block = torch.full((count, len(ErrorStats.FIELDS)), torch.nan, dtype=torch.float64)
     values = block.numpy()
-    return [_Row(RowStats(row), values[i]) for i, row in enumerate(block.unbind())]
+    first, stride = block.data_ptr(), block.stride(0) * block.element_size()
+    return [HostRow(RowStats(row), values[i], first + i * stride) for i, row in enumerate(block.unbind())]
+
+
+def host_row() -> HostRow:
+    """A row of statistics of its own (outside any batch), NaN until set."""
+    return _blank_rows(1)[0]
 
 
 class _Collecting:
@@ -203,7 +217,7 @@ class _Deferred:
 
     __slots__ = ("args", "row", "versions")
 
-    def __init__(self, args: _StatsArgs, row: _Row) -> None:
+    def __init__(self, args: _StatsArgs, row: HostRow) -> None:
         self.args, self.row = args, row
         self.versions = (args[0]._version, args[1]._version)
 

@@ -168,3 +168,27 @@ def _same_figures(a_records: list[qw.StepRecord], b_records: list[qw.StepRecord]
         for metric, values in a.metrics.items():
             got, expected = np.array(values, dtype=float), np.array(b.metrics[metric], dtype=float)
             assert np.array_equal(got, expected, equal_nan=True), metric
+
+
+def test_exact_comparisons_written_into_their_rows_natively_give_the_figures_of_the_python_fields(
+    monkeypatch: Any,
+) -> None:
+    """Exact comparisons: one native pass writes each comparison's fields into its statistics row; computed as the
+    host fields in Python and then copied into the row, every figure is the same, to the last bit, every layer and
+    step."""
+    import quantwatch.agent.comparison as comparison
+
+    native, written = comparison.comparison_into, []
+
+    def writing(*args: Any, **kwargs: Any) -> bool:
+        written.append(native(*args, **kwargs))
+        return written[-1]
+
+    bench = _bench()
+    torch.set_num_threads(1)
+    base = bench.make_model()
+    monkeypatch.setattr(comparison, "comparison_into", writing)
+    natively = _run(bench, copy.deepcopy(base), None)
+    assert written == [True] * (2 * 16 * STEPS)  # every layer's output and update comparison, every step
+    monkeypatch.setattr(comparison, "comparison_into", lambda *args, **kwargs: False)
+    _same_figures(natively, _run(bench, copy.deepcopy(base), None))

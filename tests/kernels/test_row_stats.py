@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
 
-from quantwatch.kernels import native
-from quantwatch.kernels.row_stats import row_comparison_fields
-from quantwatch.kernels.stats import comparison_fields
+from quantwatch.kernels import StatsBatch, native
+from quantwatch.kernels.row_stats import comparison_into, row_comparison_fields, stratified_rows, weight_grad_rows
+from quantwatch.kernels.stats import comparison_fields, host_row
 
 
 @pytest.fixture(autouse=True)
@@ -20,9 +21,9 @@ def _library() -> None:
         pytest.skip("native kernels unavailable")
 
 
-def _same(got: tuple[float, ...] | None, expected: tuple[float, ...]) -> bool:
+def _same(got: object, expected: tuple[float, ...]) -> bool:
     """Every field equal, bit for bit (NaN where the other is NaN)."""
-    assert got is not None
+    assert isinstance(got, tuple)
     return all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(got, expected, strict=True))
 
 
@@ -92,3 +93,152 @@ def test_what_cannot_be_read_in_place_is_declined() -> None:
     }
     for reason, (a, b, r) in declined.items():
         assert row_comparison_fields(a, b, r) is None, reason
+
+
+def _weighted(fields: tuple[float, ...], weight: float) -> tuple[float, ...]:
+    """What the agent's comparisons made of the fields before the pass weighted them itself (comparison.py)."""
+    return (*(v * weight for v in fields[:5]), *fields[5:])
+
+
+@pytest.mark.parametrize(("kept", "q_rows", "row"), [(16, 128, 768), (16, 128, 1024), (128, 1024, 256), (1, 3, 16)])
+@pytest.mark.parametrize("weight", [1.0, 8.0, 1024 / 129])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fields_written_into_a_row_are_the_weighted_fields_bit_for_bit(
+    kept: int, q_rows: int, row: int, weight: float, threads: int
+) -> None:
+    q = _values(q_rows, row, seed=row)
+    rows = torch.sort(torch.randperm(q_rows, generator=torch.Generator().manual_seed(kept))[:kept]).values
+    x = q.index_select(0, rows) * 1.01
+    saved = torch.get_num_threads()
+    batch = StatsBatch()
+    try:
+        torch.set_num_threads(threads)
+        for error in (True, False):
+            expected = _weighted(comparison_fields(x, q.index_select(0, rows), error=error), weight)
+            for out in (batch.host_row(), host_row()):
+                assert row_comparison_fields(x, q, rows, error=error, weight=weight, out=out) is out
+                assert _same(tuple(out.values.tolist()), expected)
+                assert _same(tuple(out.stats.as_tensor().tolist()), expected)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_declined_pass_leaves_the_row_untouched() -> None:
+    q = torch.randn(8, 32)
+    q[4, 3] = math.nan
+    out = host_row()
+    assert row_comparison_fields(torch.randn(2, 32), q, torch.tensor([1, 4]), weight=4.0, out=out) is None
+    assert all(math.isnan(v) for v in out.values.tolist())
+
+
+def _numpy_rows(uniforms: np.ndarray, n: int, k: int) -> list[int]:
+    """The stratified rows as agent/rows.py drew them with NumPy before the native draw."""
+    bounds = np.arange(k + 1, dtype=np.int64) * n // k
+    sizes = bounds[1:] - bounds[:-1]
+    return (bounds[:-1] + np.minimum((uniforms * sizes).astype(np.int64), sizes - 1)).tolist()
+
+
+@pytest.mark.parametrize(("n", "k"), [(128, 16), (1024, 128), (256, 32), (10, 3), (7, 7), (1000, 1), (129, 17)])
+def test_the_native_stratified_draws_keep_numpys_rows(n: int, k: int) -> None:
+    uniforms = np.random.default_rng(n * k).random(2 * k + 5)
+    # Uniforms at the edges too: 0, the largest below 1 and the one below it (the last row of each stratum).
+    uniforms[:3] = [0.0, np.nextafter(1.0, 0.0), np.nextafter(1.0, 0.0) - 2.0**-52]
+    n2, k2 = 3 * n + 1, max(1, k // 2)
+    for start in (0, 5):
+        first, second = stratified_rows(uniforms, start, uniforms.ctypes.data, (n, k, n2, k2))
+        assert first is not None
+        assert second is not None
+        assert first.dtype == second.dtype == torch.int64
+        assert first.tolist() == _numpy_rows(uniforms[start : start + k], n, k)
+        assert second.tolist() == _numpy_rows(uniforms[start + k : start + k + k2], n2, k2)
+        only_second = stratified_rows(uniforms, start, uniforms.ctypes.data, (n, 0, n2, k2))
+        assert only_second[0] is None
+        assert only_second[1] is not None
+        assert only_second[1].tolist() == _numpy_rows(uniforms[start : start + k2], n2, k2)
+    assert stratified_rows(uniforms, 0, uniforms.ctypes.data, (n, 0, n2, 0)) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "out_features", "in_features", "kept"),
+    [(128, 768, 256, 96), (128, 256, 1024, 32), (7, 20, 48, 5), (3, 4, 16, 1)],
+)
+def test_the_kept_rows_weight_gradient_is_each_rows_float32_sum_over_the_tokens(
+    tokens: int, out_features: int, in_features: int, kept: int
+) -> None:
+    g = torch.Generator().manual_seed(in_features + kept)
+    columns = torch.randperm(out_features, generator=g)[:kept]  # unsorted: any kept rows, in any order
+    # Small integers times powers of two: every product and partial sum is exact in float32, so each element has
+    # one right value whatever the order of the sums.
+    dy = torch.randint(-8, 9, (tokens, out_features), generator=g).float() * 2.0**-3
+    x = torch.randint(-8, 9, (tokens, in_features), generator=g).float() * 2.0**-5
+    exact = dy.index_select(1, columns).T.double().mm(x.double()).float()
+    saved = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = weight_grad_rows(dy, x, columns)
+            assert got is not None
+            assert torch.equal(got, exact)
+            # Normal values: within float32 sums' rounding of the float64 product, the same bits on any thread count.
+            normal = weight_grad_rows(dy * torch.pi, x * torch.e, columns)
+            assert normal is not None
+            results.append(normal)
+        torch.testing.assert_close(
+            results[0].double(), (dy * torch.pi)[:, columns].T.double().mm((x * torch.e).double()), rtol=1e-5, atol=1e-4
+        )
+        assert torch.equal(results[0], results[1])
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_kept_rows_weight_gradient_the_pass_cannot_compute_is_declined() -> None:
+    dy, x, columns = torch.randn(8, 32), torch.randn(8, 16), torch.tensor([3, 31])
+    assert weight_grad_rows(dy, x, columns) is not None
+    declined = {
+        "an index past dy's columns": (dy, x, torch.tensor([3, 32])),
+        "a negative index": (dy, x, torch.tensor([-1, 3])),
+        "rows of x of 12 floats, not whole vectors": (dy, torch.randn(8, 12), columns),
+        "fewer tokens in x": (dy, torch.randn(7, 16), columns),
+        "dy not contiguous": (torch.randn(32, 8).T, x, columns),
+        "float64": (dy.double(), x.double(), columns),
+        "int32 indices": (dy, x, columns.int()),
+    }
+    for reason, (a, b, c) in declined.items():
+        assert weight_grad_rows(a, b, c) is None, reason
+
+
+@pytest.mark.parametrize("shape", [(128, 768), (16, 1024), (1000,), (3, 5), (256, 1024)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_comparison_written_into_a_row_is_the_weighted_fields_bit_for_bit(
+    shape: tuple[int, ...], threads: int
+) -> None:
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 3
+    q = x + 0.01 * torch.randn(shape, generator=g)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for error in (True, False):
+            for weight in (1.0, 8.0):
+                out = host_row()
+                assert comparison_into(x, q, out, error=error, weight=weight)
+                assert _same(tuple(out.values.tolist()), _weighted(comparison_fields(x, q, error=error), weight))
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_comparison_the_pass_cannot_write_is_declined_and_the_row_untouched() -> None:
+    x, q = torch.randn(4, 32), torch.randn(4, 32)
+    q_nan = q.clone()
+    q_nan[2, 2] = math.inf
+    declined = {
+        "an infinity": (x, q_nan),
+        "float64": (x.double(), q.double()),
+        "not contiguous": (x, torch.randn(32, 4).T),
+        "fewer elements": (x, q[:3]),
+    }
+    for reason, (a, b) in declined.items():
+        out = host_row()
+        assert not comparison_into(a, b, out), reason
+        assert all(math.isnan(v) for v in out.values.tolist()), reason
