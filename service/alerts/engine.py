@@ -50,8 +50,7 @@ from quantwatch.service.alerts.tables import EpisodeRow, ReceiverRow
 from quantwatch.service.alerts.webhooks import Notification, alertmanager_body, webhook_body
 
 if TYPE_CHECKING:
-    from quantwatch.service.batch import IngestBatch
-    from quantwatch.service.models import Run
+    from quantwatch.service.batch import IngestBatch, StoredRun
 
 RemedyKey = tuple[str, int]
 """(layer, rank) of a notification's remediation: the layer on its lowest rank."""
@@ -141,7 +140,7 @@ class AlertEngine:
         return self._rules.active_rules(session)
 
     # -- ingest observer ---------------------------------------------------------------------------------------
-    def on_batch(self, session: Session, run_row: Run, batch: IngestBatch) -> None:
+    def on_batch(self, session: Session, run_row: StoredRun, batch: IngestBatch) -> None:
         """:class:`~quantwatch.service.batch.IngestObserver` hook: evaluate inside the ingest transaction."""
         now = self._clock()
 

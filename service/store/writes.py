@@ -21,7 +21,7 @@ from sqlalchemy import Connection, Engine, bindparam, delete, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
-from quantwatch.service.batch import IngestBatch, IngestObserver
+from quantwatch.service.batch import IngestBatch, IngestObserver, StoredRun
 from quantwatch.service.models import (
     Batch,
     EstimatedPoint,
@@ -167,12 +167,9 @@ class BatchWriter:
         self._write_estimated(conn, run_id, batch, name_ids)
         write_actions(conn, self._insert, run_id, batch, now)
         self._write_rank(conn, run_id, batch, now, points)
-        if observers:
-            run_row = session.get(Run, run_id)
-            if run_row is None:  # the row was inserted or read above in this very transaction
-                raise LookupError(f"run {batch.run!r} vanished during ingest")
-            for observer in observers:
-                observer.on_batch(session, run_row, batch)
+        run_row = StoredRun(run_id, batch.run)
+        for observer in observers:
+            observer.on_batch(session, run_row, batch)
         kinds = cache.kinds | self._new_kinds(batch, name_ids)
         return _Stored(run_id, frontier, pending_names, RunCache(list(layers), dict(index), kinds))
 
