@@ -25,6 +25,7 @@ import numpy.typing as npt
 from quantwatch.service.alerts.evaluator import (
     BatchColumns,
     LayerFormatView,
+    LayerKinds,
     MetricColumn,
     SeriesKey,
     SeriesState,
@@ -317,18 +318,12 @@ def _per_sample(
 
 
 def _selected(rule: Rule, layers: Sequence[str], formats: LayerFormatView) -> tuple[int, ...]:
-    by_layer = None
-    if rule.selects_formats:
-        by_layer = tuple(
-            frozenset(kinds.items()) if (kinds := formats.current.get(layer)) else None for layer in layers
-        )
-    return _matching_layers(rule.selection, tuple(layers), by_layer)
+    names = tuple(layers)
+    return _matching_layers(rule.selection, names, formats.kinds_by_layer(names) if rule.selects_formats else None)
 
 
 @functools.lru_cache(maxsize=256)
-def _matching_layers(
-    selection: Selection, layers: tuple[str, ...], formats: tuple[frozenset[tuple[str, str]] | None, ...] | None
-) -> tuple[int, ...]:
+def _matching_layers(selection: Selection, layers: tuple[str, ...], formats: LayerKinds | None) -> tuple[int, ...]:
     # A run sends the same layer list (and formats) in every batch: match each rule's selection against it once.
     return tuple(
         index
