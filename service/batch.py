@@ -95,10 +95,11 @@ class StoredRun:
 class IngestObserver(Protocol):
     """Something that reacts to ingested batches (alert evaluation, the Prometheus latest-value cache).
 
-    ``on_batch`` runs inside the database transaction that stores the batch, after the points are written: rows it
-    adds through ``session`` commit atomically with the points, and an exception aborts the whole batch (the client
-    gets a 5xx and retries). ``after_commit`` runs once the batch is durable; its exceptions are logged, never raised.
-    Duplicate batches (a repeated ``batch_id``) reach neither.
+    ``on_batch`` runs inside the database transaction that stores the batch, after the points are written, holding
+    the (run, rank)'s write lock (SQLite's database lock; PostgreSQL's rank advisory lock, which replicas share): rows
+    it adds through ``session`` commit atomically with the points, and an exception aborts the whole batch (the
+    client gets a 5xx and retries). ``after_commit`` runs once the batch is durable; its exceptions are logged, never
+    raised. Duplicate batches (a repeated ``batch_id``) reach neither.
     """
 
     def on_batch(self, session: Session, run_row: StoredRun, batch: IngestBatch) -> None:
