@@ -155,7 +155,10 @@ class ColumnStates(Mapping[SeriesKey, SeriesState]):
     def encode(self) -> list[Any]:
         """The stored row: ``[COLUMNS_TAG, layers, seen, status, last step, streak, clear streak, last value]``
         (a non-finite last value as null)."""
-        values = np.where(np.isfinite(self.last_value), self.last_value, np.nan).tolist()
+        finite = np.isfinite(self.last_value)
+        values: list[float | None] = self.last_value.tolist()
+        if not finite.all():  # rewritten on every batch: the per-value pass only where one is not finite
+            values = [value if ok else None for value, ok in zip(values, finite.tolist(), strict=True)]
         return [
             COLUMNS_TAG,
             list(self.layers),
@@ -164,7 +167,7 @@ class ColumnStates(Mapping[SeriesKey, SeriesState]):
             self.last.tolist(),
             self.streak.tolist(),
             self.clear.tolist(),
-            [None if math.isnan(value) else value for value in values],
+            values,
         ]
 
     @classmethod
