@@ -33,8 +33,6 @@ from quantwatch.service.wire_error import WireError
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from quantwatch.service.models import Run
-
 
 @dataclass(frozen=True)
 class WhatIfEntry:
@@ -84,17 +82,27 @@ class IngestBatch(BatchFields[IngestStep]):
         return total
 
 
+@dataclass(frozen=True)
+class StoredRun:
+    """The run a batch is stored under, as the observers see it inside the ingest transaction (its id and name:
+    building the ORM row per batch cost a tenth of a one-step batch)."""
+
+    id: int
+    name: str
+
+
 @runtime_checkable
 class IngestObserver(Protocol):
     """Something that reacts to ingested batches (alert evaluation, the Prometheus latest-value cache).
 
-    ``on_batch`` runs inside the database transaction that stores the batch, after the points are written: rows it
-    adds through ``session`` commit atomically with the points, and an exception aborts the whole batch (the client
-    gets a 5xx and retries). ``after_commit`` runs once the batch is durable; its exceptions are logged, never raised.
-    Duplicate batches (a repeated ``batch_id``) reach neither.
+    ``on_batch`` runs inside the database transaction that stores the batch, after the points are written, holding
+    the (run, rank)'s write lock (SQLite's database lock; PostgreSQL's rank advisory lock, which replicas share): rows
+    it adds through ``session`` commit atomically with the points, and an exception aborts the whole batch (the
+    client gets a 5xx and retries). ``after_commit`` runs once the batch is durable; its exceptions are logged, never
+    raised. Duplicate batches (a repeated ``batch_id``) reach neither.
     """
 
-    def on_batch(self, session: Session, run_row: Run, batch: IngestBatch) -> None:
+    def on_batch(self, session: Session, run_row: StoredRun, batch: IngestBatch) -> None:
         """Called inside the ingest transaction."""
 
     def after_commit(self, batch: IngestBatch) -> None:
@@ -300,12 +308,11 @@ def batch_from_obj(obj: Any) -> IngestBatch:
     layers = obj.get("layers", [])
     _require(isinstance(layers, list), "layers", "must be an array of layer names")
     for i, name in enumerate(layers):
-        _require(
-            isinstance(name, str) and 0 < len(name) <= wire.MAX_LAYER_NAME_LENGTH,
-            f"layers[{i}]",
-            f"must be 1..{wire.MAX_LAYER_NAME_LENGTH} chars",
-        )
-        _require("\x00" not in name, f"layers[{i}]", "must not contain NUL")
+        # The field names are built only for a bad name: 512 f-strings per batch were a tenth of a one-step batch.
+        if not (isinstance(name, str) and 0 < len(name) <= wire.MAX_LAYER_NAME_LENGTH):
+            raise WireError(422, f"layers[{i}]", f"must be 1..{wire.MAX_LAYER_NAME_LENGTH} chars")
+        if "\x00" in name:
+            raise WireError(422, f"layers[{i}]", "must not contain NUL")
     _require(len(set(layers)) == len(layers), "layers", "layer names must be unique")
     raw_steps = obj.get("steps")
     _require(isinstance(raw_steps, list) and len(raw_steps) > 0, "steps", "must be a non-empty array")

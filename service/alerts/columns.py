@@ -25,6 +25,7 @@ import numpy.typing as npt
 from quantwatch.service.alerts.evaluator import (
     BatchColumns,
     LayerFormatView,
+    LayerKinds,
     MetricColumn,
     SeriesKey,
     SeriesState,
@@ -154,7 +155,10 @@ class ColumnStates(Mapping[SeriesKey, SeriesState]):
     def encode(self) -> list[Any]:
         """The stored row: ``[COLUMNS_TAG, layers, seen, status, last step, streak, clear streak, last value]``
         (a non-finite last value as null)."""
-        values = np.where(np.isfinite(self.last_value), self.last_value, np.nan).tolist()
+        finite = np.isfinite(self.last_value)
+        values: list[float | None] = self.last_value.tolist()
+        if not finite.all():  # rewritten on every batch: the per-value pass only where one is not finite
+            values = [value if ok else None for value, ok in zip(values, finite.tolist(), strict=True)]
         return [
             COLUMNS_TAG,
             list(self.layers),
@@ -163,7 +167,7 @@ class ColumnStates(Mapping[SeriesKey, SeriesState]):
             self.last.tolist(),
             self.streak.tolist(),
             self.clear.tolist(),
-            [None if math.isnan(value) else value for value in values],
+            values,
         ]
 
     @classmethod
@@ -254,14 +258,16 @@ def evaluate_columns(
     batch = RankBatch(run, rank, layers, columns)
     for _, _, moved in _advance(rules, batch, lambda _: states, transitions):
         if isinstance(moved, tuple):
-            after, keys = moved
-            changed.update((key, after.state(after.index[key[1]])) for key in keys)
+            after, names, accepted = moved
+            changed.update(
+                ((after.rule, names[i]), after.state(after.index[names[i]])) for i in np.flatnonzero(accepted).tolist()
+            )
         else:
             changed.update(moved)
     return changed, transitions
 
 
-_Moved = tuple[ColumnStates, list[SeriesKey]] | dict[SeriesKey, SeriesState]
+_Moved = tuple[ColumnStates, tuple[str, ...], Bools] | dict[SeriesKey, SeriesState]
 
 
 def _advance(
@@ -307,7 +313,7 @@ def _per_sample(
     column = columns.metrics.get(rule.metric)
     if column is None:
         return
-    for index in _selected(rule, layers, formats):
+    for index in _selected(rule, layers, formats).indices:
         samples = [
             StepSample(columns.steps[row], columns.times[row], float(column.values[row, index]))
             for row in order
@@ -316,25 +322,29 @@ def _per_sample(
         yield layers[index], samples, formats.changes.get(layers[index], ())
 
 
-def _selected(rule: Rule, layers: Sequence[str], formats: LayerFormatView) -> tuple[int, ...]:
-    by_layer = None
-    if rule.selects_formats:
-        by_layer = tuple(
-            frozenset(kinds.items()) if (kinds := formats.current.get(layer)) else None for layer in layers
-        )
-    return _matching_layers(rule.selection, tuple(layers), by_layer)
+@dataclass(frozen=True)
+class _Match:
+    """The layers of a batch a rule selects: their positions (as a tuple and as an index array) and names."""
+
+    indices: tuple[int, ...]
+    positions: npt.NDArray[np.intp]
+    names: tuple[str, ...]
+
+
+def _selected(rule: Rule, layers: Sequence[str], formats: LayerFormatView) -> _Match:
+    names = tuple(layers)
+    return _matching_layers(rule.selection, names, formats.kinds_by_layer(names) if rule.selects_formats else None)
 
 
 @functools.lru_cache(maxsize=256)
-def _matching_layers(
-    selection: Selection, layers: tuple[str, ...], formats: tuple[frozenset[tuple[str, str]] | None, ...] | None
-) -> tuple[int, ...]:
+def _matching_layers(selection: Selection, layers: tuple[str, ...], formats: LayerKinds | None) -> _Match:
     # A run sends the same layer list (and formats) in every batch: match each rule's selection against it once.
-    return tuple(
+    indices = tuple(
         index
         for index, layer in enumerate(layers)
         if selects_layer(selection, layer, dict(formats[index] or ()) if formats is not None else None)
     )
+    return _Match(indices, np.array(indices, dtype=np.intp), tuple(layers[i] for i in indices))
 
 
 def _rule_columns(
@@ -346,29 +356,27 @@ def _rule_columns(
     formats: LayerFormatView,
     stored: Mapping[SeriesKey, SeriesState],
     transitions: list[SeriesTransition],
-) -> tuple[ColumnStates, list[SeriesKey]] | None:
-    """Advance one metric rule's columns over the batch: (all its states after, the series a sample advanced in
-    layer order), or ``None`` when no sample counted."""
+) -> tuple[ColumnStates, tuple[str, ...], Bools] | None:
+    """Advance one metric rule's columns over the batch: (all its states after, the selected layers, which of them a
+    sample advanced), or ``None`` when no sample counted."""
     column = columns.metrics.get(str(rule.metric))
     if column is None:
         return None
-    selected = list(_selected(rule, layers, formats))
-    if not selected:
+    match = _selected(rule, layers, formats)
+    if not match.indices:
         return None
-    names = [layers[i] for i in selected]
-    states, positions = ColumnStates.from_states(rule.name, stored).covering(names)
-    after, accepted = _walk_columns(rule, rank, names, column, selected, order, columns, states, positions, transitions)
+    states, positions = ColumnStates.from_states(rule.name, stored).covering(match.names)
+    after, accepted = _walk_columns(rule, rank, match, column, order, columns, states, positions, transitions)
     if not accepted.any():
         return None
-    return after, [(rule.name, names[i]) for i in np.flatnonzero(accepted).tolist()]
+    return after, match.names, accepted
 
 
 def _walk_columns(
     rule: Rule,
     rank: int,
-    names: list[str],
+    match: _Match,
     column: MetricColumn,
-    selected: list[int],
     order: list[int],
     columns: BatchColumns,
     states: ColumnStates,
@@ -379,6 +387,7 @@ def _walk_columns(
     states after and which selected layers a sample advanced."""
     arrays = states._arrays() if positions is None else tuple(array[positions] for array in states._arrays())
     seen, status, last, streak, clear, last_value = arrays
+    names, selected = match.names, match.positions
     accepted_any = np.zeros(len(names), dtype=bool)
     compare = _COMPARE[rule.op]
     whole = len(selected) == column.values.shape[1]

@@ -2,7 +2,9 @@
 
 For one batch of one (run, rank), inside the transaction that stores its points:
 
-1. lock the (run, rank) cursor row (``SELECT … FOR UPDATE``), so replicas ingesting that rank take turns;
+1. take the (run, rank)'s turn: the ingest transaction holds the rank's write lock already (see
+   :class:`~quantwatch.service.batch.IngestObserver`); :meth:`AlertEngine.evaluate`, called outside ingest, locks
+   the (run, rank) cursor row (``SELECT … FOR UPDATE``), so replicas ingesting that rank take turns;
 2. read the rank's series states (one row per rule; only its token when this process wrote the row last), run
    :func:`~quantwatch.service.alerts.columns.evaluate_rows` (numpy arrays per rule over the batch's layers), upsert
    the rows a sample advanced in one statement;
@@ -50,8 +52,7 @@ from quantwatch.service.alerts.tables import EpisodeRow, ReceiverRow
 from quantwatch.service.alerts.webhooks import Notification, alertmanager_body, webhook_body
 
 if TYPE_CHECKING:
-    from quantwatch.service.batch import IngestBatch
-    from quantwatch.service.models import Run
+    from quantwatch.service.batch import IngestBatch, StoredRun
 
 RemedyKey = tuple[str, int]
 """(layer, rank) of a notification's remediation: the layer on its lowest rank."""
@@ -141,7 +142,7 @@ class AlertEngine:
         return self._rules.active_rules(session)
 
     # -- ingest observer ---------------------------------------------------------------------------------------
-    def on_batch(self, session: Session, run_row: Run, batch: IngestBatch) -> None:
+    def on_batch(self, session: Session, run_row: StoredRun, batch: IngestBatch) -> None:
         """:class:`~quantwatch.service.batch.IngestObserver` hook: evaluate inside the ingest transaction."""
         now = self._clock()
 
@@ -150,7 +151,7 @@ class AlertEngine:
             # The formats are read only when a rule selects by them or restarts a baseline at a change.
             return replace(columns, formats=self.formats.current(session, run_row.id).view()) if by_format else columns
 
-        self._evaluate(session, batch.run, batch.rank, batch.layers, columns_of)
+        self._evaluate(session, batch.run, batch.rank, batch.layers, columns_of, rank_locked=True)
         # Read in the transaction, after this batch's own episode changes: the ingest answer lists them.
         self._enqueued.firing = self._firing.current(session, batch.run)
 
@@ -187,7 +188,12 @@ class AlertEngine:
     def evaluate(self, session: Session, run: str, rank: int, layers: Sequence[str], steps: Sequence[StepInput]) -> int:
         """Evaluate one batch given per step inside the caller's transaction; returns how many outbox rows it wrote."""
         return self._evaluate(
-            session, run, rank, layers, lambda metrics, _: BatchColumns.from_steps(len(layers), steps, metrics)
+            session,
+            run,
+            rank,
+            layers,
+            lambda metrics, _: BatchColumns.from_steps(len(layers), steps, metrics),
+            rank_locked=False,
         )
 
     def _evaluate(
@@ -197,6 +203,8 @@ class AlertEngine:
         rank: int,
         layers: Sequence[str],
         columns_of: Callable[[Iterable[str], bool], BatchColumns],
+        *,
+        rank_locked: bool,
     ) -> int:
         self._enqueued.staged = None
         self.take_enqueued()
@@ -207,7 +215,8 @@ class AlertEngine:
         columns = columns_of({rule.metric for _, rule in rules if rule.metric is not None}, by_format)
         if not columns.steps:
             return 0
-        repository.lock_cursor(session, run, rank)
+        if not rank_locked:  # the ingest path holds the rank's write lock: two statements per batch spared
+            repository.lock_cursor(session, run, rank)
         ids = {rule.name: rule_id for rule_id, rule in rules}
         names = {rule_id: rule.name for rule_id, rule in rules}
         stored = self._stored_states(session, run, rank, names)

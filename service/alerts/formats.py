@@ -25,8 +25,7 @@ from quantwatch.service.alerts import repository
 from quantwatch.service.alerts.evaluator import LayerFormatView
 
 if TYPE_CHECKING:
-    from quantwatch.service.batch import IngestBatch
-    from quantwatch.service.models import Run
+    from quantwatch.service.batch import IngestBatch, StoredRun
 
 __all__ = [
     "FormatChange",
@@ -115,7 +114,7 @@ class LayerFormatRecorder:
             self._cache[run_id] = fresh
         return fresh
 
-    def on_batch(self, session: Session, run_row: Run, batch: IngestBatch) -> None:
+    def on_batch(self, session: Session, run_row: StoredRun, batch: IngestBatch) -> None:
         """:class:`~quantwatch.service.batch.IngestObserver` hook: record the changes the batch declares."""
         if batch.layer_formats is None:
             return

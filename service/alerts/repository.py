@@ -7,13 +7,29 @@ and receiver catalogue (:mod:`~quantwatch.service.alerts.catalog`) reads and loc
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
-from sqlalchemy import Connection, Table, and_, bindparam, delete, exists, func, insert, select, text, update
+from sqlalchemy import (
+    BindParameter,
+    Connection,
+    Select,
+    Table,
+    and_,
+    bindparam,
+    delete,
+    exists,
+    func,
+    insert,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
@@ -188,16 +204,25 @@ def encode_row(states: RuleStates) -> dict[str, list[Any]] | list[Any]:
     return {layer: encode_series(state) for (_, layer), state in states.items()}
 
 
-_TOKENS_OF = select(_STATES.c.rule_id, _STATES.c.token).where(
-    _STATES.c.run == bindparam("run"),
-    _STATES.c.rank == bindparam("rank"),
-    _STATES.c.rule_id.in_(bindparam("ids", expanding=True)),
-)
+@functools.lru_cache(maxsize=64)
+def _tokens_of(rules: int) -> Select[int, int]:
+    # One statement per number of rules, their ids bound one by one: an expanding ``IN`` re-renders the statement on
+    # every execution, which cost more than the query (``rule_id`` leads the primary key, so the ids must be named).
+    ids: list[BindParameter[int]] = [bindparam(f"rule_{i}") for i in range(rules)]
+    return select(_STATES.c.rule_id, _STATES.c.token).where(
+        _STATES.c.run == bindparam("run"),
+        _STATES.c.rank == bindparam("rank"),
+        or_(*(_STATES.c.rule_id == i for i in ids)),
+    )
 
 
 def series_tokens(session: Session, run: str, rank: int, rule_ids: Iterable[int]) -> dict[int, int]:
     """The token of each stored row of one (run, rank) among the rules ``rule_ids``, by rule id."""
-    rows = session.connection().execute(_TOKENS_OF, {"run": run, "rank": rank, "ids": list(rule_ids)})
+    ids = list(rule_ids)
+    if not ids:
+        return {}
+    params: dict[str, Any] = {"run": run, "rank": rank, **{f"rule_{i}": rule_id for i, rule_id in enumerate(ids)}}
+    rows = session.connection().execute(_tokens_of(len(ids)), params)
     return {int(rule_id): int(token) for rule_id, token in rows}
 
 

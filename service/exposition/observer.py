@@ -10,8 +10,7 @@ from quantwatch.service.exposition.ingest_metrics import IngestMetrics
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from quantwatch.service.batch import IngestBatch
-    from quantwatch.service.models import Run
+    from quantwatch.service.batch import IngestBatch, StoredRun
 
 __all__ = ["PrometheusObserver"]
 
@@ -26,7 +25,7 @@ class PrometheusObserver:
         self.cache = cache
         self.ingest = ingest
 
-    def on_batch(self, session: Session, run_row: Run, batch: IngestBatch) -> None:
+    def on_batch(self, session: Session, run_row: StoredRun, batch: IngestBatch) -> None:
         """Nothing to do inside the transaction."""
 
     def after_commit(self, batch: IngestBatch) -> None:

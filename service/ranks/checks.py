@@ -29,9 +29,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from quantwatch.service.alerts.engine import insert_ignore
-from quantwatch.service.batch import IngestBatch, IngestObserver, IngestStep
+from quantwatch.service.batch import IngestBatch, IngestObserver, IngestStep, StoredRun
 from quantwatch.service.core.db import write_session
-from quantwatch.service.models import Run
 from quantwatch.service.ranks.compare import Fingerprint, LayerVerdict, compare_layer
 from quantwatch.service.ranks.tables import RankComparisonRow, RankEnvironmentRow, RankFingerprintRow
 from quantwatch.service.store import Store
@@ -78,7 +77,7 @@ class RankChecks(IngestObserver):
         self.wait_seconds = wait_seconds
         self.clock = clock
 
-    def on_batch(self, session: Session, run_row: Run, batch: IngestBatch) -> None:
+    def on_batch(self, session: Session, run_row: StoredRun, batch: IngestBatch) -> None:
         """Store the batch's fingerprints (first copy wins) and environment (last report wins)."""
         if not batch.rank_reports:
             return

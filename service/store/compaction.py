@@ -28,15 +28,16 @@ def frontier_after(last_step: int) -> int:
     return last_step // BLOCK_STEPS * BLOCK_STEPS
 
 
-_FRONTIER = select(RunRank.compacted_step).where(
+_MARKS = select(RunRank.compacted_step, RunRank.last_step).where(
     RunRank.run_id == bindparam("run_id"), RunRank.rank == bindparam("rank")
 )
 
 
-def read_frontier(conn: Connection, run_id: int, rank: int) -> int:
-    """The rank's ``compacted_step`` (0 for a rank with nothing stored yet)."""
-    value = conn.execute(_FRONTIER, {"run_id": run_id, "rank": rank}).scalar_one_or_none()
-    return 0 if value is None else int(value)
+def read_marks(conn: Connection, run_id: int, rank: int) -> tuple[int, int]:
+    """The rank's ``compacted_step`` frontier and its newest stored step ((0, -1) for a rank with nothing stored
+    yet), in one statement: ingest needs both per batch."""
+    row = conn.execute(_MARKS, {"run_id": run_id, "rank": rank}).first()
+    return (0, -1) if row is None else (int(row[0]), int(row[1]))
 
 
 class Compactor:

@@ -14,8 +14,7 @@ from quantwatch.service.store.common import NotFoundError, find_run
 from quantwatch.service.whatif.tables import WhatIfRow
 
 if TYPE_CHECKING:
-    from quantwatch.service.batch import IngestBatch
-    from quantwatch.service.models import Run
+    from quantwatch.service.batch import IngestBatch, StoredRun
 
 __all__ = ["WhatIfRecorder", "WhatIfStore"]
 
@@ -31,7 +30,7 @@ class WhatIfRecorder:
     """The ingest observer that stores a batch's what-if entries in its transaction (a step sent again replaces its
     rows). First among the observers, so the alerts' remediation reads the batch's own figures."""
 
-    def on_batch(self, session: Session, run_row: Run, batch: IngestBatch) -> None:
+    def on_batch(self, session: Session, run_row: StoredRun, batch: IngestBatch) -> None:
         """Write the batch's what-if rows."""
         steps = [step for step in batch.steps if step.whatif]
         if not steps:

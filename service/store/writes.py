@@ -21,7 +21,7 @@ from sqlalchemy import Connection, Engine, bindparam, delete, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
-from quantwatch.service.batch import IngestBatch, IngestObserver
+from quantwatch.service.batch import IngestBatch, IngestObserver, StoredRun
 from quantwatch.service.models import (
     Batch,
     EstimatedPoint,
@@ -36,7 +36,7 @@ from quantwatch.service.models import (
 from quantwatch.service.rollups import F32, I64, MISSING_BITS, is_missing, missing_row
 from quantwatch.service.store.actions import write_actions
 from quantwatch.service.store.common import IngestResult, RunCache, find_run
-from quantwatch.service.store.compaction import Compactor, frontier_after, read_frontier
+from quantwatch.service.store.compaction import Compactor, frontier_after, read_marks
 from quantwatch.service.store.group_commit import GroupCommit
 from quantwatch.service.store.raw_points import RawPoints, Rows
 from quantwatch.service.store.retention import keep_retained
@@ -162,18 +162,15 @@ class BatchWriter:
         names = {n for s in batch.steps for n in s.metrics} | {n for s in batch.steps for n in s.scalars}
         name_ids = self._name_ids(conn, sorted(names), pending_names)
         self._write_run_metrics(conn, run_id, batch, name_ids, cache)
-        frontier = read_frontier(conn, run_id, batch.rank)  # under the rank's write lock
-        self._write_points(conn, run_id, batch, layers, index, name_ids, frontier)
+        frontier, last_step = read_marks(conn, run_id, batch.rank)  # under the rank's write lock
+        self._write_points(conn, run_id, batch, layers, index, name_ids, frontier, last_step)
         self._write_scalars(conn, run_id, batch, name_ids)
         self._write_estimated(conn, run_id, batch, name_ids)
         write_actions(conn, self._insert, run_id, batch, now)
         self._write_rank(conn, run_id, batch, now, points)
-        if observers:
-            run_row = session.get(Run, run_id)
-            if run_row is None:  # the row was inserted or read above in this very transaction
-                raise LookupError(f"run {batch.run!r} vanished during ingest")
-            for observer in observers:
-                observer.on_batch(session, run_row, batch)
+        run_row = StoredRun(run_id, batch.run)
+        for observer in observers:
+            observer.on_batch(session, run_row, batch)
         kinds = cache.kinds | self._new_kinds(batch, name_ids)
         return _Stored(run_id, frontier, pending_names, RunCache(list(layers), dict(index), kinds))
 
@@ -277,6 +274,7 @@ class BatchWriter:
         index: dict[str, int],
         name_ids: dict[str, int],
         frontier: int,
+        last_step: int,
     ) -> None:
         n_layers = len(layers)
         columns = np.array([index[n] for n in batch.layers], dtype=np.int64)
@@ -305,11 +303,13 @@ class BatchWriter:
                 key = {"run_id": run_id, "rank": batch.rank, "nid": name_ids[name]}
                 stored[name_ids[name]] = self._points.read(conn, key, lo, hi, frontier, n_layers)
             existing = {(int(s), nid) for nid, found in stored.items() for s in found.steps.tolist()}
-        else:
+        elif lo <= last_step:  # a batch wholly past the rank's newest step (the usual case) re-sends nothing
             existing = {
                 (int(r[0]), int(r[1]))
                 for r in conn.execute(_STORED_STEPS, {"run_id": run_id, "rank": batch.rank, "lo": lo, "hi": hi})
             }
+        else:
+            existing = set()
         rows: list[dict[str, Any]] = []
         matrices: dict[int, tuple[I64, F32]] = {}
         for name, entries in steps_by_metric.items():

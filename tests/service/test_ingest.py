@@ -167,6 +167,23 @@ def test_resent_points_last_write_wins(
     assert s["mean"] == [5.0]
 
 
+def test_step_resent_behind_the_ranks_newest_merges_with_what_is_stored(
+    client: Any, post_batch: Callable[..., Any], make_batch: Callable[..., Any]
+) -> None:
+    # A batch past its rank's newest step skips looking for stored steps; one behind it must still find them, however
+    # far the other ranks have gone.
+    assert (
+        post_batch(make_batch("behind", ["a", "b"], [1, 2], {"m": np.array([[1.0, 2.0], [3.0, 4.0]])})).status_code
+        == 200
+    )
+    assert post_batch(make_batch("behind", ["a", "b"], [9], {"m": np.array([[7.0, 7.0]])}, rank=1)).status_code == 200
+    assert post_batch(make_batch("behind", ["a", "b"], [3], {"m": np.array([[5.0, 6.0]])})).status_code == 200
+    again = make_batch("behind", ["a", "b"], [1], {"m": np.array([[9.0, np.nan]])})
+    assert post_batch(again).json()["duplicate"] is False
+    assert _heat(client, "behind", "m")["values"] == [[9.0, 3.0, 5.0], [2.0, 4.0, 6.0]]
+    assert _heat(client, "behind", "m", rank=1)["values"] == [[7.0], [7.0]]
+
+
 def test_batch_adds_layers_to_known_run(
     client: Any, post_batch: Callable[..., Any], make_batch: Callable[..., Any]
 ) -> None:
