@@ -30,7 +30,7 @@ class Store(HistoryReader):
 
     EXPORT_COLUMNS = EXPORT_COLUMNS
 
-    def __init__(self, engine: Engine, factory: sessionmaker[Session], *, fold_chunks: bool = False) -> None:
+    def __init__(self, engine: Engine, factory: sessionmaker[Session], *, fold_chunks: bool = True) -> None:
         """``fold_chunks``: the compactor folds raw points into chunks (the setting of that name); reads merge the
         chunks stored either way."""
         super().__init__(engine, factory)

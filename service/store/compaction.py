@@ -79,7 +79,7 @@ class Compactor:
                 tail = self.points.rank_tail(conn, run_id, rank, start, target, n_layers, times=self.folder is not None)
                 matrices = {nid: (rows.steps, rows.values) for nid, rows in tail.items()}
                 if matrices:
-                    self.rollups.write(conn, run_id, rank, matrices, set(), n_layers, merge=False)
+                    self.rollups.write(conn, run_id, rank, matrices, set(), n_layers, None if whole else target)
                 conn.execute(
                     update(RunRank).where(RunRank.run_id == run_id, RunRank.rank == rank).values(compacted_step=target)
                 )

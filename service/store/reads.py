@@ -50,6 +50,10 @@ def _one_series(
     )
 
 
+MAX_GAP_READS = 8
+"""Runs of unstored rollup blocks a bucketed read fetches one by one from the raw points; more: one read over all."""
+
+
 class HistoryReader:
     """The read side of one engine, with its statements prebuilt."""
 
@@ -210,6 +214,34 @@ class HistoryReader:
         width = 1 if layer is not None else n_layers
         return buckets * level, Partials.from_stats(blobs, width)
 
+    def _unstored(
+        self,
+        conn: Connection,
+        key: dict[str, int],
+        level: int,
+        first: int,
+        last: int,
+        stored: I64,
+        layer: int | None,
+        n_layers: int,
+    ) -> tuple[I64, Partials]:
+        """The raw points of the blocks of ``level`` in [first, last] that are not ``stored`` (too few samples to be
+        stored, or none at all: see rollup_writes): one raw read per run of such blocks, or one over all of them
+        when they are scattered (a run of few samples per block)."""
+        missing = np.setdiff1d(np.arange(first, last + 1, dtype=np.int64), stored)
+        if not missing.size:
+            return np.zeros(0, dtype=np.int64), Partials.empty(0, 1 if layer is not None else n_layers)
+        breaks = np.flatnonzero(np.diff(missing) > 1)
+        if breaks.size >= MAX_GAP_READS:
+            spans = [(int(missing[0]), int(missing[-1]))]
+        else:
+            ends = [*missing[breaks].tolist(), int(missing[-1])]
+            spans = list(zip([int(missing[0]), *missing[breaks + 1].tolist()], ends, strict=True))
+        found = [self._raw_partials(conn, key, a * level, (b + 1) * level - 1, layer, n_layers) for a, b in spans]
+        steps = np.concatenate([f[0] for f in found])
+        take = np.flatnonzero(np.isin(steps // level, missing))
+        return steps[take], Partials.concat([f[1] for f in found]).take(take)
+
     def _bucketed(
         self,
         conn: Connection,
@@ -226,7 +258,7 @@ class HistoryReader:
         """Partials per aligned bucket of ``width`` steps over [lo, hi]; keys are bucket indexes (step // width).
 
         Rollup blocks are used only where they end before the rank's ``frontier`` (``compacted_step``): later steps
-        come from the raw points, whose blocks may not be built yet."""
+        come from the raw points, whose blocks may not be built yet, as do the steps of blocks not stored."""
         levels = [lv for lv in LEVELS if lv <= width]
         key = {"run_id": run_id, "rank": rank, "nid": nid}
         if not levels:
@@ -241,14 +273,13 @@ class HistoryReader:
         else:
             h_steps, head = self._raw_partials(conn, key, lo, first_full * level - 1, layer, n_layers)
             m_steps, mid = self._rollup_partials(conn, run_id, rank, nid, level, first_full, last_full, layer, n_layers)
+            g_steps, gaps = self._unstored(conn, key, level, first_full, last_full, m_steps // level, layer, n_layers)
             t_steps, tail = self._raw_partials(conn, key, (last_full + 1) * level, hi, layer, n_layers)
-            steps = np.concatenate([h_steps, m_steps, t_steps])
-            part = Partials(
-                np.concatenate([head.vmin, mid.vmin, tail.vmin]),
-                np.concatenate([head.vmax, mid.vmax, tail.vmax]),
-                np.concatenate([head.vsum, mid.vsum, tail.vsum]),
-                np.concatenate([head.vcount, mid.vcount, tail.vcount]),
-            )
+            steps = np.concatenate([h_steps, m_steps, g_steps, t_steps])
+            part = Partials.concat([head, mid, gaps, tail])
+            if g_steps.size:
+                order = np.argsort(steps, kind="stable")
+                steps, part = steps[order], part.take(order)
         keys, starts = group_starts(steps // width)
         return keys, part.reduce(starts) if keys.size else part
 

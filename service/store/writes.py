@@ -72,7 +72,7 @@ _STORED_STEPS = select(Point.step, Point.name_id).where(
 class BatchWriter:
     """The ingest path of one engine; holds small caches of immutable facts (name ids, layer order) per process."""
 
-    def __init__(self, engine: Engine, factory: sessionmaker[Session], *, fold_chunks: bool = False) -> None:
+    def __init__(self, engine: Engine, factory: sessionmaker[Session], *, fold_chunks: bool = True) -> None:
         self.factory = factory
         self.pg = engine.dialect.name == "postgresql"
         self._insert = postgresql.insert if self.pg else sqlite.insert
@@ -344,7 +344,7 @@ class BatchWriter:
         # complete block, which is recomputed from the raw points just written (a min or max cannot be subtracted).
         late = {nid: (s[s < frontier], v[s < frontier]) for nid, (s, v) in matrices.items() if int(s[0]) < frontier}
         if late:
-            self._rollups.write(conn, run_id, batch.rank, late, set(late), n_layers)
+            self._rollups.write(conn, run_id, batch.rank, late, set(late), n_layers, frontier)
 
     def _write_scalars(self, conn: Connection, run_id: int, batch: IngestBatch, name_ids: dict[str, int]) -> None:
         rows = [

@@ -79,21 +79,21 @@ def _app_store(database_url: str, **settings: Any) -> Store:
 
 @pytest.fixture
 def store(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
-    """A collector's store with folding on. Four rows per chunk: small histories make many chunks, and late steps land
-    in them and between them."""
+    """A collector's store with the default settings, which fold. Four rows per chunk: small histories make many
+    chunks, and late steps land in them and between them."""
     monkeypatch.setattr(folding, "CHUNK_ROWS", 4)
-    folded = _app_store(database_url, fold_chunks=True)
+    folded = _app_store(database_url)
     yield folded
     folded.engine.dispose()
 
 
 @pytest.fixture
 def unfolded(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
-    """A collector's store with the default settings, over the same database."""
+    """A collector's store with folding off (``fold_chunks`` false), over the same database."""
     monkeypatch.setattr(folding, "CHUNK_ROWS", 4)
-    default = _app_store(database_url)
-    yield default
-    default.engine.dispose()
+    raw = _app_store(database_url, fold_chunks=False)
+    yield raw
+    raw.engine.dispose()
 
 
 def _counts(store: Store, run: str) -> tuple[int, int]:
@@ -157,10 +157,10 @@ def _late_history(store: Store, run: str, ref: Reference) -> None:
         _ingest(store, run, list(range(lo, lo + 20)), ramp[lo : lo + 20], LAYERS, ref)
 
 
-def test_the_default_settings_never_fold(unfolded: Store) -> None:
-    """Folding is opt-in: with the default settings a history that folds into chunks with it on stays raw, compacted
-    to its last step included, and reads back exactly."""
-    assert not Settings().fold_chunks
+def test_folding_off_never_folds(unfolded: Store) -> None:
+    """Folding is on by default; with it off a history that folds into chunks with it on stays raw, compacted to its
+    last step included, and reads back exactly."""
+    assert Settings().fold_chunks
     run = "unfolded"
     ref = Reference()
     _late_history(unfolded, run, ref)
