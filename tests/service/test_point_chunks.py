@@ -22,7 +22,8 @@ from quantwatch.service.app import create_app
 from quantwatch.service.batch import decode_json
 from quantwatch.service.core.db import alembic_config, upgrade
 from quantwatch.service.exposition.queries import RankReader, RestoreLimits, recent_runs
-from quantwatch.service.models import Point, PointChunk
+from quantwatch.service.models import Point, PointChunk, Rollup
+from quantwatch.service.rollups import LEVELS
 from quantwatch.service.store import Store, folding
 from quantwatch.service.store.chunk_codec import (
     decode_steps,
@@ -325,3 +326,46 @@ def test_a_fold_between_a_reads_frontier_and_its_rows_loses_nothing(
     got = store.series(run, "m", "b", 0, None, None, 100_000)  # frontier and last step read before the fold
     assert np.asarray(got["steps"]).tolist() == list(range(60))
     assert np.asarray(got["min"], dtype=np.float64).tolist() == [float(4 * s + 1) for s in range(60)]
+
+
+def _block_keys(store: Store) -> set[tuple[int, int]]:
+    """(level, bucket) of every stored rollup block."""
+    with store.engine.connect() as conn:
+        return {(int(level), int(b)) for level, b in conn.execute(select(Rollup.level, Rollup.bucket))}
+
+
+def test_sparse_blocks_are_not_stored_and_the_downgrade_of_0015_rebuilds_them(store: Store) -> None:
+    """Every 10th step (the agent's sampling): no 64- or 128-step block holds 16 samples, so none is stored and reads
+    of those widths take the steps from the chunks; then a dense stretch, whose blocks are. The downgrade of 0015
+    decodes every chunk (version 2: the code before reads version 1 only) and stores every block of every level,
+    as the code before expects; upgraded again, reads and ingest go on exactly."""
+    run = "sparse"
+    ref = Reference()
+    rng = np.random.default_rng(11)
+    for lo in range(0, 2000, 100):
+        steps = list(range(lo, lo + 100, 10))
+        _ingest(store, run, steps, rng.standard_normal((10, 4)).astype(np.float32), LAYERS, ref)
+    for lo in range(2048, 2048 + 256, 64):
+        _ingest(store, run, list(range(lo, lo + 64)), rng.standard_normal((64, 4)).astype(np.float32), LAYERS, ref)
+    _ingest(store, run, [30], np.float32([[7.0]]), ["c"], ref)  # re-sent, into a chunk and its blocks
+    blocks = _block_keys(store)
+    assert not {(level, b) for level, b in blocks if level <= 128 and b * level < 2000}
+    assert {(256, b) for b in range(2000 // 256)} <= blocks  # 25 or 26 samples each
+    assert {(64, b) for b in range(2048 // 64, (2048 + 192) // 64)} <= blocks
+    with store.engine.connect() as conn:
+        versions = {bytes(v)[0] for (v,) in conn.execute(select(func.substr(PointChunk.vals, 1, 1)))}
+    assert versions == {2}
+    _assert_exact(store, run, ref)
+    before = b"".join(store.export_csv(run))
+    cfg = alembic_config(store.engine.url.render_as_string(hide_password=False))
+    with store.engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0013_alert_firing_tokens")
+    assert _counts(store, run) == (0, len(ref.values))
+    assert _block_keys(store) == {(level, s // level) for s in ref.values for level in LEVELS}
+    _assert_exact(store, run, ref)
+    upgrade(store.engine)
+    assert b"".join(store.export_csv(run)) == before
+    _ingest(store, run, list(range(2304, 2400, 10)), np.ones((10, 4), dtype=np.float32), LAYERS, ref)
+    _assert_exact(store, run, ref)
+    _assert_export(store, run, ref)
