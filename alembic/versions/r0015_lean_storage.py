@@ -67,7 +67,7 @@ def downgrade() -> None:
                 continue
             steps = np.array([r[0] for r in found], dtype=np.int64)
             values = Partials.from_values(rows_from_blobs([bytes(r[1]) for r in found], int(widths[run_id])))
-            rows = []
+            rows: list[dict[str, object]] = []
             for level in LEVELS:
                 keys, starts = group_starts(steps // level)
                 blocks = values.reduce(starts)
