@@ -87,14 +87,13 @@ class RollupWriter:
         matrices: dict[int, tuple[I64, F32]],
         replaced: set[int],
         n_layers: int,
-        complete_before: int | None,
+        complete_before: int,
     ) -> None:
         """Bring every rollup level up to date for the given steps, all metrics at once per level.
 
         For a name id in ``replaced`` the touched base blocks are recomputed from the raw points (written first);
         for the others the values are the whole content of their blocks (the compactor's case: it read them from raw).
-        Blocks above the base level are written only where they end at or before ``complete_before`` (None: every
-        block touched, the partial last ones included).
+        Blocks above the base level are written only where they end at or before ``complete_before`` (the frontier).
         """
         base = LEVELS[0]
         level_parts: Blocks = {}
@@ -128,15 +127,14 @@ class RollupWriter:
         below: int,
         children: Blocks,
         n_layers: int,
-        complete_before: int | None,
+        complete_before: int,
     ) -> Blocks:
-        """The blocks of ``level`` above the ``children`` just computed (of level ``below``), complete ones only
-        unless ``complete_before`` is None: each combined from its children, or from raw where one is not stored."""
+        """The complete blocks of ``level`` (ending at or before ``complete_before``) above the ``children`` just
+        computed (of level ``below``): each combined from its children, or from raw where one is not stored."""
         factor = level // below
         wanted = {nid: np.unique(keys // factor) for nid, (keys, _) in children.items()}
-        if complete_before is not None:
-            wanted = {nid: p[(p + 1) * level <= complete_before] for nid, p in wanted.items()}
-            wanted = {nid: p for nid, p in wanted.items() if p.size}
+        wanted = {nid: p[(p + 1) * level <= complete_before] for nid, p in wanted.items()}
+        wanted = {nid: p for nid, p in wanted.items() if p.size}
         if not wanted:
             return {}
         lo_b = min(int(p[0]) for p in wanted.values()) * factor

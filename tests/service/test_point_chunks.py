@@ -369,3 +369,21 @@ def test_sparse_blocks_are_not_stored_and_the_downgrade_of_0015_rebuilds_them(st
     _ingest(store, run, list(range(2304, 2400, 10)), np.ones((10, 4), dtype=np.float32), LAYERS, ref)
     _assert_exact(store, run, ref)
     _assert_export(store, run, ref)
+
+
+def test_a_block_split_by_compact_rollups_is_rebuilt_from_its_folded_rows(store: Store) -> None:
+    """compact_rollups moves the frontier past the last step, inside a block, and folds the rows before it; when more
+    steps of that block arrive, its next compaction rebuilds it from those folded rows too, and the parents above it,
+    written once complete, hold every step."""
+    run = "split"
+    ref = Reference()
+    ramp = np.arange(300, dtype=np.float32)[:, None] * np.float32([1, -1, 0.5, 2])
+    _ingest(store, run, list(range(100)), ramp[:100], LAYERS, ref)
+    store.compact_rollups(run)
+    assert _frontier(store, run) == 100
+    assert _counts(store, run) == (100 // 4, 0)
+    for lo in range(100, 300, 50):
+        _ingest(store, run, list(range(lo, lo + 50)), ramp[lo : lo + 50], LAYERS, ref)
+    assert _frontier(store, run) == 256
+    assert {(64, 1), (128, 0), (256, 0)} <= _block_keys(store)
+    _assert_exact(store, run, ref)
