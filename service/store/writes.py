@@ -177,8 +177,8 @@ class BatchWriter:
         return _Stored(run_id, frontier, pending_names, RunCache(list(layers), dict(index), kinds))
 
     def compact_all(self, run: str) -> None:
-        """Build every rollup block of ``run`` now, the partial last block of each rank included (raises
-        NotFoundError); ingest keeps them current from then on. Needed before a downgrade below revision 0004."""
+        """Move every rank's frontier of ``run`` past its last step now (see Store.compact_rollups; raises
+        NotFoundError); ingest keeps the blocks current from then on."""
         with self.factory() as session:
             run_id = find_run(session, run).id
             ranks = session.scalars(select(RunRank.rank).where(RunRank.run_id == run_id)).all()
