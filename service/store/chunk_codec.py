@@ -58,20 +58,24 @@ def _planes(words: npt.NDArray[np.unsignedinteger]) -> list[bytes]:
     return [planes[:, :, k].tobytes() for k in range(col.dtype.itemsize)]
 
 
-def _words(planes: bytes, rows: int, cols: int, dtype: type[np.unsignedinteger]) -> npt.NDArray[np.unsignedinteger]:
-    """Inverse of :func:`_planes` (the planes concatenated)."""
+def _words(
+    planes: bytes, rows: int, cols: int, dtype: type[np.unsignedinteger], column: int | None = None
+) -> npt.NDArray[np.unsignedinteger]:
+    """Inverse of :func:`_planes` (the planes concatenated), or only its ``column`` (rows × 1)."""
     size = np.dtype(dtype).itemsize
     stacked = np.frombuffer(planes, dtype=np.uint8).reshape(size, cols, rows)
+    if column is not None:  # layer-major planes: one layer's bytes are a slice of each, nothing else is reordered
+        stacked, cols = stacked[:, column : column + 1], 1
     col = np.ascontiguousarray(stacked[::-1].transpose(1, 2, 0)).view(np.dtype(dtype).newbyteorder("<"))
     out: npt.NDArray[np.unsignedinteger] = col.reshape(cols, rows).T.astype(dtype)
     return out
 
 
 def _unxor_planes(
-    data: bytes, rows: int, cols: int, dtype: type[np.unsignedinteger]
+    data: bytes, rows: int, cols: int, dtype: type[np.unsignedinteger], column: int | None = None
 ) -> npt.NDArray[np.unsignedinteger]:
-    """Inverse of :func:`_xor_planes`."""
-    return np.bitwise_xor.accumulate(_words(data, rows, cols, dtype), axis=0)
+    """Inverse of :func:`_xor_planes` (``column``: that one only)."""
+    return np.bitwise_xor.accumulate(_words(data, rows, cols, dtype, column), axis=0)
 
 
 def _compress(data: bytes) -> bytes:
@@ -117,31 +121,35 @@ def values_shape(blob: bytes) -> tuple[int, int]:
     return rows, cols
 
 
-def _group_words(blob: bytes, version: int, groups: int, rows: int, width: int, g: int) -> U32:
-    """The words of group ``g`` (``width`` layers) of a ``vals`` blob."""
+def _group_words(blob: bytes, version: int, groups: int, rows: int, width: int, g: int, column: int | None) -> U32:
+    """The words of group ``g`` (``width`` layers) of a ``vals`` blob, or of its ``column`` only."""
     streams = 1 if version == 1 else PLANES
     sizes = struct.unpack_from(f"<{groups * streams}I", blob, _HEADER.size)
     lengths = [s & ~_STORED for s in sizes]
     offsets = np.cumsum([_HEADER.size + 4 * len(sizes), *lengths]).tolist()
     if version == 1:
-        return _unxor_planes(zlib.decompress(blob[offsets[g] : offsets[g + 1]]), rows, width, np.uint32)
+        return _unxor_planes(zlib.decompress(blob[offsets[g] : offsets[g + 1]]), rows, width, np.uint32, column)
     planes = []
     for i in range(g * PLANES, (g + 1) * PLANES):
         data = blob[offsets[i] : offsets[i + 1]]
         planes.append(data if sizes[i] & _STORED else zlib.decompress(data))
-    return _undo_zigzag_deltas(_words(b"".join(planes), rows, width, np.uint32))
+    return _undo_zigzag_deltas(_words(b"".join(planes), rows, width, np.uint32, column))
 
 
 def decode_values(blob: bytes, layer: int | None = None) -> F32:
     """The matrix of a ``vals`` blob, or only column ``layer`` (rows × 1; missing when the chunk is narrower)."""
     rows, cols = values_shape(blob)
     version, groups = blob[0], -(-cols // GROUP_LAYERS)
-    wanted = range(groups) if layer is None else [layer // GROUP_LAYERS] if layer < cols else []
-    parts = [_group_words(blob, version, groups, rows, min(GROUP_LAYERS, cols - g * GROUP_LAYERS), g) for g in wanted]
     if layer is not None:
-        if not parts:
+        if layer >= cols:
             return np.full((rows, 1), 0x7FC00001, dtype=np.uint32).view(np.float32)
-        return np.ascontiguousarray(parts[0][:, [layer % GROUP_LAYERS]]).view(np.float32)
+        g = layer // GROUP_LAYERS
+        width = min(GROUP_LAYERS, cols - g * GROUP_LAYERS)
+        return _group_words(blob, version, groups, rows, width, g, layer % GROUP_LAYERS).view(np.float32)
+    parts = [
+        _group_words(blob, version, groups, rows, min(GROUP_LAYERS, cols - g * GROUP_LAYERS), g, None)
+        for g in range(groups)
+    ]
     return (np.concatenate(parts, axis=1) if parts else np.zeros((rows, 0), dtype=np.uint32)).view(np.float32)
 
 

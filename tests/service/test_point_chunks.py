@@ -72,6 +72,35 @@ def test_the_codec_gives_back_every_bit(rows: int, cols: int, seed: int, kind: s
     assert decode_times(encode_times(times), rows) == times
 
 
+VERSION_1_BLOB = bytes.fromhex(
+    "01030000004600000002000000730100002f0000007801ddc1cd4b13001806f0e7ede9e0a183871d4422761091901091f010ed7d"
+    "20860c110f1d7688f0e061870289288db146a8f9112812f8d10e2322222a5659ad0f6a84c88892692a1261f32bb5043b85844a7f"
+    "47fd7ea104430986120c25e8c6ab27e94637bad18d6e74a31bdde84637bad18d6e74a31bdde84637bad18d6e74a3408102050a14"
+    "2850a0408102050a142850a0408102050a142850a04081224488102142840811224424039de9e3d773d1bee2955ea47a7267fb83"
+    "c9e73543cf7cf54df3ef772df9276d5f1e27ab333d954f07838f468e3e4c076ede3b329c2919cb1e18cdc547f2976e154abf2f94"
+    "af152bb6368e6dffaa5fdea95dc2c7e2c10f2b250bfb8716f74a275603efd7cb723f0e4f6e0677372afefcaccacf574fcdd5cc7e"
+    "ad9bf9565f9839313fed0f0aa7ee7f6ec84e35befdd47c67fcf4ed17d1f4ab33775fb6a4b2ad63af63b1f0b9f3e1b60b918b9723"
+    "edf1a6784753b23b72ad2bd27923dc3d10c6ffc50cff96bf724d7beb78017364b6756466706466706466706466703c78a8a3a9ab"
+    "ab31aaa721aeaf396ec2bca8499342198800005db10c29"
+)
+"""``encode_values`` of version 1 (main at cfdfdb2) of :func:`_version_1_words`: chunks folded before 0015 hold it."""
+
+
+def _version_1_words() -> np.ndarray:
+    words = (np.arange(3 * 70, dtype=np.float32).reshape(3, 70) * np.float32(0.25) + 1).view(np.uint32).copy()
+    words[0, 5], words[1, 69], words[2, 64] = 0x7FC00001, 0x80000000, 0x7F800000
+    return words
+
+
+def test_chunks_of_codec_version_1_still_read_back() -> None:
+    words = _version_1_words()
+    assert VERSION_1_BLOB[0] == 1
+    assert decode_values(VERSION_1_BLOB).view(np.uint32).tolist() == words.tolist()
+    for layer in (0, 5, 63, 64, 69):
+        assert decode_values(VERSION_1_BLOB, layer)[:, 0].view(np.uint32).tolist() == words[:, layer].tolist()
+    assert encode_values(words.view(np.float32))[0] == 2  # what this collector writes
+
+
 def _app_store(database_url: str, **settings: Any) -> Store:
     """The store of a collector built from these settings (its engine disposed by the caller)."""
     store: Store = create_app(Settings(database_url=database_url, **settings)).state.store
