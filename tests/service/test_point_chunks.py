@@ -1,6 +1,7 @@
-"""Raw points folded into compressed chunks (issue 21): the codec is lossless to the bit, reads across chunks, folded
-rows and the raw tail equal the exact values (late and re-sent steps included), a crash while folding loses and
-duplicates nothing, and the downgrade of migration 0012 gives the raw rows back."""
+"""Raw points folded into compressed chunks (issue 21): the codec is lossless to the bit (its version 1 still reads),
+reads across chunks, folded rows and the raw tail equal the exact values (late and re-sent steps included), a crash
+while folding loses and duplicates nothing, rollup blocks of few samples are not stored, and the downgrades of
+migrations 0012 and 0015 give the code before them what it reads."""
 
 from __future__ import annotations
 
