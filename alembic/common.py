@@ -72,13 +72,18 @@ def layer() -> sa.Column[Any]:
     return sa.Column("layer", sa.String(500), nullable=False)
 
 
-def drop_rank_column(column: str, refuse_while: str, why: str) -> None:
-    """Drop ``run_ranks.column`` in a downgrade, or raise RuntimeError when some rank matches the SQL condition
-    ``refuse_while``: those ranks hold data the schema below the revision cannot read right (``why`` says what,
-    after their count)."""
+def refuse_ranks(refuse_while: str, why: str) -> None:
+    """Raise RuntimeError in a downgrade when some rank matches the SQL condition ``refuse_while``: those ranks hold
+    data the code below the revision cannot read right (``why`` says what, after their count)."""
     found = op.get_bind().execute(sa.text(f"SELECT count(*) FROM run_ranks WHERE {refuse_while}"))
     count = int(found.scalar_one())
     if count:
         raise RuntimeError(f"{count} run ranks {why}")
+
+
+def drop_rank_column(column: str, refuse_while: str, why: str) -> None:
+    """Drop ``run_ranks.column`` in a downgrade, or refuse (:func:`refuse_ranks`) while some rank matches
+    ``refuse_while``."""
+    refuse_ranks(refuse_while, why)
     with op.batch_alter_table("run_ranks") as batch:
         batch.drop_column(column)

@@ -15,9 +15,10 @@ reads (median CPU milliseconds).
 
 Each ``--tree NAME=PATH`` runs the store of another checkout (its package first on ``PYTHONPATH``), the trees
 alternated case by case; ratios are to the first tree's. ``NAME=PATH,fold`` builds that tree's store with folding on
-(the collector's ``fold_chunks`` setting; off by default), so one checkout can run both ways side by side.
+and ``NAME=PATH,raw`` with it off (the collector's ``fold_chunks`` setting; on by default since migration 0015, off
+before), so one checkout can run both ways side by side.
 
-    .venv/bin/python bench/storage_layout.py --tree main=/tmp/qw-main --tree new=. --tree fold=.,fold
+    .venv/bin/python bench/storage_layout.py --tree main=/tmp/qw-main --tree new=. --tree raw=.,raw
     .venv/bin/python bench/storage_layout.py --skip-postgres --workloads demo --steps 256 --requests 200
 """
 
@@ -106,7 +107,9 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
     bodies = batches(case["workload"], case["batch"], count, SAMPLE_EVERY if one_step else 1)
     decoded = [decode_msgpack(b) for b in bodies]
     with fresh_engine(case["backend"], "bench_storage") as engine:
-        store = Store(engine, make_sessionmaker(engine), **({"fold_chunks": True} if case["fold"] else {}))
+        store = Store(
+            engine, make_sessionmaker(engine), **({} if case["fold"] is None else {"fold_chunks": case["fold"]})
+        )
         half = len(decoded) // 2
         cpu, wall = time.process_time(), time.perf_counter()
         first = sum(store.ingest(batch).points for batch in decoded[:half])
@@ -167,12 +170,12 @@ def run_case(tree: Path, case: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def tree_spec(spec: str) -> tuple[Path, bool]:
-    """``PATH`` or ``PATH,fold``: the checkout and whether its store folds."""
+def tree_spec(spec: str) -> tuple[Path, bool | None]:
+    """``PATH``, ``PATH,fold`` or ``PATH,raw``: the checkout and whether its store folds (None: its default)."""
     path, _, option = spec.partition(",")
-    if option not in ("", "fold"):
-        raise SystemExit(f"--tree: unknown option {option!r} after {path!r} (accepted: fold)")
-    return Path(path), option == "fold"
+    if option not in ("", "fold", "raw"):
+        raise SystemExit(f"--tree: unknown option {option!r} after {path!r} (accepted: fold, raw)")
+    return Path(path), {"": None, "fold": True, "raw": False}[option]
 
 
 def main() -> None:
@@ -187,7 +190,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return
-    trees = [(n, *tree_spec(p)) for n, p in (t.split("=", 1) for t in args.tree)] or [("this", Path.cwd(), False)]
+    trees = [(n, *tree_spec(p)) for n, p in (t.split("=", 1) for t in args.tree)] or [("this", Path.cwd(), None)]
     backends = ["sqlite"] + ([] if args.skip_postgres else ["postgres"])
     print(f"load average {os.getloadavg()[0]:.1f} at start; {len(LAYERS)} layers × {len(METRICS)} metrics")
     for backend in backends:

@@ -86,7 +86,9 @@ def serve(
     rules: Annotated[Path | None, typer.Option(help=_setting_help("rules_file"))] = None,
     token_file: Annotated[Path | None, typer.Option(help=_setting_help("token_file"))] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help=_setting_help("insecure"))] = False,
-    fold_chunks: Annotated[bool, typer.Option("--fold-chunks", help=_setting_help("fold_chunks"))] = False,
+    fold_chunks: Annotated[
+        bool | None, typer.Option("--fold-chunks/--no-fold-chunks", help=_setting_help("fold_chunks"))
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Run the collector on uvicorn (upgrades the database schema first).
@@ -105,7 +107,7 @@ def serve(
         rules_file=rules,
         token_file=token_file,
         insecure=True if insecure else None,
-        fold_chunks=True if fold_chunks else None,
+        fold_chunks=fold_chunks,
     )
     if settings.rules_file is not None and not settings.rules_file.is_file():
         typer.echo(f"error: --rules: {settings.rules_file} is not a readable file", err=True)

@@ -156,7 +156,8 @@ class PointChunk(Base):
 
 
 class Rollup(Base):
-    """min, max, sum and count per layer over steps [bucket·level, (bucket+1)·level) of one metric."""
+    """min, max, sum and count per layer over steps [bucket·level, (bucket+1)·level) of one metric; stored only for
+    a block holding at least 16 samples, above level 64 once complete (store/rollup_writes.py)."""
 
     __tablename__ = "rollups"
 

@@ -127,6 +127,16 @@ class Partials:
         )
         return rec.tobytes()
 
+    @classmethod
+    def concat(cls, parts: Sequence[Partials]) -> Partials:
+        """The rows of ``parts`` one after another (float64 sums, int64 counts)."""
+        return cls(
+            np.concatenate([p.vmin for p in parts]),
+            np.concatenate([p.vmax for p in parts]),
+            np.concatenate([p.vsum.astype(np.float64, copy=False) for p in parts]),
+            np.concatenate([p.vcount.astype(np.int64, copy=False) for p in parts]),
+        )
+
     def merge(self, other: Partials) -> Partials:
         """Element-wise combination of two partials of the same shape."""
         return Partials(

@@ -112,8 +112,8 @@ class Settings(BaseSettings):
     )
     fold_chunks: bool = Field(
         default=False,
-        description="Fold raw points behind the compaction frontier into compressed chunks (fewer bytes per point, "
-        "slower ingest and reads; README Storage).",
+        description="Fold raw points behind the compaction frontier into compressed chunks (about half the bytes per "
+        "point, slower ingest and reads of old steps; README Storage).",
     )
     retention_steps: int | None = Field(
         default=None,

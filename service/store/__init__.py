@@ -38,7 +38,9 @@ class Store(HistoryReader):
         self.pg = engine.dialect.name == "postgresql"
         self._writer = BatchWriter(engine, factory, fold_chunks=fold_chunks)
         self._exporter = Exporter(factory)
-        self._retention = Retention(factory, self.pg, self._writer._exclusive, BatchWriter.rank_key)
+        self._retention = Retention(
+            factory, self.pg, self._writer._exclusive, BatchWriter.rank_key, self._writer._rollups
+        )
         self.whatif = WhatIfStore(factory)
         """The what-if statistics' reads."""
 
@@ -52,9 +54,10 @@ class Store(HistoryReader):
         return self._writer.ingest(batch, observers)
 
     def compact_rollups(self, run: str) -> None:
-        """Build every rollup block of ``run`` now, each rank's partial last block included, and, with folding on,
-        fold what is due of its raw points into chunks (raises NotFoundError). Ingest builds blocks once they are
-        complete; this is for a downgrade below migration 0004 and for tests."""
+        """Move each rank's frontier of ``run`` past its last step now: build its base blocks, the partial last one
+        included, and the complete blocks above them, and, with folding on, fold what is due of its raw points into
+        chunks (raises NotFoundError). Ingest builds blocks once they are complete; this is for a downgrade below
+        migration 0007 (whose downgrade refuses ranks with steps past their frontier) and for tests."""
         self._writer.compact_all(run)
 
     def sweep_retention(self, policy: RetentionPolicy, now: float, *, max_ranks: int | None = None) -> RetentionPass:

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from quantwatch.service.models import Run, RunRank
 from quantwatch.service.rollups import LEVELS
 from quantwatch.service.store.folding import ChunkFolder
+from quantwatch.service.store.raw_points import merge
 from quantwatch.service.store.rollup_writes import RollupWriter
 
 BLOCK_STEPS = LEVELS[0]
@@ -76,11 +77,17 @@ class Compactor:
                     else:
                         session.rollback()
                     return frontier
-                start = frontier // BLOCK_STEPS * BLOCK_STEPS  # whole blocks: a frontier from before 0004 may not be
-                tail = self.points.rank_tail(conn, run_id, rank, start, target, n_layers, times=self.folder is not None)
+                timed = self.folder is not None
+                tail = self.points.rank_tail(conn, run_id, rank, frontier, target, n_layers, times=timed)
+                start = frontier // BLOCK_STEPS * BLOCK_STEPS  # whole blocks: a frontier may not be on a block's edge
+                if start < frontier:  # (after compact_all, or from before 0004): the rows before it may be folded
+                    for nid, rows in tail.items():
+                        key = {"run_id": run_id, "rank": rank, "nid": nid}
+                        head = self.points.read(conn, key, start, frontier - 1, None, n_layers, times=timed)
+                        tail[nid] = merge([head, rows])
                 matrices = {nid: (rows.steps, rows.values) for nid, rows in tail.items()}
                 if matrices:
-                    self.rollups.write(conn, run_id, rank, matrices, set(), n_layers, merge=False)
+                    self.rollups.write(conn, run_id, rank, matrices, set(), n_layers, target)
                 conn.execute(
                     update(RunRank).where(RunRank.run_id == run_id, RunRank.rank == rank).values(compacted_step=target)
                 )

@@ -1,12 +1,12 @@
 """Folding raw points into chunks, behind the ingest path (issue 21).
 
-With the collector's ``fold_chunks`` setting on (it is off by default), the compactor, once it has moved a rank's
-frontier, folds in the same transaction the raw rows behind the frontier into ``point_chunks`` and deletes them: a crash
-before the commit leaves the raw rows as they were, after it only the chunks, so nothing is lost or held twice. A
-metric's rows are folded once at least :data:`CHUNK_ROWS` of them wait after its last chunk (fewer compress worse: a
-chunk's first row has no predecessor to XOR with); a raw row at or before its last chunk's last step (a late or re-sent
-step, written after the chunk) is folded at once into the chunk whose steps span it, replacing that chunk's row of the
-same step, or into a chunk of its own in the gap between two.
+With the collector's ``fold_chunks`` setting on (the default since migration 0015), the compactor, once it has moved a
+rank's frontier, folds in the same transaction the raw rows behind the frontier into ``point_chunks`` and deletes them:
+a crash before the commit leaves the raw rows as they were, after it only the chunks, so nothing is lost or held twice.
+A metric's rows are folded once at least :data:`CHUNK_ROWS` of them wait after its last chunk (fewer compress worse: a
+chunk's first row has no predecessor to take the difference from); a raw row at or before its last chunk's last step (a
+late or re-sent step, written after the chunk) is folded at once into the chunk whose steps span it, replacing that
+chunk's row of the same step, or into a chunk of its own in the gap between two.
 """
 
 from __future__ import annotations

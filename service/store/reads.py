@@ -35,7 +35,7 @@ from quantwatch.service.rollups import (
 )
 from quantwatch.service.store.common import NotFoundError, choose_width, columns, find_run
 from quantwatch.service.store.raw_points import RawPoints
-from quantwatch.service.store.retention import read_raw_from
+from quantwatch.service.store.rollup_writes import read_raw_from
 
 
 def _one_series(
@@ -57,14 +57,8 @@ def retained_width(width: int, dropped: bool) -> int:
     return max(width, LEVELS[0]) if dropped else width
 
 
-def _concatenated(parts: Sequence[Partials]) -> Partials:
-    """The rows of ``parts`` one after another."""
-    return Partials(
-        np.concatenate([p.vmin for p in parts]),
-        np.concatenate([p.vmax for p in parts]),
-        np.concatenate([p.vsum for p in parts]),
-        np.concatenate([p.vcount for p in parts]),
-    )
+MAX_GAP_READS = 8
+"""Runs of unstored rollup blocks a bucketed read fetches one by one from the raw points; more: one read over all."""
 
 
 class HistoryReader:
@@ -213,7 +207,7 @@ class HistoryReader:
                 conn, key["run_id"], key["rank"], key["nid"], base, lo // base, (cut - 1) // base, layer, n_layers
             )
             r_steps, raw = self._raw_partials(conn, key, cut, hi, layer, n_layers)
-            return np.concatenate([b_steps, r_steps]), _concatenated([blocks, raw])
+            return np.concatenate([b_steps, r_steps]), Partials.concat([blocks, raw])
         rows = self._points.read(conn, key, lo, hi, None, n_layers, layer=layer)  # no lock: see raw_points
         return rows.steps, Partials.from_values(rows.values)
 
@@ -239,6 +233,38 @@ class HistoryReader:
         width = 1 if layer is not None else n_layers
         return buckets * level, Partials.from_stats(blobs, width)
 
+    def _unstored(
+        self,
+        conn: Connection,
+        key: dict[str, int],
+        level: int,
+        first: int,
+        last: int,
+        stored: I64,
+        layer: int | None,
+        n_layers: int,
+        raw_from: int,
+    ) -> tuple[I64, Partials]:
+        """The raw points of the blocks of ``level`` in [first, last] that are not ``stored`` (too few samples to be
+        stored, or none at all: see rollup_writes): one raw read per run of such blocks, or one over all of them
+        when they are scattered (a run of few samples per block). Before ``raw_from`` the base blocks stand in for
+        the raw points retention dropped (it stores every base block of those steps first)."""
+        missing = np.setdiff1d(np.arange(first, last + 1, dtype=np.int64), stored)
+        if not missing.size:
+            return np.zeros(0, dtype=np.int64), Partials.empty(0, 1 if layer is not None else n_layers)
+        breaks = np.flatnonzero(np.diff(missing) > 1)
+        if breaks.size >= MAX_GAP_READS:
+            spans = [(int(missing[0]), int(missing[-1]))]
+        else:
+            ends = [*missing[breaks].tolist(), int(missing[-1])]
+            spans = list(zip([int(missing[0]), *missing[breaks + 1].tolist()], ends, strict=True))
+        found = [
+            self._raw_partials(conn, key, a * level, (b + 1) * level - 1, layer, n_layers, raw_from) for a, b in spans
+        ]
+        steps = np.concatenate([f[0] for f in found])
+        take = np.flatnonzero(np.isin(steps // level, missing))
+        return steps[take], Partials.concat([f[1] for f in found]).take(take)
+
     def _bucketed(
         self,
         conn: Connection,
@@ -256,9 +282,9 @@ class HistoryReader:
         """Partials per aligned bucket of ``width`` steps over [lo, hi]; keys are bucket indexes (step // width).
 
         Rollup blocks are used only where they end before the rank's ``frontier`` (``compacted_step``): later steps
-        come from the raw points, whose blocks may not be built yet. Before ``raw_from`` (``raw_from_step``: where
-        retention dropped the raw points) the base blocks stand in for them, so there ``width`` must be a multiple of
-        the base level (see :func:`retained_width`)."""
+        come from the raw points, whose blocks may not be built yet, as do the steps of blocks not stored. Before
+        ``raw_from`` (``raw_from_step``: where retention dropped the raw points) the base blocks stand in for them, so
+        there ``width`` must be a multiple of the base level (see :func:`retained_width`)."""
         levels = [lv for lv in LEVELS if lv <= width]
         key = {"run_id": run_id, "rank": rank, "nid": nid}
         if not levels:
@@ -273,9 +299,14 @@ class HistoryReader:
         else:
             h_steps, head = self._raw_partials(conn, key, lo, first_full * level - 1, layer, n_layers, raw_from)
             m_steps, mid = self._rollup_partials(conn, run_id, rank, nid, level, first_full, last_full, layer, n_layers)
+            stored = m_steps // level
+            g_steps, gaps = self._unstored(conn, key, level, first_full, last_full, stored, layer, n_layers, raw_from)
             t_steps, tail = self._raw_partials(conn, key, (last_full + 1) * level, hi, layer, n_layers, raw_from)
-            steps = np.concatenate([h_steps, m_steps, t_steps])
-            part = _concatenated([head, mid, tail])
+            steps = np.concatenate([h_steps, m_steps, g_steps, t_steps])
+            part = Partials.concat([head, mid, gaps, tail])
+            if g_steps.size:
+                order = np.argsort(steps, kind="stable")
+                steps, part = steps[order], part.take(order)
         keys, starts = group_starts(steps // width)
         return keys, part.reduce(starts) if keys.size else part
 

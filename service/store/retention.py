@@ -27,11 +27,12 @@ import numpy as np
 from sqlalchemy import Connection, bindparam, delete, func, insert, or_, select, text, tuple_, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from quantwatch.service.models import Point, PointChunk, Run, RunRank
+from quantwatch.service.models import Point, PointChunk, Run, RunMetric, RunRank
 from quantwatch.service.rollups import LEVELS
 from quantwatch.service.store.chunk_codec import decode_steps, decode_times, values_shape
 from quantwatch.service.store.folding import chunk_row
 from quantwatch.service.store.raw_points import decode_chunk
+from quantwatch.service.store.rollup_writes import RollupWriter, read_raw_from
 
 BLOCK_STEPS = LEVELS[0]
 STEPS_PER_PASS = 4096
@@ -41,7 +42,6 @@ _CHUNK_HEADER_BYTES = 13  # chunk_codec's ``<BIII`` header of ``vals``: enough f
 _RANK = (RunRank.run_id == bindparam("run_id"), RunRank.rank == bindparam("rank"))
 _POINTS = (Point.run_id == bindparam("run_id"), Point.rank == bindparam("rank"))
 _CHUNKS = (PointChunk.run_id == bindparam("run_id"), PointChunk.rank == bindparam("rank"))
-_RAW_FROM = select(RunRank.raw_from_step).where(*_RANK)
 
 
 @dataclass(frozen=True)
@@ -82,11 +82,6 @@ class RetentionPass:
         return RetentionPass(self.ranks + other.ranks, self.rows + other.rows, self.points + other.points)
 
 
-def read_raw_from(conn: Connection, run_id: int, rank: int) -> int:
-    """The rank's ``raw_from_step`` (0: nothing dropped, or no such rank)."""
-    return int(conn.execute(_RAW_FROM, {"run_id": run_id, "rank": rank}).scalar_one_or_none() or 0)
-
-
 def keep_retained(
     conn: Connection, run_id: int, rank: int, entries: dict[str, list[Any]], frontier: int
 ) -> dict[str, list[Any]]:
@@ -111,10 +106,15 @@ class Retention:
         pg: bool,
         exclusive: Callable[[], AbstractContextManager[None]],
         lock_key: Callable[[int, int], int],
+        rollups: RollupWriter,
     ) -> None:
         """``exclusive``: the writer's slot between ingest groups (SQLite); ``lock_key``: the PostgreSQL advisory
-        lock key of a (run, rank), the one ingest and the compactor take."""
+        lock key of a (run, rank), the one ingest and the compactor take; ``rollups``: the store's rollup writer."""
         self.factory = factory
+        self._rollups = rollups
+        self._metrics = select(RunMetric.name_id).where(
+            RunMetric.run_id == bindparam("run_id"), RunMetric.kind == "layer"
+        )
         self.pg = pg
         self._exclusive = exclusive
         self._lock_key = lock_key
@@ -184,8 +184,8 @@ class Retention:
                 if due is None:
                     session.rollback()
                     return RetentionPass()
-                cut, n_layers = due
-                done = self._drop(conn, key, cut, n_layers)
+                cut, n_layers, raw_from = due
+                done = self._drop(conn, key, raw_from, cut, n_layers)
                 moved = update(RunRank).where(RunRank.run_id == run_id, RunRank.rank == rank)
                 conn.execute(moved.values(raw_from_step=cut))
                 session.commit()
@@ -196,13 +196,14 @@ class Retention:
 
     def _due(
         self, conn: Connection, key: dict[str, int], policy: RetentionPolicy, now: float
-    ) -> tuple[int, int] | None:
-        """The rank's new cut and the run's layer count, or None when the cut would not move (or the run is gone)."""
+    ) -> tuple[int, int, int] | None:
+        """The rank's new cut, the run's layer count and the cut before, or None when the cut would not move (or the
+        run is gone)."""
         row = conn.execute(self._rank, key).first()
         if row is None:
             return None
         cut = self._cut(conn, key, policy, now, *map(int, row[:4]))
-        return None if cut is None else (cut, int(row[4]))
+        return None if cut is None else (cut, int(row[4]), int(row[3]))
 
     def _cut(
         self,
@@ -244,8 +245,12 @@ class Retention:
                 break
         return first
 
-    def _drop(self, conn: Connection, key: dict[str, int], cut: int, n_layers: int) -> RetentionPass:
-        """Delete the rank's raw rows and chunk rows before ``cut``; re-encode a chunk that straddles it."""
+    def _drop(self, conn: Connection, key: dict[str, int], raw_from: int, cut: int, n_layers: int) -> RetentionPass:
+        """Delete the rank's raw rows and chunk rows before ``cut`` (those before ``raw_from`` are gone already);
+        re-encode a chunk that straddles it. First store the base blocks of those steps left unstored for their few
+        samples, which reads and parent blocks took from the raw points."""
+        nids = [int(nid) for (nid,) in conn.execute(self._metrics, {"run_id": key["run_id"]})]
+        self._rollups.store_base_blocks(conn, key["run_id"], key["rank"], nids, raw_from, cut - 1, n_layers)
         params = {**key, "cut": cut}
         rows, size = conn.execute(self._raw_size, params).one()
         rows, points = int(rows), int(size) // 4

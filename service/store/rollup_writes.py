@@ -1,4 +1,14 @@
-"""Rollup maintenance on the ingest path: every level's blocks brought up to date for a batch's steps."""
+"""Rollup maintenance behind the ingest path: the blocks of every level brought up to date for given steps.
+
+Two rules keep the table small (issue 21). A block above the base level is written once it is complete (it ends at or
+before the rank's frontier): reads use only such blocks, so a partial one would be rewritten at every compaction for
+nothing (on PostgreSQL each rewrite leaves a dead tuple). And a block that holds fewer than
+:data:`MIN_BLOCK_SAMPLES` samples is not stored at all: its 18 bytes per layer would cost more than the samples
+themselves in a chunk (1-step batches of every 10th step put 6.4 samples in a 64-step block), and a read of that
+width takes those steps from the raw points instead, which for so few samples costs about what the block would.
+A parent block is combined from its children where every child is stored (or was computed in the same pass), else
+from the raw points of its steps.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +18,36 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, bindparam, select
 
-from quantwatch.service.models import Rollup
+from quantwatch.service.models import Rollup, RunRank
 from quantwatch.service.rollups import F32, I64, LEVELS, Partials, group_starts
 from quantwatch.service.store.raw_points import RawPoints
 
+MIN_BLOCK_SAMPLES = 16
+"""Fewest samples (of its best-measured layer) a rollup block must hold to be stored."""
+
+Blocks = dict[int, tuple[I64, Partials]]
+"""Blocks of one level by name id: bucket indexes (sorted) and their partials."""
+
+
+_RAW_FROM = select(RunRank.raw_from_step).where(
+    RunRank.run_id == bindparam("run_id"), RunRank.rank == bindparam("rank")
+)
+
+
+def read_raw_from(conn: Connection, run_id: int, rank: int) -> int:
+    """The rank's ``raw_from_step``: where retention dropped its raw points up to (0: nothing dropped, or no such
+    rank)."""
+    return int(conn.execute(_RAW_FROM, {"run_id": run_id, "rank": rank}).scalar_one_or_none() or 0)
+
+
+def stored_blocks(keys: I64, part: Partials) -> I64:
+    """Indexes of the blocks among ``keys`` that hold enough samples to be stored."""
+    counts = part.vcount.max(axis=1) if part.vcount.shape[1] else np.zeros(keys.size, dtype=np.int64)
+    return np.flatnonzero(counts >= MIN_BLOCK_SAMPLES)
+
 
 class RollupWriter:
-    """Reads and upserts rollup blocks inside an ingest transaction (statements built once per store)."""
+    """Reads and upserts rollup blocks inside a transaction (statements built once per store)."""
 
     def __init__(self, insert: Callable[..., Any], points: RawPoints) -> None:
         self.points = points
@@ -39,13 +72,13 @@ class RollupWriter:
 
     def read(
         self, conn: Connection, run_id: int, rank: int, nids: Sequence[int], level: int, lo: int, hi: int, n_layers: int
-    ) -> dict[int, tuple[I64, Partials]]:
+    ) -> Blocks:
         """Stored blocks of ``level`` with bucket in [lo, hi] for each of ``nids``, by name id, bucket order."""
         rows = conn.execute(
             self._select,
             {"run_id": run_id, "rank": rank, "nids": list(nids), "level": level, "lo": lo, "hi": hi},
         ).all()
-        out: dict[int, tuple[I64, Partials]] = {}
+        out: Blocks = {}
         start = 0
         for i in range(1, len(rows) + 1):
             if i == len(rows) or rows[i][0] != rows[start][0]:
@@ -65,23 +98,16 @@ class RollupWriter:
         matrices: dict[int, tuple[I64, F32]],
         replaced: set[int],
         n_layers: int,
-        *,
-        merge: bool = True,
+        complete_before: int,
     ) -> None:
         """Bring every rollup level up to date for the given steps, all metrics at once per level.
 
         For a name id in ``replaced`` the touched base blocks are recomputed from the raw points (written first);
-        for the others the values are merged into the stored blocks, or, with ``merge=False``, are taken as the
-        whole content of their blocks (the compactor's case: it read them from raw).
+        for the others the values are the whole content of their blocks (the compactor's case: it read them from raw).
+        Blocks above the base level are written only where they end at or before ``complete_before`` (the frontier).
         """
         base = LEVELS[0]
-        level_parts: dict[int, tuple[I64, Partials]] = {}
-        fresh = [nid for nid in matrices if nid not in replaced]
-        stored_all: dict[int, tuple[I64, Partials]] = {}
-        if fresh and merge:
-            lo = min(int(matrices[nid][0][0]) for nid in fresh) // base
-            hi = max(int(matrices[nid][0][-1]) for nid in fresh) // base
-            stored_all = self.read(conn, run_id, rank, fresh, base, lo, hi, n_layers)
+        level_parts: Blocks = {}
         for nid, (steps, values) in matrices.items():
             if nid in replaced:
                 # Replaced values cannot be subtracted from a min or max: recompute the touched blocks from raw.
@@ -90,56 +116,137 @@ class RollupWriter:
                 # Behind the frontier, so some of these steps may be in chunks.
                 raw = self.points.read(conn, {"run_id": run_id, "rank": rank, "nid": nid}, lo, hi, None, n_layers)
                 keys, starts = group_starts(raw.steps // base)
-                part = Partials.from_values(raw.values).reduce(starts)
+                level_parts[nid] = (keys, Partials.from_values(raw.values).reduce(starts))
             else:
                 keys, starts = group_starts(steps // base)
-                part = Partials.from_values(values).reduce(starts)
-                old_keys, old = stored_all.get(nid, (np.zeros(0, dtype=np.int64), Partials.empty(0, n_layers)))
-                if old_keys.size:
-                    pos = np.searchsorted(keys, old_keys)
-                    hit = (pos < keys.size) & (keys[np.minimum(pos, keys.size - 1)] == old_keys)
-                    stored = Partials.empty(keys.size, n_layers)
-                    stored.vmin[pos[hit]] = old.vmin[hit]
-                    stored.vmax[pos[hit]] = old.vmax[hit]
-                    stored.vsum[pos[hit]] = old.vsum[hit]
-                    stored.vcount[pos[hit]] = old.vcount[hit]
-                    part = part.merge(stored)
-            level_parts[nid] = (keys, part)
+                level_parts[nid] = (keys, Partials.from_values(values).reduce(starts))
         self.upsert(conn, run_id, rank, base, level_parts)
         below = base
         for level in LEVELS[1:]:
-            factor = level // below
-            lo_b = min(int(k[0]) for k, _ in level_parts.values()) // factor
-            hi_b = max(int(k[-1]) for k, _ in level_parts.values()) // factor
-            children = self.read(
-                conn, run_id, rank, list(level_parts), below, lo_b * factor, (hi_b + 1) * factor - 1, n_layers
-            )
-            # Only the blocks above this batch's blocks change; recombine each from its (at most 4) children.
-            wanted = {nid: np.unique(k // factor) for nid, (k, _) in level_parts.items()}
-            next_parts: dict[int, tuple[I64, Partials]] = {}
-            for nid, (child_keys, child) in children.items():
-                keep = np.isin(child_keys // factor, wanted[nid])
-                keys, starts = group_starts(child_keys[keep] // factor)
-                next_parts[nid] = (keys, child.take(np.flatnonzero(keep)).reduce(starts))
-            self.upsert(conn, run_id, rank, level, next_parts)
-            level_parts = next_parts
+            level_parts = self._parents(conn, run_id, rank, level, below, level_parts, n_layers, complete_before)
+            if not level_parts:
+                return
+            self.upsert(conn, run_id, rank, level, level_parts)
             below = level
 
-    def upsert(
-        self, conn: Connection, run_id: int, rank: int, level: int, parts: dict[int, tuple[I64, Partials]]
+    def _parents(
+        self,
+        conn: Connection,
+        run_id: int,
+        rank: int,
+        level: int,
+        below: int,
+        children: Blocks,
+        n_layers: int,
+        complete_before: int,
+    ) -> Blocks:
+        """The complete blocks of ``level`` (ending at or before ``complete_before``) above the ``children`` just
+        computed (of level ``below``): each combined from its children, or from raw where one is not stored."""
+        factor = level // below
+        wanted = {nid: np.unique(keys // factor) for nid, (keys, _) in children.items()}
+        wanted = {nid: p[(p + 1) * level <= complete_before] for nid, p in wanted.items()}
+        wanted = {nid: p for nid, p in wanted.items() if p.size}
+        if not wanted:
+            return {}
+        lo_b = min(int(p[0]) for p in wanted.values()) * factor
+        hi_b = (max(int(p[-1]) for p in wanted.values()) + 1) * factor - 1
+        stored = self.read(conn, run_id, rank, list(wanted), below, lo_b, hi_b, n_layers)
+        out: Blocks = {}
+        for nid, parents in wanted.items():
+            old_keys, old = stored.get(nid, (np.zeros(0, dtype=np.int64), Partials.empty(0, n_layers)))
+            new_keys, new = children[nid]
+            # This pass's children win over what is stored (the same blocks, or a partial one now complete).
+            keep = np.flatnonzero(~np.isin(old_keys, new_keys))
+            keys = np.concatenate([old_keys[keep], new_keys])
+            order = np.argsort(keys, kind="stable")
+            part = Partials.concat([old.take(keep), new]).take(order)
+            keys = keys[order]
+            mine = np.flatnonzero(np.isin(keys // factor, parents))
+            found, starts = group_starts(keys[mine] // factor)
+            combined = part.take(mine).reduce(starts) if found.size else Partials.empty(0, n_layers)
+            full = np.diff(np.append(starts, mine.size)) == factor
+            short = parents[~np.isin(parents, found[full])]
+            if not short.size:
+                out[nid] = (found, combined)
+                continue
+            # A child not stored (too few samples, or no steps at all): the parents short of children from raw.
+            key = {"run_id": run_id, "rank": rank, "nid": nid}
+            steps, values = self.step_partials(
+                conn, key, int(short[0]) * level, (int(short[-1]) + 1) * level - 1, n_layers
+            )
+            take = np.flatnonzero(np.isin(steps // level, short))
+            raw_keys, raw_starts = group_starts(steps[take] // level)
+            from_raw = values.take(take).reduce(raw_starts) if raw_keys.size else None
+            kept = np.flatnonzero(full)
+            keys = np.concatenate([found[kept], raw_keys])
+            order = np.argsort(keys, kind="stable")
+            parts = [combined.take(kept)] + ([] if from_raw is None else [from_raw])
+            out[nid] = (keys[order], Partials.concat(parts).take(order))
+        return out
+
+    def upsert(self, conn: Connection, run_id: int, rank: int, level: int, parts: Blocks) -> None:
+        """Write the blocks of ``parts`` that hold enough samples to be stored (see :data:`MIN_BLOCK_SAMPLES`)."""
+        self._write(
+            conn,
+            run_id,
+            rank,
+            level,
+            {nid: (keys, part, stored_blocks(keys, part)) for nid, (keys, part) in parts.items()},
+        )
+
+    def _write(
+        self, conn: Connection, run_id: int, rank: int, level: int, parts: dict[int, tuple[I64, Partials, I64]]
     ) -> None:
-        rows = []
-        for nid, (keys, part) in parts.items():
-            for i, bucket in enumerate(keys.tolist()):
-                rows.append(
-                    {
-                        "run_id": run_id,
-                        "rank": rank,
-                        "name_id": nid,
-                        "level": level,
-                        "bucket": bucket,
-                        "stats": part.stats(i),
-                    }
-                )
+        """Upsert the blocks ``which`` (indexes into ``keys``) of each name id's ``(keys, part, which)``."""
+        rows = [
+            {
+                "run_id": run_id,
+                "rank": rank,
+                "name_id": nid,
+                "level": level,
+                "bucket": int(keys[i]),
+                "stats": part.stats(i),
+            }
+            for nid, (keys, part, which) in parts.items()
+            for i in which.tolist()
+        ]
         if rows:
             conn.execute(self._upsert, rows)
+
+    def step_partials(
+        self, conn: Connection, key: dict[str, int], lo: int, hi: int, n_layers: int
+    ) -> tuple[I64, Partials]:
+        """Partials of the series ``key`` over [lo, hi]: one per raw point, and before the rank's retention cut,
+        whose raw points are gone, one per base block (keyed by its first step; retention stores every base block
+        of the steps it drops: :meth:`store_base_blocks`)."""
+        base = LEVELS[0]
+        cut = max(lo, min(hi + 1, read_raw_from(conn, key["run_id"], key["rank"])))
+        steps, parts = [], []
+        if lo < cut:
+            blocks = self.read(
+                conn, key["run_id"], key["rank"], [key["nid"]], base, lo // base, (cut - 1) // base, n_layers
+            )
+            keys, part = blocks.get(key["nid"], (np.zeros(0, dtype=np.int64), Partials.empty(0, n_layers)))
+            steps.append(keys * base)
+            parts.append(part)
+        raw = self.points.read(conn, key, cut, hi, None, n_layers)
+        steps.append(raw.steps)
+        parts.append(Partials.from_values(raw.values))
+        return np.concatenate(steps), Partials.concat(parts)
+
+    def store_base_blocks(
+        self, conn: Connection, run_id: int, rank: int, nids: Sequence[int], lo: int, hi: int, n_layers: int
+    ) -> None:
+        """Store every base block of steps [lo, hi] of ``nids`` that holds a sample but is not stored (it had too few
+        samples): retention is about to drop the raw points its steps would be read from."""
+        base = LEVELS[0]
+        stored = self.read(conn, run_id, rank, nids, base, lo // base, hi // base, n_layers)
+        missing: dict[int, tuple[I64, Partials, I64]] = {}
+        for nid in nids:
+            raw = self.points.read(conn, {"run_id": run_id, "rank": rank, "nid": nid}, lo, hi, None, n_layers)
+            if not raw.steps.size:
+                continue
+            keys, starts = group_starts(raw.steps // base)
+            have = stored.get(nid, (np.zeros(0, dtype=np.int64), None))[0]
+            missing[nid] = (keys, Partials.from_values(raw.values).reduce(starts), np.flatnonzero(~np.isin(keys, have)))
+        self._write(conn, run_id, rank, base, missing)

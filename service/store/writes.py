@@ -73,7 +73,7 @@ _STORED_STEPS = select(Point.step, Point.name_id).where(
 class BatchWriter:
     """The ingest path of one engine; holds small caches of immutable facts (name ids, layer order) per process."""
 
-    def __init__(self, engine: Engine, factory: sessionmaker[Session], *, fold_chunks: bool = False) -> None:
+    def __init__(self, engine: Engine, factory: sessionmaker[Session], *, fold_chunks: bool = True) -> None:
         self.factory = factory
         self.pg = engine.dialect.name == "postgresql"
         self._insert = postgresql.insert if self.pg else sqlite.insert
@@ -175,8 +175,8 @@ class BatchWriter:
         return _Stored(run_id, frontier, pending_names, RunCache(list(layers), dict(index), kinds))
 
     def compact_all(self, run: str) -> None:
-        """Build every rollup block of ``run`` now, the partial last block of each rank included (raises
-        NotFoundError); ingest keeps them current from then on. Needed before a downgrade below revision 0004."""
+        """Move every rank's frontier of ``run`` past its last step now (see Store.compact_rollups; raises
+        NotFoundError); ingest keeps the blocks current from then on."""
         with self.factory() as session:
             run_id = find_run(session, run).id
             ranks = session.scalars(select(RunRank.rank).where(RunRank.run_id == run_id)).all()
@@ -346,7 +346,7 @@ class BatchWriter:
         # complete block, which is recomputed from the raw points just written (a min or max cannot be subtracted).
         late = {nid: (s[s < frontier], v[s < frontier]) for nid, (s, v) in matrices.items() if int(s[0]) < frontier}
         if late:
-            self._rollups.write(conn, run_id, batch.rank, late, set(late), n_layers)
+            self._rollups.write(conn, run_id, batch.rank, late, set(late), n_layers, frontier)
 
     def _write_scalars(self, conn: Connection, run_id: int, batch: IngestBatch, name_ids: dict[str, int]) -> None:
         rows = [

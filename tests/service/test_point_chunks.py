@@ -1,6 +1,7 @@
-"""Raw points folded into compressed chunks (issue 21): the codec is lossless to the bit, reads across chunks, folded
-rows and the raw tail equal the exact values (late and re-sent steps included), a crash while folding loses and
-duplicates nothing, and the downgrade of migration 0012 gives the raw rows back."""
+"""Raw points folded into compressed chunks (issue 21): the codec is lossless to the bit (its version 1 still reads),
+reads across chunks, folded rows and the raw tail equal the exact values (late and re-sent steps included), a crash
+while folding loses and duplicates nothing, rollup blocks of few samples are not stored, and the downgrades of
+migrations 0012 and 0015 give the code before them what it reads."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from quantwatch.service.app import create_app
 from quantwatch.service.batch import decode_json
 from quantwatch.service.core.db import alembic_config, upgrade
 from quantwatch.service.exposition.queries import RankReader, RestoreLimits, recent_runs
-from quantwatch.service.models import Point, PointChunk
+from quantwatch.service.models import Point, PointChunk, Rollup
+from quantwatch.service.rollups import LEVELS
 from quantwatch.service.store import Store, folding
 from quantwatch.service.store.chunk_codec import (
     decode_steps,
@@ -71,6 +73,35 @@ def test_the_codec_gives_back_every_bit(rows: int, cols: int, seed: int, kind: s
     assert decode_times(encode_times(times), rows) == times
 
 
+VERSION_1_BLOB = bytes.fromhex(
+    "01030000004600000002000000730100002f0000007801ddc1cd4b13001806f0e7ede9e0a183871d4422761091901091f010ed7d"
+    "20860c110f1d7688f0e061870289288db146a8f9112812f8d10e2322222a5659ad0f6a84c88892692a1261f32bb5043b85844a7f"
+    "47fd7ea104430986120c25e8c6ab27e94637bad18d6e74a31bdde84637bad18d6e74a31bdde84637bad18d6e74a3408102050a14"
+    "2850a0408102050a142850a0408102050a142850a04081224488102142840811224424039de9e3d773d1bee2955ea47a7267fb83"
+    "c9e73543cf7cf54df3ef772df9276d5f1e27ab333d954f07838f468e3e4c076ede3b329c2919cb1e18cdc547f2976e154abf2f94"
+    "af152bb6368e6dffaa5fdea95dc2c7e2c10f2b250bfb8716f74a275603efd7cb723f0e4f6e0677372afefcaccacf574fcdd5cc7e"
+    "ad9bf9565f9839313fed0f0aa7ee7f6ec84e35befdd47c67fcf4ed17d1f4ab33775fb6a4b2ad63af63b1f0b9f3e1b60b918b9723"
+    "edf1a6784753b23b72ad2bd27923dc3d10c6ffc50cff96bf724d7beb78017364b6756466706466706466706466703c78a8a3a9ab"
+    "ab31aaa721aeaf396ec2bca8499342198800005db10c29"
+)
+"""``encode_values`` of version 1 (main at cfdfdb2) of :func:`_version_1_words`: chunks folded before 0015 hold it."""
+
+
+def _version_1_words() -> np.ndarray:
+    words = (np.arange(3 * 70, dtype=np.float32).reshape(3, 70) * np.float32(0.25) + 1).view(np.uint32).copy()
+    words[0, 5], words[1, 69], words[2, 64] = 0x7FC00001, 0x80000000, 0x7F800000
+    return words
+
+
+def test_chunks_of_codec_version_1_still_read_back() -> None:
+    words = _version_1_words()
+    assert VERSION_1_BLOB[0] == 1
+    assert decode_values(VERSION_1_BLOB).view(np.uint32).tolist() == words.tolist()
+    for layer in (0, 5, 63, 64, 69):
+        assert decode_values(VERSION_1_BLOB, layer)[:, 0].view(np.uint32).tolist() == words[:, layer].tolist()
+    assert encode_values(words.view(np.float32))[0] == 2  # what this collector writes
+
+
 def _app_store(database_url: str, **settings: Any) -> Store:
     """The store of a collector built from these settings (its engine disposed by the caller)."""
     store: Store = create_app(Settings(database_url=database_url, **settings)).state.store
@@ -79,8 +110,8 @@ def _app_store(database_url: str, **settings: Any) -> Store:
 
 @pytest.fixture
 def store(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
-    """A collector's store with folding on. Four rows per chunk: small histories make many chunks, and late steps land
-    in them and between them."""
+    """A collector's store with folding on. Four rows per chunk: small histories make many chunks, and late steps
+    land in them and between them."""
     monkeypatch.setattr(folding, "CHUNK_ROWS", 4)
     folded = _app_store(database_url, fold_chunks=True)
     yield folded
@@ -89,11 +120,11 @@ def store(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]
 
 @pytest.fixture
 def unfolded(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
-    """A collector's store with the default settings, over the same database."""
+    """A collector's store with folding off (``fold_chunks`` false), over the same database."""
     monkeypatch.setattr(folding, "CHUNK_ROWS", 4)
-    default = _app_store(database_url)
-    yield default
-    default.engine.dispose()
+    raw = _app_store(database_url, fold_chunks=False)
+    yield raw
+    raw.engine.dispose()
 
 
 def _counts(store: Store, run: str) -> tuple[int, int]:
@@ -157,9 +188,9 @@ def _late_history(store: Store, run: str, ref: Reference) -> None:
         _ingest(store, run, list(range(lo, lo + 20)), ramp[lo : lo + 20], LAYERS, ref)
 
 
-def test_the_default_settings_never_fold(unfolded: Store) -> None:
-    """Folding is opt-in: with the default settings a history that folds into chunks with it on stays raw, compacted
-    to its last step included, and reads back exactly."""
+def test_folding_off_never_folds(unfolded: Store) -> None:
+    """Folding is off by default; then a history that folds into chunks with it on stays raw, compacted to its last
+    step included, and reads back exactly."""
     assert not Settings().fold_chunks
     run = "unfolded"
     ref = Reference()
@@ -325,3 +356,64 @@ def test_a_fold_between_a_reads_frontier_and_its_rows_loses_nothing(
     got = store.series(run, "m", "b", 0, None, None, 100_000)  # frontier and last step read before the fold
     assert np.asarray(got["steps"]).tolist() == list(range(60))
     assert np.asarray(got["min"], dtype=np.float64).tolist() == [float(4 * s + 1) for s in range(60)]
+
+
+def _block_keys(store: Store) -> set[tuple[int, int]]:
+    """(level, bucket) of every stored rollup block."""
+    with store.engine.connect() as conn:
+        return {(int(level), int(b)) for level, b in conn.execute(select(Rollup.level, Rollup.bucket))}
+
+
+def test_sparse_blocks_are_not_stored_and_the_downgrade_of_0015_rebuilds_them(store: Store) -> None:
+    """Every 10th step (the agent's sampling): no 64- or 128-step block holds 16 samples, so none is stored and reads
+    of those widths take the steps from the chunks; then a dense stretch, whose blocks are. The downgrade of 0015
+    decodes every chunk (version 2: the code before reads version 1 only) and stores every block of every level,
+    as the code before expects; upgraded again, reads and ingest go on exactly."""
+    run = "sparse"
+    ref = Reference()
+    rng = np.random.default_rng(11)
+    for lo in range(0, 2000, 100):
+        steps = list(range(lo, lo + 100, 10))
+        _ingest(store, run, steps, rng.standard_normal((10, 4)).astype(np.float32), LAYERS, ref)
+    for lo in range(2048, 2048 + 256, 64):
+        _ingest(store, run, list(range(lo, lo + 64)), rng.standard_normal((64, 4)).astype(np.float32), LAYERS, ref)
+    _ingest(store, run, [30], np.float32([[7.0]]), ["c"], ref)  # re-sent, into a chunk and its blocks
+    blocks = _block_keys(store)
+    assert not {(level, b) for level, b in blocks if level <= 128 and b * level < 2000}
+    assert {(256, b) for b in range(2000 // 256)} <= blocks  # 25 or 26 samples each
+    assert {(64, b) for b in range(2048 // 64, (2048 + 192) // 64)} <= blocks
+    with store.engine.connect() as conn:
+        versions = {bytes(v)[0] for (v,) in conn.execute(select(func.substr(PointChunk.vals, 1, 1)))}
+    assert versions == {2}
+    _assert_exact(store, run, ref)
+    before = b"".join(store.export_csv(run))
+    cfg = alembic_config(store.engine.url.render_as_string(hide_password=False))
+    with store.engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0014_retention")
+    assert _counts(store, run) == (0, len(ref.values))
+    assert _block_keys(store) == {(level, s // level) for s in ref.values for level in LEVELS}
+    _assert_exact(store, run, ref)
+    upgrade(store.engine)
+    assert b"".join(store.export_csv(run)) == before
+    _ingest(store, run, list(range(2304, 2400, 10)), np.ones((10, 4), dtype=np.float32), LAYERS, ref)
+    _assert_exact(store, run, ref)
+    _assert_export(store, run, ref)
+
+
+def test_a_block_split_by_compact_rollups_is_rebuilt_from_its_folded_rows(store: Store) -> None:
+    """compact_rollups moves the frontier past the last step, inside a block, and folds the rows before it; when more
+    steps of that block arrive, its next compaction rebuilds it from those folded rows too, and the parents above it,
+    written once complete, hold every step."""
+    run = "split"
+    ref = Reference()
+    ramp = np.arange(300, dtype=np.float32)[:, None] * np.float32([1, -1, 0.5, 2])
+    _ingest(store, run, list(range(100)), ramp[:100], LAYERS, ref)
+    store.compact_rollups(run)
+    assert _frontier(store, run) == 100
+    assert _counts(store, run) == (100 // 4, 0)
+    for lo in range(100, 300, 50):
+        _ingest(store, run, list(range(lo, lo + 50)), ramp[lo : lo + 50], LAYERS, ref)
+    assert _frontier(store, run) == 256
+    assert {(64, 1), (128, 0), (256, 0)} <= _block_keys(store)
+    _assert_exact(store, run, ref)

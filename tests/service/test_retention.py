@@ -151,6 +151,32 @@ def test_reads_at_rollup_resolution_answer_as_before_the_drop(store: Store) -> N
     assert "raw_from_step" not in store.series(run, "m", "a", 0, 960, None, 100_000)
 
 
+def test_a_sparse_run_cut_inside_a_block_not_yet_built_reads_as_a_run_never_cut(store: Store) -> None:
+    """Every 10th step: blocks of 64 and 128 steps hold too few samples to be stored, so reads and the parent blocks
+    built later take those steps from the raw points. A cut (1088) inside a 256-step block not complete yet
+    (1024–1279, frontier 1216), then the rest of the run: every read at a rollup width, and the parents built after
+    the cut, answer as those of the same run never cut, as the sweep stores the base blocks of the steps it drops."""
+    cut_run, whole = f"sparse-{uuid.uuid4().hex[:8]}", f"whole-{uuid.uuid4().hex[:8]}"
+    values = _history()
+    first, rest = list(range(0, 1251, 10)), list(range(1260, 1300, 10))
+    for lo in range(0, len(first), 13):
+        _ingest(store, cut_run, first[lo : lo + 13], values[first[lo : lo + 13]])
+    store.sweep_retention(RetentionPolicy(steps=100), TIME0 + STEPS)
+    assert _raw_from(store, cut_run) == 1088  # 1251 - 100 = 1151, down to a block boundary
+    _ingest(store, cut_run, rest, values[rest])
+    every = first + rest
+    for lo in range(0, len(every), 13):
+        _ingest(store, whole, every[lo : lo + 13], values[every[lo : lo + 13]])
+    reads = [(None, None, n) for n in (1, 2, 5, 10, 20)] + [(1024, 1279, 1), (0, 1279, 4), (64, 1151, 3)]
+    for layer in LAYERS:
+        for s, e, n in reads:
+            answer = store.series(cut_run, "m", layer, 0, s, e, n)
+            assert answer["bucket_steps"] >= 64
+            assert _without_mark(answer) == _without_mark(store.series(whole, "m", layer, 0, s, e, n)), (layer, s, e)
+    heat = store.heatmap(cut_run, "m", 0, None, None, 20, None, "mean")
+    assert _without_mark(heat) == _without_mark(store.heatmap(whole, "m", 0, None, None, 20, None, "mean"))
+
+
 def test_raw_resolution_over_the_dropped_range_answers_at_the_base_rollup_level(store: Store) -> None:
     run = f"ret-{uuid.uuid4().hex[:8]}"
     values = _filled(store, run)

@@ -103,14 +103,15 @@ def test_serve_refuses_a_fold_chunks_value_that_is_not_a_boolean(
     monkeypatch.setenv("QUANTWATCH_FOLD_CHUNKS", "true")
     assert Settings().fold_chunks
     monkeypatch.delenv("QUANTWATCH_FOLD_CHUNKS")
-    assert not Settings().fold_chunks
+    assert not Settings().fold_chunks  # off by default
 
 
 def test_serve_takes_fold_chunks_from_its_flag_or_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     served: list[Any] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **_options: served.append(app))
     try:
-        for args, env in ((["--fold-chunks"], None), ([], "true"), ([], None)):
+        cases = ((["--fold-chunks"], None), ([], "true"), (["--no-fold-chunks"], "true"), ([], None))
+        for args, env in cases:
             if env is None:
                 monkeypatch.delenv("QUANTWATCH_FOLD_CHUNKS", raising=False)
             else:
@@ -120,6 +121,6 @@ def test_serve_takes_fold_chunks_from_its_flag_or_variable(tmp_path: Path, monke
             assert result.exit_code == 0, result.output
     finally:
         gc.unfreeze()  # serve froze what it built
-    assert [a.state.settings.fold_chunks for a in served] == [True, True, False]
+    assert [a.state.settings.fold_chunks for a in served] == [True, True, False, False]
     for a in served:
         a.state.engine.dispose()
