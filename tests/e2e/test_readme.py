@@ -42,7 +42,8 @@ COVERAGE = {
     "quantwatch advise": "test_readme_client_commands",
     "quantwatch import": "test_readme_client_commands",
     "quantwatch serve": "test_readme_serve_commands",
-    "quantwatch db upgrade": "test_readme_db_upgrade_command",
+    "quantwatch db upgrade": "test_readme_db_commands",
+    "quantwatch db retention": "test_readme_db_commands",
     "cp .env.example .env": "tests/dashboards/test_compose.py (every variable of the compose file is in .env.example)",
     "docker compose up -d --build": "tests/dashboards/test_compose.py (Compose schema, mounted paths, Dockerfile)",
 }
@@ -223,13 +224,16 @@ def test_readme_serve_commands(tmp_path: Path, postgres_session_url: str) -> Non
         process.wait(timeout=30)
 
 
-def test_readme_db_upgrade_command(tmp_path: Path) -> None:
-    (command,) = [c for c in shell_commands() if c.startswith("quantwatch db upgrade")]
+def test_readme_db_commands(tmp_path: Path) -> None:
+    """The README's `db upgrade`, then its `db retention` pass on the upgraded database (nothing due there)."""
     url = f"sqlite:///{tmp_path / 'upgraded.db'}"
-    argv = [url if word == "…" else word for word in expand(command)[0]]
-    result = CliRunner().invoke(app, argv[1:])
-    assert result.exit_code == 0, result.stdout + result.stderr
-    assert (tmp_path / "upgraded.db").stat().st_size > 0
+    for head in ("quantwatch db upgrade", "quantwatch db retention"):
+        (command,) = [c for c in shell_commands() if c.startswith(head)]
+        argv = [url if word == "…" else word for word in expand(command)[0]]
+        result = CliRunner().invoke(app, argv[1:])
+        assert result.exit_code == 0, result.stdout + result.stderr
+        assert (tmp_path / "upgraded.db").stat().st_size > 0
+    assert "0 raw points" in result.stdout, result.stdout
 
 
 def test_every_python_block_is_run() -> None:
