@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from quantwatch.service.periodic import PeriodicThread, positive_seconds
 from quantwatch.service.store import RetentionPolicy, Store
 
 __all__ = ["RANKS_PER_SWEEP", "RetentionSweeper"]
@@ -23,7 +24,7 @@ RANKS_PER_SWEEP = 64
 log = logging.getLogger("quantwatch.service")
 
 
-class RetentionSweeper:
+class RetentionSweeper(PeriodicThread):
     """Applies ``policy`` to ``store`` every ``interval_seconds``; ``dropped_points_total`` counts what it dropped
     (the ``quantwatch_retention_dropped_points_total`` counter)."""
 
@@ -34,33 +35,17 @@ class RetentionSweeper:
         interval_seconds: float,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if isinstance(interval_seconds, bool) or not isinstance(interval_seconds, int | float):
-            raise ValueError(f"retention_interval_seconds: must be a number > 0, got {interval_seconds!r}")
-        if not interval_seconds > 0:
-            raise ValueError(f"retention_interval_seconds: must be > 0, got {interval_seconds}")
+        super().__init__("quantwatch-retention", positive_seconds("retention_interval_seconds", interval_seconds))
         self.store = store
         self.policy = policy
-        self.interval_seconds = float(interval_seconds)
         self.dropped_points_total = 0
         self._clock = clock
         self._lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Start the thread (idempotent; nothing when the policy drops nothing)."""
-        if self._thread is None and self.policy.enabled:
-            self._stopping.clear()
-            self._thread = threading.Thread(target=self._loop, name="quantwatch-retention", daemon=True)
-            self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread after the transaction in progress."""
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if not self._thread.is_alive():
-                self._thread = None
+        if self.policy.enabled:
+            super().start()
 
     def dropped_points(self) -> int:
         """Raw points this process's sweeps dropped so far."""
@@ -79,9 +64,8 @@ class RetentionSweeper:
                 break
         return dropped
 
-    def _loop(self) -> None:
-        while not self._stopping.wait(self.interval_seconds):
-            try:
-                self.run_once()
-            except Exception:  # a database hiccup: the next pass retries what is due
-                log.exception("retention sweep failed; the next pass retries it")
+    def run_pass(self) -> None:
+        try:
+            self.run_once()
+        except Exception:  # a database hiccup: the next pass retries what is due
+            log.exception("retention sweep failed; the next pass retries it")
