@@ -17,21 +17,14 @@ import zlib
 from typing import Any
 
 import numpy as np
-import sqlalchemy as sa
 
-from alembic import op
+from quantwatch.service.migrations.common import rewrite_series_states
 
 revision: str = "0016_alert_state_binary"
 down_revision: str | None = "0015_lean_storage"
 
-STATES = sa.table(
-    "alert_series_states",
-    sa.column("rule_id", sa.Integer()),
-    sa.column("run", sa.String()),
-    sa.column("rank", sa.Integer()),
-    sa.column("series", sa.JSON()),
-)
-HEADER = struct.Struct("<IB")  # version 2's header at this revision (frozen: the code's may change)
+VERSION_2 = "columns2"
+HEADER = struct.Struct("<IB")  # version 2's tag and header at this revision (frozen: the code's may change)
 
 
 def upgrade() -> None:
@@ -64,12 +57,6 @@ def _version_1(row: list[Any]) -> list[Any]:
 
 
 def downgrade() -> None:
-    bind = op.get_bind()
-    key = (STATES.c.rule_id, STATES.c.run, STATES.c.rank)
-    for rule_id, run, rank, series in bind.execute(sa.select(*key, STATES.c.series)).all():
-        if isinstance(series, list) and series[0] == "columns2":
-            bind.execute(
-                sa.update(STATES)
-                .where(STATES.c.rule_id == rule_id, STATES.c.run == run, STATES.c.rank == rank)
-                .values(series=_version_1(series))
-            )
+    rewrite_series_states(
+        lambda series: _version_1(series) if isinstance(series, list) and series[0] == VERSION_2 else None
+    )
