@@ -7,6 +7,7 @@ what it created, so change nothing here that alters an existing revision's schem
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -87,3 +88,27 @@ def drop_rank_column(column: str, refuse_while: str, why: str) -> None:
     refuse_ranks(refuse_while, why)
     with op.batch_alter_table("run_ranks") as batch:
         batch.drop_column(column)
+
+
+SERIES_STATES = sa.table(
+    "alert_series_states",
+    sa.column("rule_id", sa.Integer()),
+    sa.column("run", sa.String()),
+    sa.column("rank", sa.Integer()),
+    sa.column("series", sa.JSON()),
+)
+"""The alert series-state rows (revision 0009 on), as the revisions that rewrite their ``series`` read them."""
+
+
+def rewrite_series_states(rewrite: Callable[[Any], Any | None]) -> None:
+    """Store ``rewrite(series)`` in place of each alert series-state row's ``series`` (None: the row is kept)."""
+    bind = op.get_bind()
+    key = (SERIES_STATES.c.rule_id, SERIES_STATES.c.run, SERIES_STATES.c.rank)
+    for rule_id, run, rank, series in bind.execute(sa.select(*key, SERIES_STATES.c.series)).all():
+        rewritten = rewrite(series)
+        if rewritten is not None:
+            bind.execute(
+                sa.update(SERIES_STATES)
+                .where(key[0] == rule_id, key[1] == run, key[2] == rank)
+                .values(series=rewritten)
+            )

@@ -10,20 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import sqlalchemy as sa
-
-from alembic import op
+from quantwatch.service.migrations.common import rewrite_series_states
 
 revision: str = "0011_alert_state_columns"
 down_revision: str | None = "0010_actions"
-
-STATES = sa.table(
-    "alert_series_states",
-    sa.column("rule_id", sa.Integer()),
-    sa.column("run", sa.String()),
-    sa.column("rank", sa.Integer()),
-    sa.column("series", sa.JSON()),
-)
 
 
 def upgrade() -> None:
@@ -40,13 +30,4 @@ def _per_layer(columns: list[Any]) -> dict[str, list[Any]]:
 
 
 def downgrade() -> None:
-    bind = op.get_bind()
-    key = (STATES.c.rule_id, STATES.c.run, STATES.c.rank)
-    rows = bind.execute(sa.select(*key, STATES.c.series)).all()
-    for rule_id, run, rank, series in rows:
-        if isinstance(series, list):
-            bind.execute(
-                sa.update(STATES)
-                .where(STATES.c.rule_id == rule_id, STATES.c.run == run, STATES.c.rank == rank)
-                .values(series=_per_layer(series))
-            )
+    rewrite_series_states(lambda series: _per_layer(series) if isinstance(series, list) else None)

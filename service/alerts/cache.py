@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
 
@@ -13,16 +14,15 @@ __all__ = ["RuleCache"]
 
 
 class RuleCache:
-    """Enabled rules as (id, Rule), re-read and re-parsed only when their revision changed (one small query per
-    batch)."""
+    """Enabled rules as (id, Rule), re-read and re-parsed only when their revision changed (the revisions come with
+    the batch's first statement, :mod:`~quantwatch.service.alerts.head`)."""
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[int, Rule]] = {}
         self._lock = threading.Lock()
 
-    def active_rules(self, session: Session) -> list[tuple[int, Rule]]:
-        """The enabled rules in id order, as (id, Rule)."""
-        rows = repository.enabled_rules(session)
+    def active_rules(self, session: Session, rows: Sequence[tuple[int, int]]) -> list[tuple[int, Rule]]:
+        """The enabled rules in id order, as (id, Rule), given every enabled rule's (id, revision) ``rows``."""
         with self._lock:
             known = dict(self._by_id)
         # Only a rule whose revision changed is read whole and parsed again.

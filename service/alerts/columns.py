@@ -2,7 +2,8 @@
 
 A metric rule's state for all the layers of a rank is one :class:`ColumnStates`: numpy arrays (status, newest step,
 streak, clear streak, last value) over its layers, advanced with vectorised operations one step row of the batch at a
-time and stored as one JSON list of arrays (:meth:`ColumnStates.encode`), not one Python object per (rule, layer).
+time and stored as a few compressed arrays (:mod:`~quantwatch.service.alerts.state_codec`), not one Python object
+per (rule, layer).
 Baseline rules (a variable-length reference per series) and scalar rules (one series) keep the per-sample path and
 its :class:`~quantwatch.service.alerts.evaluator.SeriesState` mapping. :func:`evaluate_rows` is the ingest path;
 :func:`evaluate_columns` gives the same result keyed per series (tests hold it to
@@ -36,6 +37,7 @@ from quantwatch.service.alerts.evaluator import (
 )
 from quantwatch.service.alerts.rules import Rule
 from quantwatch.service.alerts.specs import Selection, selects_layer
+from quantwatch.service.alerts.state_codec import COLUMNS_TAG, decode_columns, encode_columns
 from quantwatch.service.alerts.tables import SERIES_STATUSES
 
 __all__ = [
@@ -53,9 +55,6 @@ __all__ = [
 Bools = npt.NDArray[np.bool_]
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
-
-COLUMNS_TAG = "columns"
-"""First element of a stored columnar row (a JSON list; rows of per-layer states are JSON objects)."""
 
 STATUSES = tuple(SeriesStatus(name) for name in SERIES_STATUSES)
 """Each stored status code's status (both stored forms: a code is the index in :data:`SERIES_STATUSES`)."""
@@ -153,37 +152,13 @@ class ColumnStates(Mapping[SeriesKey, SeriesState]):
         )
 
     def encode(self) -> list[Any]:
-        """The stored row: ``[COLUMNS_TAG, layers, seen, status, last step, streak, clear streak, last value]``
-        (a non-finite last value as null)."""
-        finite = np.isfinite(self.last_value)
-        values: list[float | None] = self.last_value.tolist()
-        if not finite.all():  # rewritten on every batch: the per-value pass only where one is not finite
-            values = [value if ok else None for value, ok in zip(values, finite.tolist(), strict=True)]
-        return [
-            COLUMNS_TAG,
-            list(self.layers),
-            self.seen.tolist(),
-            self.status.tolist(),
-            self.last.tolist(),
-            self.streak.tolist(),
-            self.clear.tolist(),
-            values,
-        ]
+        """The stored row (version 2 of :mod:`~quantwatch.service.alerts.state_codec`)."""
+        return encode_columns((self.layers, *self._arrays()))
 
     @classmethod
     def decode(cls, rule: str, fields: Sequence[Any]) -> ColumnStates:
-        """The states :meth:`encode` stored."""
-        _, layers, seen, status, last, streak, clear, values = fields
-        return cls(
-            rule,
-            tuple(layers),
-            np.array(seen, dtype=bool),
-            np.array(status, dtype=np.int8),
-            np.array(last, dtype=np.int64),
-            np.array(streak, dtype=np.int64),
-            np.array(clear, dtype=np.int64),
-            np.array(values, dtype=np.float64),
-        )
+        """The states of a stored row of either version of :mod:`~quantwatch.service.alerts.state_codec`."""
+        return cls(rule, *decode_columns(fields))
 
     def covering(self, names: Sequence[str]) -> tuple[ColumnStates, npt.NDArray[np.intp] | None]:
         """These states extended by the layers of ``names`` they lack, and the position of each name in them
@@ -206,12 +181,12 @@ class ColumnStates(Mapping[SeriesKey, SeriesState]):
 
 
 def stored_statuses(series: Mapping[str, list[Any]] | Sequence[Any], layers: Sequence[str]) -> dict[str, int]:
-    """The status codes of the series of ``layers`` in a stored row of either form (layers without one left out)."""
+    """The status codes of the series of ``layers`` in a stored row of any form (layers without one left out)."""
     if isinstance(series, Mapping):
         return {layer: fields[0] for layer in layers if (fields := series.get(layer)) is not None}
-    _, names, seen, status, *_ = series
+    names, seen, status, *_ = decode_columns(series)
     wanted = set(layers)
-    return {name: status[i] for i, name in enumerate(names) if name in wanted and seen[i]}
+    return {name: int(status[i]) for i, name in enumerate(names) if name in wanted and seen[i]}
 
 
 RuleStates = Mapping[SeriesKey, SeriesState]

@@ -5,7 +5,9 @@ For one batch of one (run, rank), inside the transaction that stores its points:
 1. take the (run, rank)'s turn: the ingest transaction holds the rank's write lock already (see
    :class:`~quantwatch.service.batch.IngestObserver`); :meth:`AlertEngine.evaluate`, called outside ingest, locks
    the (run, rank) cursor row (``SELECT … FOR UPDATE``), so replicas ingesting that rank take turns;
-2. read the rank's series states (one row per rule; only its token when this process wrote the row last), run
+2. read the batch's head (:mod:`~quantwatch.service.alerts.head`: rule revisions, the rank's row tokens, the run's
+   format count and firing tokens, in one statement), then the rank's series states (one row per rule; none when
+   this process wrote the row last and its token is unchanged), run
    :func:`~quantwatch.service.alerts.columns.evaluate_rows` (numpy arrays per rule over the batch's layers), upsert
    the rows a sample advanced in one statement;
 3. for the (rule, layer) groups whose series changed status: lock their group rows in sorted order (no deadlocks
@@ -46,6 +48,7 @@ from quantwatch.service.alerts.evaluator import (
 )
 from quantwatch.service.alerts.firing import NO_FIRING, FiringList, FiringLists, redraw_firing_token
 from quantwatch.service.alerts.formats import LayerFormatRecorder
+from quantwatch.service.alerts.head import BatchHead, read_batch_head
 from quantwatch.service.alerts.repository import insert_ignore
 from quantwatch.service.alerts.rules import ReceiverSpec, Rule
 from quantwatch.service.alerts.tables import EpisodeRow, ReceiverRow
@@ -136,24 +139,25 @@ class AlertEngine:
         """``(session, run, keys) -> text by key``: the ``remediation`` annotation of the notifications of ``keys``,
         (layer, rank) pairs, all at once (a key left out or None: no remediation)."""
 
-    # -- rules -------------------------------------------------------------------------------------------------
-    def active_rules(self, session: Session) -> list[tuple[int, Rule]]:
-        """Enabled rules as (id, Rule), re-parsed only when their revision changed (one small query per batch)."""
-        return self._rules.active_rules(session)
-
     # -- ingest observer ---------------------------------------------------------------------------------------
     def on_batch(self, session: Session, run_row: StoredRun, batch: IngestBatch) -> None:
         """:class:`~quantwatch.service.batch.IngestObserver` hook: evaluate inside the ingest transaction."""
         now = self._clock()
+        # The ingest transaction holds the rank's write lock already: the head is read under it.
+        head = read_batch_head(session, batch.run, batch.rank, run_row.id)
 
         def columns_of(metrics: Iterable[str], by_format: bool) -> BatchColumns:
             columns = batch_columns(batch, metrics, now)
             # The formats are read only when a rule selects by them or restarts a baseline at a change.
-            return replace(columns, formats=self.formats.current(session, run_row.id).view()) if by_format else columns
+            if not by_format:
+                return columns
+            return replace(columns, formats=self.formats.current(session, run_row.id, head.format_rows).view())
 
-        self._evaluate(session, batch.run, batch.rank, batch.layers, columns_of, rank_locked=True)
-        # Read in the transaction, after this batch's own episode changes: the ingest answer lists them.
-        self._enqueued.firing = self._firing.current(session, batch.run)
+        self._evaluate(session, head, batch.run, batch.rank, batch.layers, columns_of)
+        # The ingest answer lists the run's firing episodes after this batch's own changes: the head's tokens are
+        # those unless the batch redrew its own.
+        tokens = None if self._enqueued.redrawn else head.firing_tokens
+        self._enqueued.firing = self._firing.current(session, batch.run, tokens)
 
     def take_firing(self) -> FiringList:
         """The run's firing episodes as the last batch this thread stored left them (then forgotten): the ingest
@@ -187,39 +191,40 @@ class AlertEngine:
 
     def evaluate(self, session: Session, run: str, rank: int, layers: Sequence[str], steps: Sequence[StepInput]) -> int:
         """Evaluate one batch given per step inside the caller's transaction; returns how many outbox rows it wrote."""
+        repository.lock_cursor(session, run, rank)
         return self._evaluate(
             session,
+            read_batch_head(session, run, rank, None),
             run,
             rank,
             layers,
             lambda metrics, _: BatchColumns.from_steps(len(layers), steps, metrics),
-            rank_locked=False,
         )
 
     def _evaluate(
         self,
         session: Session,
+        head: BatchHead,
         run: str,
         rank: int,
         layers: Sequence[str],
         columns_of: Callable[[Iterable[str], bool], BatchColumns],
-        *,
-        rank_locked: bool,
     ) -> int:
+        """Evaluate one batch of one (run, rank) whose lock the transaction holds, ``head`` read under it."""
         self._enqueued.staged = None
+        self._enqueued.redrawn = False
         self.take_enqueued()
-        rules = [(rule_id, rule) for rule_id, rule in self.active_rules(session) if rule.matches_run(run)]
+        active = self._rules.active_rules(session, head.rules)
+        rules = [(rule_id, rule) for rule_id, rule in active if rule.matches_run(run)]
         if not rules:
             return 0
         by_format = any(rule.selects_formats or rule.baseline is not None for _, rule in rules)
         columns = columns_of({rule.metric for _, rule in rules if rule.metric is not None}, by_format)
         if not columns.steps:
             return 0
-        if not rank_locked:  # the ingest path holds the rank's write lock: two statements per batch spared
-            repository.lock_cursor(session, run, rank)
         ids = {rule.name: rule_id for rule_id, rule in rules}
         names = {rule_id: rule.name for rule_id, rule in rules}
-        stored = self._stored_states(session, run, rank, names)
+        stored = self._stored_states(session, run, rank, names, head.series_tokens)
         rows, transitions = evaluate_rows([rule for _, rule in rules], RankBatch(run, rank, layers, columns), stored)
         written = repository.upsert_series_states(session, run, rank, ids, rows)
         self._enqueued.staged = _Staged(run, rank, {rule.name: rule.series for _, rule in rules}, written)
@@ -230,16 +235,19 @@ class AlertEngine:
             by_group.setdefault((ids[transition.rule], transition.layer), []).append(transition)
         return self._advance_groups(session, dict(rules), run, rank, by_group)
 
-    def _stored_states(self, session: Session, run: str, rank: int, names: dict[int, str]) -> dict[str, RuleStates]:
-        """The stored series states of one (run, rank) by rule name: those this process wrote last when their row's
-        token is still the one it wrote (another replica's write draws another), the others decoded from the
-        database."""
+    def _stored_states(
+        self, session: Session, run: str, rank: int, names: dict[int, str], tokens: Mapping[int, int]
+    ) -> dict[str, RuleStates]:
+        """The stored series states of one (run, rank) by rule name, given the tokens of its stored rows: those this
+        process wrote last when their row's token is still the one it wrote (another replica's write draws another),
+        the others decoded from the database."""
         states: dict[str, RuleStates] = {}
         unknown: dict[int, str] = {}
-        tokens = repository.series_tokens(session, run, rank, names)
         with self._latest_lock:
             mine = self._written.get((run, rank), {})
             for rule_id, token in tokens.items():
+                if rule_id not in names:
+                    continue  # a rule that does not match the run
                 cached = mine.get(names[rule_id])
                 if cached is not None and cached[0] == token:
                     states[names[rule_id]] = cached[1]
@@ -294,6 +302,7 @@ class AlertEngine:
         written = self._write_outbox(session, rules, batch) if batch.notifications else 0
         if batch.changes_firing():
             redraw_firing_token(session, run, rank)  # the last lock of the batch's alert writes
+            self._enqueued.redrawn = True
         return written
 
     def _remediate(self, session: Session, batch: EpisodeBatch) -> None:

@@ -115,9 +115,10 @@ class FiringLists:
         self._lists: dict[str, tuple[tuple[tuple[int, int], ...], FiringList]] = {}
         self._lock = threading.Lock()
 
-    def current(self, session: Session, run: str) -> FiringList:
-        """``run``'s firing list as ``session``'s transaction sees it: the one kept while its tokens are unchanged."""
-        token = firing_tokens(session, run)
+    def current(self, session: Session, run: str, tokens: tuple[tuple[int, int], ...] | None = None) -> FiringList:
+        """``run``'s firing list as ``session``'s transaction sees it: the one kept while its tokens are unchanged
+        (``tokens``, read earlier in the transaction by :mod:`~quantwatch.service.alerts.head`; read now when None)."""
+        token = firing_tokens(session, run) if tokens is None else tokens
         with self._lock:
             kept = self._lists.get(run)
         if kept is not None and kept[0] == token:

@@ -102,9 +102,11 @@ class LayerFormatRecorder:
         self._cache: dict[int, RunFormats] = {}
         self._lock = threading.Lock()
 
-    def current(self, session: Session, run_id: int) -> RunFormats:
-        """The format history of run ``run_id`` as this transaction sees it."""
-        rows = repository.layer_format_count(session, run_id)
+    def current(self, session: Session, run_id: int, rows: int | None = None) -> RunFormats:
+        """The format history of run ``run_id`` as this transaction sees it, given how many changes it has recorded
+        (``rows``; counted when None)."""
+        if rows is None:
+            rows = repository.layer_format_count(session, run_id)
         with self._lock:
             cached = self._cache.get(run_id)
         if cached is not None and cached.rows == rows:

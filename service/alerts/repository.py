@@ -7,7 +7,6 @@ and receiver catalogue (:mod:`~quantwatch.service.alerts.catalog`) reads and loc
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import secrets
@@ -15,9 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 from sqlalchemy import (
-    BindParameter,
     Connection,
-    Select,
     Table,
     and_,
     bindparam,
@@ -25,7 +22,6 @@ from sqlalchemy import (
     exists,
     func,
     insert,
-    or_,
     select,
     text,
     update,
@@ -60,7 +56,6 @@ __all__ = [
     "decode_series",
     "disable_receiver",
     "draw_token",
-    "enabled_rules",
     "encode_row",
     "encode_series",
     "firing_episode_counts",
@@ -85,7 +80,6 @@ __all__ = [
     "rule_definitions",
     "rules_for_update",
     "series_state_rows",
-    "series_tokens",
     "upsert_series_states",
     "write_episodes",
 ]
@@ -139,7 +133,6 @@ def draw_token() -> int:
 
 # -- the ingest path -------------------------------------------------------------------------------------------------
 _RULES = cast(Table, RuleRow.__table__)
-_ENABLED = select(_RULES.c.id, _RULES.c.revision).where(_RULES.c.enabled.is_(True))
 _DEFINITIONS = select(_RULES.c.id, _RULES.c.definition).where(_RULES.c.id.in_(bindparam("ids", expanding=True)))
 _CURSOR_INSERTS = conflict_statements(_CURSORS, ("run", "rank"))
 _CURSOR_LOCK = (
@@ -147,11 +140,6 @@ _CURSOR_LOCK = (
     .where(_CURSORS.c.run == bindparam("run"), _CURSORS.c.rank == bindparam("rank"))
     .with_for_update()
 )
-
-
-def enabled_rules(session: Session) -> list[tuple[int, int]]:
-    """(id, revision) of every enabled rule."""
-    return [(int(rule_id), int(revision)) for rule_id, revision in session.connection().execute(_ENABLED)]
 
 
 def rule_definitions(session: Session, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
@@ -202,28 +190,6 @@ def encode_row(states: RuleStates) -> dict[str, list[Any]] | list[Any]:
     if isinstance(states, ColumnStates):
         return states.encode()
     return {layer: encode_series(state) for (_, layer), state in states.items()}
-
-
-@functools.lru_cache(maxsize=64)
-def _tokens_of(rules: int) -> Select[int, int]:
-    # One statement per number of rules, their ids bound one by one: an expanding ``IN`` re-renders the statement on
-    # every execution, which cost more than the query (``rule_id`` leads the primary key, so the ids must be named).
-    ids: list[BindParameter[int]] = [bindparam(f"rule_{i}") for i in range(rules)]
-    return select(_STATES.c.rule_id, _STATES.c.token).where(
-        _STATES.c.run == bindparam("run"),
-        _STATES.c.rank == bindparam("rank"),
-        or_(*(_STATES.c.rule_id == i for i in ids)),
-    )
-
-
-def series_tokens(session: Session, run: str, rank: int, rule_ids: Iterable[int]) -> dict[int, int]:
-    """The token of each stored row of one (run, rank) among the rules ``rule_ids``, by rule id."""
-    ids = list(rule_ids)
-    if not ids:
-        return {}
-    params: dict[str, Any] = {"run": run, "rank": rank, **{f"rule_{i}": rule_id for i, rule_id in enumerate(ids)}}
-    rows = session.connection().execute(_tokens_of(len(ids)), params)
-    return {int(rule_id): int(token) for rule_id, token in rows}
 
 
 def read_series_states(session: Session, run: str, rank: int, names: Mapping[int, str]) -> StoredStates:

@@ -93,8 +93,8 @@ class FiringTokenRow(Base):
 class SeriesStatesRow(Base):
     """Evaluator state of every series of one (rule, run, rank), in one row (migration 0008).
 
-    ``series`` is a metric rule's columns (a list, :meth:`~quantwatch.service.alerts.columns.ColumnStates.encode`:
-    every layer's state as one array per field), or maps each layer (``""`` for a scalar rule) to the list
+    ``series`` is a metric rule's columns (a list, :mod:`~quantwatch.service.alerts.state_codec`: every layer's state
+    as one array per field, compressed since migration 0016), or maps each layer (``""`` for a scalar rule) to the list
     :data:`SERIES_FIELDS` names, trailing ``None`` fields left out (baseline and scalar rules, and every row written
     before migration 0011). One row per rule and rank, so a batch reads and writes one row per rule instead of one
     per (rule, layer): every series of a rank advances at each sampled step. ``token`` is drawn at random on each
