@@ -172,7 +172,7 @@ class BatchWriter:
         for observer in observers:
             observer.on_batch(session, run_row, batch)
         kinds = cache.kinds | self._new_kinds(batch, name_ids)
-        return _Stored(run_id, frontier, pending_names, RunCache(list(layers), dict(index), kinds))
+        return _Stored(run_id, frontier, pending_names, RunCache(layers, index, kinds))
 
     def compact_all(self, run: str) -> None:
         """Move every rank's frontier of ``run`` past its last step now (see Store.compact_rollups; raises
@@ -216,7 +216,7 @@ class BatchWriter:
     def _run_cache(self, conn: Connection, run_id: int, layer_count: int) -> RunCache:
         cached = self._runs.get(run_id)
         if cached is not None and len(cached.layers) == layer_count:
-            return RunCache(list(cached.layers), dict(cached.index), set(cached.kinds))
+            return cached  # shared, never changed: a batch that adds layers or kinds publishes new ones
         layers = [r[0] for r in conn.execute(select(Layer.name).where(Layer.run_id == run_id).order_by(Layer.idx))]
         kinds = {
             (int(r[0]), str(r[1]))
@@ -227,7 +227,7 @@ class BatchWriter:
     def _ensure_layers(
         self, conn: Connection, run_id: int, cache: RunCache, names: Sequence[str]
     ) -> tuple[list[str], dict[str, int]]:
-        if all(n in cache.index for n in names):
+        if list(names) == cache.layers or all(n in cache.index for n in names):  # the first test: most batches
             return cache.layers, cache.index
         if self.pg:
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": RUN_LOCK_TAG + run_id})
@@ -277,8 +277,8 @@ class BatchWriter:
         last_step: int,
     ) -> None:
         n_layers = len(layers)
-        columns = np.array([index[n] for n in batch.layers], dtype=np.int64)
-        identity = len(columns) == n_layers and bool(np.all(columns == np.arange(n_layers)))
+        identity = list(batch.layers) == layers  # the run's layers in its order: most batches
+        columns = np.arange(n_layers) if identity else np.array([index[n] for n in batch.layers], dtype=np.int64)
         steps_by_metric: dict[str, list[tuple[int, float | None, F32]]] = {}
         for st in sorted(batch.steps, key=lambda s: s.step):
             for name, values in st.metrics.items():

@@ -56,9 +56,9 @@ def _queued(group: GroupCommit, first: Callable[[Session], Any], others: list[Ca
         for work in others:
             futures.append(pool.submit(group.run, work))
         deadline = time.monotonic() + 60
-        while group._waiting < len(others) and time.monotonic() < deadline:
+        while len(group._pending) < len(others) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert group._waiting == len(others)
+        assert len(group._pending) == len(others)
         release.set()
         outcomes: list[Any] = []
         for future in futures:
@@ -121,7 +121,7 @@ def test_an_exclusive_writer_waits_for_the_open_group_and_runs_between_groups(en
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(group.run, held)
         deadline = time.monotonic() + 60
-        while not group._busy and time.monotonic() < deadline:
+        while not group._leading and time.monotonic() < deadline:
             time.sleep(0.01)
         other = pool.submit(exclusive)
         while not group._exclusive and time.monotonic() < deadline:
