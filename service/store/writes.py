@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, bindparam, delete, func, select, text, update
+from sqlalchemy import Connection, Engine, Row, and_, bindparam, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -36,7 +36,7 @@ from quantwatch.service.models import (
 from quantwatch.service.rollups import F32, I64, MISSING_BITS, is_missing, missing_row
 from quantwatch.service.store.actions import write_actions
 from quantwatch.service.store.common import IngestResult, RunCache, find_run
-from quantwatch.service.store.compaction import Compactor, frontier_after, read_marks
+from quantwatch.service.store.compaction import Compactor, frontier_after
 from quantwatch.service.store.group_commit import GroupCommit
 from quantwatch.service.store.raw_points import RawPoints, Rows
 from quantwatch.service.store.retention import keep_retained
@@ -59,8 +59,12 @@ RUN_LOCK_TAG = 1 << 40
 RANK_LOCK_SPAN = 1 << 20
 
 # The statements every batch runs, built once: building and cache-keying a statement costs ~5× executing it.
-_RUN = select(Run.id, Run.layer_count).where(Run.name == bindparam("name"))
-_LAYER_COUNT = select(Run.layer_count).where(Run.id == bindparam("run_id"))
+# A run's row with its rank's frontier and newest step (NULL: a rank with nothing stored yet), in one statement: on
+# SQLite by name (the transaction holds the write lock from its start), on PostgreSQL by id under the rank's lock.
+_OF_RANK = and_(RunRank.run_id == Run.id, RunRank.rank == bindparam("rank"))
+_MARKS = (Run.layer_count, RunRank.compacted_step, RunRank.last_step)
+_RUN = select(Run.id, *_MARKS).outerjoin(RunRank, _OF_RANK).where(Run.name == bindparam("name"))
+_LOCKED_MARKS = select(*_MARKS).outerjoin(RunRank, _OF_RANK).where(Run.id == bindparam("run_id"))
 _RANK_LOCK = text("SELECT pg_advisory_xact_lock(:k)")
 _STORED_STEPS = select(Point.step, Point.name_id).where(
     Point.run_id == bindparam("run_id"),
@@ -145,7 +149,7 @@ class BatchWriter:
         points = batch.points
         pending_names: dict[str, int] = {}
         conn = session.connection()
-        run_id, layer_count = self._ensure_run(conn, batch.run, now)
+        run_id, marks = self._ensure_run(conn, batch.run, batch.rank, now)
         inserted = conn.execute(
             self._batch_insert,
             {"run_id": run_id, "batch_id": batch.batch_id, "rank": batch.rank, "received_at": now, "points": points},
@@ -154,15 +158,16 @@ class BatchWriter:
             return None
         if self.pg:
             conn.execute(_RANK_LOCK, {"k": self.rank_key(run_id, batch.rank)})
-            # Read the layer count again under the rank lock: a transaction of this rank that committed
-            # while we waited may have widened the run, and its rollup blobs with it.
-            layer_count = conn.execute(_LAYER_COUNT, {"run_id": run_id}).scalar_one()
+            # Read the layer count and the marks again under the rank lock: a transaction of this rank that
+            # committed while we waited may have widened the run, and its rollup blobs with it.
+            marks = conn.execute(_LOCKED_MARKS, {"run_id": run_id, "rank": batch.rank}).one()
+        layer_count = int(marks[0])
+        frontier, last_step = (0, -1) if marks[1] is None else (int(marks[1]), int(marks[2]))
         cache = self._run_cache(conn, run_id, layer_count)
         layers, index = self._ensure_layers(conn, run_id, cache, batch.layers)
         names = {n for s in batch.steps for n in s.metrics} | {n for s in batch.steps for n in s.scalars}
         name_ids = self._name_ids(conn, sorted(names), pending_names)
         self._write_run_metrics(conn, run_id, batch, name_ids, cache)
-        frontier, last_step = read_marks(conn, run_id, batch.rank)  # under the rank's write lock
         self._write_points(conn, run_id, batch, layers, index, name_ids, frontier, last_step)
         self._write_scalars(conn, run_id, batch, name_ids)
         self._write_estimated(conn, run_id, batch, name_ids)
@@ -206,12 +211,13 @@ class BatchWriter:
         kinds = {(name_ids[n], "layer") for s in batch.steps for n in s.metrics}
         return kinds | {(name_ids[n], "scalar") for s in batch.steps for n in s.scalars}
 
-    def _ensure_run(self, conn: Connection, name: str, now: float) -> tuple[int, int]:
-        row = conn.execute(_RUN, {"name": name}).first()
+    def _ensure_run(self, conn: Connection, name: str, rank: int, now: float) -> tuple[int, Row[Any]]:
+        """The run's id (created when new) and its layer count and rank's marks (see ``_RUN``)."""
+        row = conn.execute(_RUN, {"name": name, "rank": rank}).first()
         if row is None:
             conn.execute(self._insert(Run).values(name=name, created_at=now, layer_count=0).on_conflict_do_nothing())
-            row = conn.execute(_RUN, {"name": name}).one()
-        return int(row[0]), int(row[1])
+            row = conn.execute(_RUN, {"name": name, "rank": rank}).one()
+        return int(row[0]), row[1:]
 
     def _run_cache(self, conn: Connection, run_id: int, layer_count: int) -> RunCache:
         cached = self._runs.get(run_id)
