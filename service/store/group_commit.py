@@ -32,6 +32,10 @@ T = TypeVar("T")
 MAX_GROUP = 32
 """Batches one transaction takes at most: a writer of another process gets the lock between groups."""
 
+_SAVEPOINT = "SAVEPOINT qw_batch"
+_RELEASE = "RELEASE SAVEPOINT qw_batch"
+_ROLLBACK = "ROLLBACK TO SAVEPOINT qw_batch"
+
 
 class _Member(Generic[T]):
     """One queued batch: its work, its outcome, and the lock it sleeps on until it is led or its group is done."""
@@ -151,22 +155,31 @@ class GroupCommit:
 
 
 def _run_member(session: Session, member: _Member[Any]) -> BaseException | None:
-    """Run ``member``'s work in a savepoint; the error that broke the whole transaction, if one did."""
-    savepoint = session.begin_nested()
+    """Run ``member``'s work in a savepoint; the error that broke the whole transaction, if one did.
+
+    The savepoint is SQLite's own, not the session's ``begin_nested``: SQLAlchemy's nested transaction cost twice the
+    statements it wraps (its bookkeeping, and a SAVEPOINT emitted on the first use of the connection) — about a tenth
+    of a one-step batch's time. The session is flushed inside the savepoint, and after a rollback to it every object
+    is expunged: the rolled-back work's objects must be neither flushed later nor found again by identity."""
+    conn = session.connection()
+    conn.exec_driver_sql(_SAVEPOINT)
     try:
         member.result = member.work(session)
-        savepoint.commit()
+        session.flush()
+        conn.exec_driver_sql(_RELEASE)
     except BaseException as exc:
         member.error = exc
         try:
-            if savepoint.is_active:
-                savepoint.rollback()
-            intact = _intact(session)
+            intact = session.is_active and _intact(session)
+            if intact:
+                conn.exec_driver_sql(_ROLLBACK)
+                conn.exec_driver_sql(_RELEASE)
+                session.expunge_all()
         except Exception:
             intact = False
         if not intact:
-            # SQLite rolled the whole transaction back (a full disk, an I/O error): the members before this one lost
-            # their writes too, so the group must not commit.
+            # SQLite rolled the whole transaction back (a full disk, an I/O error), or a failed flush did: the members
+            # before this one lost their writes too, so the group must not commit.
             return exc
     return None
 
