@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, Row, and_, bindparam, delete, func, select, text, update
+from sqlalchemy import Connection, Engine, and_, bindparam, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -160,7 +160,7 @@ class BatchWriter:
             conn.execute(_RANK_LOCK, {"k": self.rank_key(run_id, batch.rank)})
             # Read the layer count and the marks again under the rank lock: a transaction of this rank that
             # committed while we waited may have widened the run, and its rollup blobs with it.
-            marks = conn.execute(_LOCKED_MARKS, {"run_id": run_id, "rank": batch.rank}).one()
+            marks = tuple(conn.execute(_LOCKED_MARKS, {"run_id": run_id, "rank": batch.rank}).one())
         layer_count = int(marks[0])
         frontier, last_step = (0, -1) if marks[1] is None else (int(marks[1]), int(marks[2]))
         cache = self._run_cache(conn, run_id, layer_count)
@@ -211,13 +211,13 @@ class BatchWriter:
         kinds = {(name_ids[n], "layer") for s in batch.steps for n in s.metrics}
         return kinds | {(name_ids[n], "scalar") for s in batch.steps for n in s.scalars}
 
-    def _ensure_run(self, conn: Connection, name: str, rank: int, now: float) -> tuple[int, Row[Any]]:
+    def _ensure_run(self, conn: Connection, name: str, rank: int, now: float) -> tuple[int, Sequence[Any]]:
         """The run's id (created when new) and its layer count and rank's marks (see ``_RUN``)."""
         row = conn.execute(_RUN, {"name": name, "rank": rank}).first()
         if row is None:
             conn.execute(self._insert(Run).values(name=name, created_at=now, layer_count=0).on_conflict_do_nothing())
             row = conn.execute(_RUN, {"name": name, "rank": rank}).one()
-        return int(row[0]), row[1:]
+        return int(row[0]), tuple(row[1:])
 
     def _run_cache(self, conn: Connection, run_id: int, layer_count: int) -> RunCache:
         cached = self._runs.get(run_id)

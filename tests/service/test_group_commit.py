@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, event, text
+from sqlalchemy import Engine, LargeBinary, String, event, text
 from sqlalchemy.exc import OperationalError
-from sqlalchemy import LargeBinary, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from quantwatch.service import Settings
@@ -57,9 +56,9 @@ def _queued(group: GroupCommit, first: Callable[[Session], Any], others: list[Ca
         for work in others:
             futures.append(pool.submit(group.run, work))
         deadline = time.monotonic() + 60
-        while len(group._pending) < len(others) and time.monotonic() < deadline:
+        while group._waiting < len(others) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert len(group._pending) == len(others)
+        assert group._waiting == len(others)
         release.set()
         outcomes: list[Any] = []
         for future in futures:
@@ -122,7 +121,7 @@ def test_an_exclusive_writer_waits_for_the_open_group_and_runs_between_groups(en
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(group.run, held)
         deadline = time.monotonic() + 60
-        while not group._leading and time.monotonic() < deadline:
+        while not group._busy and time.monotonic() < deadline:
             time.sleep(0.01)
         other = pool.submit(exclusive)
         while not group._exclusive and time.monotonic() < deadline:
@@ -168,3 +167,21 @@ def test_objects_a_failing_writer_added_are_neither_stored_nor_found_by_the_writ
     assert outcomes[2] == b"kept"
     with engine.connect() as conn:
         assert dict(conn.execute(text("SELECT name, payload FROM rows")).all()) == {"a": None, "b": b"kept"}
+
+
+def test_every_member_runs_its_work_on_its_own_thread(engine: Engine) -> None:
+    # The ingest observers keep a batch's state per thread from on_batch (in the work) to after_commit (after run
+    # returns, on the caller's thread): the firing alerts of the ingest answer, the series states to publish.
+    group = GroupCommit(make_sessionmaker(engine))
+
+    def on_thread(name: str) -> Callable[[Session], int]:
+        def work(session: Session) -> int:
+            _insert(name)(session)
+            return threading.get_ident()
+
+        return work
+
+    with ThreadPoolExecutor(4) as pool:
+        callers = [pool.submit(lambda n=n: (threading.get_ident(), group.run(on_thread(n)))) for n in "abcd"]
+        assert all(caller == worker for caller, worker in (f.result() for f in callers))
+    assert _names(engine) == set("abcd")
