@@ -12,7 +12,7 @@ on (the ``fold_chunks`` setting); off, compaction builds the blocks only.
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, bindparam, select, text, update
+from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.models import Run, RunRank
@@ -27,18 +27,6 @@ BLOCK_STEPS = LEVELS[0]
 def frontier_after(last_step: int) -> int:
     """The frontier once every base block before the one holding ``last_step`` is built."""
     return last_step // BLOCK_STEPS * BLOCK_STEPS
-
-
-_MARKS = select(RunRank.compacted_step, RunRank.last_step).where(
-    RunRank.run_id == bindparam("run_id"), RunRank.rank == bindparam("rank")
-)
-
-
-def read_marks(conn: Connection, run_id: int, rank: int) -> tuple[int, int]:
-    """The rank's ``compacted_step`` frontier and its newest stored step ((0, -1) for a rank with nothing stored
-    yet), in one statement: ingest needs both per batch."""
-    row = conn.execute(_MARKS, {"run_id": run_id, "rank": rank}).first()
-    return (0, -1) if row is None else (int(row[0]), int(row[1]))
 
 
 class Compactor:

@@ -26,6 +26,10 @@ T = TypeVar("T")
 MAX_GROUP = 32
 """Batches one transaction takes at most: a writer of another process gets the lock between groups."""
 
+_SAVEPOINT = "SAVEPOINT qw_batch"
+_RELEASE = "RELEASE SAVEPOINT qw_batch"
+_ROLLBACK = "ROLLBACK TO SAVEPOINT qw_batch"
+
 
 class _Group:
     """One open transaction and the outcome its members wait for."""
@@ -103,23 +107,33 @@ class GroupCommit:
 
     @staticmethod
     def _member(group: _Group, work: Callable[[Session], T]) -> T:
+        """``work`` in a savepoint of SQLite's own, not the session's ``begin_nested``: SQLAlchemy's nested
+        transaction cost about twice the statements it wraps (its bookkeeping, and a SAVEPOINT emitted on the first
+        use of the connection), ~8% of a one-step request's time. So the session is flushed inside the savepoint, and
+        after a rollback to it every object is expunged: the rolled-back work's objects must be neither flushed later
+        nor found again by identity; a failed flush (it rolls the session's transaction back) breaks the group."""
         if group.broken is not None:
             raise group.broken
         group.members += 1
-        savepoint = group.session.begin_nested()
+        session = group.session
+        conn = session.connection()
+        conn.exec_driver_sql(_SAVEPOINT)
         try:
-            result = work(group.session)
-            savepoint.commit()
+            result = work(session)
+            session.flush()
+            conn.exec_driver_sql(_RELEASE)
         except BaseException as exc:
             try:
-                if savepoint.is_active:
-                    savepoint.rollback()
-                intact = _intact(group.session)
+                intact = session.is_active and _intact(session)
+                if intact:
+                    conn.exec_driver_sql(_ROLLBACK)
+                    conn.exec_driver_sql(_RELEASE)
+                    session.expunge_all()
             except Exception:
                 intact = False
             if not intact:
-                # SQLite rolled the whole transaction back (a full disk, an I/O error): the members before this
-                # one lost their writes too, so the group must not commit.
+                # SQLite rolled the whole transaction back (a full disk, an I/O error), or a failed flush did: the
+                # members before this one lost their writes too, so the group must not commit.
                 group.broken = exc
             raise
         return result

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, bindparam, delete, func, select, text, update
+from sqlalchemy import BigInteger, Connection, Engine, and_, bindparam, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -36,7 +36,7 @@ from quantwatch.service.models import (
 from quantwatch.service.rollups import F32, I64, MISSING_BITS, is_missing, missing_row
 from quantwatch.service.store.actions import write_actions
 from quantwatch.service.store.common import IngestResult, RunCache, find_run
-from quantwatch.service.store.compaction import Compactor, frontier_after, read_marks
+from quantwatch.service.store.compaction import Compactor, frontier_after
 from quantwatch.service.store.group_commit import GroupCommit
 from quantwatch.service.store.raw_points import RawPoints, Rows
 from quantwatch.service.store.retention import keep_retained
@@ -59,9 +59,12 @@ RUN_LOCK_TAG = 1 << 40
 RANK_LOCK_SPAN = 1 << 20
 
 # The statements every batch runs, built once: building and cache-keying a statement costs ~5× executing it.
-_RUN = select(Run.id, Run.layer_count).where(Run.name == bindparam("name"))
-_LAYER_COUNT = select(Run.layer_count).where(Run.id == bindparam("run_id"))
-_RANK_LOCK = text("SELECT pg_advisory_xact_lock(:k)")
+# A run's row with its rank's frontier and newest step (NULL: a rank with nothing stored yet), in one statement: on
+# SQLite by name (the transaction holds the write lock from its start), on PostgreSQL by id under the rank's lock.
+_OF_RANK = and_(RunRank.run_id == Run.id, RunRank.rank == bindparam("rank"))
+_MARKS = (Run.layer_count, RunRank.compacted_step, RunRank.last_step)
+_RUN = select(Run.id, *_MARKS).outerjoin(RunRank, _OF_RANK).where(Run.name == bindparam("name"))
+_LOCKED_MARKS = select(*_MARKS).outerjoin(RunRank, _OF_RANK).where(Run.id == bindparam("run_id"))
 _STORED_STEPS = select(Point.step, Point.name_id).where(
     Point.run_id == bindparam("run_id"),
     Point.rank == bindparam("rank"),
@@ -80,7 +83,14 @@ class BatchWriter:
         self._points = RawPoints()
         self._rollups = RollupWriter(self._insert, self._points)
         self._compactor = Compactor(factory, self._rollups, self.pg, fold=fold_chunks)
-        self._batch_insert = self._insert(Batch).on_conflict_do_nothing().returning(Batch.batch_id)
+        batch_row = self._insert(Batch).on_conflict_do_nothing()
+        # On PostgreSQL the statement that inserts the batch's row also takes its rank's write lock (a RETURNING
+        # expression runs only for a row inserted: a duplicate takes no lock), one round trip per batch fewer.
+        self._batch_insert = (
+            batch_row.returning(Batch.batch_id, func.pg_advisory_xact_lock(bindparam("rank_key", type_=BigInteger)))
+            if self.pg
+            else batch_row.returning(Batch.batch_id)
+        )
         point = self._insert(Point)
         self._point_upsert = point.on_conflict_do_update(
             index_elements=["run_id", "rank", "step", "name_id"],
@@ -145,24 +155,25 @@ class BatchWriter:
         points = batch.points
         pending_names: dict[str, int] = {}
         conn = session.connection()
-        run_id, layer_count = self._ensure_run(conn, batch.run, now)
-        inserted = conn.execute(
-            self._batch_insert,
-            {"run_id": run_id, "batch_id": batch.batch_id, "rank": batch.rank, "received_at": now, "points": points},
-        ).first()
+        run_id, marks = self._ensure_run(conn, batch.run, batch.rank, now)
+        row = {"run_id": run_id, "batch_id": batch.batch_id, "rank": batch.rank, "received_at": now, "points": points}
+        if self.pg:
+            row["rank_key"] = self.rank_key(run_id, batch.rank)
+        inserted = conn.execute(self._batch_insert, row).first()
         if inserted is None:
             return None
         if self.pg:
-            conn.execute(_RANK_LOCK, {"k": self.rank_key(run_id, batch.rank)})
-            # Read the layer count again under the rank lock: a transaction of this rank that committed
-            # while we waited may have widened the run, and its rollup blobs with it.
-            layer_count = conn.execute(_LAYER_COUNT, {"run_id": run_id}).scalar_one()
+            # Holding the rank lock now, read the layer count and the marks again, in a statement of their own (its
+            # snapshot is taken after the lock): a transaction of this rank that committed while we waited may have
+            # widened the run, and its rollup blobs with it.
+            marks = tuple(conn.execute(_LOCKED_MARKS, {"run_id": run_id, "rank": batch.rank}).one())
+        layer_count = int(marks[0])
+        frontier, last_step = (0, -1) if marks[1] is None else (int(marks[1]), int(marks[2]))
         cache = self._run_cache(conn, run_id, layer_count)
         layers, index = self._ensure_layers(conn, run_id, cache, batch.layers)
         names = {n for s in batch.steps for n in s.metrics} | {n for s in batch.steps for n in s.scalars}
         name_ids = self._name_ids(conn, sorted(names), pending_names)
         self._write_run_metrics(conn, run_id, batch, name_ids, cache)
-        frontier, last_step = read_marks(conn, run_id, batch.rank)  # under the rank's write lock
         self._write_points(conn, run_id, batch, layers, index, name_ids, frontier, last_step)
         self._write_scalars(conn, run_id, batch, name_ids)
         self._write_estimated(conn, run_id, batch, name_ids)
@@ -172,7 +183,7 @@ class BatchWriter:
         for observer in observers:
             observer.on_batch(session, run_row, batch)
         kinds = cache.kinds | self._new_kinds(batch, name_ids)
-        return _Stored(run_id, frontier, pending_names, RunCache(list(layers), dict(index), kinds))
+        return _Stored(run_id, frontier, pending_names, RunCache(layers, index, kinds))
 
     def compact_all(self, run: str) -> None:
         """Move every rank's frontier of ``run`` past its last step now (see Store.compact_rollups; raises
@@ -206,17 +217,18 @@ class BatchWriter:
         kinds = {(name_ids[n], "layer") for s in batch.steps for n in s.metrics}
         return kinds | {(name_ids[n], "scalar") for s in batch.steps for n in s.scalars}
 
-    def _ensure_run(self, conn: Connection, name: str, now: float) -> tuple[int, int]:
-        row = conn.execute(_RUN, {"name": name}).first()
+    def _ensure_run(self, conn: Connection, name: str, rank: int, now: float) -> tuple[int, Sequence[Any]]:
+        """The run's id (created when new) and its layer count and rank's marks (see ``_RUN``)."""
+        row = conn.execute(_RUN, {"name": name, "rank": rank}).first()
         if row is None:
             conn.execute(self._insert(Run).values(name=name, created_at=now, layer_count=0).on_conflict_do_nothing())
-            row = conn.execute(_RUN, {"name": name}).one()
-        return int(row[0]), int(row[1])
+            row = conn.execute(_RUN, {"name": name, "rank": rank}).one()
+        return int(row[0]), tuple(row[1:])
 
     def _run_cache(self, conn: Connection, run_id: int, layer_count: int) -> RunCache:
         cached = self._runs.get(run_id)
         if cached is not None and len(cached.layers) == layer_count:
-            return RunCache(list(cached.layers), dict(cached.index), set(cached.kinds))
+            return cached  # shared, never changed: a batch that adds layers or kinds publishes new ones
         layers = [r[0] for r in conn.execute(select(Layer.name).where(Layer.run_id == run_id).order_by(Layer.idx))]
         kinds = {
             (int(r[0]), str(r[1]))
@@ -227,7 +239,7 @@ class BatchWriter:
     def _ensure_layers(
         self, conn: Connection, run_id: int, cache: RunCache, names: Sequence[str]
     ) -> tuple[list[str], dict[str, int]]:
-        if all(n in cache.index for n in names):
+        if list(names) == cache.layers or all(n in cache.index for n in names):  # the first test: most batches
             return cache.layers, cache.index
         if self.pg:
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": RUN_LOCK_TAG + run_id})
@@ -277,8 +289,8 @@ class BatchWriter:
         last_step: int,
     ) -> None:
         n_layers = len(layers)
-        columns = np.array([index[n] for n in batch.layers], dtype=np.int64)
-        identity = len(columns) == n_layers and bool(np.all(columns == np.arange(n_layers)))
+        identity = list(batch.layers) == layers  # the run's layers in its order: most batches
+        columns = np.arange(n_layers) if identity else np.array([index[n] for n in batch.layers], dtype=np.int64)
         steps_by_metric: dict[str, list[tuple[int, float | None, F32]]] = {}
         for st in sorted(batch.steps, key=lambda s: s.step):
             for name, values in st.metrics.items():

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, event, text
+from sqlalchemy import Engine, LargeBinary, String, event, text
 from sqlalchemy.exc import OperationalError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from quantwatch.service import Settings
 from quantwatch.service.core.db import make_engine, make_sessionmaker
@@ -131,3 +131,57 @@ def test_an_exclusive_writer_waits_for_the_open_group_and_runs_between_groups(en
         other.result()
     assert seen == [{"a"}]  # it ran after the group had committed
     assert _names(engine) == {"a", "x"}
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class _Row(_Base):
+    __tablename__ = "rows"
+    name: Mapped[str] = mapped_column(String, primary_key=True)
+    payload: Mapped[bytes | None] = mapped_column(LargeBinary)
+
+
+def test_objects_a_failing_writer_added_are_neither_stored_nor_found_by_the_writers_after_it(engine: Engine) -> None:
+    group = GroupCommit(make_sessionmaker(engine))
+    refused = _Row(name="b", payload=b"refused")  # held here, so the session's weak identity map keeps it
+
+    def adds_then_fails(session: Session) -> None:
+        session.add(refused)
+        session.flush()
+        raise ValueError("batch b is refused")
+
+    def adds_b_again(session: Session) -> bytes | None:
+        assert session.get(_Row, "b") is None  # the rolled-back row is not in the identity map
+        session.add(_Row(name="b", payload=b"kept"))
+        return session.get(_Row, "b").payload  # type: ignore[union-attr]
+
+    def adds(session: Session) -> str:
+        session.add(_Row(name="a"))
+        return "a"
+
+    outcomes = _queued(group, adds, [adds_then_fails, adds_b_again])
+    assert outcomes[0] == "a"
+    assert isinstance(outcomes[1], ValueError)
+    assert outcomes[2] == b"kept"
+    with engine.connect() as conn:
+        assert dict(conn.execute(text("SELECT name, payload FROM rows")).all()) == {"a": None, "b": b"kept"}
+
+
+def test_every_member_runs_its_work_on_its_own_thread(engine: Engine) -> None:
+    # The ingest observers keep a batch's state per thread from on_batch (in the work) to after_commit (after run
+    # returns, on the caller's thread): the firing alerts of the ingest answer, the series states to publish.
+    group = GroupCommit(make_sessionmaker(engine))
+
+    def on_thread(name: str) -> Callable[[Session], int]:
+        def work(session: Session) -> int:
+            _insert(name)(session)
+            return threading.get_ident()
+
+        return work
+
+    with ThreadPoolExecutor(4) as pool:
+        callers = [pool.submit(lambda n=n: (threading.get_ident(), group.run(on_thread(n)))) for n in "abcd"]
+        assert all(caller == worker for caller, worker in (f.result() for f in callers))
+    assert _names(engine) == set("abcd")
