@@ -96,6 +96,13 @@ def database_size(engine: Any) -> dict[str, int]:
     return {"total": total, **parts}
 
 
+def settle(store: Any) -> None:
+    """Wait for the store's background folds (trees before they ran in the background fold as they ingest)."""
+    wait = getattr(store, "wait_for_folds", None)
+    if wait is not None:
+        wait()
+
+
 def worker(case: dict[str, Any]) -> dict[str, Any]:
     """One case in this process: fill a fresh database, measure it."""
     from quantwatch.service.batch import decode_msgpack
@@ -114,6 +121,7 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
         cpu, wall = time.process_time(), time.perf_counter()
         first = sum(store.ingest(batch).points for batch in decoded[:half])
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        settle(store)
         before = database_size(engine)
         if case["backend"] == "postgres":  # what autovacuum does in time: the space of deleted rows becomes reusable
             with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
@@ -121,6 +129,7 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
         cpu2, wall2 = time.process_time(), time.perf_counter()
         points = first + sum(store.ingest(batch).points for batch in decoded[half:])
         cpu, wall = cpu + time.process_time() - cpu2, wall + time.perf_counter() - wall2
+        settle(store)
         sizes = database_size(engine)
         out: dict[str, Any] = {
             "points": points,

@@ -79,7 +79,6 @@ class BatchWriter:
         self._insert = postgresql.insert if self.pg else sqlite.insert
         self._points = RawPoints()
         self._rollups = RollupWriter(self._insert, self._points)
-        self._compactor = Compactor(factory, self._rollups, self.pg, fold=fold_chunks)
         self._batch_insert = self._insert(Batch).on_conflict_do_nothing().returning(Batch.batch_id)
         point = self._insert(Point)
         self._point_upsert = point.on_conflict_do_update(
@@ -105,6 +104,7 @@ class BatchWriter:
         # SQLite has one writer at a time: this process's batches share transactions (PostgreSQL runs them side by
         # side, each under its rank's advisory lock).
         self._group = None if self.pg else GroupCommit(factory)
+        self._compactor = Compactor(factory, self._rollups, self.pg, self._exclusive, fold=fold_chunks)
 
     def ingest(self, batch: IngestBatch, observers: Sequence[IngestObserver] = ()) -> IngestResult:
         """Store ``batch`` atomically, or recognise it as a duplicate; run the observers (see IngestObserver)."""
@@ -183,6 +183,8 @@ class BatchWriter:
         for rank in ranks:
             with self._exclusive():
                 self._compactor.compact(run_id, rank, self.rank_key(run_id, rank), whole=True)
+            if self._compactor.folds is not None:
+                self._compactor.folds.fold(run_id, rank, self.rank_key(run_id, rank))
 
     def _exclusive(self) -> AbstractContextManager[None]:
         """The write slot between ingest groups on SQLite (see GroupCommit); nothing to hold on PostgreSQL."""

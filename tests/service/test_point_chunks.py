@@ -34,6 +34,7 @@ from quantwatch.service.store.chunk_codec import (
     encode_times,
     encode_values,
 )
+from tests.service.conftest import batch_doc
 from tests.service.test_rollup_frontier import (
     LAYERS,
     Reference,
@@ -189,9 +190,9 @@ def _late_history(store: Store, run: str, ref: Reference) -> None:
 
 
 def test_folding_off_never_folds(unfolded: Store) -> None:
-    """Folding is off by default; then a history that folds into chunks with it on stays raw, compacted to its last
+    """Folding is on by default; off, a history that folds into chunks with it on stays raw, compacted to its last
     step included, and reads back exactly."""
-    assert not Settings().fold_chunks
+    assert Settings().fold_chunks
     run = "unfolded"
     ref = Reference()
     _late_history(unfolded, run, ref)
@@ -249,17 +250,19 @@ FOLD_CRASH = textwrap.dedent(
     from quantwatch.service.core.db import make_engine, make_sessionmaker
     from quantwatch.service.store import Store, folding
 
-    fold = folding.ChunkFolder._insert
+    apply = folding.ChunkFolder.apply
 
-    def killed(self, conn, *args, **kwargs):  # the chunks are inserted and the raw rows deleted: die before commit
-        fold(self, conn, *args, **kwargs)
+    def killed(self, conn, fold):  # the first series' chunks are inserted and its raw rows deleted: die before commit
+        apply(self, conn, fold)
         os.kill(os.getpid(), signal.SIGKILL)
 
     folding.CHUNK_ROWS = 4
-    folding.ChunkFolder._insert = killed
+    folding.ChunkFolder.apply = killed
     settings = Settings(database_url=sys.argv[1], auto_upgrade=False, fold_chunks=True)
     engine = make_engine(settings)
-    Store(engine, make_sessionmaker(engine), fold_chunks=settings.fold_chunks).ingest(decode_json(sys.argv[2].encode()))
+    store = Store(engine, make_sessionmaker(engine), fold_chunks=settings.fold_chunks)
+    store.ingest(decode_json(sys.argv[2].encode()))
+    store.wait_for_folds(60)  # the background folder dies in its apply
     """
 )
 
@@ -267,16 +270,44 @@ FOLD_CRASH = textwrap.dedent(
 def test_a_crash_while_folding_loses_and_duplicates_nothing(store: Store, database_url: str) -> None:
     run = "fold-crash"
     ref, doc = crash_crossing_batch(store, database_url, run, FOLD_CRASH)
-    assert _counts(store, run) == (0, 128)  # the batch committed; its compaction and fold rolled back
-    assert _frontier(store, run) == 0
+    assert _counts(store, run) == (0, 128)  # the batch and its compaction committed; the fold rolled back
+    assert _frontier(store, run) == 64
     _assert_exact(store, run, ref)
     assert store.ingest(decode_json(json.dumps(doc).encode())).duplicate
-    _ingest(store, run, [130], np.full((1, 4), 5.0, dtype=np.float32), LAYERS, ref)  # the next batch folds
+    _ingest(store, run, [130], np.full((1, 4), 5.0, dtype=np.float32), LAYERS, ref)  # compacts: folds all behind
     chunks, raw = _counts(store, run)
     assert chunks == 128 // 4
     assert raw == 1
     _assert_exact(store, run, ref)
     assert store.get_run(run)["points"] == 129 * 4
+
+
+def test_a_fold_whose_rows_change_after_its_plan_leaves_them_for_the_next(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step re-sent between a fold's plan (read without a lock) and its apply: the apply finds the raw rows changed
+    and writes nothing for that series, so the re-sent value is kept; the next fold takes it."""
+    run = "replanned"
+    ref = Reference()
+    _ingest(store, run, list(range(60)), np.arange(240, dtype=np.float32).reshape(60, 4), LAYERS, ref)
+    plan = folding.ChunkFolder.plan
+
+    def re_sent_meanwhile(self: folding.ChunkFolder, *args: Any) -> list[folding.SeriesFold]:
+        planned = plan(self, *args)
+        monkeypatch.setattr(folding.ChunkFolder, "plan", plan)
+        doc = batch_doc(run, ["b"], [10], {"m": np.float32([[-1.0]])})
+        store.ingest(decode_json(json.dumps(doc).encode()))  # behind the frontier: a raw row the plan read changes
+        return planned
+
+    monkeypatch.setattr(folding.ChunkFolder, "plan", re_sent_meanwhile)
+    _ingest(store, run, [64], np.ones((1, 4), dtype=np.float32), LAYERS, ref)  # compacts: the fold is planned
+    ref.values[10] = np.float32([40, -1, 42, 43])
+    assert _counts(store, run) == (0, 61)  # the apply found step 10 changed and folded nothing
+    _assert_exact(store, run, ref)
+    store.compact_rollups(run)
+    assert _counts(store, run) == (61 // 4, 0)
+    _assert_exact(store, run, ref)
+    _assert_export(store, run, ref)
 
 
 def test_downgrade_of_0012_gives_the_raw_rows_back(store: Store) -> None:
