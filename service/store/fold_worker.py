@@ -4,8 +4,11 @@ A compaction that moved a rank's frontier queues the rank (:meth:`FoldWorker.req
 that set it off returns at once). One daemon thread per store takes the queued ranks in order: for each it plans the
 folds in a read transaction of its own, with no write lock held while it encodes, then applies them in one short
 transaction under the rank's write lock (SQLite: the writer's slot between ingest groups; PostgreSQL: the rank's
-advisory lock). The thread ends after :data:`IDLE_SECONDS` with nothing queued and starts again with the next
-request, so an idle store holds no thread. A fold that fails is logged; the rank's next compaction queues it again,
+advisory lock). The encoding, most of a fold's CPU, runs in a process of its own (:mod:`.chunk_encoder`) once a
+rank's fold encodes at least :data:`PROCESS_VALUES` values.
+
+The thread ends after :data:`IDLE_SECONDS` with nothing queued (the process with it) and starts again with the next
+request, so an idle store holds neither. A fold that fails is logged; the rank's next compaction queues it again,
 and the fold then takes everything due, the rows left behind included.
 """
 
@@ -20,12 +23,17 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.models import Run, RunRank
-from quantwatch.service.store.folding import ChunkFolder
+from quantwatch.service.store.chunk_encoder import EncoderProcess
+from quantwatch.service.store.folding import ChunkFolder, Encoder, encode_chunks
+from quantwatch.service.store.raw_points import Rows
 
 log = logging.getLogger("quantwatch.service")
 
 IDLE_SECONDS = 2.0
 """How long the thread waits for more work before it ends."""
+PROCESS_VALUES = 1 << 17
+"""Values a rank's fold encodes from which the encoding goes to the worker's process (fewer: on its thread, as the
+round trip's pickling costs more than it saves; 64 steps × 512 layers × 4 metrics is 131,072)."""
 
 
 class FoldWorker:
@@ -58,9 +66,9 @@ class FoldWorker:
         with self._changed:
             return self._changed.wait_for(lambda: not self._queue and not self._busy, timeout)
 
-    def fold(self, run_id: int, rank: int, lock_key: int) -> int:
-        """Fold what is due of (run, rank) now, in the calling thread; return the series folded (a series whose rows
-        changed between the plan and the apply is left for the next fold)."""
+    def fold(self, run_id: int, rank: int, lock_key: int, encode: Encoder = encode_chunks) -> int:
+        """Fold what is due of (run, rank) now, in the calling thread, its chunks encoded by ``encode``; return the
+        series folded (a series whose rows changed between the plan and the apply is left for the next fold)."""
         with self.factory() as session:
             conn = session.connection()
             row = conn.execute(
@@ -70,7 +78,7 @@ class FoldWorker:
             ).first()
             if row is None:  # the run was deleted meanwhile
                 return 0
-            folds = self.folder.plan(conn, run_id, rank, int(row[0]), int(row[1]))
+            folds = self.folder.plan(conn, run_id, rank, int(row[0]), int(row[1]), encode)
             session.rollback()
         if not folds:
             return 0
@@ -87,19 +95,45 @@ class FoldWorker:
         return applied
 
     def _loop(self) -> None:
+        encoder = _Encoder()
         while True:
             with self._changed:
                 if not self._changed.wait_for(lambda: self._queue, IDLE_SECONDS):
                     self._thread = None
-                    return
+                    break
                 (run_id, rank), lock_key = next(iter(self._queue.items()))
                 del self._queue[(run_id, rank)]
                 self._busy = True
             try:
-                self.fold(run_id, rank, lock_key)
+                self.fold(run_id, rank, lock_key, encoder)
             except Exception:
                 log.exception("folding run id %d rank %d failed; its next compaction retries it", run_id, rank)
             finally:
                 with self._changed:
                     self._busy = False
                     self._changed.notify_all()
+        encoder.close()
+
+
+class _Encoder:
+    """Encodes on the calling thread below :data:`PROCESS_VALUES` values, else in an :class:`EncoderProcess` started
+    on first use (one thread's)."""
+
+    def __init__(self) -> None:
+        self._process: EncoderProcess | None = None
+
+    def __call__(self, parts: list[Rows]) -> list[dict[str, object]]:
+        if sum(rows.values.size for rows in parts) < PROCESS_VALUES:
+            return encode_chunks(parts)
+        if self._process is None:
+            self._process = EncoderProcess()
+        try:
+            return self._process.encode(parts)
+        except BaseException:
+            self.close()  # it died, or the pipe holds half an answer: the next fold starts another
+            raise
+
+    def close(self) -> None:
+        if self._process is not None:
+            self._process.close()
+            self._process = None

@@ -17,7 +17,8 @@ chunk's row of the same step, or into a chunk of its own in the gap between two.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,15 @@ def chunk_row(rows: Rows) -> dict[str, object]:
     }
 
 
+def encode_chunks(parts: list[Rows]) -> list[dict[str, object]]:
+    """:func:`chunk_row` of each of ``parts`` (a module-level function: the fold worker may run it in a process of its
+    own)."""
+    return [chunk_row(rows) for rows in parts]
+
+
+Encoder = Callable[[list[Rows]], list[dict[str, object]]]
+
+
 @dataclass(frozen=True)
 class Seen:
     """What a fold of one series read: its raw rows at or before ``hi`` (step, vals, time) and its chunks whose steps
@@ -64,14 +74,30 @@ class Seen:
 @dataclass(frozen=True)
 class SeriesFold:
     """The writes that fold one series' raw rows at or before ``hi`` (all of them) into chunks, and what they were
-    computed from (``seen``, over [``lo``, ``hi``])."""
+    computed from (``seen``, over [``lo``, ``hi``]). ``inserts`` and ``updates`` are the statements' parameters, filled
+    in once the rows of ``new_chunks`` and ``merged_chunks`` (the key columns of each, and its rows) are encoded."""
 
     key: dict[str, int]
     lo: int
     hi: int
     seen: Seen
-    inserts: list[dict[str, object]]
-    updates: list[dict[str, object]]
+    new_chunks: list[tuple[dict[str, int], Rows]]
+    merged_chunks: list[tuple[dict[str, int], Rows]]
+    inserts: list[dict[str, object]] = field(default_factory=list)
+    updates: list[dict[str, object]] = field(default_factory=list)
+
+    def encoded(self) -> list[Rows]:
+        """The rows to encode, inserts first."""
+        return [rows for _, rows in (*self.new_chunks, *self.merged_chunks)]
+
+    def fill(self, chunks: list[dict[str, object]]) -> None:
+        """Take the encoded columns of :meth:`encoded`'s rows, in that order."""
+        new, merged = chunks[: len(self.new_chunks)], chunks[len(self.new_chunks) :]
+        self.inserts.extend({**key, **row} for (key, _), row in zip(self.new_chunks, new, strict=True))
+        self.updates.extend(
+            {**key, **{f"new_{c}": v for c, v in row.items() if c != "first_step"}}
+            for (key, _), row in zip(self.merged_chunks, merged, strict=True)
+        )
 
 
 class ChunkFolder:
@@ -100,7 +126,9 @@ class ChunkFolder:
         )
         series = (*rank_key, Point.name_id == bindparam("nid"))
         self._raw = (
-            select(Point.step, Point.vals, Point.time).where(*series, Point.step <= bindparam("hi")).order_by(Point.step)
+            select(Point.step, Point.vals, Point.time)
+            .where(*series, Point.step <= bindparam("hi"))
+            .order_by(Point.step)
         )
         self._chunks = (
             select(*(getattr(PointChunk, c) for c in _CHUNK_COLUMNS))
@@ -121,9 +149,17 @@ class ChunkFolder:
         )
         self._delete = delete(Point).where(*series, Point.step <= bindparam("hi"))
 
-    def plan(self, conn: Connection, run_id: int, rank: int, frontier: int, n_layers: int) -> list[SeriesFold]:
-        """The folds due of (run, rank)'s raw rows behind ``frontier``, encoded, from what ``conn`` reads (no lock
-        needed: :meth:`apply` checks it again)."""
+    def plan(
+        self,
+        conn: Connection,
+        run_id: int,
+        rank: int,
+        frontier: int,
+        n_layers: int,
+        encode: Encoder = encode_chunks,
+    ) -> list[SeriesFold]:
+        """The folds due of (run, rank)'s raw rows behind ``frontier`` from what ``conn`` reads (no lock needed:
+        :meth:`apply` checks it again), their chunks encoded by ``encode`` (all of the rank's in one call)."""
         rank_key = {"run_id": run_id, "rank": rank}
         folds = []
         for nid, count, first, last in conn.execute(self._waiting, {**rank_key, "frontier": frontier}).all():
@@ -132,6 +168,12 @@ class ChunkFolder:
                 fold = self._plan_series(conn, {**rank_key, "nid": int(nid)}, frontier, n_layers, last)
                 if fold is not None:
                     folds.append(fold)
+        chunks = encode([rows for fold in folds for rows in fold.encoded()]) if folds else []
+        done = 0
+        for fold in folds:
+            count = len(fold.encoded())
+            fold.fill(chunks[done : done + count])
+            done += count
         return folds
 
     def apply(self, conn: Connection, fold: SeriesFold) -> bool:
@@ -176,12 +218,12 @@ class ChunkFolder:
         # Chunks hold steps up to ``cut`` only: with no late row, none overlaps the raw rows (the usual case).
         chunks = self._chunk_rows(conn, key, lo, hi) if late.steps.size else ()
         row_key = {"run_id": key["run_id"], "rank": key["rank"], "name_id": key["nid"]}
-        inserts, updates = self._plan_late(key, row_key, late, chunks, n_layers) if late.steps.size else ([], [])
+        new, merged = self._plan_late(key, row_key, late, chunks, n_layers) if late.steps.size else ([], [])
         if folds_tail:
             pieces = np.array_split(np.arange(tail.steps.size), tail.steps.size // CHUNK_ROWS)
-            inserts.extend({**row_key, **chunk_row(tail.take(p))} for p in pieces)
+            new.extend((row_key, tail.take(p)) for p in pieces)
         seen = Seen(tuple(r for r in found if int(r[0]) <= hi), chunks)
-        return SeriesFold(key, lo, hi, seen, inserts, updates)
+        return SeriesFold(key, lo, hi, seen, new, merged)
 
     @staticmethod
     def _plan_late(
@@ -190,26 +232,24 @@ class ChunkFolder:
         late: Rows,
         chunks: tuple[tuple[Any, ...], ...],
         n_layers: int,
-    ) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
-        """Inserts and updates folding raw rows at or before the series' last chunk: each into the chunk spanning
-        it, or a chunk of its own per gap between chunks."""
+    ) -> tuple[list[tuple[dict[str, int], Rows]], list[tuple[dict[str, int], Rows]]]:
+        """New chunks and merged chunks (each with its key columns) that fold raw rows at or before the series' last
+        chunk: each into the chunk spanning it, or a chunk of its own per gap between chunks."""
         spans = [c for c in chunks if int(c[1]) >= int(late.steps[0]) and int(c[0]) <= int(late.steps[-1])]
         firsts = np.array([int(c[0]) for c in spans], dtype=np.int64)
         lasts = np.array([int(c[1]) for c in spans], dtype=np.int64)
         # The last chunk starting at or before each row (-1: before every chunk of the span) and whether it spans it.
         at = np.searchsorted(firsts, late.steps, side="right") - 1
         inside = (at >= 0) & (late.steps <= lasts[np.maximum(at, 0)]) if spans else np.zeros(late.steps.size, bool)
-        updates: list[dict[str, object]] = []
+        merged = []
         for i in np.unique(at[inside]).tolist():
             first, _, rows, steps, times, vals = spans[i]
             stored = decode_chunk(int(rows), steps, times, vals, None, n_layers)
-            merged = merge([stored, late.take(np.flatnonzero(inside & (at == i)))])
-            new = {f"new_{c}": v for c, v in chunk_row(merged).items() if c != "first_step"}
             where = {"chunk_run_id": key["run_id"], "chunk_rank": key["rank"], "nid": key["nid"], "first": int(first)}
-            updates.append({**where, **new})
+            merged.append((where, merge([stored, late.take(np.flatnonzero(inside & (at == i)))])))
         gaps = ~inside
-        inserts = [
-            {**row_key, **chunk_row(late.take(np.flatnonzero(gaps & (at == g))))}
+        new = [
+            (row_key, late.take(np.flatnonzero(gaps & (at == g))))
             for g in (np.unique(at[gaps]).tolist() if gaps.any() else [])
         ]
-        return inserts, updates
+        return new, merged
