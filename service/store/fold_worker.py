@@ -2,10 +2,11 @@
 
 A compaction that moved a rank's frontier queues the rank (:meth:`FoldWorker.request`, a set insertion: the batch
 that set it off returns at once). One daemon thread per store takes the queued ranks in order: for each it plans the
-folds in a read transaction of its own, with no write lock held while it encodes, then applies them in one short
-transaction under the rank's write lock (SQLite: the writer's slot between ingest groups; PostgreSQL: the rank's
-advisory lock). The encoding, most of a fold's CPU, runs in a process of its own (:mod:`.chunk_encoder`) once a
-rank's fold encodes at least :data:`PROCESS_VALUES` values.
+folds in a short read transaction, encodes their chunks with no transaction open (on SQLite an open read would hold
+the write-ahead log from being checkpointed back to its start), then applies them in one short transaction under the
+rank's write lock (SQLite: the writer's slot between ingest groups; PostgreSQL: the rank's advisory lock). The
+encoding, most of a fold's CPU, runs in a process of its own (:mod:`.chunk_encoder`) once a rank's fold encodes at
+least :data:`PROCESS_VALUES` values.
 
 The thread ends after :data:`IDLE_SECONDS` with nothing queued (the process with it) and starts again with the next
 request, so an idle store holds neither. A fold that fails is logged; the rank's next compaction queues it again,
@@ -24,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.models import Run, RunRank
 from quantwatch.service.store.chunk_encoder import EncoderProcess
-from quantwatch.service.store.folding import ChunkFolder, Encoder, encode_chunks
+from quantwatch.service.store.folding import ChunkFolder, Encoder, encode_chunks, encode_folds
 from quantwatch.service.store.raw_points import Rows
 
 log = logging.getLogger("quantwatch.service")
@@ -78,10 +79,11 @@ class FoldWorker:
             ).first()
             if row is None:  # the run was deleted meanwhile
                 return 0
-            folds = self.folder.plan(conn, run_id, rank, int(row[0]), int(row[1]), encode)
-            session.rollback()
+            folds = self.folder.plan(conn, run_id, rank, int(row[0]), int(row[1]))
+            session.rollback()  # before the encoding (see the module)
         if not folds:
             return 0
+        encode_folds(folds, encode)
         with self._exclusive(), self.factory() as session:
             conn = session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
             try:

@@ -1,9 +1,10 @@
 """Folding raw points into chunks, off the ingest path (issue 21).
 
 With the collector's ``fold_chunks`` setting on (the default), once a compaction has moved a rank's frontier, the
-rank's raw rows behind it are folded into ``point_chunks`` by a background thread (:mod:`.fold_worker`) in two steps:
-:meth:`ChunkFolder.plan` reads what is due and encodes the chunks without any write lock (the encoding is most of a
-fold's cost), then :meth:`ChunkFolder.apply`, in a short transaction under the rank's write lock, reads the same raw
+rank's raw rows behind it are folded into ``point_chunks`` by a background thread (:mod:`.fold_worker`) in three
+steps: :meth:`ChunkFolder.plan` reads what is due without any write lock, :func:`encode_folds` encodes the chunks with
+no transaction open (the encoding is most of a fold's cost), then :meth:`ChunkFolder.apply`, in a short transaction
+under the rank's write lock, reads the same raw
 rows and chunks again and, only when they are as the plan found them, writes the chunks and deletes the raw rows it
 folded. So a batch's transaction never waits for an encoding; a crash before the apply's commit leaves the raw rows
 as they were, after it only the chunks, and a raw row re-sent, a fold of another replica or a retention sweep in
@@ -67,8 +68,8 @@ class Seen:
     """What a fold of one series read: its raw rows at or before ``hi`` (step, vals, time) and its chunks whose steps
     overlap [``lo``, ``hi``] (every column), as the database returned them."""
 
-    raw: tuple[tuple[Any, ...], ...]
-    chunks: tuple[tuple[Any, ...], ...]
+    raw: list[Any]
+    chunks: list[Any]
 
 
 @dataclass(frozen=True)
@@ -149,17 +150,9 @@ class ChunkFolder:
         )
         self._delete = delete(Point).where(*series, Point.step <= bindparam("hi"))
 
-    def plan(
-        self,
-        conn: Connection,
-        run_id: int,
-        rank: int,
-        frontier: int,
-        n_layers: int,
-        encode: Encoder = encode_chunks,
-    ) -> list[SeriesFold]:
+    def plan(self, conn: Connection, run_id: int, rank: int, frontier: int, n_layers: int) -> list[SeriesFold]:
         """The folds due of (run, rank)'s raw rows behind ``frontier`` from what ``conn`` reads (no lock needed:
-        :meth:`apply` checks it again), their chunks encoded by ``encode`` (all of the rank's in one call)."""
+        :meth:`apply` checks it again), to be encoded (:func:`encode_folds`) once ``conn``'s transaction is over."""
         rank_key = {"run_id": run_id, "rank": rank}
         folds = []
         for nid, count, first, last in conn.execute(self._waiting, {**rank_key, "frontier": frontier}).all():
@@ -168,12 +161,6 @@ class ChunkFolder:
                 fold = self._plan_series(conn, {**rank_key, "nid": int(nid)}, frontier, n_layers, last)
                 if fold is not None:
                     folds.append(fold)
-        chunks = encode([rows for fold in folds for rows in fold.encoded()]) if folds else []
-        done = 0
-        for fold in folds:
-            count = len(fold.encoded())
-            fold.fill(chunks[done : done + count])
-            done += count
         return folds
 
     def apply(self, conn: Connection, fold: SeriesFold) -> bool:
@@ -191,11 +178,11 @@ class ChunkFolder:
     def _seen(self, conn: Connection, key: dict[str, int], lo: int, hi: int) -> Seen:
         return Seen(self._raw_rows(conn, key, hi), self._chunk_rows(conn, key, lo, hi))
 
-    def _raw_rows(self, conn: Connection, key: dict[str, int], hi: int) -> tuple[tuple[Any, ...], ...]:
-        return tuple(tuple(r) for r in conn.execute(self._raw, {**key, "hi": hi}))
+    def _raw_rows(self, conn: Connection, key: dict[str, int], hi: int) -> list[Any]:
+        return list(conn.execute(self._raw, {**key, "hi": hi}).all())
 
-    def _chunk_rows(self, conn: Connection, key: dict[str, int], lo: int, hi: int) -> tuple[tuple[Any, ...], ...]:
-        return tuple(tuple(r) for r in conn.execute(self._chunks, {**key, "lo": lo, "hi": hi}))
+    def _chunk_rows(self, conn: Connection, key: dict[str, int], lo: int, hi: int) -> list[Any]:
+        return list(conn.execute(self._chunks, {**key, "lo": lo, "hi": hi}).all())
 
     def _plan_series(
         self, conn: Connection, key: dict[str, int], frontier: int, n_layers: int, last: int | None
@@ -216,13 +203,13 @@ class ChunkFolder:
             return None
         lo, hi = int(raw.steps[0]), frontier - 1 if folds_tail else cut
         # Chunks hold steps up to ``cut`` only: with no late row, none overlaps the raw rows (the usual case).
-        chunks = self._chunk_rows(conn, key, lo, hi) if late.steps.size else ()
+        chunks = self._chunk_rows(conn, key, lo, hi) if late.steps.size else []
         row_key = {"run_id": key["run_id"], "rank": key["rank"], "name_id": key["nid"]}
         new, merged = self._plan_late(key, row_key, late, chunks, n_layers) if late.steps.size else ([], [])
         if folds_tail:
             pieces = np.array_split(np.arange(tail.steps.size), tail.steps.size // CHUNK_ROWS)
             new.extend((row_key, tail.take(p)) for p in pieces)
-        seen = Seen(tuple(r for r in found if int(r[0]) <= hi), chunks)
+        seen = Seen(found[: int(np.searchsorted(raw.steps, hi, side="right"))], chunks)
         return SeriesFold(key, lo, hi, seen, new, merged)
 
     @staticmethod
@@ -230,7 +217,7 @@ class ChunkFolder:
         key: dict[str, int],
         row_key: dict[str, int],
         late: Rows,
-        chunks: tuple[tuple[Any, ...], ...],
+        chunks: list[Any],
         n_layers: int,
     ) -> tuple[list[tuple[dict[str, int], Rows]], list[tuple[dict[str, int], Rows]]]:
         """New chunks and merged chunks (each with its key columns) that fold raw rows at or before the series' last
@@ -253,3 +240,13 @@ class ChunkFolder:
             for g in (np.unique(at[gaps]).tolist() if gaps.any() else [])
         ]
         return new, merged
+
+
+def encode_folds(folds: list[SeriesFold], encode: Encoder = encode_chunks) -> None:
+    """Encode the chunks of ``folds`` (all in one call of ``encode``) into their statements' parameters."""
+    chunks = encode([rows for fold in folds for rows in fold.encoded()]) if folds else []
+    done = 0
+    for fold in folds:
+        count = len(fold.encoded())
+        fold.fill(chunks[done : done + count])
+        done += count

@@ -25,7 +25,7 @@ from quantwatch.service.core.db import alembic_config, upgrade
 from quantwatch.service.exposition.queries import RankReader, RestoreLimits, recent_runs
 from quantwatch.service.models import Point, PointChunk, Rollup
 from quantwatch.service.rollups import LEVELS
-from quantwatch.service.store import Store, folding
+from quantwatch.service.store import Store, chunk_encoder, fold_worker, folding
 from quantwatch.service.store.chunk_codec import (
     decode_steps,
     decode_times,
@@ -34,6 +34,7 @@ from quantwatch.service.store.chunk_codec import (
     encode_times,
     encode_values,
 )
+from quantwatch.service.store.raw_points import Rows
 from tests.service.conftest import batch_doc
 from tests.service.test_rollup_frontier import (
     LAYERS,
@@ -248,7 +249,7 @@ FOLD_CRASH = textwrap.dedent(
     from quantwatch.service import Settings
     from quantwatch.service.batch import decode_json
     from quantwatch.service.core.db import make_engine, make_sessionmaker
-    from quantwatch.service.store import Store, folding
+    from quantwatch.service.store import Store, chunk_encoder, fold_worker, folding
 
     apply = folding.ChunkFolder.apply
 
@@ -308,6 +309,38 @@ def test_a_fold_whose_rows_change_after_its_plan_leaves_them_for_the_next(
     assert _counts(store, run) == (61 // 4, 0)
     _assert_exact(store, run, ref)
     _assert_export(store, run, ref)
+
+
+def test_the_encoding_process_answers_as_the_encoder_and_ends_with_its_pipe() -> None:
+    rng = np.random.default_rng(5)
+    parts = [
+        Rows(np.arange(s, s + 8, dtype=np.int64), rng.standard_normal((8, w)).astype(np.float32), np.full(8, 1.5e9))
+        for s, w in ((0, 3), (8, 130))
+    ]
+    process = chunk_encoder.EncoderProcess()
+    assert process.encode(parts) == folding.encode_chunks(parts)
+    assert process.encode(parts[1:]) == folding.encode_chunks(parts[1:])
+    process.close()
+    assert process._proc.returncode == 0
+
+
+def test_big_folds_are_encoded_in_the_process(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From PROCESS_VALUES values a fold's chunks are encoded in the encoding process; they read back exactly."""
+    monkeypatch.setattr(fold_worker, "PROCESS_VALUES", 8)
+    calls = []
+    encode = chunk_encoder.EncoderProcess.encode
+
+    def counted(self: chunk_encoder.EncoderProcess, parts: list[Rows]) -> list[dict[str, object]]:
+        calls.append(len(parts))
+        return encode(self, parts)
+
+    monkeypatch.setattr(chunk_encoder.EncoderProcess, "encode", counted)
+    run = "in-process"
+    ref = Reference()
+    _late_history(store, run, ref)
+    assert calls
+    assert _counts(store, run)[0] == sum(calls)
+    _assert_exact(store, run, ref)
 
 
 def test_downgrade_of_0012_gives_the_raw_rows_back(store: Store) -> None:
