@@ -9,8 +9,10 @@ encoding, most of a fold's CPU, runs in a process of its own (:mod:`.chunk_encod
 least :data:`PROCESS_VALUES` values.
 
 The thread ends after :data:`IDLE_SECONDS` with nothing queued (the process with it) and starts again with the next
-request, so an idle store holds neither. A fold that fails is logged; the rank's next compaction queues it again,
-and the fold then takes everything due, the rows left behind included.
+request, so an idle store holds neither. On PostgreSQL the worker vacuums the raw points' table every
+:data:`VACUUM_BYTES` of rows its folds deleted, so the table keeps the size of the raw tail. A fold that fails is
+logged; the rank's next compaction queues it again, and the fold then takes everything due, the rows left behind
+included.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ log = logging.getLogger("quantwatch.service")
 
 IDLE_SECONDS = 2.0
 """How long the thread waits for more work before it ends."""
+VACUUM_BYTES = 4 << 20
+"""Bytes of raw rows folds delete on PostgreSQL between two vacuums of their table (see FoldWorker._vacuum_after)."""
 PROCESS_VALUES = 1 << 17
 """Values a rank's fold encodes from which the encoding goes to the worker's process (fewer: on its thread, as the
 round trip's pickling costs more than it saves; 64 steps × 512 layers × 4 metrics is 131,072)."""
@@ -51,6 +55,7 @@ class FoldWorker:
         self._queue: dict[tuple[int, int], int] = {}
         self._busy = False
         self._thread: threading.Thread | None = None
+        self._deleted_bytes = 0
 
     def request(self, run_id: int, rank: int, lock_key: int) -> None:
         """Queue (run, rank) for a fold (``lock_key``: its PostgreSQL advisory lock); start the thread if it is not
@@ -89,12 +94,28 @@ class FoldWorker:
             try:
                 if self.pg:
                     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock_key})
-                applied = sum(self.folder.apply(conn, f) for f in folds)
+                applied = [f for f in folds if self.folder.apply(conn, f)]
                 session.commit()
             except BaseException:
                 session.rollback()
                 raise
-        return applied
+        if self.pg:
+            self._vacuum_after(sum(len(f.seen.raw) * int(row[1]) * 4 for f in applied))
+        return len(applied)
+
+    def _vacuum_after(self, deleted_bytes: int) -> None:
+        """On PostgreSQL, VACUUM the raw points' table once folds deleted :data:`VACUUM_BYTES` of its rows since the
+        last: the deleted rows are dead tuples until a vacuum makes their space reusable, and autovacuum, which looks
+        once a minute, lets the raw tail's table grow by a minute of ingest meanwhile."""
+        with self._changed:
+            self._deleted_bytes += deleted_bytes
+            due = self._deleted_bytes >= VACUUM_BYTES
+            if due:
+                self._deleted_bytes = 0
+        if due:
+            with self.factory() as session:
+                conn = session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+                conn.exec_driver_sql("VACUUM points")
 
     def _loop(self) -> None:
         encoder = _Encoder()

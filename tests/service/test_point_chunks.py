@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from alembic import command
 from quantwatch.service import Settings
@@ -341,6 +341,25 @@ def test_big_folds_are_encoded_in_the_process(store: Store, monkeypatch: pytest.
     assert calls
     assert _counts(store, run)[0] == sum(calls)
     _assert_exact(store, run, ref)
+
+
+def test_folds_vacuum_the_raw_points_table_on_postgresql(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On PostgreSQL the folder vacuums ``points`` once its folds deleted VACUUM_BYTES of rows (here: every fold),
+    so their space serves the next raw rows; reads stay exact."""
+    monkeypatch.setattr(fold_worker, "VACUUM_BYTES", 1)
+    last_vacuum = text("SELECT last_vacuum FROM pg_stat_user_tables WHERE relname = 'points'")
+    if store.pg:
+        with store.engine.connect() as conn:
+            before = conn.execute(last_vacuum).scalar()
+    run = "vacuumed"
+    ref = Reference()
+    _late_history(store, run, ref)
+    _assert_exact(store, run, ref)
+    if store.pg:
+        with store.engine.connect() as conn:
+            after = conn.execute(last_vacuum).scalar()
+        assert after is not None
+        assert before is None or after > before
 
 
 def test_downgrade_of_0012_gives_the_raw_rows_back(store: Store) -> None:
