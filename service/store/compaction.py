@@ -13,15 +13,13 @@ the ingest path; off, compaction builds the blocks only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-
 from sqlalchemy import Connection, bindparam, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.models import Run, RunRank
 from quantwatch.service.rollups import LEVELS
 from quantwatch.service.store.fold_worker import FoldWorker
+from quantwatch.service.store.group_commit import GroupCommit
 from quantwatch.service.store.raw_points import merge
 from quantwatch.service.store.rollup_writes import RollupWriter
 
@@ -53,15 +51,15 @@ class Compactor:
         factory: sessionmaker[Session],
         rollups: RollupWriter,
         pg: bool,
-        exclusive: Callable[[], AbstractContextManager[None]],
+        group: GroupCommit | None,
         *,
         fold: bool,
     ) -> None:
-        """``exclusive``: the SQLite writer's slot (see GroupCommit), which the folder's writes take."""
+        """``group``: the SQLite writers' group commit (None on PostgreSQL), which the folder's writes join."""
         self.factory = factory
         self.rollups = rollups
         self.points = rollups.points
-        self.folds = FoldWorker(factory, pg, exclusive) if fold else None
+        self.folds = FoldWorker(factory, group) if fold else None
         self.pg = pg
 
     def compact(self, run_id: int, rank: int, lock_key: int, *, whole: bool = False) -> int:

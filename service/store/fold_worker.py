@@ -3,8 +3,10 @@
 A compaction that moved a rank's frontier queues the rank (:meth:`FoldWorker.request`, a set insertion: the batch
 that set it off returns at once). One daemon thread per store takes the queued ranks in order: for each it plans the
 folds in a short read transaction, encodes their chunks with no transaction open (on SQLite an open read would hold
-the write-ahead log from being checkpointed back to its start), then applies them in one short transaction under the
-rank's write lock (SQLite: the writer's slot between ingest groups; PostgreSQL: the rank's advisory lock). The
+the write-ahead log from being checkpointed back to its start), then applies them under the rank's write lock: on
+SQLite as one member of an ingest group (:mod:`.group_commit`: its own savepoint, committed with the group's
+batches, so it costs no commit of its own and the group pipeline does not stop for it), on PostgreSQL in a short
+transaction of its own under the rank's advisory lock. The
 encoding, most of a fold's CPU, runs in a process of its own (:mod:`.chunk_encoder`) once a rank's fold encodes at
 least :data:`PROCESS_VALUES` values.
 
@@ -19,15 +21,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 
-from sqlalchemy import select, text
+from sqlalchemy import Connection, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.models import Run, RunRank
 from quantwatch.service.store.chunk_encoder import EncoderProcess
-from quantwatch.service.store.folding import ChunkFolder, Encoder, encode_chunks, encode_folds
+from quantwatch.service.store.folding import ChunkFolder, Encoder, SeriesFold, encode_chunks, encode_folds
+from quantwatch.service.store.group_commit import GroupCommit
 from quantwatch.service.store.raw_points import Rows
 
 log = logging.getLogger("quantwatch.service")
@@ -44,13 +45,13 @@ round trip's pickling costs more than it saves; 64 steps × 512 layers × 4 metr
 class FoldWorker:
     """Folds the ranks queued by compaction on a thread of its own (see the module's docstring)."""
 
-    def __init__(
-        self, factory: sessionmaker[Session], pg: bool, exclusive: Callable[[], AbstractContextManager[None]]
-    ) -> None:
+    def __init__(self, factory: sessionmaker[Session], group: GroupCommit | None) -> None:
+        """``group``: the SQLite writers' group commit, whose transactions the applies join (None: PostgreSQL, where
+        an apply runs in a transaction of its own under the rank's advisory lock)."""
         self.factory = factory
-        self.pg = pg
+        self.pg = group is None
         self.folder = ChunkFolder()
-        self._exclusive = exclusive
+        self._group = group
         self._changed = threading.Condition()
         self._queue: dict[tuple[int, int], int] = {}
         self._busy = False
@@ -89,19 +90,24 @@ class FoldWorker:
         if not folds:
             return 0
         encode_folds(folds, encode)
-        with self._exclusive(), self.factory() as session:
-            conn = session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
-            try:
-                if self.pg:
+        if self._group is not None:
+            applied = self._group.run(lambda session: self._apply(session.connection(), folds))
+        else:
+            with self.factory() as session:
+                try:
+                    conn = session.connection()
                     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock_key})
-                applied = [f for f in folds if self.folder.apply(conn, f)]
-                session.commit()
-            except BaseException:
-                session.rollback()
-                raise
+                    applied = self._apply(conn, folds)
+                    session.commit()
+                except BaseException:
+                    session.rollback()
+                    raise
         if self.pg:
             self._vacuum_after(sum(len(f.seen.raw) * int(row[1]) * 4 for f in applied))
         return len(applied)
+
+    def _apply(self, conn: Connection, folds: list[SeriesFold]) -> list[SeriesFold]:
+        return [fold for fold in folds if self.folder.apply(conn, fold)]
 
     def _vacuum_after(self, deleted_bytes: int) -> None:
         """On PostgreSQL, VACUUM the raw points' table once folds deleted :data:`VACUUM_BYTES` of its rows since the

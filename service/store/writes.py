@@ -104,7 +104,7 @@ class BatchWriter:
         # SQLite has one writer at a time: this process's batches share transactions (PostgreSQL runs them side by
         # side, each under its rank's advisory lock).
         self._group = None if self.pg else GroupCommit(factory)
-        self._compactor = Compactor(factory, self._rollups, self.pg, self._exclusive, fold=fold_chunks)
+        self._compactor = Compactor(factory, self._rollups, self.pg, self._group, fold=fold_chunks)
 
     def ingest(self, batch: IngestBatch, observers: Sequence[IngestObserver] = ()) -> IngestResult:
         """Store ``batch`` atomically, or recognise it as a duplicate; run the observers (see IngestObserver)."""
