@@ -5,8 +5,9 @@ HTTP) into a fresh database per case: 512 layers × 12 metrics, either 16-step b
 1-step batches of every 10th step (the agent's sampling, as bench/ingest.py ``--many-ranks`` sends them). Values
 come from bench/workloads.py: the demo's and the agent benchmark's recorded series replayed at scale, a random walk,
 and uniform random numbers (incompressible, the bound). Prints bytes per point of the whole database (SQLite: the
-files after a checkpoint, less their free pages; PostgreSQL: ``pg_total_relation_size`` of every table, as bench/ingest.py measures it:
-dead tuples of deleted raw rows included until autovacuum), the share of the raw points, chunks and rollups in it,
+files after a checkpoint, less their free pages; PostgreSQL: ``pg_total_relation_size`` of every table, as
+bench/ingest.py measures it: dead tuples of deleted raw rows included until a vacuum), the share of the raw points,
+chunks and rollups in it,
 and the bytes per point the second half of the batches added (on PostgreSQL after a ``VACUUM`` between the halves,
 as autovacuum does in time): the raw tail waiting to be folded and the space its deleted rows free for the next
 ones stay about the same size however long the run, so this is the cost per point of a long run. Then ingest
