@@ -48,6 +48,7 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
                     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                         conn.exec_driver_sql("VACUUM")
         cpu = time.process_time() - cpu
+        store.wait_for_folds()  # the background folds of the last batches
         sizes = database_size(engine)
     return {
         "points": points,

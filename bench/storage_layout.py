@@ -5,8 +5,9 @@ HTTP) into a fresh database per case: 512 layers × 12 metrics, either 16-step b
 1-step batches of every 10th step (the agent's sampling, as bench/ingest.py ``--many-ranks`` sends them). Values
 come from bench/workloads.py: the demo's and the agent benchmark's recorded series replayed at scale, a random walk,
 and uniform random numbers (incompressible, the bound). Prints bytes per point of the whole database (SQLite: the
-files after a checkpoint; PostgreSQL: ``pg_total_relation_size`` of every table, as bench/ingest.py measures it:
-dead tuples of deleted raw rows included until autovacuum), the share of the raw points, chunks and rollups in it,
+files after a checkpoint, less their free pages; PostgreSQL: ``pg_total_relation_size`` of every table, as
+bench/ingest.py measures it: dead tuples of deleted raw rows included until a vacuum), the share of the raw points,
+chunks and rollups in it,
 and the bytes per point the second half of the batches added (on PostgreSQL after a ``VACUUM`` between the halves,
 as autovacuum does in time): the raw tail waiting to be folded and the space its deleted rows free for the next
 ones stay about the same size however long the run, so this is the cost per point of a long run. Then ingest
@@ -15,8 +16,10 @@ reads (median CPU milliseconds).
 
 Each ``--tree NAME=PATH`` runs the store of another checkout (its package first on ``PYTHONPATH``), the trees
 alternated case by case; ratios are to the first tree's. ``NAME=PATH,fold`` builds that tree's store with folding on
-and ``NAME=PATH,raw`` with it off (the collector's ``fold_chunks`` setting; on by default since migration 0015, off
-before), so one checkout can run both ways side by side.
+and ``NAME=PATH,raw`` with it off (the collector's ``fold_chunks`` setting; on by default since the folds run in the
+background, opt-in before), so one checkout can run both ways side by side. Sizes are taken once the store's
+background folds are done (``Store.wait_for_folds``); the CPU rates count this process only, not the fold worker's
+encoding process.
 
     .venv/bin/python bench/storage_layout.py --tree main=/tmp/qw-main --tree new=. --tree raw=.,raw
     .venv/bin/python bench/storage_layout.py --skip-postgres --workloads demo --steps 256 --requests 200
@@ -80,7 +83,11 @@ def database_size(engine: Any) -> dict[str, int]:
             conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
             tables = dict(conn.execute(text("SELECT name, sum(pgsize) FROM dbstat GROUP BY name")).all())
             path = Path(engine.url.database)
-            total = sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))
+            # The pages in use: a file never shrinks, and the pages of raw rows folded away wait on the freelist
+            # for the next rows (a background fold deletes them after a peak the file keeps the size of).
+            free = conn.exec_driver_sql("PRAGMA freelist_count").scalar_one()
+            page = conn.exec_driver_sql("PRAGMA page_size").scalar_one()
+            total = sum(p.stat().st_size for p in path.parent.glob(path.name + "*")) - int(free) * int(page)
             index = {"points": ["ix_points_key"], "point_chunks": ["ix_point_chunks_key"], "rollups": []}
             parts = {t: int(tables.get(t, 0)) + sum(int(tables.get(i, 0)) for i in index[t]) for t in index}
         else:
@@ -94,6 +101,13 @@ def database_size(engine: Any) -> dict[str, int]:
             total = sum(sizes.values())
             parts = {t: sizes.get(t, 0) for t in ("points", "point_chunks", "rollups")}
     return {"total": total, **parts}
+
+
+def settle(store: Any) -> None:
+    """Wait for the store's background folds (trees before they ran in the background fold as they ingest)."""
+    wait = getattr(store, "wait_for_folds", None)
+    if wait is not None:
+        wait()
 
 
 def worker(case: dict[str, Any]) -> dict[str, Any]:
@@ -114,6 +128,7 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
         cpu, wall = time.process_time(), time.perf_counter()
         first = sum(store.ingest(batch).points for batch in decoded[:half])
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        settle(store)
         before = database_size(engine)
         if case["backend"] == "postgres":  # what autovacuum does in time: the space of deleted rows becomes reusable
             with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
@@ -121,6 +136,7 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
         cpu2, wall2 = time.process_time(), time.perf_counter()
         points = first + sum(store.ingest(batch).points for batch in decoded[half:])
         cpu, wall = cpu + time.process_time() - cpu2, wall + time.perf_counter() - wall2
+        settle(store)
         sizes = database_size(engine)
         out: dict[str, Any] = {
             "points": points,

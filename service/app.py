@@ -26,6 +26,10 @@ from quantwatch.service.whatif.setup import install_whatif
 
 __all__ = ["FiringAlertCounts", "create_app"]
 
+SHUTDOWN_FOLD_SECONDS = 10.0
+"""How long a stopping collector lets the background folder finish the folds already queued (one left over is done
+at its rank's next compaction)."""
+
 
 def create_app(
     settings: Settings | None = None,
@@ -55,6 +59,7 @@ def create_app(
             sweeper.stop()
             exposition.stop()
             worker.stop()
+            store.wait_for_folds(SHUTDOWN_FOLD_SECONDS)
 
     app = FastAPI(
         lifespan=lifespan,

@@ -111,9 +111,9 @@ class Settings(BaseSettings):
         default="FULL", description="SQLite synchronous mode in WAL: FULL makes every acknowledged batch durable."
     )
     fold_chunks: bool = Field(
-        default=False,
-        description="Fold raw points behind the compaction frontier into compressed chunks (about half the bytes per "
-        "point, slower ingest and reads of old steps; README Storage).",
+        default=True,
+        description="Fold raw points behind the compaction frontier into compressed chunks, on a background thread "
+        "(about half the bytes per point, slower reads of old steps; README Storage).",
     )
     retention_steps: int | None = Field(
         default=None,

@@ -31,9 +31,9 @@ class Store(HistoryReader):
 
     EXPORT_COLUMNS = EXPORT_COLUMNS
 
-    def __init__(self, engine: Engine, factory: sessionmaker[Session], *, fold_chunks: bool = False) -> None:
-        """``fold_chunks``: the compactor folds raw points into chunks (the setting of that name); reads merge the
-        chunks stored either way."""
+    def __init__(self, engine: Engine, factory: sessionmaker[Session], *, fold_chunks: bool = True) -> None:
+        """``fold_chunks``: raw points behind the compaction frontier are folded into chunks by a background thread
+        (the setting of that name); reads merge the chunks stored either way."""
         super().__init__(engine, factory)
         self.pg = engine.dialect.name == "postgresql"
         self._writer = BatchWriter(engine, factory, fold_chunks=fold_chunks)
@@ -56,9 +56,15 @@ class Store(HistoryReader):
     def compact_rollups(self, run: str) -> None:
         """Move each rank's frontier of ``run`` past its last step now: build its base blocks, the partial last one
         included, and the complete blocks above them, and, with folding on, fold what is due of its raw points into
-        chunks (raises NotFoundError). Ingest builds blocks once they are complete; this is for a downgrade below
-        migration 0007 (whose downgrade refuses ranks with steps past their frontier) and for tests."""
+        chunks before it returns (raises NotFoundError). Ingest builds blocks once they are complete; this is for a
+        downgrade below migration 0007 (whose downgrade refuses ranks with steps past their frontier) and for tests."""
         self._writer.compact_all(run)
+
+    def wait_for_folds(self, timeout: float | None = None) -> bool:
+        """Wait until the background folder has folded every rank queued so far (at once with folding off); False
+        when ``timeout`` ran out first."""
+        folds = self._writer._compactor.folds
+        return True if folds is None else folds.wait_idle(timeout)
 
     def sweep_retention(self, policy: RetentionPolicy, now: float, *, max_ranks: int | None = None) -> RetentionPass:
         """Drop the raw points ``policy`` makes due at time ``now`` (seconds since the epoch), their rollups kept: one

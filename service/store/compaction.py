@@ -5,9 +5,10 @@ A batch commits its raw points only (plus the blocks of any steps that arrive be
 one or more whole base blocks, :meth:`Compactor.compact` builds them and every level above from the raw points in a
 transaction of its own and moves the frontier. Reads use blocks that end before the frontier and the raw points after
 it, so they are exact whatever the frontier; a crash between a batch's commit and the compaction loses nothing (the
-points are committed) and duplicates nothing (the next compaction of the rank rebuilds its blocks from raw). The same
-transaction then folds the raw rows behind the new frontier into compressed chunks (:mod:`.folding`) when folding is
-on (the ``fold_chunks`` setting); off, compaction builds the blocks only.
+points are committed) and duplicates nothing (the next compaction of the rank rebuilds its blocks from raw). With
+folding on (the ``fold_chunks`` setting, the default), a compaction that moved the frontier then queues the rank for
+the background folder (:mod:`.fold_worker`), which folds the raw rows behind the frontier into compressed chunks off
+the ingest path; off, compaction builds the blocks only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.models import Run, RunRank
 from quantwatch.service.rollups import LEVELS
-from quantwatch.service.store.folding import ChunkFolder
+from quantwatch.service.store.fold_worker import FoldWorker
+from quantwatch.service.store.group_commit import GroupCommit
 from quantwatch.service.store.raw_points import merge
 from quantwatch.service.store.rollup_writes import RollupWriter
 
@@ -32,17 +34,27 @@ def frontier_after(last_step: int) -> int:
 class Compactor:
     """Builds the complete blocks of a rank from its raw points and moves its frontier."""
 
-    def __init__(self, factory: sessionmaker[Session], rollups: RollupWriter, pg: bool, *, fold: bool) -> None:
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        rollups: RollupWriter,
+        pg: bool,
+        group: GroupCommit | None,
+        *,
+        fold: bool,
+    ) -> None:
+        """``group``: the SQLite writers' group commit (None on PostgreSQL), which the folder's writes join."""
         self.factory = factory
         self.rollups = rollups
         self.points = rollups.points
-        self.folder = ChunkFolder(rollups.points) if fold else None
+        self.folds = FoldWorker(factory, group) if fold else None
         self.pg = pg
 
     def compact(self, run_id: int, rank: int, lock_key: int, *, whole: bool = False) -> int:
         """Build every base block of (run, rank) between its frontier and the block of its last step (``whole``:
         that block too, so the frontier passes the last step), in one transaction under the rank's write lock
-        (``lock_key`` on PostgreSQL); return the new frontier (unchanged when nothing was due)."""
+        (``lock_key`` on PostgreSQL); return the new frontier (unchanged when nothing was due). With folding on, a moved
+        frontier queues the rank for the folder."""
         with self.factory() as session:
             conn = session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
             try:
@@ -59,19 +71,14 @@ class Compactor:
                 frontier, last_step, n_layers = int(row[0]), int(row[1]), int(row[2])
                 target = last_step + 1 if whole else frontier_after(last_step)
                 if target <= frontier:
-                    if whole and self.folder is not None:  # nothing to build, but late rows may wait to be folded
-                        self.folder.fold(conn, run_id, rank, frontier, n_layers)
-                        session.commit()
-                    else:
-                        session.rollback()
+                    session.rollback()
                     return frontier
-                timed = self.folder is not None
-                tail = self.points.rank_tail(conn, run_id, rank, frontier, target, n_layers, times=timed)
+                tail = self.points.rank_tail(conn, run_id, rank, frontier, target, n_layers, times=False)
                 start = frontier // BLOCK_STEPS * BLOCK_STEPS  # whole blocks: a frontier may not be on a block's edge
                 if start < frontier:  # (after compact_all, or from before 0004): the rows before it may be folded
                     for nid, rows in tail.items():
                         key = {"run_id": run_id, "rank": rank, "nid": nid}
-                        head = self.points.read(conn, key, start, frontier - 1, None, n_layers, times=timed)
+                        head = self.points.read(conn, key, start, frontier - 1, None, n_layers)
                         tail[nid] = merge([head, rows])
                 matrices = {nid: (rows.steps, rows.values) for nid, rows in tail.items()}
                 if matrices:
@@ -79,10 +86,10 @@ class Compactor:
                 conn.execute(
                     update(RunRank).where(RunRank.run_id == run_id, RunRank.rank == rank).values(compacted_step=target)
                 )
-                if self.folder is not None:
-                    self.folder.fold(conn, run_id, rank, target, n_layers, tail, frontier)
                 session.commit()
             except BaseException:
                 session.rollback()
                 raise
+        if self.folds is not None:
+            self.folds.request(run_id, rank, lock_key)
         return target

@@ -1,8 +1,15 @@
-"""Folding raw points into chunks, behind the ingest path (issue 21).
+"""Folding raw points into chunks, off the ingest path (issue 21).
 
-With the collector's ``fold_chunks`` setting on (the default since migration 0015), the compactor, once it has moved a
-rank's frontier, folds in the same transaction the raw rows behind the frontier into ``point_chunks`` and deletes them:
-a crash before the commit leaves the raw rows as they were, after it only the chunks, so nothing is lost or held twice.
+With the collector's ``fold_chunks`` setting on (the default), once a compaction has moved a rank's frontier, the
+rank's raw rows behind it are folded into ``point_chunks`` by a background thread (:mod:`.fold_worker`) in three
+steps: :meth:`ChunkFolder.plan` reads what is due without any write lock, :func:`encode_folds` encodes the chunks with
+no transaction open (the encoding is most of a fold's cost), then :meth:`ChunkFolder.apply`, in a short transaction
+under the rank's write lock, reads the same raw
+rows and chunks again and, only when they are as the plan found them, writes the chunks and deletes the raw rows it
+folded. So a batch's transaction never waits for an encoding; a crash before the apply's commit leaves the raw rows
+as they were, after it only the chunks, and a raw row re-sent, a fold of another replica or a retention sweep in
+between makes the apply leave that series for the next fold: nothing is lost or held twice.
+
 A metric's rows are folded once at least :data:`CHUNK_ROWS` of them wait after its last chunk (fewer compress worse: a
 chunk's first row has no predecessor to take the difference from); a raw row at or before its last chunk's last step (a
 late or re-sent step, written after the chunk) is folded at once into the chunk whose steps span it, replacing that
@@ -11,12 +18,17 @@ chunk's row of the same step, or into a chunk of its own in the gap between two.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
 import numpy as np
 from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
 
 from quantwatch.service.models import Point, PointChunk
+from quantwatch.service.rollups import rows_from_blobs
 from quantwatch.service.store.chunk_codec import encode_steps, encode_times, encode_values
-from quantwatch.service.store.raw_points import RawPoints, Rows, decode_chunk, merge
+from quantwatch.service.store.raw_points import Rows, decode_chunk, merge, times_array
 
 CHUNK_ROWS = 64
 """Raw rows of a metric that wait behind the frontier before they are folded (bench/storage_layout.py)."""
@@ -26,6 +38,7 @@ _KEY = (
     PointChunk.rank == bindparam("rank"),
     PointChunk.name_id == bindparam("nid"),
 )
+_CHUNK_COLUMNS = ("first_step", "last_step", "rows", "steps", "times", "vals")
 
 
 def chunk_row(rows: Rows) -> dict[str, object]:
@@ -41,14 +54,60 @@ def chunk_row(rows: Rows) -> dict[str, object]:
     }
 
 
-class ChunkFolder:
-    """Folds a rank's raw rows behind its frontier into chunks (statements built once)."""
+def encode_chunks(parts: list[Rows]) -> list[dict[str, object]]:
+    """:func:`chunk_row` of each of ``parts`` (a module-level function: the fold worker may run it in a process of its
+    own)."""
+    return [chunk_row(rows) for rows in parts]
 
-    def __init__(self, points: RawPoints) -> None:
-        self.points = points
+
+Encoder = Callable[[list[Rows]], list[dict[str, object]]]
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a fold of one series read: its raw rows at or before ``hi`` (step, vals, time) and its chunks whose steps
+    overlap [``lo``, ``hi``] (every column), as the database returned them."""
+
+    raw: list[Any]
+    chunks: list[Any]
+
+
+@dataclass(frozen=True)
+class SeriesFold:
+    """The writes that fold one series' raw rows at or before ``hi`` (all of them) into chunks, and what they were
+    computed from (``seen``, over [``lo``, ``hi``]). ``inserts`` and ``updates`` are the statements' parameters, filled
+    in once the rows of ``new_chunks`` and ``merged_chunks`` (the key columns of each, and its rows) are encoded."""
+
+    key: dict[str, int]
+    lo: int
+    hi: int
+    seen: Seen
+    new_chunks: list[tuple[dict[str, int], Rows]]
+    merged_chunks: list[tuple[dict[str, int], Rows]]
+    inserts: list[dict[str, object]] = field(default_factory=list)
+    updates: list[dict[str, object]] = field(default_factory=list)
+
+    def encoded(self) -> list[Rows]:
+        """The rows to encode, inserts first."""
+        return [rows for _, rows in (*self.new_chunks, *self.merged_chunks)]
+
+    def fill(self, chunks: list[dict[str, object]]) -> None:
+        """Take the encoded columns of :meth:`encoded`'s rows, in that order."""
+        new, merged = chunks[: len(self.new_chunks)], chunks[len(self.new_chunks) :]
+        self.inserts.extend({**key, **row} for (key, _), row in zip(self.new_chunks, new, strict=True))
+        self.updates.extend(
+            {**key, **{f"new_{c}": v for c, v in row.items() if c != "first_step"}}
+            for (key, _), row in zip(self.merged_chunks, merged, strict=True)
+        )
+
+
+class ChunkFolder:
+    """Plans and applies the folds of a rank's raw rows behind its frontier (statements built once)."""
+
+    def __init__(self) -> None:
         rank_key = (Point.run_id == bindparam("run_id"), Point.rank == bindparam("rank"))
         # Per metric with rows behind the frontier: how many, the first, and the last step of its last chunk, in one
-        # round trip (compaction runs this every 64 steps, mostly to find nothing due).
+        # round trip.
         last_chunk = (
             select(PointChunk.last_step)
             .where(
@@ -66,13 +125,16 @@ class ChunkFolder:
             .where(*rank_key, Point.step < bindparam("frontier"))
             .group_by(Point.name_id)
         )
-        self._spans = (
-            select(PointChunk.first_step, PointChunk.last_step)
+        series = (*rank_key, Point.name_id == bindparam("nid"))
+        self._raw = (
+            select(Point.step, Point.vals, Point.time)
+            .where(*series, Point.step <= bindparam("hi"))
+            .order_by(Point.step)
+        )
+        self._chunks = (
+            select(*(getattr(PointChunk, c) for c in _CHUNK_COLUMNS))
             .where(*_KEY, PointChunk.last_step >= bindparam("lo"), PointChunk.first_step <= bindparam("hi"))
             .order_by(PointChunk.first_step)
-        )
-        self._chunk = select(PointChunk.rows, PointChunk.steps, PointChunk.times, PointChunk.vals).where(
-            *_KEY, PointChunk.first_step == bindparam("first")
         )
         # A chunk's steps stay within its span (rows merged in lie inside it), so its key stays.
         # An UPDATE reserves its table's column names as parameter names: its key parameters are named apart.
@@ -84,84 +146,107 @@ class ChunkFolder:
                 PointChunk.name_id == bindparam("nid"),
                 PointChunk.first_step == bindparam("first"),
             )
-            .values({c: bindparam(f"new_{c}") for c in ("last_step", "rows", "steps", "times", "vals")})
+            .values({c: bindparam(f"new_{c}") for c in _CHUNK_COLUMNS[1:]})
         )
-        self._delete = delete(Point).where(*rank_key, Point.name_id == bindparam("nid"), Point.step <= bindparam("hi"))
+        self._delete = delete(Point).where(*series, Point.step <= bindparam("hi"))
 
-    def fold(
-        self,
-        conn: Connection,
-        run_id: int,
-        rank: int,
-        frontier: int,
-        n_layers: int,
-        fresh: dict[int, Rows] | None = None,
-        fresh_from: int = 0,
-    ) -> None:
-        """Fold what is due of (run, rank)'s raw rows behind ``frontier`` in ``conn``'s transaction. ``fresh``: the
-        raw rows (with times) of every metric from ``fresh_from``, the rank's frontier before, up to ``frontier``, as
-        the compactor just read them: a metric with no other row waiting is folded from them without reading again."""
+    def plan(self, conn: Connection, run_id: int, rank: int, frontier: int, n_layers: int) -> list[SeriesFold]:
+        """The folds due of (run, rank)'s raw rows behind ``frontier`` from what ``conn`` reads (no lock needed:
+        :meth:`apply` checks it again), to be encoded (:func:`encode_folds`) once ``conn``'s transaction is over."""
         rank_key = {"run_id": run_id, "rank": rank}
+        folds = []
         for nid, count, first, last in conn.execute(self._waiting, {**rank_key, "frontier": frontier}).all():
-            key = {**rank_key, "nid": int(nid)}
-            rows = None if fresh is None else fresh.get(int(nid))
-            if rows is not None and int(first) >= fresh_from and int(count) == rows.steps.size:
-                # Chunks hold only steps before the old frontier, so none of these rows is late.
-                if rows.steps.size >= CHUNK_ROWS:
-                    self._insert(conn, key, rows, frontier)
-                continue
             late = last is not None and int(first) <= int(last)
             if int(count) >= CHUNK_ROWS or late:
-                self._fold_series(conn, key, frontier, n_layers, None if last is None else int(last))
+                fold = self._plan_series(conn, {**rank_key, "nid": int(nid)}, frontier, n_layers, last)
+                if fold is not None:
+                    folds.append(fold)
+        return folds
 
-    def _fold_series(
+    def apply(self, conn: Connection, fold: SeriesFold) -> bool:
+        """Write ``fold`` in ``conn``'s transaction (under the rank's write lock) when the series' raw rows and chunks
+        it was computed from are unchanged; whether it was written."""
+        if self._seen(conn, fold.key, fold.lo, fold.hi) != fold.seen:
+            return False
+        if fold.updates:
+            conn.execute(self._update, fold.updates)
+        if fold.inserts:
+            conn.execute(insert(PointChunk), fold.inserts)
+        conn.execute(self._delete, {**fold.key, "hi": fold.hi})
+        return True
+
+    def _seen(self, conn: Connection, key: dict[str, int], lo: int, hi: int) -> Seen:
+        return Seen(self._raw_rows(conn, key, hi), self._chunk_rows(conn, key, lo, hi))
+
+    def _raw_rows(self, conn: Connection, key: dict[str, int], hi: int) -> list[Any]:
+        return list(conn.execute(self._raw, {**key, "hi": hi}).all())
+
+    def _chunk_rows(self, conn: Connection, key: dict[str, int], lo: int, hi: int) -> list[Any]:
+        return list(conn.execute(self._chunks, {**key, "lo": lo, "hi": hi}).all())
+
+    def _plan_series(
         self, conn: Connection, key: dict[str, int], frontier: int, n_layers: int, last: int | None
-    ) -> None:
-        # A frontier at ``lo``: the raw rows only (the chunks they fold into are merged below).
-        raw = self.points.read(conn, key, 0, frontier - 1, 0, n_layers, times=True)
-        cut = -1 if last is None else last
+    ) -> SeriesFold | None:
+        cut = -1 if last is None else int(last)
+        found = self._raw_rows(conn, key, frontier - 1)
+        if not found:
+            return None
+        raw = Rows(
+            np.array([int(r[0]) for r in found], dtype=np.int64),
+            rows_from_blobs([bytes(r[1]) for r in found], n_layers),
+            times_array([r[2] for r in found]),
+        )
         tail = raw.take(np.flatnonzero(raw.steps > cut))
         late = raw.take(np.flatnonzero(raw.steps <= cut))
-        if late.steps.size:
-            self._fold_late(conn, key, late)
-        if tail.steps.size >= CHUNK_ROWS:
-            self._insert(conn, key, tail, frontier)
-        elif cut >= 0:
-            conn.execute(self._delete, {**key, "hi": cut})
-
-    def _insert(self, conn: Connection, key: dict[str, int], tail: Rows, frontier: int) -> None:
-        """Fold ``tail``, every raw row of the series behind ``frontier`` after its last chunk (if any), into chunks
-        of at least CHUNK_ROWS rows; delete the raw rows behind the frontier."""
-        pieces = np.array_split(np.arange(tail.steps.size), tail.steps.size // CHUNK_ROWS)
-        conn.execute(insert(PointChunk), [{**self._row_key(key), **chunk_row(tail.take(p))} for p in pieces])
-        conn.execute(self._delete, {**key, "hi": frontier - 1})
+        folds_tail = tail.steps.size >= CHUNK_ROWS
+        if not late.steps.size and not folds_tail:
+            return None
+        lo, hi = int(raw.steps[0]), frontier - 1 if folds_tail else cut
+        # Chunks hold steps up to ``cut`` only: with no late row, none overlaps the raw rows (the usual case).
+        chunks = self._chunk_rows(conn, key, lo, hi) if late.steps.size else []
+        row_key = {"run_id": key["run_id"], "rank": key["rank"], "name_id": key["nid"]}
+        new, merged = self._plan_late(key, row_key, late, chunks, n_layers) if late.steps.size else ([], [])
+        if folds_tail:
+            pieces = np.array_split(np.arange(tail.steps.size), tail.steps.size // CHUNK_ROWS)
+            new.extend((row_key, tail.take(p)) for p in pieces)
+        seen = Seen(found[: int(np.searchsorted(raw.steps, hi, side="right"))], chunks)
+        return SeriesFold(key, lo, hi, seen, new, merged)
 
     @staticmethod
-    def _row_key(key: dict[str, int]) -> dict[str, int]:
-        return {"run_id": key["run_id"], "rank": key["rank"], "name_id": key["nid"]}
-
-    def _fold_late(self, conn: Connection, key: dict[str, int], late: Rows) -> None:
-        """Fold raw rows at or before the series' last chunk: each into the chunk spanning it, or a chunk of its own
-        per gap between chunks."""
-        lo, hi = int(late.steps[0]), int(late.steps[-1])
-        spans = conn.execute(self._spans, {**key, "lo": lo, "hi": hi}).all()
-        firsts = np.array([int(s[0]) for s in spans], dtype=np.int64)
-        lasts = np.array([int(s[1]) for s in spans], dtype=np.int64)
+    def _plan_late(
+        key: dict[str, int],
+        row_key: dict[str, int],
+        late: Rows,
+        chunks: list[Any],
+        n_layers: int,
+    ) -> tuple[list[tuple[dict[str, int], Rows]], list[tuple[dict[str, int], Rows]]]:
+        """New chunks and merged chunks (each with its key columns) that fold raw rows at or before the series' last
+        chunk: each into the chunk spanning it, or a chunk of its own per gap between chunks."""
+        spans = [c for c in chunks if int(c[1]) >= int(late.steps[0]) and int(c[0]) <= int(late.steps[-1])]
+        firsts = np.array([int(c[0]) for c in spans], dtype=np.int64)
+        lasts = np.array([int(c[1]) for c in spans], dtype=np.int64)
         # The last chunk starting at or before each row (-1: before every chunk of the span) and whether it spans it.
         at = np.searchsorted(firsts, late.steps, side="right") - 1
         inside = (at >= 0) & (late.steps <= lasts[np.maximum(at, 0)]) if spans else np.zeros(late.steps.size, bool)
+        merged = []
         for i in np.unique(at[inside]).tolist():
-            first = int(firsts[i])
-            rows, steps, times, vals = conn.execute(self._chunk, {**key, "first": first}).one()
-            stored = decode_chunk(int(rows), steps, times, vals, None, late.values.shape[1])
-            merged = merge([stored, late.take(np.flatnonzero(inside & (at == i)))])
-            new = {f"new_{c}": v for c, v in chunk_row(merged).items() if c != "first_step"}
-            where = {"chunk_run_id": key["run_id"], "chunk_rank": key["rank"], "nid": key["nid"], "first": first}
-            conn.execute(self._update, {**where, **new})
+            first, _, rows, steps, times, vals = spans[i]
+            stored = decode_chunk(int(rows), steps, times, vals, None, n_layers)
+            where = {"chunk_run_id": key["run_id"], "chunk_rank": key["rank"], "nid": key["nid"], "first": int(first)}
+            merged.append((where, merge([stored, late.take(np.flatnonzero(inside & (at == i)))])))
         gaps = ~inside
-        if gaps.any():
-            groups = np.unique(at[gaps])
-            conn.execute(
-                insert(PointChunk),
-                [{**self._row_key(key), **chunk_row(late.take(np.flatnonzero(gaps & (at == g))))} for g in groups],
-            )
+        new = [
+            (row_key, late.take(np.flatnonzero(gaps & (at == g))))
+            for g in (np.unique(at[gaps]).tolist() if gaps.any() else [])
+        ]
+        return new, merged
+
+
+def encode_folds(folds: list[SeriesFold], encode: Encoder = encode_chunks) -> None:
+    """Encode the chunks of ``folds`` (all in one call of ``encode``) into their statements' parameters."""
+    chunks = encode([rows for fold in folds for rows in fold.encoded()]) if folds else []
+    done = 0
+    for fold in folds:
+        count = len(fold.encoded())
+        fold.fill(chunks[done : done + count])
+        done += count

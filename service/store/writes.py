@@ -82,7 +82,6 @@ class BatchWriter:
         self._insert = postgresql.insert if self.pg else sqlite.insert
         self._points = RawPoints()
         self._rollups = RollupWriter(self._insert, self._points)
-        self._compactor = Compactor(factory, self._rollups, self.pg, fold=fold_chunks)
         batch_row = self._insert(Batch).on_conflict_do_nothing()
         # On PostgreSQL the statement that inserts the batch's row also takes its rank's write lock (a RETURNING
         # expression runs only for a row inserted: a duplicate takes no lock), one round trip per batch fewer.
@@ -115,6 +114,7 @@ class BatchWriter:
         # SQLite has one writer at a time: this process's batches share transactions (PostgreSQL runs them side by
         # side, each under its rank's advisory lock).
         self._group = None if self.pg else GroupCommit(factory)
+        self._compactor = Compactor(factory, self._rollups, self.pg, self._group, fold=fold_chunks)
 
     def ingest(self, batch: IngestBatch, observers: Sequence[IngestObserver] = ()) -> IngestResult:
         """Store ``batch`` atomically, or recognise it as a duplicate; run the observers (see IngestObserver)."""
@@ -194,6 +194,8 @@ class BatchWriter:
         for rank in ranks:
             with self._exclusive():
                 self._compactor.compact(run_id, rank, self.rank_key(run_id, rank), whole=True)
+            if self._compactor.folds is not None:
+                self._compactor.folds.fold(run_id, rank, self.rank_key(run_id, rank))
 
     def _exclusive(self) -> AbstractContextManager[None]:
         """The write slot between ingest groups on SQLite (see GroupCommit); nothing to hold on PostgreSQL."""

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from alembic import command
 from quantwatch.service import Settings
@@ -25,7 +25,7 @@ from quantwatch.service.core.db import alembic_config, upgrade
 from quantwatch.service.exposition.queries import RankReader, RestoreLimits, recent_runs
 from quantwatch.service.models import Point, PointChunk, Rollup
 from quantwatch.service.rollups import LEVELS
-from quantwatch.service.store import Store, folding
+from quantwatch.service.store import Store, chunk_encoder, fold_worker, folding
 from quantwatch.service.store.chunk_codec import (
     decode_steps,
     decode_times,
@@ -34,6 +34,8 @@ from quantwatch.service.store.chunk_codec import (
     encode_times,
     encode_values,
 )
+from quantwatch.service.store.raw_points import Rows
+from tests.service.conftest import batch_doc
 from tests.service.test_rollup_frontier import (
     LAYERS,
     Reference,
@@ -189,9 +191,9 @@ def _late_history(store: Store, run: str, ref: Reference) -> None:
 
 
 def test_folding_off_never_folds(unfolded: Store) -> None:
-    """Folding is off by default; then a history that folds into chunks with it on stays raw, compacted to its last
+    """Folding is on by default; off, a history that folds into chunks with it on stays raw, compacted to its last
     step included, and reads back exactly."""
-    assert not Settings().fold_chunks
+    assert Settings().fold_chunks
     run = "unfolded"
     ref = Reference()
     _late_history(unfolded, run, ref)
@@ -247,19 +249,21 @@ FOLD_CRASH = textwrap.dedent(
     from quantwatch.service import Settings
     from quantwatch.service.batch import decode_json
     from quantwatch.service.core.db import make_engine, make_sessionmaker
-    from quantwatch.service.store import Store, folding
+    from quantwatch.service.store import Store, chunk_encoder, fold_worker, folding
 
-    fold = folding.ChunkFolder._insert
+    apply = folding.ChunkFolder.apply
 
-    def killed(self, conn, *args, **kwargs):  # the chunks are inserted and the raw rows deleted: die before commit
-        fold(self, conn, *args, **kwargs)
+    def killed(self, conn, fold):  # the first series' chunks are inserted and its raw rows deleted: die before commit
+        apply(self, conn, fold)
         os.kill(os.getpid(), signal.SIGKILL)
 
     folding.CHUNK_ROWS = 4
-    folding.ChunkFolder._insert = killed
+    folding.ChunkFolder.apply = killed
     settings = Settings(database_url=sys.argv[1], auto_upgrade=False, fold_chunks=True)
     engine = make_engine(settings)
-    Store(engine, make_sessionmaker(engine), fold_chunks=settings.fold_chunks).ingest(decode_json(sys.argv[2].encode()))
+    store = Store(engine, make_sessionmaker(engine), fold_chunks=settings.fold_chunks)
+    store.ingest(decode_json(sys.argv[2].encode()))
+    store.wait_for_folds(60)  # the background folder dies in its apply
     """
 )
 
@@ -267,16 +271,95 @@ FOLD_CRASH = textwrap.dedent(
 def test_a_crash_while_folding_loses_and_duplicates_nothing(store: Store, database_url: str) -> None:
     run = "fold-crash"
     ref, doc = crash_crossing_batch(store, database_url, run, FOLD_CRASH)
-    assert _counts(store, run) == (0, 128)  # the batch committed; its compaction and fold rolled back
-    assert _frontier(store, run) == 0
+    assert _counts(store, run) == (0, 128)  # the batch and its compaction committed; the fold rolled back
+    assert _frontier(store, run) == 64
     _assert_exact(store, run, ref)
     assert store.ingest(decode_json(json.dumps(doc).encode())).duplicate
-    _ingest(store, run, [130], np.full((1, 4), 5.0, dtype=np.float32), LAYERS, ref)  # the next batch folds
+    _ingest(store, run, [130], np.full((1, 4), 5.0, dtype=np.float32), LAYERS, ref)  # compacts: folds all behind
     chunks, raw = _counts(store, run)
     assert chunks == 128 // 4
     assert raw == 1
     _assert_exact(store, run, ref)
     assert store.get_run(run)["points"] == 129 * 4
+
+
+def test_a_fold_whose_rows_change_after_its_plan_leaves_them_for_the_next(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step re-sent between a fold's plan (read without a lock) and its apply: the apply finds the raw rows changed
+    and writes nothing for that series, so the re-sent value is kept; the next fold takes it."""
+    run = "replanned"
+    ref = Reference()
+    _ingest(store, run, list(range(60)), np.arange(240, dtype=np.float32).reshape(60, 4), LAYERS, ref)
+    plan = folding.ChunkFolder.plan
+
+    def re_sent_meanwhile(self: folding.ChunkFolder, *args: Any) -> list[folding.SeriesFold]:
+        planned = plan(self, *args)
+        monkeypatch.setattr(folding.ChunkFolder, "plan", plan)
+        doc = batch_doc(run, ["b"], [10], {"m": np.float32([[-1.0]])})
+        store.ingest(decode_json(json.dumps(doc).encode()))  # behind the frontier: a raw row the plan read changes
+        return planned
+
+    monkeypatch.setattr(folding.ChunkFolder, "plan", re_sent_meanwhile)
+    _ingest(store, run, [64], np.ones((1, 4), dtype=np.float32), LAYERS, ref)  # compacts: the fold is planned
+    ref.values[10] = np.float32([40, -1, 42, 43])
+    assert _counts(store, run) == (0, 61)  # the apply found step 10 changed and folded nothing
+    _assert_exact(store, run, ref)
+    store.compact_rollups(run)
+    assert _counts(store, run) == (61 // 4, 0)
+    _assert_exact(store, run, ref)
+    _assert_export(store, run, ref)
+
+
+def test_the_encoding_process_answers_as_the_encoder_and_ends_with_its_pipe() -> None:
+    rng = np.random.default_rng(5)
+    parts = [
+        Rows(np.arange(s, s + 8, dtype=np.int64), rng.standard_normal((8, w)).astype(np.float32), np.full(8, 1.5e9))
+        for s, w in ((0, 3), (8, 130))
+    ]
+    process = chunk_encoder.EncoderProcess()
+    assert process.encode(parts) == folding.encode_chunks(parts)
+    assert process.encode(parts[1:]) == folding.encode_chunks(parts[1:])
+    process.close()
+    assert process._proc.returncode == 0
+
+
+def test_big_folds_are_encoded_in_the_process(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From PROCESS_VALUES values a fold's chunks are encoded in the encoding process; they read back exactly."""
+    monkeypatch.setattr(fold_worker, "PROCESS_VALUES", 8)
+    calls = []
+    encode = chunk_encoder.EncoderProcess.encode
+
+    def counted(self: chunk_encoder.EncoderProcess, parts: list[Rows]) -> list[dict[str, object]]:
+        calls.append(len(parts))
+        return encode(self, parts)
+
+    monkeypatch.setattr(chunk_encoder.EncoderProcess, "encode", counted)
+    run = "in-process"
+    ref = Reference()
+    _late_history(store, run, ref)
+    assert calls
+    assert _counts(store, run)[0] == sum(calls)
+    _assert_exact(store, run, ref)
+
+
+def test_folds_vacuum_the_raw_points_table_on_postgresql(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On PostgreSQL the folder vacuums ``points`` once its folds deleted VACUUM_BYTES of rows (here: every fold),
+    so their space serves the next raw rows; reads stay exact."""
+    monkeypatch.setattr(fold_worker, "VACUUM_BYTES", 1)
+    last_vacuum = text("SELECT last_vacuum FROM pg_stat_user_tables WHERE relname = 'points'")
+    if store.pg:
+        with store.engine.connect() as conn:
+            before = conn.execute(last_vacuum).scalar()
+    run = "vacuumed"
+    ref = Reference()
+    _late_history(store, run, ref)
+    _assert_exact(store, run, ref)
+    if store.pg:
+        with store.engine.connect() as conn:
+            after = conn.execute(last_vacuum).scalar()
+        assert after is not None
+        assert before is None or after > before
 
 
 def test_downgrade_of_0012_gives_the_raw_rows_back(store: Store) -> None:

@@ -50,6 +50,7 @@ def _history(seed: int = 5) -> np.ndarray:
 def _ingest(store: Store, run: str, steps: range | list[int], values: np.ndarray) -> None:
     doc = batch_doc(run, LAYERS, list(steps), {"m": values})
     assert not store.ingest(decode_json(json.dumps(doc).encode())).duplicate
+    assert store.wait_for_folds(60)  # folded before a sweep looks (the chunks straddling the cut are the point)
 
 
 def _filled(store: Store, run: str) -> np.ndarray:

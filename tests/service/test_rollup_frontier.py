@@ -48,6 +48,7 @@ def store(database_url: str) -> Iterator[Store]:
 def _ingest(store: Store, run: str, steps: list[int], values: np.ndarray, layers: list[str], ref: Reference) -> None:
     doc = batch_doc(run, layers, steps, {"m": values})
     assert not store.ingest(decode_json(json.dumps(doc).encode())).duplicate
+    assert store.wait_for_folds(60)  # what the batch's compaction queued for the background folder is folded
     cols = [LAYERS.index(n) for n in layers]
     ref.layers.update(layers)
     for step, row in zip(steps, values, strict=True):

@@ -100,17 +100,17 @@ def test_serve_refuses_a_fold_chunks_value_that_is_not_a_boolean(
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: fold_chunks: Input should be a valid boolean"), result.output
     assert not (tmp_path / "q.db").exists()
-    monkeypatch.setenv("QUANTWATCH_FOLD_CHUNKS", "true")
-    assert Settings().fold_chunks
+    monkeypatch.setenv("QUANTWATCH_FOLD_CHUNKS", "false")
+    assert not Settings().fold_chunks
     monkeypatch.delenv("QUANTWATCH_FOLD_CHUNKS")
-    assert not Settings().fold_chunks  # off by default
+    assert Settings().fold_chunks  # on by default
 
 
 def test_serve_takes_fold_chunks_from_its_flag_or_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     served: list[Any] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **_options: served.append(app))
     try:
-        cases = ((["--fold-chunks"], None), ([], "true"), (["--no-fold-chunks"], "true"), ([], None))
+        cases = ((["--fold-chunks"], "false"), ([], "false"), (["--no-fold-chunks"], "true"), ([], None))
         for args, env in cases:
             if env is None:
                 monkeypatch.delenv("QUANTWATCH_FOLD_CHUNKS", raising=False)
@@ -121,6 +121,6 @@ def test_serve_takes_fold_chunks_from_its_flag_or_variable(tmp_path: Path, monke
             assert result.exit_code == 0, result.output
     finally:
         gc.unfreeze()  # serve froze what it built
-    assert [a.state.settings.fold_chunks for a in served] == [True, True, False, False]
+    assert [a.state.settings.fold_chunks for a in served] == [True, False, False, True]
     for a in served:
         a.state.engine.dispose()
