@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -1098,4 +1099,79 @@ int qw_weight_grad_rows(const float* dy, const float* x, const int64_t* cols, in
   return OK;
 }
 
+
+// A float32 sum of a vector's lanes, lane 0 first.
+static inline float lane_sum(vf v) {
+  float s = 0.0f;
+  for (int j = 0; j < L; j++) s += v[j];
+  return s;
+}
+
+// The FP32 reference output's kept rows (shadow_rows, agent/layers.py): ref[r][o] = Σ_i x[rows[r]][i] · w[o][i]
+// (+ bias[o] when given) for x (`n` rows of `in` floats, a multiple of the vector width), w (`out` rows of `in`) and
+// the `k` kept rows rows[] of x: each dot product summed in vector lanes over x's row in order (one fused
+// multiply-add each where the unit has them), the lanes added lane 0 first, then the bias; whichever thread computes
+// it. Tiles of R rows of x by O rows of w keep R · O accumulators in registers; a short edge tile repeats its first
+// row (computed, not stored).
+static void linear_rows(const float* x, const float* w, const float* bias, const int64_t* rows, int64_t k, int64_t in,
+                        int64_t out, float* ref, int threads) {
+  constexpr int64_t R = 4, O = 4;
+  const int64_t vectors = in / L, out_tiles = (out + O - 1) / O;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t tile = 0; tile < out_tiles; tile++) {
+    const int64_t o0 = tile * O, outs = out - o0 < O ? out - o0 : O;
+    const float* wo[O];
+    for (int64_t o = 0; o < O; o++) wo[o] = w + (o0 + (o < outs ? o : 0)) * in;
+    for (int64_t r0 = 0; r0 < k; r0 += R) {
+      const int64_t kept = k - r0 < R ? k - r0 : R;
+      const float* xr[R];
+      for (int64_t r = 0; r < R; r++) xr[r] = x + rows[r0 + (r < kept ? r : 0)] * in;
+      vf acc[R][O] = {};
+      for (int64_t v = 0; v < vectors; v++) {
+        vf wv[O];
+        for (int64_t o = 0; o < O; o++) wv[o] = load(wo[o] + v * L);
+        for (int64_t r = 0; r < R; r++) {
+          vf xv = load(xr[r] + v * L);
+          for (int64_t o = 0; o < O; o++) acc[r][o] = fused_add(acc[r][o], xv, wv[o]);
+        }
+      }
+      for (int64_t r = 0; r < kept; r++) {
+        for (int64_t o = 0; o < outs; o++) {
+          float s = lane_sum(acc[r][o]);
+          ref[(r0 + r) * out + o0 + o] = bias != nullptr ? s + bias[o0 + o] : s;
+        }
+      }
+    }
+  }
+}
+
+// An nn.Linear call's output comparison on its kept rows in one call: the reference rows of linear_rows against
+// the same rows of the layer's output y (`n` rows of `out` floats), as qw_compare_rows compares them, into `fields`.
+// BAD_ARGUMENT for `in` or `out` not a multiple of the vector width or an index outside x; qw_compare_rows' status
+// otherwise (NONFINITE, OUT_OF_RANGE: `fields` untouched, the caller compares another way).
+int qw_compare_linear_rows(const float* x, const float* w, const float* bias, const int64_t* rows, int64_t k,
+                           int64_t n, int64_t in, int64_t out, const float* y, double weight, double* fields,
+                           int threads) {
+  if (in < 1 || in % L != 0 || out < 1 || out % L != 0 || k < 1) return BAD_ARGUMENT;
+  for (int64_t r = 0; r < k; r++) {
+    if (rows[r] < 0 || rows[r] >= n) return BAD_ARGUMENT;
+  }
+  std::vector<float> ref((size_t)(k * out));
+  linear_rows(x, w, bias, rows, k, in, out, ref.data(), threads);
+  return qw_compare_rows(ref.data(), y, rows, k, out, n, weight, 1, fields, threads);
+}
+
+// The update comparison of an nn.Linear on its weight gradient's kept rows in one call: the reference rows of
+// qw_weight_grad_rows (dy[:, cols]ᵀ x) against the same rows cols[] of the quantized path's weight gradient `grad`
+// (`out_features` rows of `in_features` floats), as qw_compare_rows compares them, into `fields`: the figures of the
+// two calls made one after the other, bit for bit. Their statuses otherwise (`fields` untouched).
+int qw_compare_weight_grad_rows(const float* dy, const float* x, const int64_t* cols, int64_t tokens,
+                                int64_t out_features, int64_t in_features, int64_t k, const float* grad, double weight,
+                                double* fields, int threads) {
+  if (k < 1) return BAD_ARGUMENT;
+  std::vector<float> ref((size_t)(k * in_features));
+  int status = qw_weight_grad_rows(dy, x, cols, tokens, out_features, in_features, k, ref.data(), threads);
+  if (status != OK) return status;
+  return qw_compare_rows(ref.data(), grad, cols, k, in_features, out_features, weight, 1, fields, threads);
+}
 }  // extern "C"
