@@ -1054,14 +1054,23 @@ int qw_stratified_rows(const double* uniforms, int64_t n, int64_t k, int64_t n2,
 // The FP32 reference weight gradient's kept rows (shadow_rows, agent/layers.py): ref[j][c] = Σ_t dy[t][cols[j]] ·
 // x[t][c] for the `k` kept output features cols[] of dy (`tokens` rows of `out_features` floats) and x (`tokens` rows
 // of `in_features`, a multiple of the vector width: BAD_ARGUMENT otherwise, or for an index outside dy's columns),
-// into ref (`k` rows of `in_features`): dy[:, cols]ᵀ x without gathering dy's columns, each element a float32 sum
-// over the tokens in order (one fused multiply-add each where the unit has them), whichever thread computes it.
+// into ref (`k` rows of `in_features`): dy[:, cols]ᵀ x, each element a float32 sum over the tokens in order (one
+// fused multiply-add each where the unit has them), whichever thread computes it.
 int qw_weight_grad_rows(const float* dy, const float* x, const int64_t* cols, int64_t tokens, int64_t out_features,
                         int64_t in_features, int64_t k, float* ref, int threads) {
   if (in_features < 1 || in_features % L != 0) return BAD_ARGUMENT;
   for (int64_t j = 0; j < k; j++) {
     if (cols[j] < 0 || cols[j] >= out_features) return BAD_ARGUMENT;
   }
+  // dy's kept columns gathered once, token by token (gathered[t][j] = dy[t][cols[j]]): the tiles below read each
+  // of them once per vector block, from a few cache lines instead of one line of dy each.
+  std::vector<float> gathered((size_t)(tokens * k));
+  for (int64_t t = 0; t < tokens; t++) {
+    const float* dyt = dy + t * out_features;
+    float* gt = gathered.data() + t * k;
+    for (int64_t j = 0; j < k; j++) gt[j] = dyt[cols[j]];
+  }
+  const float* columns = gathered.data();
   constexpr int64_t R = 4, C = 4;  // a tile of R kept rows by C vectors: R · C accumulators in registers
   const int64_t vectors = in_features / L, row_tiles = (k + R - 1) / R;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -1073,20 +1082,20 @@ int qw_weight_grad_rows(const float* dy, const float* x, const int64_t* cols, in
       if (rows == R && width == C) {
         for (int64_t t = 0; t < tokens; t++) {
           const float* xt = x + t * in_features + v0 * L;
-          const float* dyt = dy + t * out_features;
+          const float* gt = columns + t * k + j0;
           vf xv[C];
           for (int c = 0; c < C; c++) xv[c] = load(xt + c * L);
           for (int r = 0; r < R; r++) {
-            vf g = splat(dyt[cols[j0 + r]]);
+            vf g = splat(gt[r]);
             for (int c = 0; c < C; c++) acc[r][c] = fused_add(acc[r][c], g, xv[c]);
           }
         }
       } else {  // the last tiles: the same sums, fewer of them
         for (int64_t t = 0; t < tokens; t++) {
           const float* xt = x + t * in_features + v0 * L;
-          const float* dyt = dy + t * out_features;
+          const float* gt = columns + t * k + j0;
           for (int64_t r = 0; r < rows; r++) {
-            vf g = splat(dyt[cols[j0 + r]]);
+            vf g = splat(gt[r]);
             for (int64_t c = 0; c < width; c++) acc[r][c] = fused_add(acc[r][c], g, load(xt + c * L));
           }
         }
