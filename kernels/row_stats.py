@@ -1,8 +1,10 @@
 """A comparison against chosen rows of a matrix without gathering them: ``comparison_fields(x, q[rows])`` in one
 native pass that reads the rows where they are (``qw_compare_rows`` in ``native.cpp``), for the estimates of
 ``shadow_rows``, which compare a reference of the kept rows with those rows of a layer's output or weight gradient;
-and the stratified draw of those rows from uniforms (``qw_stratified_rows``).  The bindings of both live here, not
-in `native`'s table.
+the stratified draw of those rows from uniforms (``qw_stratified_rows``); the kept rows' reference weight gradient
+(``qw_weight_grad_rows``); and the two comparisons of an ``nn.Linear`` call on kept rows made in one pass with their
+FP32 references (``qw_compare_linear_rows``: the output, ``qw_compare_weight_grad_rows``: the weight gradient).  The
+bindings live here, not in `native`'s table.
 
 Where the rows are whole vectors of the build (a row length that is a multiple of 16 floats, 8 on an AVX2 build) the
 pass takes every vector, run and sum that ``qw_stats`` takes over the gathered copy, so the figures are those of

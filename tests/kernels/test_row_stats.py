@@ -298,7 +298,7 @@ def test_a_linear_calls_kept_rows_the_pass_cannot_compare_are_declined_and_the_r
         "an index past x's rows": (x, w, b, torch.tensor([1, 8]), y),
         "a negative index": (x, w, b, torch.tensor([-1, 6]), y),
         "inputs of 12 features, not whole vectors": (torch.randn(8, 12), torch.randn(16, 12), b, rows, y),
-        "outputs of 12 features, not whole vectors": (x, torch.randn(12, 32), torch.randn(12), rows, torch.randn(8, 12)),
+        "outputs of 12 features": (x, torch.randn(12, 32), torch.randn(12), rows, torch.randn(8, 12)),
         "a bias of another length": (x, w, torch.randn(15), rows, y),
         "an output of other rows": (x, w, b, rows, torch.randn(9, 16)),
         "a weight not contiguous": (x, torch.randn(32, 16).T, b, rows, y),
