@@ -380,9 +380,12 @@ class _ShadowedModuleAdapter(LayerAdapter):
     ) -> None:
         grad_output = grad_outputs[index]
         if grad_output is not None:
-            # Compared at the weight hook, reference and comparison in one pass (`_compare_update`).
-            dy = grad_output.detach().reshape(-1, grad_output.shape[-1])
-            self._pending_reference_grads.append((_KeptRowsGradient(dy, x, grad_rows), grad_rows))
+            self._guard("reference_grad", self._keep_grad_rows, x, grad_rows, grad_output)
+
+    def _keep_grad_rows(self, x: Tensor, grad_rows: Tensor | None, grad_output: Tensor) -> None:
+        # Compared at the weight hook, reference and comparison in one pass (`_compare_update`).
+        dy = grad_output.detach().reshape(-1, grad_output.shape[-1])
+        self._pending_reference_grads.append((_KeptRowsGradient(dy, x, grad_rows), grad_rows))
 
     def _reference_grad_rows(self, x: Tensor, grad_rows: Tensor | None, dy: Tensor) -> Tensor:
         # nn.Linear's weight gradient dYᵀX, for the kept rows J of it: dY[:, J]ᵀ X, in FP32 one native pass reading

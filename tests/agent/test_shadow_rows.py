@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
@@ -235,3 +236,38 @@ def test_exact_comparisons_written_into_their_rows_natively_give_the_figures_of_
     assert written == [True] * (2 * 16 * STEPS)  # every layer's output and update comparison, every step
     monkeypatch.setattr(comparison, "comparison_into", lambda *args, **kwargs: False)
     _same_figures(natively, _run(bench, copy.deepcopy(base), None))
+
+
+def _broken(*args: Any, **kwargs: Any) -> bool:
+    raise RuntimeError("broken pass")
+
+
+@pytest.mark.parametrize(
+    ("broken", "failure", "missing"),
+    [
+        ("compare_linear_rows", "reference_forward_failed", ("output_rel_l2", "update_cosine")),
+        ("compare_weight_grad_rows", "update_compare_failed", ("update_cosine",)),
+    ],
+)
+def test_a_failing_kept_rows_comparison_is_counted_never_raised_into_training(
+    monkeypatch: Any, broken: str, failure: str, missing: tuple[str, ...]
+) -> None:
+    """A forward hook that fails leaves that call's output and update comparisons out; a weight hook, its update."""
+    import quantwatch.agent.layers as layers
+
+    monkeypatch.setattr(layers, broken, _broken)
+    torch.manual_seed(0)
+    model = nn.Sequential(qw_linear())
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="rows", exporter=sink, every=1, shadow_rows=1 / 2)
+    for _ in range(2):
+        model(torch.randn(8, 16)).square().sum().backward()
+        monitor.step()
+    assert monitor.close(10)
+    assert monitor.stats()["failures"] == {failure: 2}
+    records = [record for _, record in sink.records()]
+    assert len(records) == 2
+    for record in records:
+        assert not set(missing) & record.metrics.keys()
+        assert record.metrics["weight_rel_l2"][0] is not None
+        assert ("output_rel_l2" in record.metrics) is (broken != "compare_linear_rows")
