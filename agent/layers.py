@@ -27,7 +27,7 @@ import functools
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -38,8 +38,9 @@ from quantwatch.agent.failures import FailureLog
 from quantwatch.agent.rows import SEED, RowSampler
 from quantwatch.agent.shadow import ShadowOptions, run_reference
 from quantwatch.agent.wrappers import shards_after_forward
-from quantwatch.kernels import ErrorStats, StatsBatch, error_stats
-from quantwatch.kernels.row_stats import weight_grad_rows
+from quantwatch.kernels import ErrorStats, QuantLinear, StatsBatch
+from quantwatch.kernels.row_stats import compare_linear_rows, compare_weight_grad_rows, weight_grad_rows
+from quantwatch.kernels.stats import host_row
 
 __all__ = [
     "KIND_DRIFT",
@@ -52,7 +53,6 @@ __all__ = [
     "DeferredStatistics",
     "LayerAdapter",
     "ModuleAdapter",
-    "QatAdapter",
 ]
 
 KIND_WEIGHT, KIND_INPUT, KIND_GRAD, KIND_OUTPUT, KIND_UPDATE, KIND_DRIFT = range(6)
@@ -133,17 +133,6 @@ class DeferredStatistics:
     def on_model_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """Forward hook of the monitored model: flush what its forward collected."""
         self.flush()
-
-
-def _fake_quantizers(module: nn.Module) -> list[nn.Module]:
-    from torch.ao.quantization import FakeQuantizeBase
-
-    found: list[nn.Module] = []
-    for attr in ("weight_fake_quant", "activation_post_process"):
-        fq = getattr(module, attr, None)
-        if isinstance(fq, FakeQuantizeBase):
-            found.append(fq)
-    return found
 
 
 def _first_tensor(args: tuple[Any, ...]) -> Tensor | None:
@@ -238,7 +227,9 @@ class _ShadowedModuleAdapter(LayerAdapter):
         self._handles: list[RemovableHandle] = []
         self._hooked_weight: Tensor | None = None
         # (reference weight gradient or what computes it, rows of it that were computed or None for all)
-        self._pending_reference_grads: deque[tuple[Tensor | Callable[[], Tensor] | None, Tensor | None]] = deque()
+        self._pending_reference_grads: deque[
+            tuple[Tensor | Callable[[], Tensor] | _KeptRowsGradient | None, Tensor | None]
+        ] = deque()
         self._in_reference = False
         self._computing_reference_grad = False
         self.options = ShadowOptions()
@@ -263,6 +254,12 @@ class _ShadowedModuleAdapter(LayerAdapter):
 
     def reference_weight_grad(self) -> Callable[[Tensor, Tensor], Tensor] | None:
         """``(input, grad_output) -> weight gradient`` of the FP32 reference, or None to use autograd."""
+        return None
+
+    def reference_linear(self) -> tuple[Tensor, Tensor | None] | None:
+        """``(weight, bias)`` when the reference is ``F.linear(x, weight, bias)`` of float32 tensors computed in
+        float32 (``shadow_rows`` then computes the kept rows' reference and compares it in one native pass), else
+        None."""
         return None
 
     def configure(self, options: ShadowOptions, index: int) -> None:
@@ -359,25 +356,40 @@ class _ShadowedModuleAdapter(LayerAdapter):
             if rows is None:
                 stats = comparison_stats(self._run_reference(x), output, batch=self._batch())
             else:
-                reference = self._run_reference(x.index_select(0, rows))
-                stats = row_comparison_stats(reference, output, rows, batch=self._batch(), weight=n / rows.numel())
+                stats = self._output_rows_stats(x, output, rows, n / rows.numel())
                 self.estimated.add(KIND_OUTPUT)
             self.record(KIND_OUTPUT, stats)
         if grad_weight is not None:
             node.register_prehook(functools.partial(self._on_output_grad_rows, x, grad_rows, output.output_nr))
             self._hook_weight(grad_weight)
 
+    def _output_rows_stats(self, x: Tensor, output: Tensor, rows: Tensor, weight: float) -> ErrorStats:
+        """The output comparison on the kept ``rows``: in one native pass where the reference is a float32 linear
+        it can compute, else the reference of the gathered rows compared with those rows of ``output``."""
+        linear = self.reference_linear() if x.is_cpu else None
+        if linear is not None:
+            batch = self._batch()
+            row = batch.host_row() if batch is not None else host_row()
+            if compare_linear_rows(x, *linear, rows, output, row, weight=weight):
+                return row.stats
+        reference = self._run_reference(x.index_select(0, rows))
+        return row_comparison_stats(reference, output, rows, batch=self._batch(), weight=weight)
+
     def _on_output_grad_rows(
         self, x: Tensor, grad_rows: Tensor | None, index: int, grad_outputs: tuple[Tensor | None, ...]
     ) -> None:
         grad_output = grad_outputs[index]
         if grad_output is not None:
-            self._guard("reference_grad", self._reference_grad_rows, x, grad_rows, grad_output)
+            self._guard("reference_grad", self._keep_grad_rows, x, grad_rows, grad_output)
 
-    def _reference_grad_rows(self, x: Tensor, grad_rows: Tensor | None, grad_output: Tensor) -> None:
+    def _keep_grad_rows(self, x: Tensor, grad_rows: Tensor | None, grad_output: Tensor) -> None:
+        # Compared at the weight hook, reference and comparison in one pass (`_compare_update`).
+        dy = grad_output.detach().reshape(-1, grad_output.shape[-1])
+        self._pending_reference_grads.append((_KeptRowsGradient(dy, x, grad_rows), grad_rows))
+
+    def _reference_grad_rows(self, x: Tensor, grad_rows: Tensor | None, dy: Tensor) -> Tensor:
         # nn.Linear's weight gradient dYᵀX, for the kept rows J of it: dY[:, J]ᵀ X, in FP32 one native pass reading
         # dY's columns in place where it can (float32 tensors: what run_reference would compute in FP32).
-        dy = grad_output.detach().reshape(-1, grad_output.shape[-1])
         reference_grad = None
         if grad_rows is not None and self.options.reference_dtype == torch.float32:
             reference_grad = weight_grad_rows(dy, x, grad_rows)
@@ -385,7 +397,7 @@ class _ShadowedModuleAdapter(LayerAdapter):
             if grad_rows is not None:
                 dy = dy.index_select(1, grad_rows)
             reference_grad = run_reference(_weight_grad, dy, x, dtype=self.options.reference_dtype)
-        self._pending_reference_grads.append((reference_grad, grad_rows))
+        return reference_grad
 
     def _on_output_grad(
         self, reference: Tensor, weight: Tensor, index: int, grad_outputs: tuple[Tensor | None, ...]
@@ -432,7 +444,11 @@ class _ShadowedModuleAdapter(LayerAdapter):
 
     def _compare_update(self, grad: Tensor) -> None:
         reference_grad, rows = self._pending_reference_grads.popleft()
-        if callable(reference_grad):
+        if isinstance(reference_grad, _KeptRowsGradient):
+            if self._compare_kept_rows_update(reference_grad, grad):
+                return
+            reference_grad = self._reference_grad_rows(reference_grad.x, rows, reference_grad.dy)
+        elif callable(reference_grad):
             reference_grad = reference_grad()
         if reference_grad is None:
             return
@@ -446,6 +462,28 @@ class _ShadowedModuleAdapter(LayerAdapter):
             self.estimated.add(KIND_UPDATE)
         self.record(KIND_UPDATE, stats)
 
+    def _compare_kept_rows_update(self, kept: _KeptRowsGradient, grad: Tensor) -> bool:
+        """The kept rows' reference gradient and its comparison in one native pass, recorded: True when done."""
+        rows = kept.rows
+        if rows is None or self.options.reference_dtype != torch.float32 or not grad.is_cpu:
+            return False
+        batch = self._batch()
+        row = batch.host_row() if batch is not None else host_row()
+        if not compare_weight_grad_rows(kept.dy, kept.x, rows, grad, row, weight=grad.shape[0] / rows.numel()):
+            return False
+        self.estimated.add(KIND_UPDATE)
+        self.record(KIND_UPDATE, row.stats)
+        return True
+
+
+class _KeptRowsGradient(NamedTuple):
+    """What the kept rows' reference weight gradient is computed from at the weight hook (``shadow_rows``): the
+    output gradient as a matrix, the input's, and the kept rows of the gradient (None: all)."""
+
+    dy: Tensor
+    x: Tensor
+    rows: Tensor | None
+
 
 class ModuleAdapter(_ShadowedModuleAdapter):
     """A module that implements the reference-forward protocol (``QuantLinear`` and friends).
@@ -454,6 +492,9 @@ class ModuleAdapter(_ShadowedModuleAdapter):
 
     def _bind(self) -> None:
         self._batches = self.deferred is not None and hasattr(self.module, "stats_batch")
+        # QuantLinear's reference, not a subclass's own (QuantConv1D's weight is a transposed view: declined anyway)
+        forward = getattr(type(self.module), "reference_forward", None)
+        self._plain_reference = isinstance(self.module, QuantLinear) and forward is QuantLinear.reference_forward
 
     def reference(self, x: Tensor) -> Tensor:
         """``module.reference_forward(x)``."""
@@ -466,6 +507,14 @@ class ModuleAdapter(_ShadowedModuleAdapter):
         """``module.reference_weight_grad`` when the module has it."""
         method = getattr(self.module, "reference_weight_grad", None)
         return method if callable(method) else None
+
+    def reference_linear(self) -> tuple[Tensor, Tensor | None] | None:
+        """A ``QuantLinear``'s own weight and bias (its `reference_forward` is ``F.linear`` of them) in float32."""
+        if not self._plain_reference or self.options.reference_dtype != torch.float32:
+            return None
+        module = self.module
+        weight, bias = module.linear_weight(), module.bias  # type: ignore[operator]
+        return weight, bias if isinstance(bias, Tensor) else None
 
     def scale(self) -> Tensor | None:
         """``module.input_quantizer.last_scale`` reduced to its largest value."""
@@ -503,64 +552,3 @@ class ModuleAdapter(_ShadowedModuleAdapter):
                 deferred.forward_pending = True
             elif deferred.forward_pending:
                 deferred.flush()
-
-
-class QatAdapter(_ShadowedModuleAdapter):
-    """A ``torch.ao`` QAT module: statistics from its fake quantizers, reference with them switched off.
-
-    ``act_rel_l2`` (and the ratios, ``amax``, ``scale``) describe the module's ``activation_post_process``: in eager
-    QAT that is the fake quantization of the module's output activation."""
-
-    def _bind(self) -> None:
-        self.weight_fake_quant = getattr(self.module, "weight_fake_quant", None)
-        self.activation_fake_quant = getattr(self.module, "activation_post_process", None)
-
-    def reference(self, x: Tensor) -> Tensor:
-        """The module's own ``forward`` with every fake quantizer and observer inside it disabled."""
-        switched = [
-            (fq, fq.fake_quant_enabled.clone(), fq.observer_enabled.clone()) for fq in _fake_quantizers_all(self.module)
-        ]
-        for fq, _, _ in switched:
-            fq.fake_quant_enabled.fill_(0)
-            fq.observer_enabled.fill_(0)
-        try:
-            out = self.module.forward(x)
-        finally:
-            for fq, fake_quant, observer in switched:
-                fq.fake_quant_enabled.copy_(fake_quant)
-                fq.observer_enabled.copy_(observer)
-        if not isinstance(out, Tensor):
-            raise TypeError(f"forward must return a Tensor, got {type(out).__name__}")
-        return out
-
-    def scale(self) -> Tensor | None:
-        """The activation fake quantizer's scale (largest value)."""
-        fq = self.activation_fake_quant if self.activation_fake_quant is not None else self.weight_fake_quant
-        scale = getattr(fq, "scale", None)
-        if not isinstance(scale, Tensor) or scale.numel() == 0:
-            return None
-        return scale.detach().amax().to(torch.float64)
-
-    def arm(self, kinds: frozenset[int]) -> None:
-        """Also hook the fake quantizers when their statistics are wanted."""
-        super().arm(kinds)
-        for kind, fq in ((KIND_WEIGHT, self.weight_fake_quant), (KIND_INPUT, self.activation_fake_quant)):
-            if kind in kinds and isinstance(fq, nn.Module):
-                self._handles.append(fq.register_forward_hook(functools.partial(self._on_fake_quant, kind)))
-
-    def _on_fake_quant(self, kind: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self._in_reference:
-            return
-        x = _first_tensor(args)
-        if x is None or not isinstance(output, Tensor):
-            return
-        self._guard("fake_quant_stats", self._record_fake_quant, kind, x, output)
-
-    def _record_fake_quant(self, kind: int, x: Tensor, output: Tensor) -> None:
-        self.record(kind, error_stats(x.detach(), output.detach()))
-
-
-def _fake_quantizers_all(module: nn.Module) -> list[Any]:
-    from torch.ao.quantization import FakeQuantizeBase
-
-    return [m for m in module.modules() if isinstance(m, FakeQuantizeBase)]

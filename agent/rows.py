@@ -18,12 +18,17 @@ every layer: two extra matmuls per layer per sampled step.  With ``shadow_rows``
   compared with the same rows of the quantized output.  Each sum (Σx², Σq², Σqx, Σ(q−x)², and the count) is scaled
   by ``n/k`` (Horvitz–Thompson), so sums from calls of different sizes combine as estimates of the full sums; the
   figures are the usual ratios of those sums (``rel_l2 = √(Σ(q−x)²/Σx²)``, ``cosine = Σqx/√(Σq²Σx²)``), ratio
-  estimators: the scale cancels within one call.
+  estimators: the scale cancels within one call.  Where the reference is a float32 ``F.linear`` of CPU tensors
+  (``QuantLinear``, torchao's ``Float8Linear``), the kept rows' reference is computed as it is compared, in one
+  native pass (``qw_compare_linear_rows``): each element a float32 dot product summed in the build's vector lanes,
+  so its last bits are not those of torch's matmul of the gathered rows (the figures agree to float32 rounding).
 * **update_cosine.** A weight gradient is a sum over *all* tokens (``dYᵀX``), so a token subset of the reference
   could only be compared with the quantized path's gradient of the same tokens, which the training never computes.
   The gradient is sampled by its *rows* (output features) instead: the same fraction of them, drawn the same way;
   the reference computes ``dY[:, J]ᵀ X`` (``k/n`` of its cost) and is compared with the same rows ``J`` of the
   quantized path's gradient, which the training computed in full anyway; sums scaled by ``out/|J|`` as above.
+  Both are made when that gradient arrives (the weight's hook), reference and comparison in one native pass on the
+  CPU (``qw_compare_weight_grad_rows``).
 
 Figures computed so are marked: :attr:`quantwatch.agent.StepRecord.estimated` names every metric of the step that
 some layer estimated.

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -1053,14 +1054,23 @@ int qw_stratified_rows(const double* uniforms, int64_t n, int64_t k, int64_t n2,
 // The FP32 reference weight gradient's kept rows (shadow_rows, agent/layers.py): ref[j][c] = Σ_t dy[t][cols[j]] ·
 // x[t][c] for the `k` kept output features cols[] of dy (`tokens` rows of `out_features` floats) and x (`tokens` rows
 // of `in_features`, a multiple of the vector width: BAD_ARGUMENT otherwise, or for an index outside dy's columns),
-// into ref (`k` rows of `in_features`): dy[:, cols]ᵀ x without gathering dy's columns, each element a float32 sum
-// over the tokens in order (one fused multiply-add each where the unit has them), whichever thread computes it.
+// into ref (`k` rows of `in_features`): dy[:, cols]ᵀ x, each element a float32 sum over the tokens in order (one
+// fused multiply-add each where the unit has them), whichever thread computes it.
 int qw_weight_grad_rows(const float* dy, const float* x, const int64_t* cols, int64_t tokens, int64_t out_features,
                         int64_t in_features, int64_t k, float* ref, int threads) {
   if (in_features < 1 || in_features % L != 0) return BAD_ARGUMENT;
   for (int64_t j = 0; j < k; j++) {
     if (cols[j] < 0 || cols[j] >= out_features) return BAD_ARGUMENT;
   }
+  // dy's kept columns gathered once, token by token (gathered[t][j] = dy[t][cols[j]]): the tiles below read each
+  // of them once per vector block, from a few cache lines instead of one line of dy each.
+  std::vector<float> gathered((size_t)(tokens * k));
+  for (int64_t t = 0; t < tokens; t++) {
+    const float* dyt = dy + t * out_features;
+    float* gt = gathered.data() + t * k;
+    for (int64_t j = 0; j < k; j++) gt[j] = dyt[cols[j]];
+  }
+  const float* columns = gathered.data();
   constexpr int64_t R = 4, C = 4;  // a tile of R kept rows by C vectors: R · C accumulators in registers
   const int64_t vectors = in_features / L, row_tiles = (k + R - 1) / R;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -1072,20 +1082,20 @@ int qw_weight_grad_rows(const float* dy, const float* x, const int64_t* cols, in
       if (rows == R && width == C) {
         for (int64_t t = 0; t < tokens; t++) {
           const float* xt = x + t * in_features + v0 * L;
-          const float* dyt = dy + t * out_features;
+          const float* gt = columns + t * k + j0;
           vf xv[C];
           for (int c = 0; c < C; c++) xv[c] = load(xt + c * L);
           for (int r = 0; r < R; r++) {
-            vf g = splat(dyt[cols[j0 + r]]);
+            vf g = splat(gt[r]);
             for (int c = 0; c < C; c++) acc[r][c] = fused_add(acc[r][c], g, xv[c]);
           }
         }
       } else {  // the last tiles: the same sums, fewer of them
         for (int64_t t = 0; t < tokens; t++) {
           const float* xt = x + t * in_features + v0 * L;
-          const float* dyt = dy + t * out_features;
+          const float* gt = columns + t * k + j0;
           for (int64_t r = 0; r < rows; r++) {
-            vf g = splat(dyt[cols[j0 + r]]);
+            vf g = splat(gt[r]);
             for (int64_t c = 0; c < width; c++) acc[r][c] = fused_add(acc[r][c], g, load(xt + c * L));
           }
         }
@@ -1098,4 +1108,79 @@ int qw_weight_grad_rows(const float* dy, const float* x, const int64_t* cols, in
   return OK;
 }
 
+
+// A float32 sum of a vector's lanes, lane 0 first.
+static inline float lane_sum(vf v) {
+  float s = 0.0f;
+  for (int j = 0; j < L; j++) s += v[j];
+  return s;
+}
+
+// The FP32 reference output's kept rows (shadow_rows, agent/layers.py): ref[r][o] = Σ_i x[rows[r]][i] · w[o][i]
+// (+ bias[o] when given) for x (`n` rows of `in` floats, a multiple of the vector width), w (`out` rows of `in`) and
+// the `k` kept rows rows[] of x: each dot product summed in vector lanes over x's row in order (one fused
+// multiply-add each where the unit has them), the lanes added lane 0 first, then the bias; whichever thread computes
+// it. Tiles of R rows of x by O rows of w keep R · O accumulators in registers; a short edge tile repeats its first
+// row (computed, not stored).
+static void linear_rows(const float* x, const float* w, const float* bias, const int64_t* rows, int64_t k, int64_t in,
+                        int64_t out, float* ref, int threads) {
+  constexpr int64_t R = 4, O = 4;
+  const int64_t vectors = in / L, out_tiles = (out + O - 1) / O;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t tile = 0; tile < out_tiles; tile++) {
+    const int64_t o0 = tile * O, outs = out - o0 < O ? out - o0 : O;
+    const float* wo[O];
+    for (int64_t o = 0; o < O; o++) wo[o] = w + (o0 + (o < outs ? o : 0)) * in;
+    for (int64_t r0 = 0; r0 < k; r0 += R) {
+      const int64_t kept = k - r0 < R ? k - r0 : R;
+      const float* xr[R];
+      for (int64_t r = 0; r < R; r++) xr[r] = x + rows[r0 + (r < kept ? r : 0)] * in;
+      vf acc[R][O] = {};
+      for (int64_t v = 0; v < vectors; v++) {
+        vf wv[O];
+        for (int64_t o = 0; o < O; o++) wv[o] = load(wo[o] + v * L);
+        for (int64_t r = 0; r < R; r++) {
+          vf xv = load(xr[r] + v * L);
+          for (int64_t o = 0; o < O; o++) acc[r][o] = fused_add(acc[r][o], xv, wv[o]);
+        }
+      }
+      for (int64_t r = 0; r < kept; r++) {
+        for (int64_t o = 0; o < outs; o++) {
+          float s = lane_sum(acc[r][o]);
+          ref[(r0 + r) * out + o0 + o] = bias != nullptr ? s + bias[o0 + o] : s;
+        }
+      }
+    }
+  }
+}
+
+// An nn.Linear call's output comparison on its kept rows in one call: the reference rows of linear_rows against
+// the same rows of the layer's output y (`n` rows of `out` floats), as qw_compare_rows compares them, into `fields`.
+// BAD_ARGUMENT for `in` or `out` not a multiple of the vector width or an index outside x; qw_compare_rows' status
+// otherwise (NONFINITE, OUT_OF_RANGE: `fields` untouched, the caller compares another way).
+int qw_compare_linear_rows(const float* x, const float* w, const float* bias, const int64_t* rows, int64_t k,
+                           int64_t n, int64_t in, int64_t out, const float* y, double weight, double* fields,
+                           int threads) {
+  if (in < 1 || in % L != 0 || out < 1 || out % L != 0 || k < 1) return BAD_ARGUMENT;
+  for (int64_t r = 0; r < k; r++) {
+    if (rows[r] < 0 || rows[r] >= n) return BAD_ARGUMENT;
+  }
+  std::vector<float> ref((size_t)(k * out));
+  linear_rows(x, w, bias, rows, k, in, out, ref.data(), threads);
+  return qw_compare_rows(ref.data(), y, rows, k, out, n, weight, 1, fields, threads);
+}
+
+// The update comparison of an nn.Linear on its weight gradient's kept rows in one call: the reference rows of
+// qw_weight_grad_rows (dy[:, cols]ᵀ x) against the same rows cols[] of the quantized path's weight gradient `grad`
+// (`out_features` rows of `in_features` floats), as qw_compare_rows compares them, into `fields`: the figures of the
+// two calls made one after the other, bit for bit. Their statuses otherwise (`fields` untouched).
+int qw_compare_weight_grad_rows(const float* dy, const float* x, const int64_t* cols, int64_t tokens,
+                                int64_t out_features, int64_t in_features, int64_t k, const float* grad, double weight,
+                                double* fields, int threads) {
+  if (k < 1) return BAD_ARGUMENT;
+  std::vector<float> ref((size_t)(k * in_features));
+  int status = qw_weight_grad_rows(dy, x, cols, tokens, out_features, in_features, k, ref.data(), threads);
+  if (status != OK) return status;
+  return qw_compare_rows(ref.data(), grad, cols, k, in_features, out_features, weight, 1, fields, threads);
+}
 }  // extern "C"

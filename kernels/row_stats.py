@@ -1,8 +1,10 @@
 """A comparison against chosen rows of a matrix without gathering them: ``comparison_fields(x, q[rows])`` in one
 native pass that reads the rows where they are (``qw_compare_rows`` in ``native.cpp``), for the estimates of
 ``shadow_rows``, which compare a reference of the kept rows with those rows of a layer's output or weight gradient;
-and the stratified draw of those rows from uniforms (``qw_stratified_rows``).  The bindings of both live here, not
-in `native`'s table.
+the stratified draw of those rows from uniforms (``qw_stratified_rows``); the kept rows' reference weight gradient
+(``qw_weight_grad_rows``); and the two comparisons of an ``nn.Linear`` call on kept rows made in one pass with their
+FP32 references (``qw_compare_linear_rows``: the output, ``qw_compare_weight_grad_rows``: the weight gradient).  The
+bindings live here, not in `native`'s table.
 
 Where the rows are whole vectors of the build (a row length that is a multiple of 16 floats, 8 on an AVX2 build) the
 pass takes every vector, run and sum that ``qw_stats`` takes over the gathered copy, so the figures are those of
@@ -24,7 +26,14 @@ from torch import Tensor
 from . import native
 from .stats import HostRow
 
-__all__ = ["comparison_into", "row_comparison_fields", "stratified_rows", "weight_grad_rows"]
+__all__ = [
+    "compare_linear_rows",
+    "compare_weight_grad_rows",
+    "comparison_into",
+    "row_comparison_fields",
+    "stratified_rows",
+    "weight_grad_rows",
+]
 
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGUMENTS = {
@@ -32,21 +41,24 @@ _ARGUMENTS = {
     "qw_compare_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_double, _INT, _PTR, _INT],
     "qw_stratified_rows": [_PTR, _I64, _I64, _I64, _I64, _PTR],
     "qw_weight_grad_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT],
+    "qw_compare_linear_rows": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_double, _PTR, _INT],
+    "qw_compare_weight_grad_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_double, _PTR, _INT],
 }
 _FIELD_COUNT = 11
-_bound: tuple[ctypes.CDLL, Any, Any, Any, Any] | None = None
+_bound: tuple[ctypes.CDLL, dict[str, Any]] | None = None
 
 
-def _functions(lib: ctypes.CDLL) -> tuple[ctypes.CDLL, Any, Any, Any, Any]:
-    """``(lib, qw_compare_rows, qw_stratified_rows, qw_weight_grad_rows, qw_compare)`` of the loaded library, typed
-    once."""
+def _functions(lib: ctypes.CDLL) -> dict[str, Any]:
+    """The functions of ``_ARGUMENTS`` in the loaded library by name, typed once."""
     global _bound
     if _bound is None or _bound[0] is not lib:
+        functions = {}
         for name, argtypes in _ARGUMENTS.items():
             function = getattr(lib, name)
             function.restype, function.argtypes = _INT, argtypes
-        _bound = (lib, lib.qw_compare_rows, lib.qw_stratified_rows, lib.qw_weight_grad_rows, lib.qw_compare)
-    return _bound
+            functions[name] = function
+        _bound = (lib, functions)
+    return _bound[1]
 
 
 def _readable(*tensors: Tensor) -> bool:
@@ -73,7 +85,7 @@ def row_comparison_fields(
     count, row = x.shape
     buffer = array("d", bytes(8 * _FIELD_COUNT))
     address = buffer.buffer_info()[0] if out is None else out.address
-    compare = _functions(lib)[1]
+    compare = _functions(lib)["qw_compare_rows"]
     threads = native.threads_for(x.numel())
     if compare(x.data_ptr(), q.data_ptr(), rows.data_ptr(), count, row, q.shape[0], weight, error, address, threads):
         return None
@@ -89,7 +101,7 @@ def comparison_into(x: Tensor, q: Tensor, out: HostRow, *, error: bool = True, w
     n = x.numel()
     if lib is None or q.numel() != n or not (x.dtype == q.dtype == torch.float32 and _readable(x, q)):
         return False
-    compare = _functions(lib)[4]
+    compare = _functions(lib)["qw_compare"]
     return bool(compare(x.data_ptr(), q.data_ptr(), n, weight, error, out.address, native.threads_for(n)) == 0)
 
 
@@ -104,7 +116,7 @@ def stratified_rows(
     lib = native.loaded()
     if lib is not None:
         rows = torch.empty(k + k2, dtype=torch.int64)
-        if _functions(lib)[2](address + 8 * start, n, k, n2, k2, rows.data_ptr()) == 0:
+        if _functions(lib)["qw_stratified_rows"](address + 8 * start, n, k, n2, k2, rows.data_ptr()) == 0:
             return (rows[:k] if k else None), (rows[k:] if k2 else None)
     return _numpy_rows(uniforms[start : start + k], n, k), _numpy_rows(uniforms[start + k : start + k + k2], n2, k2)
 
@@ -131,7 +143,7 @@ def weight_grad_rows(dy: Tensor, x: Tensor, columns: Tensor) -> Tensor | None:
     (tokens, out_features), in_features, k = dy.shape, x.shape[1], columns.shape[0]
     reference = torch.empty((k, in_features))
     threads = native.threads_for(k * in_features * tokens)
-    gradient = _functions(lib)[3]
+    gradient = _functions(lib)["qw_weight_grad_rows"]
     if gradient(
         dy.data_ptr(),
         x.data_ptr(),
@@ -145,3 +157,78 @@ def weight_grad_rows(dy: Tensor, x: Tensor, columns: Tensor) -> Tensor | None:
     ):
         return None
     return reference
+
+
+def compare_linear_rows(
+    x: Tensor, w: Tensor, bias: Tensor | None, rows: Tensor, y: Tensor, out: HostRow, *, weight: float = 1.0
+) -> bool:
+    """An ``nn.Linear`` call's output comparison on its kept rows in one native pass (``shadow_rows``): the FP32
+    reference ``x[rows] @ w.T + bias`` (each element a float32 dot product over ``x``'s row, summed in the
+    build's vector lanes, then the bias) against ``y[rows]``, as `row_comparison_fields` compares them, weighted
+    and written into ``out``: True when written.  False (``out`` untouched) when the library is not loaded, for
+    tensors it cannot read in place (not contiguous float32 CPU matrices and vectors of matching shapes, ``rows``
+    not int64, a subclass), feature counts that are not whole vectors of the build, an index outside ``x``, or where
+    the comparison declines (NaN/±inf, sums beyond its float32 runs)."""
+    lib = native.loaded()
+    if lib is None or x.dim() != 2 or w.dim() != 2 or y.dim() != 2 or rows.dim() != 1:
+        return False
+    (n, features), (outputs, w_features) = x.shape, w.shape
+    if w_features != features or y.shape != (n, outputs) or (bias is not None and bias.shape != (outputs,)):
+        return False
+    tensors = (x, w, y) if bias is None else (x, w, y, bias)
+    if rows.dtype != torch.int64 or any(t.dtype != torch.float32 for t in tensors) or not _readable(*tensors, rows):
+        return False
+    k = rows.shape[0]
+    compare = _functions(lib)["qw_compare_linear_rows"]
+    threads = native.threads_for(k * outputs * features)
+    bias_address = None if bias is None else bias.data_ptr()
+    status = compare(
+        x.data_ptr(),
+        w.data_ptr(),
+        bias_address,
+        rows.data_ptr(),
+        k,
+        n,
+        features,
+        outputs,
+        y.data_ptr(),
+        weight,
+        out.address,
+        threads,
+    )
+    return bool(status == 0)
+
+
+def compare_weight_grad_rows(
+    dy: Tensor, x: Tensor, columns: Tensor, grad: Tensor, out: HostRow, *, weight: float = 1.0
+) -> bool:
+    """An ``nn.Linear`` update comparison on its weight gradient's kept rows ``columns`` in one native pass: the
+    reference of `weight_grad_rows` against ``grad[columns]`` as `row_comparison_fields` compares them, weighted
+    and written into ``out`` (the figures of the two calls, bit for bit): True when written.  False (``out``
+    untouched) where either declines, or ``grad`` is not a contiguous float32 CPU matrix of ``dy``'s columns by
+    ``x``'s."""
+    lib = native.loaded()
+    if lib is None or dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or columns.dim() != 1:
+        return False
+    (tokens, outputs), features = dy.shape, x.shape[1]
+    if grad.shape != (outputs, features) or columns.dtype != torch.int64:
+        return False
+    if not (dy.dtype == x.dtype == grad.dtype == torch.float32 and _readable(dy, x, grad, columns)):
+        return False
+    k = columns.shape[0]
+    compare = _functions(lib)["qw_compare_weight_grad_rows"]
+    threads = native.threads_for(k * features * tokens)
+    status = compare(
+        dy.data_ptr(),
+        x.data_ptr(),
+        columns.data_ptr(),
+        tokens,
+        outputs,
+        features,
+        k,
+        grad.data_ptr(),
+        weight,
+        out.address,
+        threads,
+    )
+    return bool(status == 0)

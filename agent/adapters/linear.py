@@ -169,6 +169,13 @@ class RecomputedCastLinear(ShadowedLayer):
         """``grad_outputᵀ @ x`` over every leading dimension, in the reference dtype."""
         return self._weight_grad
 
+    def reference_linear(self) -> tuple[Tensor, Tensor | None] | None:
+        """The high-precision weight and bias, when the reference computes in float32."""
+        if self.dtype != torch.float32:
+            return None
+        bias = getattr(self.module, "bias", None)
+        return self._hp_weight(), self._unwrap(bias) if isinstance(bias, Tensor) else None
+
     def _weight_grad(self, x: Tensor, grad_output: Tensor) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(self.dtype)
         g2 = grad_output.reshape(-1, grad_output.shape[-1]).to(self.dtype)

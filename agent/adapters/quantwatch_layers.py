@@ -14,16 +14,23 @@ from quantwatch.agent.adapters.registry import FORMAT_KINDS, HIGH_PRECISION, Ada
 from quantwatch.agent.layers import (
     KIND_INPUT,
     KIND_OUTPUT,
+    KIND_WEIGHT,
     LayerAdapter,
     ModuleAdapter,
-    QatAdapter,
-    _fake_quantizers,
     _first_tensor,
+    _ShadowedModuleAdapter,
 )
 from quantwatch.kernels import PRESETS, error_stats
 from quantwatch.kernels.options import Scaling
 
-__all__ = ["KernelAdapter", "KernelEntry", "ReferenceForwardAdapter", "TorchAoEagerQatAdapter", "quantwatch_format"]
+__all__ = [
+    "KernelAdapter",
+    "KernelEntry",
+    "QatAdapter",
+    "ReferenceForwardAdapter",
+    "TorchAoEagerQatAdapter",
+    "quantwatch_format",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -99,8 +106,80 @@ class TorchAoEagerQatAdapter(Adapter):
         }
 
     def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
-        """A :class:`~quantwatch.agent.layers.QatAdapter`."""
+        """A :class:`QatAdapter`."""
         return QatAdapter(name, module, context.failures, context.clock, context.deferred)
+
+
+def _fake_quantizers(module: nn.Module) -> list[nn.Module]:
+    from torch.ao.quantization import FakeQuantizeBase
+
+    found: list[nn.Module] = []
+    for attr in ("weight_fake_quant", "activation_post_process"):
+        fq = getattr(module, attr, None)
+        if isinstance(fq, FakeQuantizeBase):
+            found.append(fq)
+    return found
+
+
+class QatAdapter(_ShadowedModuleAdapter):
+    """A ``torch.ao`` QAT module: statistics from its fake quantizers, reference with them switched off.
+
+    ``act_rel_l2`` (and the ratios, ``amax``, ``scale``) describe the module's ``activation_post_process``: in eager
+    QAT that is the fake quantization of the module's output activation."""
+
+    def _bind(self) -> None:
+        self.weight_fake_quant = getattr(self.module, "weight_fake_quant", None)
+        self.activation_fake_quant = getattr(self.module, "activation_post_process", None)
+
+    def reference(self, x: Tensor) -> Tensor:
+        """The module's own ``forward`` with every fake quantizer and observer inside it disabled."""
+        switched = [
+            (fq, fq.fake_quant_enabled.clone(), fq.observer_enabled.clone()) for fq in _fake_quantizers_all(self.module)
+        ]
+        for fq, _, _ in switched:
+            fq.fake_quant_enabled.fill_(0)
+            fq.observer_enabled.fill_(0)
+        try:
+            out = self.module.forward(x)
+        finally:
+            for fq, fake_quant, observer in switched:
+                fq.fake_quant_enabled.copy_(fake_quant)
+                fq.observer_enabled.copy_(observer)
+        if not isinstance(out, Tensor):
+            raise TypeError(f"forward must return a Tensor, got {type(out).__name__}")
+        return out
+
+    def scale(self) -> Tensor | None:
+        """The activation fake quantizer's scale (largest value)."""
+        fq = self.activation_fake_quant if self.activation_fake_quant is not None else self.weight_fake_quant
+        scale = getattr(fq, "scale", None)
+        if not isinstance(scale, Tensor) or scale.numel() == 0:
+            return None
+        return scale.detach().amax().to(torch.float64)
+
+    def arm(self, kinds: frozenset[int]) -> None:
+        """Also hook the fake quantizers when their statistics are wanted."""
+        super().arm(kinds)
+        for kind, fq in ((KIND_WEIGHT, self.weight_fake_quant), (KIND_INPUT, self.activation_fake_quant)):
+            if kind in kinds and isinstance(fq, nn.Module):
+                self._handles.append(fq.register_forward_hook(functools.partial(self._on_fake_quant, kind)))
+
+    def _on_fake_quant(self, kind: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._in_reference:
+            return
+        x = _first_tensor(args)
+        if x is None or not isinstance(output, Tensor):
+            return
+        self._guard("fake_quant_stats", self._record_fake_quant, kind, x, output)
+
+    def _record_fake_quant(self, kind: int, x: Tensor, output: Tensor) -> None:
+        self.record(kind, error_stats(x.detach(), output.detach()))
+
+
+def _fake_quantizers_all(module: nn.Module) -> list[Any]:
+    from torch.ao.quantization import FakeQuantizeBase
+
+    return [m for m in module.modules() if isinstance(m, FakeQuantizeBase)]
 
 
 class KernelEntry:

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 import quantwatch.agent as qw
 import quantwatch.agent.layers as layers_module
+import quantwatch.kernels as kernels_module
 from quantwatch.agent.sampling import Schedule
 
 
@@ -29,7 +30,7 @@ class Protocol(nn.Linear):
         wq = torch.round(self.weight * 4) / 4
         if self.observer is not None:
             self.observed_calls += 1
-            self.observer("weight", layers_module.error_stats(self.weight.detach(), wq.detach()))
+            self.observer("weight", kernels_module.error_stats(self.weight.detach(), wq.detach()))
         return F.linear(x, self.weight + (wq - self.weight).detach(), self.bias)
 
     def reference_forward(self, x: Tensor) -> Tensor:
@@ -113,13 +114,13 @@ def test_schedule_gate_returns_the_next_needed_step() -> None:
 
 def test_gate_does_no_work_on_unsampled_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"error_stats": 0}
-    original = layers_module.error_stats
+    original = kernels_module.error_stats
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls["error_stats"] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(layers_module, "error_stats", counting)
+    monkeypatch.setattr(kernels_module, "error_stats", counting)
     model = _model()
     sink = qw.InMemoryExporter()
     monitor = qw.attach(model, run="gate", exporter=sink, every=4)

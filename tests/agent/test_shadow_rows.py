@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
@@ -116,13 +117,17 @@ def test_the_draw_is_stratified_seeded_and_without_repeats() -> None:
 
 
 def test_kept_rows_read_in_place_give_the_gathered_rows_figures_bit_for_bit(monkeypatch: Any) -> None:
-    """The estimates compare the kept rows of each output and weight gradient where they lie (one native pass);
-    gathering them first, as before, gives the same figures to the last bit, every layer and step."""
+    """Where the reference of the kept rows is computed first (a layer the one-pass comparisons decline), they are
+    compared where they lie in each output and weight gradient (one native pass); gathering them first, as before,
+    gives the same figures to the last bit, every layer and step."""
     import quantwatch.agent.comparison as comparison
+    import quantwatch.agent.layers as layers
 
     bench = _bench()
     torch.set_num_threads(1)
     base = bench.make_model()
+    monkeypatch.setattr(layers, "compare_linear_rows", lambda *args, **kwargs: False)
+    monkeypatch.setattr(layers, "compare_weight_grad_rows", lambda *args, **kwargs: False)
     read = comparison.row_comparison_fields
     calls = {"in place": 0}
 
@@ -136,6 +141,45 @@ def test_kept_rows_read_in_place_give_the_gathered_rows_figures_bit_for_bit(monk
     assert calls["in place"] == 2 * 16 * STEPS  # every layer's output and update comparison, every step
     monkeypatch.setattr(comparison, "row_comparison_fields", lambda *args, **kwargs: None)
     _same_figures(in_place, _run(bench, copy.deepcopy(base), 1 / 8))
+
+
+def test_one_pass_kept_rows_comparisons_give_the_figures_of_references_computed_then_compared(
+    monkeypatch: Any,
+) -> None:
+    """Each kept-rows comparison of the bench model is one native pass computing the reference rows as it compares
+    them.  Against the references computed first (torch's matmul of the gathered rows for the output, the same
+    native pass for the weight gradient) and compared after: the update figures the same to the last bit, the
+    output figures within the float32 rounding of the reference's sums, taken in another order."""
+    import quantwatch.agent.layers as layers
+
+    bench = _bench()
+    torch.set_num_threads(1)
+    base = bench.make_model()
+    done = {"output": 0, "update": 0}
+
+    def counted(name: str, function: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> bool:
+            result = bool(function(*args, **kwargs))
+            done[name] += result
+            return result
+
+        return call
+
+    monkeypatch.setattr(layers, "compare_linear_rows", counted("output", layers.compare_linear_rows))
+    monkeypatch.setattr(layers, "compare_weight_grad_rows", counted("update", layers.compare_weight_grad_rows))
+    one_pass = _run(bench, copy.deepcopy(base), 1 / 8)
+    assert done == {"output": 16 * STEPS, "update": 16 * STEPS}  # every layer, every step
+    monkeypatch.setattr(layers, "compare_linear_rows", lambda *args, **kwargs: False)
+    monkeypatch.setattr(layers, "compare_weight_grad_rows", lambda *args, **kwargs: False)
+    computed_first = _run(bench, copy.deepcopy(base), 1 / 8)
+    for a, b in zip(one_pass, computed_first, strict=True):
+        assert a.estimated == b.estimated
+        for metric in ("update_cosine", "update_rel_l2", "weight_rel_l2", "act_rel_l2", "grad_rel_l2"):
+            assert a.metrics[metric] == b.metrics[metric], metric
+        np.testing.assert_allclose(a.metrics["output_rel_l2"], b.metrics["output_rel_l2"], rtol=1e-4)
+        np.testing.assert_allclose(a.metrics["output_sqnr_db"], b.metrics["output_sqnr_db"], rtol=1e-4)
+        deviation = 1 - np.array(a.metrics["output_cosine"]), 1 - np.array(b.metrics["output_cosine"])
+        np.testing.assert_allclose(*deviation, rtol=1e-2)
 
 
 def test_exact_reference_gradients_made_at_the_weight_hook_give_the_figures_of_ones_made_at_the_output(
@@ -192,3 +236,38 @@ def test_exact_comparisons_written_into_their_rows_natively_give_the_figures_of_
     assert written == [True] * (2 * 16 * STEPS)  # every layer's output and update comparison, every step
     monkeypatch.setattr(comparison, "comparison_into", lambda *args, **kwargs: False)
     _same_figures(natively, _run(bench, copy.deepcopy(base), None))
+
+
+def _broken(*args: Any, **kwargs: Any) -> bool:
+    raise RuntimeError("broken pass")
+
+
+@pytest.mark.parametrize(
+    ("broken", "failure", "missing"),
+    [
+        ("compare_linear_rows", "reference_forward_failed", ("output_rel_l2", "update_cosine")),
+        ("compare_weight_grad_rows", "update_compare_failed", ("update_cosine",)),
+    ],
+)
+def test_a_failing_kept_rows_comparison_is_counted_never_raised_into_training(
+    monkeypatch: Any, broken: str, failure: str, missing: tuple[str, ...]
+) -> None:
+    """A forward hook that fails leaves that call's output and update comparisons out; a weight hook, its update."""
+    import quantwatch.agent.layers as layers
+
+    monkeypatch.setattr(layers, broken, _broken)
+    torch.manual_seed(0)
+    model = nn.Sequential(qw_linear())
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="rows", exporter=sink, every=1, shadow_rows=1 / 2)
+    for _ in range(2):
+        model(torch.randn(8, 16)).square().sum().backward()
+        monitor.step()
+    assert monitor.close(10)
+    assert monitor.stats()["failures"] == {failure: 2}
+    records = [record for _, record in sink.records()]
+    assert len(records) == 2
+    for record in records:
+        assert not set(missing) & record.metrics.keys()
+        assert record.metrics["weight_rel_l2"][0] is not None
+        assert ("output_rel_l2" in record.metrics) is (broken != "compare_linear_rows")

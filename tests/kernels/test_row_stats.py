@@ -11,7 +11,14 @@ import torch
 from torch import Tensor
 
 from quantwatch.kernels import StatsBatch, native
-from quantwatch.kernels.row_stats import comparison_into, row_comparison_fields, stratified_rows, weight_grad_rows
+from quantwatch.kernels.row_stats import (
+    compare_linear_rows,
+    compare_weight_grad_rows,
+    comparison_into,
+    row_comparison_fields,
+    stratified_rows,
+    weight_grad_rows,
+)
 from quantwatch.kernels.stats import comparison_fields, host_row
 
 
@@ -242,3 +249,89 @@ def test_a_comparison_the_pass_cannot_write_is_declined_and_the_row_untouched() 
         out = host_row()
         assert not comparison_into(a, b, out), reason
         assert all(math.isnan(v) for v in out.values.tolist()), reason
+
+
+@pytest.mark.parametrize(
+    ("tokens", "in_features", "out_features", "kept", "bias"),
+    [(128, 256, 768, 16, True), (128, 1024, 256, 16, True), (40, 32, 48, 9, False), (3, 16, 16, 1, True)],
+)
+def test_a_linear_calls_kept_rows_compare_as_their_reference_computed_then_compared(
+    tokens: int, in_features: int, out_features: int, kept: int, bias: bool
+) -> None:
+    g = torch.Generator().manual_seed(in_features + kept)
+    rows = torch.sort(torch.randperm(tokens, generator=g)[:kept]).values
+    # Small integers times powers of two: every product and partial sum is exact in float32, so the reference has
+    # one right value whatever the order of its sums, and the figures are those of that reference compared.
+    x = torch.randint(-8, 9, (tokens, in_features), generator=g).float() * 2.0**-4
+    w = torch.randint(-8, 9, (out_features, in_features), generator=g).float() * 2.0**-6
+    b = torch.randint(-8, 9, (out_features,), generator=g).float() * 2.0**-3 if bias else None
+    exact = x.double().mm(w.double().T) + (0 if b is None else b.double())
+    y = (exact * (1 + 0.01 * torch.randn(tokens, out_features, generator=g, dtype=torch.float64))).float()
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = host_row()
+            assert compare_linear_rows(x, w, b, rows, y, out, weight=tokens / kept)
+            expected = row_comparison_fields(exact.index_select(0, rows).float(), y, rows, weight=tokens / kept)
+            assert _same(tuple(out.values.tolist()), expected)  # type: ignore[arg-type]
+    finally:
+        torch.set_num_threads(saved)
+    # Normal values: within float32 dot products' rounding of torch's float64 reference.
+    xn, wn = x * torch.pi, w * torch.e
+    ref = torch.nn.functional.linear(xn.double(), wn.double(), None if b is None else b.double())
+    yn = (ref * 1.01).float()
+    out = host_row()
+    assert compare_linear_rows(xn, wn, b, rows, yn, out)
+    expected_fields = comparison_fields(ref.index_select(0, rows), yn.index_select(0, rows).double())
+    np.testing.assert_allclose(out.values.tolist()[:5], expected_fields[:5], rtol=1e-5)
+
+
+def test_a_linear_calls_kept_rows_the_pass_cannot_compare_are_declined_and_the_row_untouched() -> None:
+    x, w, b, rows = torch.randn(8, 32), torch.randn(16, 32), torch.randn(16), torch.tensor([1, 6])
+    y = torch.randn(8, 16)
+    assert compare_linear_rows(x, w, b, rows, y, host_row())
+    y_inf = y.clone()
+    y_inf[6, 3] = math.inf
+    declined = {
+        "an infinity in the kept rows": (x, w, b, rows, y_inf),
+        "an index past x's rows": (x, w, b, torch.tensor([1, 8]), y),
+        "a negative index": (x, w, b, torch.tensor([-1, 6]), y),
+        "inputs of 12 features, not whole vectors": (torch.randn(8, 12), torch.randn(16, 12), b, rows, y),
+        "outputs of 12 features": (x, torch.randn(12, 32), torch.randn(12), rows, torch.randn(8, 12)),
+        "a bias of another length": (x, w, torch.randn(15), rows, y),
+        "an output of other rows": (x, w, b, rows, torch.randn(9, 16)),
+        "a weight not contiguous": (x, torch.randn(32, 16).T, b, rows, y),
+        "float64": (x.double(), w.double(), b.double(), rows, y.double()),
+        "int32 indices": (x, w, b, rows.int(), y),
+    }
+    for reason, args in declined.items():
+        out = host_row()
+        assert not compare_linear_rows(*args, out), reason
+        assert all(math.isnan(v) for v in out.values.tolist()), reason
+
+
+@pytest.mark.parametrize(("tokens", "out_features", "in_features", "kept"), [(128, 768, 256, 96), (7, 20, 48, 5)])
+def test_a_kept_rows_update_compares_as_its_reference_gradient_computed_then_compared_bit_for_bit(
+    tokens: int, out_features: int, in_features: int, kept: int
+) -> None:
+    g = torch.Generator().manual_seed(out_features + kept)
+    columns = torch.sort(torch.randperm(out_features, generator=g)[:kept]).values
+    dy, x = torch.randn(tokens, out_features, generator=g), torch.randn(tokens, in_features, generator=g)
+    grad = dy.T.mm(x) + 0.01 * torch.randn(out_features, in_features, generator=g)
+    reference = weight_grad_rows(dy, x, columns)
+    assert reference is not None
+    expected = row_comparison_fields(reference, grad, columns, weight=out_features / kept)
+    out = host_row()
+    assert compare_weight_grad_rows(dy, x, columns, grad, out, weight=out_features / kept)
+    assert _same(tuple(out.values.tolist()), expected)  # type: ignore[arg-type]
+    declined = {
+        "a gradient of other rows": (dy, x, columns, grad[:-1]),
+        "a gradient not contiguous": (dy, x, columns, grad.T.contiguous().T),
+        "rows of x not whole vectors": (dy, x[:, :12].contiguous(), columns, grad[:, :12].contiguous()),
+        "an index past the gradient's rows": (dy, x, torch.tensor([0, out_features]), grad),
+    }
+    for reason, args in declined.items():
+        untouched = host_row()
+        assert not compare_weight_grad_rows(*args, untouched), reason
+        assert all(math.isnan(v) for v in untouched.values.tolist()), reason
