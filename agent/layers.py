@@ -520,7 +520,11 @@ class ModuleAdapter(_ShadowedModuleAdapter):
         """``module.input_quantizer.last_scale`` reduced to its largest value."""
         quantizer = getattr(self.module, "input_quantizer", None)
         last = getattr(quantizer, "last_scale", None)
-        if not isinstance(last, Tensor) or last.numel() == 0:
+        if not isinstance(last, Tensor):
+            return None
+        if last.ndim == 0:  # the common per-tensor scale, as it is (few torch calls: each costs more than the work)
+            return last.detach() if last.requires_grad else last
+        if last.numel() == 0:
             return None
         return last.detach().reshape(()) if last.numel() == 1 else last.detach().amax()
 

@@ -90,38 +90,79 @@ class DeviceReader:
         return values
 
 
+def _where_positive(values: np.ndarray) -> np.ndarray:
+    """``values``, with 1 where they are not > 0 (a denominator that the degenerate cases replace)."""
+    return np.where(values > 0, values, 1.0)
+
+
+def _torch(fn: Any, values: np.ndarray) -> np.ndarray:
+    """``fn`` of ``values`` computed by torch: its ``sqrt`` and ``log10`` round some values other than numpy's."""
+    result: np.ndarray = fn(torch.from_numpy(values)).numpy()
+    return result
+
+
+def _nan_if_any(value: np.ndarray, *sums: np.ndarray) -> np.ndarray:
+    """``value``, or NaN where any of ``sums`` is NaN (as `ErrorStats` derives its figures)."""
+    return np.where(np.isnan(sums).any(axis=0), np.nan, value)
+
+
+def _derived(field: str, s: dict[str, np.ndarray]) -> np.ndarray:
+    """One of `ErrorStats`'s derived figures from its sums, computed in numpy with the same formulas (as exact: the
+    roots and the logarithm are torch's): on a few dozen values each torch call costs more than its work."""
+    x2, err2 = s["sum_x2"], s["sum_err2"]
+    if field == "rel_l2":
+        ratio = _torch(torch.sqrt, err2 / _where_positive(x2))
+        return _nan_if_any(np.where(x2 > 0, ratio, np.where(err2 > 0, np.inf, 0.0)), x2, err2)
+    if field == "cosine":
+        q2, qx = s["sum_q2"], s["sum_qx"]
+        denominator = _torch(torch.sqrt, q2 * x2)
+        value = np.clip(qx / _where_positive(denominator), -1.0, 1.0)
+        degenerate = np.where((q2 == 0) & (x2 == 0), 1.0, 0.0)
+        return _nan_if_any(np.where(denominator > 0, value, degenerate), qx, q2, x2)
+    if field == "sqnr_db":
+        value = 10.0 * _torch(torch.log10, _where_positive(x2) / _where_positive(err2))
+        value = np.where(x2 > 0, value, -np.inf)
+        return _nan_if_any(np.where(err2 > 0, value, np.inf), x2, err2)
+    counted: np.ndarray
+    if field == "underflow_ratio":
+        counted = s["underflow_count"] / _where_positive(s["nonzero_count"])
+    elif field == "overflow_ratio":
+        counted = s["overflow_count"] / _where_positive(s["numel"] - s["nonfinite_count"])
+    else:
+        counted = s[field]
+    return counted
+
+
 def derive(block: np.ndarray, present: list[list[bool]], metric_names: list[str]) -> dict[str, list[float | None]]:
-    """Per-layer metric values from the packed partial sums (vectorised over layers and kinds)."""
+    """Per-layer metric values from the packed partial sums (vectorised over layers and kinds; only the figures
+    ``metric_names`` read)."""
     n = block.shape[0]
-    sums = torch.from_numpy(np.ascontiguousarray(block[:, : _NK * NF]).reshape(n, _NK, NF))
-    stats = ErrorStats(**{name: sums[..., i] for i, name in enumerate(_FIELDS)})
+    sums = block[:, : _NK * NF].reshape(n, _NK, NF)
+    fields = {name: sums[..., i] for i, name in enumerate(_FIELDS)}
     mask = np.array(present, dtype=bool).reshape(n, _NK + 1)
     # A NaN count of elements marks statistics that were never filled (a tensor changed before they were computed).
     mask[:, :_NK] &= ~np.isnan(block[:, : _NK * NF : NF])
     # Comparisons of non-finite tensors have NaN sums, which the ratio formulas report as NaN (a signal).
-    derived: dict[str, np.ndarray] = {
-        "rel_l2": stats.rel_l2.numpy(),
-        "cosine": stats.cosine.numpy(),
-        "sqnr_db": stats.sqnr_db.numpy(),
-        "underflow_ratio": stats.underflow_ratio.numpy(),
-        "overflow_ratio": stats.overflow_ratio.numpy(),
-        "amax": stats.amax.numpy(),
-        "nonfinite_count": stats.nonfinite_count.numpy(),
-    }
+    derived: dict[str, np.ndarray] = {}
     out: dict[str, list[float | None]] = {}
     have: np.ndarray
-    for metric in metric_names:
-        if metric == "scale":
-            values = block[:, _NK * NF]
-            have = mask[:, _NK]
-        elif metric == "nonfinite_count":
-            kinds = sorted(METRIC_KINDS[metric])
-            have = np.asarray(mask[:, kinds].any(axis=1))
-            values = np.where(mask[:, kinds], derived["nonfinite_count"][:, kinds], 0.0).sum(axis=1)
-        else:
-            field, (kind,) = _SOURCES[metric]
-            values = derived[field][:, kind]
-            have = mask[:, kind]
-        if have.any():
-            out[metric] = [float(v) if h else None for v, h in zip(values.tolist(), have.tolist(), strict=True)]
+    with np.errstate(all="ignore"):
+        for metric in metric_names:
+            if metric == "scale":
+                values = block[:, _NK * NF]
+                have = mask[:, _NK]
+            else:
+                field, kinds_of = _SOURCES[metric]
+                if field not in derived:
+                    derived[field] = _derived(field, fields)
+                if metric == "nonfinite_count":
+                    kinds = sorted(kinds_of)
+                    have = np.asarray(mask[:, kinds].any(axis=1))
+                    values = np.where(mask[:, kinds], derived[field][:, kinds], 0.0).sum(axis=1)
+                else:
+                    (kind,) = kinds_of
+                    values = derived[field][:, kind]
+                    have = mask[:, kind]
+            if have.any():
+                out[metric] = [float(v) if h else None for v, h in zip(values.tolist(), have.tolist(), strict=True)]
     return out

@@ -89,10 +89,34 @@ def agent_scalars(
     return scalars
 
 
+class _Statm:
+    """``/proc/self/statm`` kept open and read with ``pread`` (opening it costs several times the read, every sampled
+    step); a forked child opens its own, the parent's descriptor would read the parent's memory."""
+
+    fd: int | None = None
+    page_size = 0
+
+    @classmethod
+    def resident_bytes(cls) -> float:
+        if cls.fd is None:
+            cls.page_size = os.sysconf("SC_PAGE_SIZE")
+            cls.fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        return float(int(os.pread(cls.fd, 256, 0).split()[1]) * cls.page_size)
+
+    @classmethod
+    def forget(cls) -> None:
+        if cls.fd is not None:
+            os.close(cls.fd)
+            cls.fd = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Statm.forget)
+
+
 def resident_memory_bytes() -> float | None:
     """The process's resident memory (the CPU's stand-in for device memory), or None where /proc cannot tell."""
     try:
-        with open("/proc/self/statm", "rb") as fh:
-            return float(int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
-    except (OSError, ValueError, IndexError):
+        return _Statm.resident_bytes()
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
