@@ -4,6 +4,7 @@ exposition's renderer, the retention sweeper)."""
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 
 
 def positive_seconds(field: str, value: object) -> float:
@@ -13,7 +14,7 @@ def positive_seconds(field: str, value: object) -> float:
     return float(value)
 
 
-class PeriodicThread:
+class PeriodicThread(ABC):
     """Runs :meth:`run_pass` every ``interval_seconds`` on a daemon thread named ``name``, between :meth:`start` and
     :meth:`stop`. A pass handles its own errors: one that raises ends the thread."""
 
@@ -23,8 +24,9 @@ class PeriodicThread:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @abstractmethod
     def run_pass(self) -> None:
-        raise NotImplementedError
+        """One pass of the thread's work (the subclass's)."""
 
     def start(self) -> None:
         """Start the thread (idempotent)."""
