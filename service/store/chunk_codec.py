@@ -45,6 +45,8 @@ are noise too) costs as much as deflating useful ones. On the recorded series th
 fast for the same bytes."""
 
 _HEADER = struct.Struct("<BIII")
+HEADER_SIZE = _HEADER.size
+"""Bytes of a ``vals`` blob's header: enough for :func:`values_shape`."""
 _STORED = 1 << 31
 """Flag of a stream size: the plane is stored uncompressed."""
 PLANES = 4

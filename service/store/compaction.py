@@ -73,7 +73,7 @@ class Compactor:
                 if target <= frontier:
                     session.rollback()
                     return frontier
-                tail = self.points.rank_tail(conn, run_id, rank, frontier, target, n_layers, times=False)
+                tail = self.points.rank_tail(conn, run_id, rank, frontier, target, n_layers)
                 start = frontier // BLOCK_STEPS * BLOCK_STEPS  # whole blocks: a frontier may not be on a block's edge
                 if start < frontier:  # (after compact_all, or from before 0004): the rows before it may be folded
                     for nid, rows in tail.items():
@@ -90,6 +90,6 @@ class Compactor:
             except BaseException:
                 session.rollback()
                 raise
-        if self.folds is not None:
+        if self.folds is not None and not whole:  # compact_all folds the rank itself once it is compacted
             self.folds.request(run_id, rank, lock_key)
         return target

@@ -123,9 +123,6 @@ class RawPoints:
         )
         tail = (*raw[:2], Point.step >= bindparam("lo"), Point.step < bindparam("hi"))
         self._rank_tail = select(Point.name_id, Point.step, Point.vals).where(*tail).order_by(Point.name_id, Point.step)
-        self._rank_tail_timed = (
-            select(Point.name_id, Point.step, Point.vals, Point.time).where(*tail).order_by(Point.name_id, Point.step)
-        )
         self._raw_steps = select(Point.step).where(*raw).order_by(Point.step).limit(bindparam("limit", type_=Integer))
 
     def read(
@@ -167,24 +164,20 @@ class RawPoints:
             return raw
         return merge([*parts, raw])
 
-    def rank_tail(
-        self, conn: Connection, run_id: int, rank: int, lo: int, hi: int, width: int, *, times: bool
-    ) -> dict[int, Rows]:
-        """Every metric's rows of (run, rank) with lo <= step < hi (``times``: with their times), by name id, where
-        ``lo`` is at or past the rank's frontier: raw rows only, as chunks hold none there (the compactor's read of the
+    def rank_tail(self, conn: Connection, run_id: int, rank: int, lo: int, hi: int, width: int) -> dict[int, Rows]:
+        """Every metric's rows of (run, rank) with lo <= step < hi (without their times), by name id, where ``lo``
+        is at or past the rank's frontier: raw rows only, as chunks hold none there (the compactor's read of the
         blocks it builds)."""
-        statement = self._rank_tail_timed if times else self._rank_tail
-        found = conn.execute(statement, {"run_id": run_id, "rank": rank, "lo": lo, "hi": hi}).all()
+        found = conn.execute(self._rank_tail, {"run_id": run_id, "rank": rank, "lo": lo, "hi": hi}).all()
         if not found:
             return {}
         nids = np.fromiter((r[0] for r in found), dtype=np.int64, count=len(found))
         steps = np.fromiter((r[1] for r in found), dtype=np.int64, count=len(found))
         values = rows_from_blobs([bytes(r[2]) for r in found], width)
-        stamps = times_array([r[3] for r in found]) if times else None
         keys, starts = group_starts(nids)
         ends = [*starts[1:].tolist(), len(found)]
         return {
-            int(nid): Rows(steps[a:b], values[a:b], None if stamps is None else stamps[a:b])
+            int(nid): Rows(steps[a:b], values[a:b], None)
             for nid, a, b in zip(keys.tolist(), starts.tolist(), ends, strict=True)
         }
 

@@ -28,16 +28,14 @@ from sqlalchemy import Connection, bindparam, delete, func, insert, or_, select,
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.models import Point, PointChunk, Run, RunMetric, RunRank
-from quantwatch.service.rollups import LEVELS
-from quantwatch.service.store.chunk_codec import decode_steps, decode_times, values_shape
+from quantwatch.service.store.chunk_codec import HEADER_SIZE, decode_steps, decode_times, values_shape
+from quantwatch.service.store.compaction import BLOCK_STEPS
 from quantwatch.service.store.folding import chunk_row
-from quantwatch.service.store.raw_points import decode_chunk
+from quantwatch.service.store.raw_points import decode_chunk, times_array
 from quantwatch.service.store.rollup_writes import RollupWriter, read_raw_from
 
-BLOCK_STEPS = LEVELS[0]
 STEPS_PER_PASS = 4096
 """The most steps of one rank whose raw points one transaction drops (bounds the rows a transaction deletes)."""
-_CHUNK_HEADER_BYTES = 13  # chunk_codec's ``<BIII`` header of ``vals``: enough for values_shape
 
 _RANK = (RunRank.run_id == bindparam("run_id"), RunRank.rank == bindparam("rank"))
 _POINTS = (Point.run_id == bindparam("run_id"), Point.rank == bindparam("rank"))
@@ -137,7 +135,7 @@ class Retention:
         )
         self._raw_delete = delete(Point).where(*_POINTS, behind)
         whole = PointChunk.last_step < bindparam("cut")
-        self._whole_chunks = select(func.substr(PointChunk.vals, 1, _CHUNK_HEADER_BYTES)).where(*_CHUNKS, whole)
+        self._whole_chunks = select(func.substr(PointChunk.vals, 1, HEADER_SIZE)).where(*_CHUNKS, whole)
         self._whole_delete = delete(PointChunk).where(*_CHUNKS, whole)
         chunk = (PointChunk.rows, PointChunk.steps, PointChunk.times, PointChunk.vals)
         straddling = (PointChunk.first_step < bindparam("cut"), PointChunk.last_step >= bindparam("cut"))
@@ -237,7 +235,7 @@ class Retention:
         first = hi if found is None else int(found)
         for rows, steps_blob, times_blob in conn.execute(self._chunk_times, window):
             steps = decode_steps(bytes(steps_blob))
-            times = np.array([np.nan if t is None else t for t in decode_times(bytes(times_blob), rows)])
+            times = times_array(decode_times(bytes(times_blob), rows))
             young = (steps >= lo) & (steps < first) & ~(times < cutoff)
             if young.any():
                 first = int(steps[young][0])
