@@ -29,7 +29,7 @@ def comparison_stats(
         return ErrorStats.zeros(reference.device)
     if reference.is_cpu and value.is_cpu:
         # One native pass writes the weighted fields into the statistics' row where it can.
-        row = batch.host_row() if batch is not None else host_row()
+        row = host_row(batch)
         if comparison_into(reference, value, row, error=error, weight=weight):
             return row.stats
         return _host_stats(comparison_fields(reference, value, error=error), row, weight)
@@ -69,7 +69,7 @@ def row_comparison_stats(
     figures bit for bit: `quantwatch.kernels.row_stats`) where it can; the rows are gathered otherwise."""
     if reference.numel() and reference.is_cpu:
         # The pass writes the weighted fields into the statistics' row itself.
-        row = batch.host_row() if batch is not None else host_row()
+        row = host_row(batch)
         if row_comparison_fields(reference, value, rows, weight=weight, out=row) is not None:
             return row.stats
         if value.is_cpu:

@@ -368,8 +368,7 @@ class _ShadowedModuleAdapter(LayerAdapter):
         it can compute, else the reference of the gathered rows compared with those rows of ``output``."""
         linear = self.reference_linear() if x.is_cpu else None
         if linear is not None:
-            batch = self._batch()
-            row = batch.host_row() if batch is not None else host_row()
+            row = host_row(self._batch())
             if compare_linear_rows(x, *linear, rows, output, row, weight=weight):
                 return row.stats
         reference = self._run_reference(x.index_select(0, rows))
@@ -385,7 +384,7 @@ class _ShadowedModuleAdapter(LayerAdapter):
     def _keep_grad_rows(self, x: Tensor, grad_rows: Tensor | None, grad_output: Tensor) -> None:
         # Compared at the weight hook, reference and comparison in one pass (`_compare_update`).
         dy = grad_output.detach().reshape(-1, grad_output.shape[-1])
-        self._pending_reference_grads.append((_KeptRowsGradient(dy, x, grad_rows), grad_rows))
+        self._pending_reference_grads.append((_KeptRowsGradient(dy, x), grad_rows))
 
     def _reference_grad_rows(self, x: Tensor, grad_rows: Tensor | None, dy: Tensor) -> Tensor:
         # nn.Linear's weight gradient dYᵀX, for the kept rows J of it: dY[:, J]ᵀ X, in FP32 one native pass reading
@@ -445,7 +444,7 @@ class _ShadowedModuleAdapter(LayerAdapter):
     def _compare_update(self, grad: Tensor) -> None:
         reference_grad, rows = self._pending_reference_grads.popleft()
         if isinstance(reference_grad, _KeptRowsGradient):
-            if self._compare_kept_rows_update(reference_grad, grad):
+            if self._compare_kept_rows_update(reference_grad, rows, grad):
                 return
             reference_grad = self._reference_grad_rows(reference_grad.x, rows, reference_grad.dy)
         elif callable(reference_grad):
@@ -462,13 +461,12 @@ class _ShadowedModuleAdapter(LayerAdapter):
             self.estimated.add(KIND_UPDATE)
         self.record(KIND_UPDATE, stats)
 
-    def _compare_kept_rows_update(self, kept: _KeptRowsGradient, grad: Tensor) -> bool:
-        """The kept rows' reference gradient and its comparison in one native pass, recorded: True when done."""
-        rows = kept.rows
+    def _compare_kept_rows_update(self, kept: _KeptRowsGradient, rows: Tensor | None, grad: Tensor) -> bool:
+        """The reference gradient of the kept ``rows`` and its comparison in one native pass, recorded: True when
+        done."""
         if rows is None or self.options.reference_dtype != torch.float32 or not grad.is_cpu:
             return False
-        batch = self._batch()
-        row = batch.host_row() if batch is not None else host_row()
+        row = host_row(self._batch())
         if not compare_weight_grad_rows(kept.dy, kept.x, rows, grad, row, weight=grad.shape[0] / rows.numel()):
             return False
         self.estimated.add(KIND_UPDATE)
@@ -478,11 +476,10 @@ class _ShadowedModuleAdapter(LayerAdapter):
 
 class _KeptRowsGradient(NamedTuple):
     """What the kept rows' reference weight gradient is computed from at the weight hook (``shadow_rows``): the
-    output gradient as a matrix, the input's, and the kept rows of the gradient (None: all)."""
+    output gradient as a matrix and the input's (the kept rows of the gradient are queued beside it)."""
 
     dy: Tensor
     x: Tensor
-    rows: Tensor | None
 
 
 class ModuleAdapter(_ShadowedModuleAdapter):

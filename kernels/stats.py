@@ -187,9 +187,9 @@ def _blank_rows(count: int) -> list[HostRow]:
     return [HostRow(RowStats(row), values[i], first + i * stride) for i, row in enumerate(block.unbind())]
 
 
-def host_row() -> HostRow:
-    """A row of statistics of its own (outside any batch), NaN until set."""
-    return _blank_rows(1)[0]
+def host_row(batch: StatsBatch | None = None) -> HostRow:
+    """A row of ``batch``'s (`StatsBatch.host_row`), or with no batch a row of statistics of its own; NaN until set."""
+    return _blank_rows(1)[0] if batch is None else batch.host_row()
 
 
 class _Collecting:
