@@ -69,6 +69,10 @@ class IngestBatch(BatchFields[IngestStep]):
     ``rank_reports`` are its steps' weight fingerprints and environment (:mod:`quantwatch.service.ranks`)."""
 
     rank_reports: tuple[RankReport, ...] = ()
+    observed: dict[object, Any] = field(default_factory=dict, compare=False, repr=False)
+    """What each ingest observer carries from its ``on_batch`` to its ``after_commit`` (and to the ingest answer),
+    keyed by the observer: a value of the batch, not of a thread, since a group commit's leader runs the ``on_batch``
+    of every batch in its group (see :class:`IngestObserver`)."""
 
     @property
     def points(self) -> int:
@@ -100,6 +104,9 @@ class IngestObserver(Protocol):
     it adds through ``session`` commit atomically with the points, and an exception aborts the whole batch (the
     client gets a 5xx and retries). ``after_commit`` runs once the batch is durable; its exceptions are logged, never
     raised. Duplicate batches (a repeated ``batch_id``) reach neither.
+
+    ``on_batch`` may run on another thread than the caller's (on SQLite the leader of a group commit runs every
+    member's batch) and ``after_commit`` on the caller's: state between the two lives in :attr:`IngestBatch.observed`.
     """
 
     def on_batch(self, session: Session, run_row: StoredRun, batch: IngestBatch) -> None:

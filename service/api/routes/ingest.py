@@ -149,9 +149,8 @@ async def ingest(
         def work() -> tuple[IngestResult, FiringList]:
             raw = _gunzip(body, settings.max_decoded_bytes) if encoding == "gzip" else body
             batch: IngestBatch = decoder(raw)
-            alerts.take_firing()  # what a failed batch on this thread left behind
             stored = store.ingest(batch, observers)
-            return stored, alerts.take_firing()  # on this thread: the alert engine keeps it per thread
+            return stored, alerts.firing_of(batch)
 
         result, firing = await run_in_threadpool(work)
         health.succeeded()
