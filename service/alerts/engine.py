@@ -103,8 +103,8 @@ class _Staged:
 class _Pending:
     """What one evaluation leaves for after its commit: the series states to publish, whether it redrew the rank's
     firing token, the run's firing episodes for the ingest answer, and the ids of the outbox rows it wrote (leased to
-    this process or not). An ingest batch's lives in its :attr:`~quantwatch.service.batch.IngestBatch.observed` (a
-    group commit's leader evaluates other threads' batches); the other writers' (``evaluate``, ``notify``) per
+    this process or not). An ingest batch's lives in its :attr:`~quantwatch.service.batch.IngestBatch.observed`, so
+    a failed batch leaves nothing for the next one on its thread; the other writers' (``evaluate``, ``notify``) per
     thread."""
 
     staged: _Staged | None = None

@@ -2,18 +2,11 @@
 
 SQLite has one writer at a time: every ingest transaction held the database's write lock for its whole work and its
 commit (an fsync with ``synchronous=FULL``), and the writers waiting for it slept in SQLite's busy handler, which wakes
-them in no order (a p99 of seconds under load). Here the writers of one process queue for one slot instead, in arrival
-order, and share one transaction: whoever finds the slot free leads a group, opens the transaction, runs its own work
-and then the work of every writer queued behind it (each in a savepoint of its own: a failing batch rolls back only
-its savepoint and its writer gets the error at once), commits for the whole group, and wakes each member with its
-result. Every member returns only after that commit, so an acknowledged batch is durable exactly as before; a failed
-commit fails every member (nothing of the group is stored, each client retries).
-
-The leader runs the members' work on its own thread (flat combining): a member sleeps once, until its group
-committed, instead of also waiting for its turn in the slot; each such hand-over between threads cost a one-step
-request a context switch, which on a busy machine often also cost the thread holding the GIL its core. The work must
-therefore keep nothing per thread between the group and the caller (see ``IngestBatch.observed``). A writer that
-queued behind a full group (``MAX_GROUP``) or arrived during a commit is woken to lead the next group.
+them in no order (a p99 of seconds under load). Here the writers of one process take turns through a slot instead,
+in arrival order, and share one transaction: the first opens it, each batch runs inside a savepoint of its own (a
+failing batch rolls back only its savepoint and gets its error at once), and whoever finds nobody waiting behind it
+commits for the whole group. Every member returns only after that commit, so an acknowledged batch is durable
+exactly as before; a failed commit fails every member (nothing of the group is stored, each client retries).
 
 Other writers of the process (rollup compaction, run deletion) take the slot :meth:`GroupCommit.exclusive`ly, between
 groups; writers of other processes queue on SQLite's lock as before.
@@ -22,10 +15,9 @@ groups; writers of other processes queue on SQLite's lock as before.
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -39,32 +31,20 @@ _RELEASE = "RELEASE SAVEPOINT qw_batch"
 _ROLLBACK = "ROLLBACK TO SAVEPOINT qw_batch"
 
 
-class _Member(Generic[T]):
-    """One writer's work, and its outcome once its group is done (or the call to lead the next group)."""
-
-    def __init__(self, work: Callable[[Session], T]) -> None:
-        self.work = work
-        self.result: T | None = None
-        self.error: BaseException | None = None
-        self.lead = False
-        self.finished = False
-        self.done = threading.Event()
-
-    def finish(self, error: BaseException | None) -> None:
-        """Give the member its outcome (its result is set already) and wake it."""
-        if error is not None:
-            self.error = error
-        self.finished = True
-        self.done.set()
-
-
 class _Group:
-    """One open transaction and whether a member's failure ended it (nothing of the group may commit then)."""
+    """One open transaction and the outcome its members wait for."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        self.members: list[_Member[object]] = []
+        self.members = 0
         self.broken: BaseException | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
 
 
 class GroupCommit:
@@ -73,94 +53,73 @@ class GroupCommit:
     def __init__(self, factory: sessionmaker[Session]) -> None:
         self.factory = factory
         lock = threading.Lock()
-        self._lock = lock
+        # Two conditions on one lock: a release wakes one waiter that can go on, not every thread queued.
+        self._writers = threading.Condition(lock)
         self._exclusives = threading.Condition(lock)
         self._busy = False
-        self._queue: deque[_Member[object]] = deque()
+        self._open: _Group | None = None
+        self._waiting = 0
         self._exclusive = 0
 
-    @property
-    def _waiting(self) -> int:
-        """Writers queued for the next group."""
-        return len(self._queue)
-
     def run(self, work: Callable[[Session], T]) -> T:
-        """``work(session)`` in a savepoint of a group transaction (perhaps on the group leader's thread); returns
-        its result once the group committed. Raises ``work``'s own error at once (its savepoint rolled back), or the
-        commit's error."""
-        member: _Member[T] = _Member(work)
-        with self._lock:
-            lead = not self._busy and not self._exclusive
-            if lead:
-                self._busy = True
-            else:
-                self._queue.append(member)  # type: ignore[arg-type]
-        if not lead:
-            member.done.wait()
-            lead = member.lead
-        if lead:
-            self._lead(member)  # type: ignore[arg-type]
-        if member.error is not None:
-            raise member.error
-        return member.result  # type: ignore[return-value]
+        """``work(session)`` in a savepoint of the group transaction; returns its result once the group committed.
+        Raises ``work``'s own error at once (its savepoint rolled back), or the commit's error."""
+        group = self._take()
+        try:
+            result = self._member(group, work)
+        finally:
+            self._give_back(group)
+        group.wait()
+        return result
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold the slot with no group open, for a transaction of the caller's own."""
-        with self._lock:
+        with self._writers:
             self._exclusive += 1
-            while self._busy:
+            while self._busy or self._open is not None:
                 self._exclusives.wait()
             self._exclusive -= 1
             self._busy = True
         try:
             yield
         finally:
-            with self._lock:
-                self._hand_over()
+            with self._writers:
+                self._busy = False
+                self._wake_one()
 
-    def _lead(self, first: _Member[object]) -> None:
-        """Run a group: ``first`` and the members queued behind it, up to ``MAX_GROUP`` (fewer when an exclusive
-        writer waits), in one transaction; then finish every member and hand the slot over."""
-        group = _Group(self.factory())
-        try:
-            group.session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
-        except BaseException as exc:
-            group.broken = exc
-        member: _Member[object] | None = first
-        while member is not None:
-            group.members.append(member)
-            self._member(group, member)
-            with self._lock:
-                member = (
-                    self._queue.popleft()
-                    if self._queue and group.broken is None and not self._exclusive and len(group.members) < MAX_GROUP
-                    else None
-                )
-        self._commit(group)
-        with self._lock:
-            self._hand_over()
+    def _take(self) -> _Group:
+        """Wait for the slot; the group to join (opened here when none is)."""
+        with self._writers:
+            self._waiting += 1
+            while self._busy or (self._exclusive and self._open is None):
+                self._writers.wait()
+            self._waiting -= 1
+            self._busy = True
+            group, self._open = self._open, None
+        if group is None:
+            group = _Group(self.factory())
+            try:
+                group.session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
+            except BaseException as exc:
+                group.broken = exc
+        return group
 
     @staticmethod
-    def _member(group: _Group, member: _Member[object]) -> None:
-        """``member``'s work in a savepoint of SQLite's own, not the session's ``begin_nested``: SQLAlchemy's nested
+    def _member(group: _Group, work: Callable[[Session], T]) -> T:
+        """``work`` in a savepoint of SQLite's own, not the session's ``begin_nested``: SQLAlchemy's nested
         transaction cost about twice the statements it wraps (its bookkeeping, and a SAVEPOINT emitted on the first
         use of the connection), ~8% of a one-step request's time. So the session is flushed inside the savepoint, and
         after a rollback to it every object is expunged: the rolled-back work's objects must be neither flushed later
-        nor found again by identity; a failed flush (it rolls the session's transaction back) breaks the group. A
-        member whose own work failed, its savepoint rolled back, is finished with its error at once."""
+        nor found again by identity; a failed flush (it rolls the session's transaction back) breaks the group."""
         if group.broken is not None:
-            member.error = group.broken
-            return
+            raise group.broken
+        group.members += 1
         session = group.session
+        conn = session.connection()
+        conn.exec_driver_sql(_SAVEPOINT)
         try:
-            conn = session.connection()
-            conn.exec_driver_sql(_SAVEPOINT)
-        except BaseException as exc:
-            group.broken = member.error = exc
-            return
-        try:
-            member.result = member.work(session)
+            result = work(session)
             session.flush()
             conn.exec_driver_sql(_RELEASE)
         except BaseException as exc:
@@ -176,40 +135,38 @@ class GroupCommit:
                 # SQLite rolled the whole transaction back (a full disk, an I/O error), or a failed flush did: the
                 # members before this one lost their writes too, so the group must not commit.
                 group.broken = exc
-            if intact:
-                member.finish(exc)
-            else:
-                member.error = exc
+            raise
+        return result
 
-    @staticmethod
-    def _commit(group: _Group) -> None:
-        """Commit the group (or roll it back when broken) and finish its members with the outcome."""
-        error = group.broken
+    def _give_back(self, group: _Group) -> None:
+        """Leave the group open for the next writer waiting, or commit it (or roll it back when broken)."""
+        with self._writers:
+            if group.broken is None and self._waiting and not self._exclusive and group.members < MAX_GROUP:
+                self._open = group
+                self._busy = False
+                self._writers.notify()
+                return
         try:
-            if error is None:
-                group.session.commit()
+            if group.broken is not None:
+                raise group.broken
+            group.session.commit()
         except BaseException as exc:
-            error = exc
+            group.error = exc
             with suppress(Exception):
                 group.session.rollback()
         finally:
             group.session.close()
-        for member in group.members:
-            if not member.finished:  # a member whose own work failed has its error already
-                member.finish(error)
+            group.done.set()
+            with self._writers:
+                self._busy = False
+                self._wake_one()
 
-    def _hand_over(self) -> None:
-        """With the caller's group done or its exclusive transaction over: wake an exclusive writer first, else make
-        the first queued writer the next leader, else free the slot. The lock is held."""
+    def _wake_one(self) -> None:
+        """With the slot free and no group open: wake an exclusive writer first, else a batch writer."""
         if self._exclusive:
-            self._busy = False
             self._exclusives.notify()
-        elif self._queue:
-            member = self._queue.popleft()
-            member.lead = True
-            member.done.set()
         else:
-            self._busy = False
+            self._writers.notify()
 
 
 def _intact(session: Session) -> bool:

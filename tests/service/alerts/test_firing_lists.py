@@ -130,8 +130,8 @@ class _Holding:
 def test_batches_stored_in_one_group_each_answer_with_their_own_runs_firing_episodes(
     make_app: Callable[..., Any],
 ) -> None:
-    """On SQLite the leader of a group commit evaluates the queued batches on its own thread: each answer still lists
-    its own run's firing episodes (kept with the batch, not with the thread that evaluated it)."""
+    """Batches of different runs that share one transaction (SQLite's group commit; side by side on PostgreSQL) each
+    answer with their own run's firing episodes, which the alert engine keeps with the batch, not the thread."""
     app = make_app()
     holding = _Holding("held")
     app.state.ingest_observers.append(holding)
@@ -155,7 +155,7 @@ def test_batches_stored_in_one_group_each_answer_with_their_own_runs_firing_epis
         hot = pool.submit(post, clients[1], "hot", range(6, 8), 0.5)
         cool = pool.submit(post, clients[2], "cool", range(6, 8), 1.0)
         group = app.state.store._writer._group
-        if group is not None:  # SQLite: both wait for the group the held batch leads
+        if group is not None:  # SQLite: both queue to join the held batch's group
             deadline = time.monotonic() + 30
             while group._waiting < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
