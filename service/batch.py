@@ -69,6 +69,11 @@ class IngestBatch(BatchFields[IngestStep]):
     ``rank_reports`` are its steps' weight fingerprints and environment (:mod:`quantwatch.service.ranks`)."""
 
     rank_reports: tuple[RankReport, ...] = ()
+    observed: dict[object, Any] = field(default_factory=dict, compare=False, repr=False)
+    """What each ingest observer carries from its ``on_batch`` to its ``after_commit`` (and to the ingest answer),
+    keyed by the observer: a value of the batch, not of a thread, so nothing a failed batch left behind reaches the
+    next batch its thread stores, and the write path may run a batch's ``on_batch`` on another thread than the
+    caller's (see :class:`IngestObserver`)."""
 
     @property
     def points(self) -> int:
@@ -100,6 +105,9 @@ class IngestObserver(Protocol):
     it adds through ``session`` commit atomically with the points, and an exception aborts the whole batch (the
     client gets a 5xx and retries). ``after_commit`` runs once the batch is durable; its exceptions are logged, never
     raised. Duplicate batches (a repeated ``batch_id``) reach neither.
+
+    State an observer keeps between the two lives in :attr:`IngestBatch.observed`, not per thread: ``on_batch`` need
+    not run on the thread that runs ``after_commit``.
     """
 
     def on_batch(self, session: Session, run_row: StoredRun, batch: IngestBatch) -> None:

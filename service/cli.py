@@ -127,6 +127,7 @@ def serve(
     # is being served, /metrics included (BENCHMARKS.md, issue 6).
     gc.collect()
     gc.freeze()
+    # uvicorn's http and loop "auto" serve with httptools and uvloop, which the collector's install brings.
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=log_level == "debug")
 
 

@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -99,6 +99,21 @@ class _Staged:
     written: dict[str, tuple[int, RuleStates]]
 
 
+@dataclass
+class _Pending:
+    """What one evaluation leaves for after its commit: the series states to publish, whether it redrew the rank's
+    firing token, the run's firing episodes for the ingest answer, and the ids of the outbox rows it wrote (leased to
+    this process or not). An ingest batch's lives in its :attr:`~quantwatch.service.batch.IngestBatch.observed`, so
+    a failed batch leaves nothing for the next one on its thread; the other writers' (``evaluate``, ``notify``) per
+    thread."""
+
+    staged: _Staged | None = None
+    redrawn: bool = False
+    firing: FiringList = NO_FIRING
+    leased: list[int] = field(default_factory=list)
+    unleased: list[int] = field(default_factory=list)
+
+
 class AlertEngine:
     """The alerting ingest observer: ``on_batch`` inside the ingest transaction, ``after_commit`` after it.
 
@@ -134,7 +149,7 @@ class AlertEngine:
         self._written: dict[tuple[str, int], dict[str, tuple[int, RuleStates]]] = {}
         self._series_names: dict[str, str] = {}
         self._latest_lock = threading.Lock()
-        self._enqueued = threading.local()
+        self._threads = threading.local()
         self.remediation: Remediation | None = None
         """``(session, run, keys) -> text by key``: the ``remediation`` annotation of the notifications of ``keys``,
         (layer, rank) pairs, all at once (a key left out or None: no remediation)."""
@@ -153,37 +168,51 @@ class AlertEngine:
                 return columns
             return replace(columns, formats=self.formats.current(session, run_row.id, head.format_rows).view())
 
-        self._evaluate(session, head, batch.run, batch.rank, batch.layers, columns_of)
+        pending = batch.observed[self] = _Pending()
+        self._evaluate(session, head, batch.run, batch.rank, batch.layers, columns_of, pending)
         # The ingest answer lists the run's firing episodes after this batch's own changes: the head's tokens are
         # those unless the batch redrew its own.
-        tokens = None if self._enqueued.redrawn else head.firing_tokens
-        self._enqueued.firing = self._firing.current(session, batch.run, tokens)
+        pending.firing = self._firing.current(session, batch.run, None if pending.redrawn else head.firing_tokens)
 
-    def take_firing(self) -> FiringList:
-        """The run's firing episodes as the last batch this thread stored left them (then forgotten): the ingest
-        answer's ``firing_episodes``; empty after a duplicate or a failed batch."""
-        firing: FiringList = getattr(self._enqueued, "firing", NO_FIRING)
-        self._enqueued.firing = NO_FIRING
-        return firing
+    def firing_of(self, batch: IngestBatch) -> FiringList:
+        """The run's firing episodes as ``batch``, once stored, left them: the ingest answer's ``firing_episodes``
+        (empty for a batch the engine did not evaluate: a duplicate, or no rule matched)."""
+        pending: _Pending | None = batch.observed.get(self)
+        return NO_FIRING if pending is None else pending.firing
 
     def after_commit(self, batch: IngestBatch) -> None:
         """:class:`~quantwatch.service.batch.IngestObserver` hook: publish the committed series states to
         :meth:`latest_series` and hand new outbox rows to the delivery worker."""
-        staged: _Staged | None = getattr(self._enqueued, "staged", None)
-        self._enqueued.staged = None
+        pending: _Pending | None = batch.observed.get(self)
+        if pending is None:
+            return
+        staged, pending.staged = pending.staged, None
         if staged is not None:
             with self._latest_lock:
                 self._series_names.update(staged.series_names)
                 self._written.setdefault((staged.run, staged.rank), {}).update(staged.written)
-        self.send_enqueued()
+        self._send(pending)
 
     def send_enqueued(self) -> None:
-        """After a commit: dispatch the leased outbox rows this thread wrote and wake the worker for the others."""
-        leased, unleased = self.take_enqueued()
+        """After a commit of ``evaluate`` or ``notify``: dispatch the leased outbox rows this thread wrote and wake the
+        worker for the others."""
+        self._send(self._thread_pending())
+
+    def _send(self, pending: _Pending) -> None:
+        """Dispatch ``pending``'s leased outbox rows and wake the worker for the others (then forgotten)."""
+        leased, unleased = pending.leased, pending.unleased
+        pending.leased, pending.unleased = [], []
         if leased and self._dispatch is not None:
             self._dispatch(leased)
         if unleased:
             self._wake()
+
+    def _thread_pending(self) -> _Pending:
+        """This thread's outbox ids of ``evaluate`` and ``notify`` (their callers commit, then ``send_enqueued``)."""
+        pending: _Pending | None = getattr(self._threads, "pending", None)
+        if pending is None:
+            pending = self._threads.pending = _Pending()
+        return pending
 
     def wake(self) -> None:
         """Wake the delivery worker (after a redelivery, say)."""
@@ -192,6 +221,8 @@ class AlertEngine:
     def evaluate(self, session: Session, run: str, rank: int, layers: Sequence[str], steps: Sequence[StepInput]) -> int:
         """Evaluate one batch given per step inside the caller's transaction; returns how many outbox rows it wrote."""
         repository.lock_cursor(session, run, rank)
+        pending = self._thread_pending()
+        pending.leased, pending.unleased = [], []
         return self._evaluate(
             session,
             read_batch_head(session, run, rank, None),
@@ -199,6 +230,7 @@ class AlertEngine:
             rank,
             layers,
             lambda metrics, _: BatchColumns.from_steps(len(layers), steps, metrics),
+            pending,
         )
 
     def _evaluate(
@@ -209,11 +241,10 @@ class AlertEngine:
         rank: int,
         layers: Sequence[str],
         columns_of: Callable[[Iterable[str], bool], BatchColumns],
+        pending: _Pending,
     ) -> int:
-        """Evaluate one batch of one (run, rank) whose lock the transaction holds, ``head`` read under it."""
-        self._enqueued.staged = None
-        self._enqueued.redrawn = False
-        self.take_enqueued()
+        """Evaluate one batch of one (run, rank) whose lock the transaction holds, ``head`` read under it; what is
+        left for after the commit goes to ``pending``."""
         active = self._rules.active_rules(session, head.rules)
         rules = [(rule_id, rule) for rule_id, rule in active if rule.matches_run(run)]
         if not rules:
@@ -227,13 +258,13 @@ class AlertEngine:
         stored = self._stored_states(session, run, rank, names, head.series_tokens)
         rows, transitions = evaluate_rows([rule for _, rule in rules], RankBatch(run, rank, layers, columns), stored)
         written = repository.upsert_series_states(session, run, rank, ids, rows)
-        self._enqueued.staged = _Staged(run, rank, {rule.name: rule.series for _, rule in rules}, written)
+        pending.staged = _Staged(run, rank, {rule.name: rule.series for _, rule in rules}, written)
         if not transitions:
             return 0
         by_group: dict[tuple[int, str], list[SeriesTransition]] = {}
         for transition in transitions:
             by_group.setdefault((ids[transition.rule], transition.layer), []).append(transition)
-        return self._advance_groups(session, dict(rules), run, rank, by_group)
+        return self._advance_groups(session, dict(rules), run, rank, by_group, pending)
 
     def _stored_states(
         self, session: Session, run: str, rank: int, names: dict[int, str], tokens: Mapping[int, int]
@@ -265,6 +296,7 @@ class AlertEngine:
         run: str,
         rank: int,
         by_group: dict[tuple[int, str], list[SeriesTransition]],
+        pending: _Pending,
     ) -> int:
         """Episode events of every (rule, layer) that moved, with a handful of bulk statements for the whole batch."""
         keys = sorted(by_group)
@@ -291,18 +323,18 @@ class AlertEngine:
                     episode.ranks = sorted(set(episode.ranks) | active)
             still_open = episode if episode is not None and episode.state != "resolved" else None
             batch.groups[key] = (episode_id, still_open)
-        return self._write_episodes(session, rules, run, rank, batch)
+        return self._write_episodes(session, rules, run, rank, batch, pending)
 
     def _write_episodes(
-        self, session: Session, rules: dict[int, Rule], run: str, rank: int, batch: EpisodeBatch
+        self, session: Session, rules: dict[int, Rule], run: str, rank: int, batch: EpisodeBatch, pending: _Pending
     ) -> int:
         """Write what :meth:`_advance_groups` decided: episodes, group pointers, then the outbox rows."""
         self._remediate(session, batch)
         repository.write_episodes(session, run, batch)
-        written = self._write_outbox(session, rules, batch) if batch.notifications else 0
+        written = self._write_outbox(session, rules, batch, pending) if batch.notifications else 0
         if batch.changes_firing():
             redraw_firing_token(session, run, rank)  # the last lock of the batch's alert writes
-            self._enqueued.redrawn = True
+            pending.redrawn = True
         return written
 
     def _remediate(self, session: Session, batch: EpisodeBatch) -> None:
@@ -320,7 +352,7 @@ class AlertEngine:
                 if episode.notified is notification:
                     episode.notified = sent
 
-    def _write_outbox(self, session: Session, rules: dict[int, Rule], batch: EpisodeBatch) -> int:
+    def _write_outbox(self, session: Session, rules: dict[int, Rule], batch: EpisodeBatch, pending: _Pending) -> int:
         now = self._clock()
         receivers = {
             rule_id: repository.receivers_for(session, rules[rule_id])
@@ -344,7 +376,7 @@ class AlertEngine:
         if not rows:
             return 0
         ids = repository.insert_deliveries(session, rows)
-        self._record_enqueued([(ids[row["webhook_id"]], row["claimed_until"]) for row in rows])
+        _record_enqueued(pending, [(ids[row["webhook_id"]], row["claimed_until"]) for row in rows])
         return len(rows)
 
     def notification(self, episode: EpisodeRow, rule: Rule, status: str) -> Notification:
@@ -388,7 +420,7 @@ class AlertEngine:
             for receiver in receivers
             if status != "resolved" or receiver.send_resolved
         ]
-        self._record_enqueued(repository.add_deliveries(session, rows))
+        _record_enqueued(self._thread_pending(), repository.add_deliveries(session, rows))
         return len(rows)
 
     def _delivery_values(
@@ -413,19 +445,12 @@ class AlertEngine:
             "claimed_until": None if self._dispatch is None or waiting else now + LEASE_SECONDS,
         }
 
-    def _record_enqueued(self, rows: Iterable[tuple[int, float | None]]) -> None:
-        """Remember the ids of outbox rows this thread wrote, by (id, claimed_until), for :meth:`take_enqueued`."""
-        leased: list[int] = getattr(self._enqueued, "leased", [])
-        unleased: list[int] = getattr(self._enqueued, "unleased", [])
-        for row_id, claimed_until in rows:
-            (leased if claimed_until is not None else unleased).append(row_id)
-        self._enqueued.leased, self._enqueued.unleased = leased, unleased
-
     def take_enqueued(self) -> tuple[list[int], list[int]]:
-        """Ids of the (leased, unleased) outbox rows this thread wrote since the last call (then forgotten)."""
-        leased: list[int] = getattr(self._enqueued, "leased", [])
-        unleased: list[int] = getattr(self._enqueued, "unleased", [])
-        self._enqueued.leased, self._enqueued.unleased = [], []
+        """Ids of the (leased, unleased) outbox rows this thread's ``evaluate`` and ``notify`` wrote since the last
+        call (then forgotten)."""
+        pending = self._thread_pending()
+        leased, unleased = pending.leased, pending.unleased
+        pending.leased, pending.unleased = [], []
         return leased, unleased
 
     # -- reads for Prometheus and the API ----------------------------------------------------------------------
@@ -454,6 +479,12 @@ class AlertEngine:
                 SeriesSnapshot(name, run, rank, layer, str(series), state.status.value, state.streak, state.last_step)
             )
         return snapshots
+
+
+def _record_enqueued(pending: _Pending, rows: Iterable[tuple[int, float | None]]) -> None:
+    """Remember the ids of outbox rows written, by (id, claimed_until), in ``pending``."""
+    for row_id, claimed_until in rows:
+        (pending.leased if claimed_until is not None else pending.unleased).append(row_id)
 
 
 def batch_columns(batch: IngestBatch, metrics: Iterable[str], now: float) -> BatchColumns:

@@ -3,10 +3,14 @@ another replica, or by the rule routes, reaches this replica's next answer; an u
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -15,6 +19,7 @@ from sqlalchemy import inspect
 from alembic import command
 from quantwatch.protocol import FIRING_EPISODES_FIELD
 from quantwatch.service.alerts import firing
+from quantwatch.service.server import BackgroundServer
 from tests.service.conftest import batch_doc, encode
 
 RULE = "quantwatch_update_direction"  # update_cosine below 0.95 for 3 steps; keeps firing 4 clear steps
@@ -103,3 +108,59 @@ def test_migration_0013_round_trip_keeps_the_answers_firing_episodes(empty_datab
         app.state.engine.dispose()
     finally:
         engine.dispose()
+
+
+class _Holding:
+    """An ingest observer that holds the batch ``hold_id`` inside its storing transaction until released."""
+
+    def __init__(self, hold_id: str) -> None:
+        self.hold_id = hold_id
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def on_batch(self, session: Any, run_row: Any, batch: Any) -> None:
+        if batch.batch_id == self.hold_id:
+            self.entered.set()
+            assert self.release.wait(30), "the test never released the held batch"
+
+    def after_commit(self, batch: Any) -> None:
+        pass
+
+
+def test_batches_stored_in_one_group_each_answer_with_their_own_runs_firing_episodes(
+    make_app: Callable[..., Any],
+) -> None:
+    """Batches of different runs that share one transaction (SQLite's group commit; side by side on PostgreSQL) each
+    answer with their own run's firing episodes, which the alert engine keeps with the batch, not the thread."""
+    app = make_app()
+    holding = _Holding("held")
+    app.state.ingest_observers.append(holding)
+
+    def post(http: httpx.Client, run: str, steps: range, cosine: float, batch_id: str | None = None) -> list[str]:
+        layers = [f"{run}.a", f"{run}.b"]  # the answer names layers, not runs
+        doc = batch_doc(run, layers, list(steps), {"update_cosine": np.full((len(steps), 2), cosine)})
+        if batch_id is not None:
+            doc["batch_id"] = batch_id
+        body, headers = encode(doc, "msgpack")
+        response = http.post("/api/v1/ingest", content=body, headers=headers)
+        assert response.status_code == 200, response.text
+        return [episode["layer"] for episode in response.json().get(FIRING_EPISODES_FIELD, [])]
+
+    with BackgroundServer(app) as server, ThreadPoolExecutor(3) as pool:
+        clients = [httpx.Client(base_url=server.url, timeout=30) for _ in range(3)]
+        assert post(clients[0], "hot", range(6), 0.5) == ["hot.a", "hot.b"]
+        assert post(clients[0], "cool", range(6), 1.0) == []
+        held = pool.submit(post, clients[0], "hold", range(1), 1.0, "held")
+        assert holding.entered.wait(30)
+        hot = pool.submit(post, clients[1], "hot", range(6, 8), 0.5)
+        cool = pool.submit(post, clients[2], "cool", range(6, 8), 1.0)
+        group = app.state.store._writer._group
+        if group is not None:  # SQLite: both queue to join the held batch's group
+            deadline = time.monotonic() + 30
+            while group._waiting < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert group._waiting == 2
+        holding.release.set()
+        assert (held.result(), hot.result(), cool.result()) == ([], ["hot.a", "hot.b"], [])
+        for client in clients:
+            client.close()
