@@ -288,8 +288,10 @@ class _ShadowedModuleAdapter(LayerAdapter):
             self._handles.append(self.module.register_forward_hook(self._on_forward, prepend=prepend))
 
     def end_step(self) -> None:
-        """Forget half-finished gradient pairs."""
+        """Forget half-finished gradient pairs; the row draws of the step are used no more."""
         self._pending_reference_grads.clear()
+        if self.rows is not None:
+            self.rows.release()
 
     def disarm(self) -> None:
         """Remove the hooks and forget half-finished gradient pairs."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from . import native
 from .stats import HostRow
 
 __all__ = [
+    "RowsBuffer",
     "compare_linear_rows",
     "compare_weight_grad_rows",
     "comparison_into",
@@ -105,19 +106,40 @@ def comparison_into(x: Tensor, q: Tensor, out: HostRow, *, error: bool = True, w
     return bool(compare(x.data_ptr(), q.data_ptr(), n, weight, error, out.address, native.threads_for(n)) == 0)
 
 
+class RowsBuffer(NamedTuple):
+    """Where `stratified_rows` can write the rows of two draws of ``k`` and ``k2`` rows: one int64 tensor of ``k +
+    k2`` (its first element at ``address``) and its two views, made once (a tensor and two views cost more than the
+    draw), None for a draw of none."""
+
+    first: Tensor | None
+    second: Tensor | None
+    address: int
+
+    @classmethod
+    def empty(cls, k: int, k2: int) -> RowsBuffer:
+        """A buffer for draws of ``k`` and ``k2`` rows (its values unset)."""
+        rows = torch.empty(k + k2, dtype=torch.int64)
+        return cls(rows[:k] if k else None, rows[k:] if k2 else None, rows.data_ptr())
+
+
 def stratified_rows(
-    uniforms: np.ndarray, start: int, address: int, draws: tuple[int, int, int, int]
+    uniforms: np.ndarray,
+    start: int,
+    address: int,
+    draws: tuple[int, int, int, int],
+    out: RowsBuffer | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The rows two stratified draws keep, ``draws = (n, k, n2, k2)``: ``k`` of ``n`` (one of each of ``k`` strata,
     quantwatch.agent.rows) from the float64 uniforms ``uniforms[start:start + k]``, then ``k2`` of ``n2`` from the
     next ``k2`` (``address``: that of ``uniforms``' first element), as CPU int64 tensors (None for a draw of none):
-    one native call where the library is loaded, NumPy's operations otherwise (the same rows)."""
+    one native call where the library is loaded, written into ``out`` (a buffer for ``k`` and ``k2`` rows, whose
+    views are returned) when given; NumPy's operations otherwise (the same rows, in tensors of their own)."""
     n, k, n2, k2 = draws
     lib = native.loaded()
     if lib is not None:
-        rows = torch.empty(k + k2, dtype=torch.int64)
-        if _functions(lib)["qw_stratified_rows"](address + 8 * start, n, k, n2, k2, rows.data_ptr()) == 0:
-            return (rows[:k] if k else None), (rows[k:] if k2 else None)
+        buffer = RowsBuffer.empty(k, k2) if out is None else out
+        if _functions(lib)["qw_stratified_rows"](address + 8 * start, n, k, n2, k2, buffer.address) == 0:
+            return buffer.first, buffer.second
     return _numpy_rows(uniforms[start : start + k], n, k), _numpy_rows(uniforms[start + k : start + k + k2], n2, k2)
 
 
