@@ -16,6 +16,8 @@ declined (None) and the caller gathers.  The pass writes the fields itself, weig
 from __future__ import annotations
 
 import ctypes
+import enum
+import threading
 from array import array
 from typing import Any, NamedTuple
 
@@ -28,10 +30,12 @@ from .stats import HostRow
 
 __all__ = [
     "RowsBuffer",
+    "RowsPass",
     "compare_linear_rows",
     "compare_weight_grad_rows",
     "comparison_into",
     "row_comparison_fields",
+    "scratch_matrix",
     "stratified_rows",
     "weight_grad_rows",
 ]
@@ -43,7 +47,7 @@ _ARGUMENTS = {
     "qw_stratified_rows": [_PTR, _I64, _I64, _I64, _I64, _PTR],
     "qw_weight_grad_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT],
     "qw_compare_linear_rows": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_double, _PTR, _INT],
-    "qw_compare_weight_grad_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_double, _PTR, _INT],
+    "qw_compare_weight_grad_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_double, _PTR, _PTR, _INT],
 }
 _FIELD_COUNT = 11
 _bound: tuple[ctypes.CDLL, dict[str, Any]] | None = None
@@ -221,23 +225,50 @@ def compare_linear_rows(
     return bool(status == 0)
 
 
+class RowsPass(enum.Enum):
+    """How `compare_weight_grad_rows` ended; true for ``COMPARED`` only."""
+
+    COMPARED = "compared"  # the comparison written into the row (and the reference rows into ``reference``)
+    REFERENCE = "reference"  # declined on the values (NaN/±inf, sums beyond its float32 runs): the reference computed
+    DECLINED = "declined"  # nothing computed
+
+    def __bool__(self) -> bool:
+        return self is RowsPass.COMPARED
+
+
+_ENDED = {0: RowsPass.COMPARED, 1: RowsPass.REFERENCE, 2: RowsPass.REFERENCE}  # OK, NONFINITE, OUT_OF_RANGE
+
+
 def compare_weight_grad_rows(
-    dy: Tensor, x: Tensor, columns: Tensor, grad: Tensor, out: HostRow, *, weight: float = 1.0
-) -> bool:
+    dy: Tensor,
+    x: Tensor,
+    columns: Tensor,
+    grad: Tensor,
+    out: HostRow,
+    *,
+    weight: float = 1.0,
+    reference: Tensor | None = None,
+) -> RowsPass:
     """An ``nn.Linear`` update comparison on its weight gradient's kept rows ``columns`` in one native pass: the
     reference of `weight_grad_rows` against ``grad[columns]`` as `row_comparison_fields` compares them, weighted
-    and written into ``out`` (the figures of the two calls, bit for bit): True when written.  False (``out``
-    untouched) where either declines, or ``grad`` is not a contiguous float32 CPU matrix of ``dy``'s columns by
-    ``x``'s."""
+    and written into ``out`` (the figures of the two calls, bit for bit): ``COMPARED`` when written. With
+    ``reference`` (a contiguous float32 CPU matrix of ``columns``' count by ``x``'s features) the pass writes the
+    reference rows there, also when the comparison declines on the values (``REFERENCE``: compare them another way,
+    without computing them again). ``DECLINED`` (``out`` and ``reference`` untouched) where `weight_grad_rows`
+    declines, or ``grad`` is not a contiguous float32 CPU matrix of ``dy``'s columns by ``x``'s, or ``reference``
+    not as above. ``out`` is untouched unless ``COMPARED``."""
     lib = native.loaded()
     if lib is None or dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or columns.dim() != 1:
-        return False
-    (tokens, outputs), features = dy.shape, x.shape[1]
+        return RowsPass.DECLINED
+    (tokens, outputs), features, k = dy.shape, x.shape[1], columns.shape[0]
     if grad.shape != (outputs, features) or columns.dtype != torch.int64:
-        return False
+        return RowsPass.DECLINED
     if not (dy.dtype == x.dtype == grad.dtype == torch.float32 and _readable(dy, x, grad, columns)):
-        return False
-    k = columns.shape[0]
+        return RowsPass.DECLINED
+    if reference is not None and (
+        reference.shape != (k, features) or reference.dtype != torch.float32 or not _readable(reference)
+    ):
+        return RowsPass.DECLINED
     compare = _functions(lib)["qw_compare_weight_grad_rows"]
     threads = native.threads_for(k * features * tokens)
     status = compare(
@@ -251,6 +282,26 @@ def compare_weight_grad_rows(
         grad.data_ptr(),
         weight,
         out.address,
+        None if reference is None else reference.data_ptr(),
         threads,
     )
-    return bool(status == 0)
+    return _ENDED.get(status, RowsPass.DECLINED)
+
+
+def scratch_matrix(rows: int, columns: int) -> Tensor:
+    """A float32 matrix of ``rows`` by ``columns`` for the calling thread to write into, its values unset: the same
+    memory every call (grown when too small, one view kept per shape), for values used before the thread's next
+    call (a reference the caller compares at once), so that no pass allocates its own."""
+    local = _SCRATCH.__dict__
+    views: dict[tuple[int, int], Tensor] = local.setdefault("views", {})
+    view = views.get((rows, columns))
+    if view is None:
+        memory: Tensor | None = local.get("memory")
+        if memory is None or memory.numel() < rows * columns:
+            memory = local["memory"] = torch.empty(rows * columns)
+            views.clear()
+        view = views[(rows, columns)] = memory[: rows * columns].view(rows, columns)
+    return view
+
+
+_SCRATCH = threading.local()
