@@ -39,7 +39,13 @@ from quantwatch.agent.rows import SEED, RowSampler
 from quantwatch.agent.shadow import ShadowOptions, run_reference
 from quantwatch.agent.wrappers import shards_after_forward
 from quantwatch.kernels import ErrorStats, QuantLinear, StatsBatch
-from quantwatch.kernels.row_stats import compare_linear_rows, compare_weight_grad_rows, weight_grad_rows
+from quantwatch.kernels.row_stats import (
+    RowsPass,
+    compare_linear_rows,
+    compare_weight_grad_rows,
+    scratch_matrix,
+    weight_grad_rows,
+)
 from quantwatch.kernels.stats import host_row
 
 __all__ = [
@@ -288,8 +294,10 @@ class _ShadowedModuleAdapter(LayerAdapter):
             self._handles.append(self.module.register_forward_hook(self._on_forward, prepend=prepend))
 
     def end_step(self) -> None:
-        """Forget half-finished gradient pairs."""
+        """Forget half-finished gradient pairs; the row draws of the step are used no more."""
         self._pending_reference_grads.clear()
+        if self.rows is not None:
+            self.rows.release()
 
     def disarm(self) -> None:
         """Remove the hooks and forget half-finished gradient pairs."""
@@ -463,14 +471,21 @@ class _ShadowedModuleAdapter(LayerAdapter):
 
     def _compare_kept_rows_update(self, kept: _KeptRowsGradient, rows: Tensor | None, grad: Tensor) -> bool:
         """The reference gradient of the kept ``rows`` and its comparison in one native pass, recorded: True when
-        done."""
+        done. Where the pass declines on the values (NaN/±inf) the reference rows it computed are compared another
+        way, not computed again."""
         if rows is None or self.options.reference_dtype != torch.float32 or not grad.is_cpu:
             return False
-        row = host_row(self._batch())
-        if not compare_weight_grad_rows(kept.dy, kept.x, rows, grad, row, weight=grad.shape[0] / rows.numel()):
+        row, weight = host_row(self._batch()), grad.shape[0] / rows.numel()
+        reference = scratch_matrix(rows.shape[0], kept.x.shape[1])
+        ended = compare_weight_grad_rows(kept.dy, kept.x, rows, grad, row, weight=weight, reference=reference)
+        if ended is RowsPass.REFERENCE:
+            stats = row_comparison_stats(reference, grad, rows, batch=self._batch(), weight=weight)
+        elif ended:
+            stats = row.stats
+        else:
             return False
         self.estimated.add(KIND_UPDATE)
-        self.record(KIND_UPDATE, row.stats)
+        self.record(KIND_UPDATE, stats)
         return True
 
 

@@ -20,6 +20,14 @@ from quantwatch.agent.layers import (
     KIND_WEIGHT,
 )
 from quantwatch.kernels import ErrorStats
+from quantwatch.kernels.partial_sums import (
+    NUMPY_FIGURES,
+    cosine_of,
+    overflow_ratio_of,
+    rel_l2_of,
+    sqnr_db_of,
+    underflow_ratio_of,
+)
 
 __all__ = ["ESTIMATED_METRICS", "METRIC_KINDS", "NF", "ROW", "SUMS", "DeviceReader", "derive", "metric_kinds"]
 
@@ -90,47 +98,19 @@ class DeviceReader:
         return values
 
 
-def _where_positive(values: np.ndarray) -> np.ndarray:
-    """``values``, with 1 where they are not > 0 (a denominator that the degenerate cases replace)."""
-    return np.where(values > 0, values, 1.0)
-
-
-def _torch(fn: Any, values: np.ndarray) -> np.ndarray:
-    """``fn`` of ``values`` computed by torch: its ``sqrt`` and ``log10`` round some values other than numpy's."""
-    result: np.ndarray = fn(torch.from_numpy(values)).numpy()
-    return result
-
-
-def _nan_if_any(value: np.ndarray, *sums: np.ndarray) -> np.ndarray:
-    """``value``, or NaN where any of ``sums`` is NaN (as `ErrorStats` derives its figures)."""
-    return np.where(np.isnan(sums).any(axis=0), np.nan, value)
-
-
 def _derived(field: str, s: dict[str, np.ndarray]) -> np.ndarray:
-    """One of `ErrorStats`'s derived figures from its sums, computed in numpy with the same formulas (as exact: the
-    roots and the logarithm are torch's): on a few dozen values each torch call costs more than its work."""
-    x2, err2 = s["sum_x2"], s["sum_err2"]
+    """One of `ErrorStats`'s derived figures from its sums, by its own formulas on NumPy arrays (the same bits)."""
     if field == "rel_l2":
-        ratio = _torch(torch.sqrt, err2 / _where_positive(x2))
-        return _nan_if_any(np.where(x2 > 0, ratio, np.where(err2 > 0, np.inf, 0.0)), x2, err2)
+        return np.asarray(rel_l2_of(s["sum_x2"], s["sum_err2"], NUMPY_FIGURES))
     if field == "cosine":
-        q2, qx = s["sum_q2"], s["sum_qx"]
-        denominator = _torch(torch.sqrt, q2 * x2)
-        value = np.clip(qx / _where_positive(denominator), -1.0, 1.0)
-        degenerate = np.where((q2 == 0) & (x2 == 0), 1.0, 0.0)
-        return _nan_if_any(np.where(denominator > 0, value, degenerate), qx, q2, x2)
+        return np.asarray(cosine_of(s["sum_qx"], s["sum_q2"], s["sum_x2"], NUMPY_FIGURES))
     if field == "sqnr_db":
-        value = 10.0 * _torch(torch.log10, _where_positive(x2) / _where_positive(err2))
-        value = np.where(x2 > 0, value, -np.inf)
-        return _nan_if_any(np.where(err2 > 0, value, np.inf), x2, err2)
-    counted: np.ndarray
+        return np.asarray(sqnr_db_of(s["sum_x2"], s["sum_err2"], NUMPY_FIGURES))
     if field == "underflow_ratio":
-        counted = s["underflow_count"] / _where_positive(s["nonzero_count"])
-    elif field == "overflow_ratio":
-        counted = s["overflow_count"] / _where_positive(s["numel"] - s["nonfinite_count"])
-    else:
-        counted = s[field]
-    return counted
+        return np.asarray(underflow_ratio_of(s["underflow_count"], s["nonzero_count"], NUMPY_FIGURES))
+    if field == "overflow_ratio":
+        return np.asarray(overflow_ratio_of(s["overflow_count"], s["numel"], s["nonfinite_count"], NUMPY_FIGURES))
+    return s[field]
 
 
 def derive(block: np.ndarray, present: list[list[bool]], metric_names: list[str]) -> dict[str, list[float | None]]:

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from quantwatch.agent.errors import ConfigError
-from quantwatch.kernels.row_stats import stratified_rows
+from quantwatch.kernels.row_stats import RowsBuffer, stratified_rows
 
 __all__ = ["SEED", "RowSampler", "RowSampling", "parse_shadow_rows"]
 
@@ -52,6 +52,9 @@ __all__ = ["SEED", "RowSampler", "RowSampling", "parse_shadow_rows"]
 SEED = 0x5EED_0F_2025
 # Host uniforms drawn at once (a sampled step of a 16-layer model takes ~500 for its two draws per layer at 1/8).
 _UNIFORM_BLOCK = 4096
+# Buffers a sampler keeps per pair of draw sizes (a layer called more often in a step draws into tensors of their own
+# beyond them).
+_BUFFERS_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,10 @@ class RowSampler:
         # draw_layer's counts by its arguments: the tokens and the gradient's rows it draws (0: none, or all), and the
         # gradient's rows kept as `draw` takes them
         self._layer_counts: dict[tuple[int, bool, int | None], tuple[int, int, int]] = {}
+        # draw_layer's host rows, written into buffers kept per pair of draw sizes: the first `_taken` of each list
+        # hold rows handed out since the last `release`
+        self._buffers: dict[tuple[int, int], list[RowsBuffer]] = {}
+        self._taken: dict[tuple[int, int], int] = {}
 
     def draw(self, n: int, device: torch.device, kept: int | None = None) -> Tensor | None:
         """Sorted indices of the kept rows of ``n`` (``kept`` of them if given), on ``device``; None = all rows."""
@@ -129,8 +136,9 @@ class RowSampler:
         """An ``nn.Linear`` call's draws, one after the other: its kept tokens of ``n`` on ``device`` when ``output``
         (``draw(n, device)``), then its weight gradient's kept rows of ``out_features`` on ``grad_device`` when given,
         the same share of them as of the tokens (``draw(out_features, grad_device, kept=...)``); None for a draw
-        not made or of all rows.  On the host the same rows in one native call: a sampled step draws for every
-        layer, and each torch or NumPy call costs several microseconds there."""
+        not made or of all rows.  On the host the same rows in one native call, into index tensors kept from step
+        to step: they hold these rows until `release` (a sampled step draws for every layer, and each torch or NumPy
+        call costs several microseconds there)."""
         counts = self._layer_counts.get((n, output, out_features))
         if counts is None:
             k, grad_kept, rows_of = self.sampling.kept(n), 0, out_features or 0
@@ -140,12 +148,35 @@ class RowSampler:
             self._layer_counts[(n, output, out_features)] = counts
         k, k2, grad_kept = counts
         if device.type == grad_device.type == "cpu":
-            return self._host_draws(n, k, out_features or 0, k2)
+            return self._host_draws(n, k, out_features or 0, k2, self._buffer(k, k2))
         rows = self.draw(n, device) if output else None
         return rows, (self.draw(out_features, grad_device, kept=grad_kept) if out_features is not None else None)
 
-    def _host_draws(self, n: int, k: int, n2: int, k2: int) -> tuple[Tensor | None, Tensor | None]:
-        """``k`` rows of ``n``, then ``k2`` of ``n2``, from the host generator's next ``k + k2`` uniforms."""
+    def release(self) -> None:
+        """The rows `draw_layer` handed out are used no more (their step was taken): their buffers take the next
+        step's draws."""
+        self._taken.clear()
+
+    def _buffer(self, k: int, k2: int) -> RowsBuffer | None:
+        """A buffer for draws of ``k`` and ``k2`` host rows that no rows handed out since `release` are in; None for
+        draws of none, or past the buffers kept."""
+        if not k + k2:
+            return None
+        key = (k, k2)
+        taken = self._taken.get(key, 0)
+        buffers = self._buffers.setdefault(key, [])
+        if taken == len(buffers):
+            if taken == _BUFFERS_KEPT:
+                return None
+            buffers.append(RowsBuffer.empty(k, k2))
+        self._taken[key] = taken + 1
+        return buffers[taken]
+
+    def _host_draws(
+        self, n: int, k: int, n2: int, k2: int, out: RowsBuffer | None = None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """``k`` rows of ``n``, then ``k2`` of ``n2``, from the host generator's next ``k + k2`` uniforms (written into
+        ``out`` when given)."""
         if not k + k2:
             return None, None
         start = self._next
@@ -154,7 +185,7 @@ class RowSampler:
             self._address = self._uniforms.ctypes.data
             start = 0
         self._next = start + k + k2
-        return stratified_rows(self._uniforms, start, self._address, (n, k, n2, k2))
+        return stratified_rows(self._uniforms, start, self._address, (n, k, n2, k2), out)
 
     def fraction_of(self, n: int) -> float:
         """The kept share of ``n`` rows (for the gradient's rows: the same share as the tokens')."""

@@ -1173,14 +1173,18 @@ int qw_compare_linear_rows(const float* x, const float* w, const float* bias, co
 // The update comparison of an nn.Linear on its weight gradient's kept rows in one call: the reference rows of
 // qw_weight_grad_rows (dy[:, cols]ᵀ x) against the same rows cols[] of the quantized path's weight gradient `grad`
 // (`out_features` rows of `in_features` floats), as qw_compare_rows compares them, into `fields`: the figures of the
-// two calls made one after the other, bit for bit. Their statuses otherwise (`fields` untouched).
+// two calls made one after the other, bit for bit. Their statuses otherwise (`fields` untouched). The reference rows
+// are written into `ref` (k rows of `in_features` floats; null: memory of the call's own): after OK, and after the
+// comparison declined on the values (NONFINITE, OUT_OF_RANGE), when the caller compares them another way; a
+// BAD_ARGUMENT computes nothing.
 int qw_compare_weight_grad_rows(const float* dy, const float* x, const int64_t* cols, int64_t tokens,
                                 int64_t out_features, int64_t in_features, int64_t k, const float* grad, double weight,
-                                double* fields, int threads) {
+                                double* fields, float* ref, int threads) {
   if (k < 1) return BAD_ARGUMENT;
-  std::vector<float> ref((size_t)(k * in_features));
-  int status = qw_weight_grad_rows(dy, x, cols, tokens, out_features, in_features, k, ref.data(), threads);
+  std::vector<float> own(ref == nullptr ? (size_t)(k * in_features) : 0);
+  float* rows = ref != nullptr ? ref : own.data();
+  int status = qw_weight_grad_rows(dy, x, cols, tokens, out_features, in_features, k, rows, threads);
   if (status != OK) return status;
-  return qw_compare_rows(ref.data(), grad, cols, k, in_features, out_features, weight, 1, fields, threads);
+  return qw_compare_rows(rows, grad, cols, k, in_features, out_features, weight, 1, fields, threads);
 }
 }  // extern "C"

@@ -25,10 +25,11 @@ their results here, so none of them imports another to do so.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -116,27 +117,20 @@ class ErrorStats:
     @property
     def rel_l2(self) -> Tensor:
         """‖q − x‖₂ / ‖x‖₂ (0 when both are zero, +inf when only x is)."""
-        ratio = torch.sqrt(self.sum_err2 / torch.where(self.sum_x2 > 0, self.sum_x2, 1.0))
-        degenerate = torch.where(self.sum_err2 > 0, torch.inf, 0.0).to(torch.float64)
-        return _nan_if_any(torch.where(self.sum_x2 > 0, ratio, degenerate), self.sum_x2, self.sum_err2)
+        result: Tensor = rel_l2_of(self.sum_x2, self.sum_err2, TORCH_FIGURES)
+        return result
 
     @property
     def cosine(self) -> Tensor:
         """⟨q, x⟩ / (‖q‖₂‖x‖₂), clamped to [−1, 1] (1 when both norms are zero, 0 when exactly one is)."""
-        denominator = torch.sqrt(self.sum_q2 * self.sum_x2)
-        value = (self.sum_qx / torch.where(denominator > 0, denominator, 1.0)).clamp(-1.0, 1.0)
-        both_zero = (self.sum_q2 == 0) & (self.sum_x2 == 0)
-        degenerate = torch.where(both_zero, 1.0, 0.0).to(torch.float64)
-        return _nan_if_any(torch.where(denominator > 0, value, degenerate), self.sum_qx, self.sum_q2, self.sum_x2)
+        result: Tensor = cosine_of(self.sum_qx, self.sum_q2, self.sum_x2, TORCH_FIGURES)
+        return result
 
     @property
     def sqnr_db(self) -> Tensor:
         """20·log10(‖x‖₂ / ‖x − q‖₂) in dB (+inf when q equals x, −inf when x is zero and q is not)."""
-        value = 10.0 * torch.log10(
-            torch.where(self.sum_x2 > 0, self.sum_x2, 1.0) / torch.where(self.sum_err2 > 0, self.sum_err2, 1.0)
-        )
-        value = torch.where(self.sum_x2 > 0, value, -torch.inf)
-        return _nan_if_any(torch.where(self.sum_err2 > 0, value, torch.inf), self.sum_x2, self.sum_err2)
+        result: Tensor = sqnr_db_of(self.sum_x2, self.sum_err2, TORCH_FIGURES)
+        return result
 
     @property
     def max_abs(self) -> Tensor:
@@ -146,13 +140,14 @@ class ErrorStats:
     @property
     def underflow_ratio(self) -> Tensor:
         """Share of non-zero finite inputs that quantized to zero."""
-        return self.underflow_count / torch.where(self.nonzero_count > 0, self.nonzero_count, 1.0)
+        result: Tensor = underflow_ratio_of(self.underflow_count, self.nonzero_count, TORCH_FIGURES)
+        return result
 
     @property
     def overflow_ratio(self) -> Tensor:
         """Share of finite inputs clipped at (or overflowing past) the format's maximum."""
-        finite = self.numel - self.nonfinite_count
-        return self.overflow_count / torch.where(finite > 0, finite, 1.0)
+        result: Tensor = overflow_ratio_of(self.overflow_count, self.numel, self.nonfinite_count, TORCH_FIGURES)
+        return result
 
     def to_dict(self) -> dict[str, float]:
         """Every partial sum and derived figure as Python floats (this waits for the device)."""
@@ -168,12 +163,86 @@ class ErrorStats:
         return dict(zip(names, values, strict=True))
 
 
-def _nan_if_any(value: Tensor, *sums: Tensor) -> Tensor:
+# The derived figures, written once for torch tensors (`ErrorStats`: on the statistics' device, never waiting for it)
+# and NumPy arrays (the agent's exporter thread derives a step's figures of every layer at once, where each torch call
+# on a few dozen values costs more than its work). ``Figures`` are either, as the operations given say.
+Figures = Any
+
+
+@dataclass(frozen=True)
+class FigureOps:
+    """The array operations the derived figures take: ``where(condition, a, b)`` (``a`` and ``b`` arrays or Python
+    floats; of two floats a float64 result), ``sqrt``, ``log10``, ``isnan`` and ``clip(values, low, high)``."""
+
+    where: Callable[[Figures, Figures, Figures], Figures]
+    sqrt: Callable[[Figures], Figures]
+    log10: Callable[[Figures], Figures]
+    isnan: Callable[[Figures], Figures]
+    clip: Callable[[Figures, float, float], Figures]
+
+
+def _torch_where(condition: Tensor, a: Tensor | float, b: Tensor | float) -> Tensor:
+    chosen = torch.where(condition, a, b)
+    # Two Python floats give the default dtype: float64 as NumPy's (inf and 0, 1 convert exactly).
+    return chosen if isinstance(a, Tensor) or isinstance(b, Tensor) else chosen.to(torch.float64)
+
+
+def _by_torch(fn: Callable[[Tensor], Tensor]) -> Callable[[np.ndarray], np.ndarray]:
+    """``fn`` applied to a NumPy array by torch: NumPy's ``sqrt`` and ``log10`` round some values other than
+    torch's, and the figures are the same bits either way."""
+
+    def apply(values: np.ndarray) -> np.ndarray:
+        result: np.ndarray = fn(torch.from_numpy(np.asarray(values))).numpy()
+        return result
+
+    return apply
+
+
+TORCH_FIGURES = FigureOps(_torch_where, torch.sqrt, torch.log10, torch.isnan, torch.clamp)
+NUMPY_FIGURES = FigureOps(np.where, _by_torch(torch.sqrt), _by_torch(torch.log10), np.isnan, np.clip)
+
+
+def rel_l2_of(sum_x2: Figures, sum_err2: Figures, ops: FigureOps) -> Figures:
+    """``sqrt(Σ(q−x)² / Σx²)``: 0 when both sums are zero, +inf when only ``Σx²`` is, NaN when either is NaN."""
+    ratio = ops.sqrt(sum_err2 / ops.where(sum_x2 > 0, sum_x2, 1.0))
+    degenerate = ops.where(sum_err2 > 0, torch.inf, 0.0)
+    return _nan_if_any(ops.where(sum_x2 > 0, ratio, degenerate), ops, sum_x2, sum_err2)
+
+
+def cosine_of(sum_qx: Figures, sum_q2: Figures, sum_x2: Figures, ops: FigureOps) -> Figures:
+    """``Σqx / sqrt(Σq² · Σx²)`` clamped to [−1, 1]: 1 when both norms are zero, 0 when exactly one is, NaN when
+    any sum is NaN."""
+    denominator = ops.sqrt(sum_q2 * sum_x2)
+    value = ops.clip(sum_qx / ops.where(denominator > 0, denominator, 1.0), -1.0, 1.0)
+    degenerate = ops.where((sum_q2 == 0) & (sum_x2 == 0), 1.0, 0.0)
+    return _nan_if_any(ops.where(denominator > 0, value, degenerate), ops, sum_qx, sum_q2, sum_x2)
+
+
+def sqnr_db_of(sum_x2: Figures, sum_err2: Figures, ops: FigureOps) -> Figures:
+    """``10·log10(Σx² / Σ(q−x)²)``: +inf when ``Σ(q−x)²`` is zero, −inf when only ``Σx²`` is, NaN when either is
+    NaN."""
+    value = 10.0 * ops.log10(ops.where(sum_x2 > 0, sum_x2, 1.0) / ops.where(sum_err2 > 0, sum_err2, 1.0))
+    value = ops.where(sum_x2 > 0, value, -torch.inf)
+    return _nan_if_any(ops.where(sum_err2 > 0, value, torch.inf), ops, sum_x2, sum_err2)
+
+
+def underflow_ratio_of(underflow_count: Figures, nonzero_count: Figures, ops: FigureOps) -> Figures:
+    """``underflow_count / nonzero_count`` (0 when there is no non-zero input)."""
+    return underflow_count / ops.where(nonzero_count > 0, nonzero_count, 1.0)
+
+
+def overflow_ratio_of(overflow_count: Figures, numel: Figures, nonfinite_count: Figures, ops: FigureOps) -> Figures:
+    """``overflow_count`` over the finite inputs (0 when there is none)."""
+    finite = numel - nonfinite_count
+    return overflow_count / ops.where(finite > 0, finite, 1.0)
+
+
+def _nan_if_any(value: Figures, ops: FigureOps, *sums: Figures) -> Figures:
     """``value``, or NaN where any of ``sums`` is NaN (the degenerate cases would otherwise read a NaN as zero)."""
-    nan = torch.isnan(sums[0])
+    nan = ops.isnan(sums[0])
     for extra in sums[1:]:
-        nan = nan | torch.isnan(extra)
-    return torch.where(nan, torch.nan, value)
+        nan = nan | ops.isnan(extra)
+    return ops.where(nan, torch.nan, value)
 
 
 # Fast statistics sum float32 products over short runs and those runs' sums in float64: each run within its length ·

@@ -16,8 +16,10 @@ declined (None) and the caller gathers.  The pass writes the fields itself, weig
 from __future__ import annotations
 
 import ctypes
+import enum
+import threading
 from array import array
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -27,10 +29,13 @@ from . import native
 from .stats import HostRow
 
 __all__ = [
+    "RowsBuffer",
+    "RowsPass",
     "compare_linear_rows",
     "compare_weight_grad_rows",
     "comparison_into",
     "row_comparison_fields",
+    "scratch_matrix",
     "stratified_rows",
     "weight_grad_rows",
 ]
@@ -42,7 +47,7 @@ _ARGUMENTS = {
     "qw_stratified_rows": [_PTR, _I64, _I64, _I64, _I64, _PTR],
     "qw_weight_grad_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT],
     "qw_compare_linear_rows": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_double, _PTR, _INT],
-    "qw_compare_weight_grad_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_double, _PTR, _INT],
+    "qw_compare_weight_grad_rows": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_double, _PTR, _PTR, _INT],
 }
 _FIELD_COUNT = 11
 _bound: tuple[ctypes.CDLL, dict[str, Any]] | None = None
@@ -105,19 +110,40 @@ def comparison_into(x: Tensor, q: Tensor, out: HostRow, *, error: bool = True, w
     return bool(compare(x.data_ptr(), q.data_ptr(), n, weight, error, out.address, native.threads_for(n)) == 0)
 
 
+class RowsBuffer(NamedTuple):
+    """Where `stratified_rows` can write the rows of two draws of ``k`` and ``k2`` rows: one int64 tensor of ``k +
+    k2`` (its first element at ``address``) and its two views, made once (a tensor and two views cost more than the
+    draw), None for a draw of none."""
+
+    first: Tensor | None
+    second: Tensor | None
+    address: int
+
+    @classmethod
+    def empty(cls, k: int, k2: int) -> RowsBuffer:
+        """A buffer for draws of ``k`` and ``k2`` rows (its values unset)."""
+        rows = torch.empty(k + k2, dtype=torch.int64)
+        return cls(rows[:k] if k else None, rows[k:] if k2 else None, rows.data_ptr())
+
+
 def stratified_rows(
-    uniforms: np.ndarray, start: int, address: int, draws: tuple[int, int, int, int]
+    uniforms: np.ndarray,
+    start: int,
+    address: int,
+    draws: tuple[int, int, int, int],
+    out: RowsBuffer | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The rows two stratified draws keep, ``draws = (n, k, n2, k2)``: ``k`` of ``n`` (one of each of ``k`` strata,
     quantwatch.agent.rows) from the float64 uniforms ``uniforms[start:start + k]``, then ``k2`` of ``n2`` from the
     next ``k2`` (``address``: that of ``uniforms``' first element), as CPU int64 tensors (None for a draw of none):
-    one native call where the library is loaded, NumPy's operations otherwise (the same rows)."""
+    one native call where the library is loaded, written into ``out`` (a buffer for ``k`` and ``k2`` rows, whose
+    views are returned) when given; NumPy's operations otherwise (the same rows, in tensors of their own)."""
     n, k, n2, k2 = draws
     lib = native.loaded()
     if lib is not None:
-        rows = torch.empty(k + k2, dtype=torch.int64)
-        if _functions(lib)["qw_stratified_rows"](address + 8 * start, n, k, n2, k2, rows.data_ptr()) == 0:
-            return (rows[:k] if k else None), (rows[k:] if k2 else None)
+        buffer = RowsBuffer.empty(k, k2) if out is None else out
+        if _functions(lib)["qw_stratified_rows"](address + 8 * start, n, k, n2, k2, buffer.address) == 0:
+            return buffer.first, buffer.second
     return _numpy_rows(uniforms[start : start + k], n, k), _numpy_rows(uniforms[start + k : start + k + k2], n2, k2)
 
 
@@ -199,23 +225,50 @@ def compare_linear_rows(
     return bool(status == 0)
 
 
+class RowsPass(enum.Enum):
+    """How `compare_weight_grad_rows` ended; true for ``COMPARED`` only."""
+
+    COMPARED = "compared"  # the comparison written into the row (and the reference rows into ``reference``)
+    REFERENCE = "reference"  # declined on the values (NaN/±inf, sums beyond its float32 runs): the reference computed
+    DECLINED = "declined"  # nothing computed
+
+    def __bool__(self) -> bool:
+        return self is RowsPass.COMPARED
+
+
+_ENDED = {0: RowsPass.COMPARED, 1: RowsPass.REFERENCE, 2: RowsPass.REFERENCE}  # OK, NONFINITE, OUT_OF_RANGE
+
+
 def compare_weight_grad_rows(
-    dy: Tensor, x: Tensor, columns: Tensor, grad: Tensor, out: HostRow, *, weight: float = 1.0
-) -> bool:
+    dy: Tensor,
+    x: Tensor,
+    columns: Tensor,
+    grad: Tensor,
+    out: HostRow,
+    *,
+    weight: float = 1.0,
+    reference: Tensor | None = None,
+) -> RowsPass:
     """An ``nn.Linear`` update comparison on its weight gradient's kept rows ``columns`` in one native pass: the
     reference of `weight_grad_rows` against ``grad[columns]`` as `row_comparison_fields` compares them, weighted
-    and written into ``out`` (the figures of the two calls, bit for bit): True when written.  False (``out``
-    untouched) where either declines, or ``grad`` is not a contiguous float32 CPU matrix of ``dy``'s columns by
-    ``x``'s."""
+    and written into ``out`` (the figures of the two calls, bit for bit): ``COMPARED`` when written. With
+    ``reference`` (a contiguous float32 CPU matrix of ``columns``' count by ``x``'s features) the pass writes the
+    reference rows there, also when the comparison declines on the values (``REFERENCE``: compare them another way,
+    without computing them again). ``DECLINED`` (``out`` and ``reference`` untouched) where `weight_grad_rows`
+    declines, or ``grad`` is not a contiguous float32 CPU matrix of ``dy``'s columns by ``x``'s, or ``reference``
+    not as above. ``out`` is untouched unless ``COMPARED``."""
     lib = native.loaded()
     if lib is None or dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or columns.dim() != 1:
-        return False
-    (tokens, outputs), features = dy.shape, x.shape[1]
+        return RowsPass.DECLINED
+    (tokens, outputs), features, k = dy.shape, x.shape[1], columns.shape[0]
     if grad.shape != (outputs, features) or columns.dtype != torch.int64:
-        return False
+        return RowsPass.DECLINED
     if not (dy.dtype == x.dtype == grad.dtype == torch.float32 and _readable(dy, x, grad, columns)):
-        return False
-    k = columns.shape[0]
+        return RowsPass.DECLINED
+    if reference is not None and (
+        reference.shape != (k, features) or reference.dtype != torch.float32 or not _readable(reference)
+    ):
+        return RowsPass.DECLINED
     compare = _functions(lib)["qw_compare_weight_grad_rows"]
     threads = native.threads_for(k * features * tokens)
     status = compare(
@@ -229,6 +282,26 @@ def compare_weight_grad_rows(
         grad.data_ptr(),
         weight,
         out.address,
+        None if reference is None else reference.data_ptr(),
         threads,
     )
-    return bool(status == 0)
+    return _ENDED.get(status, RowsPass.DECLINED)
+
+
+def scratch_matrix(rows: int, columns: int) -> Tensor:
+    """A float32 matrix of ``rows`` by ``columns`` for the calling thread to write into, its values unset: the same
+    memory every call (grown when too small, one view kept per shape), for values used before the thread's next
+    call (a reference the caller compares at once), so that no pass allocates its own."""
+    local = _SCRATCH.__dict__
+    views: dict[tuple[int, int], Tensor] = local.setdefault("views", {})
+    view = views.get((rows, columns))
+    if view is None:
+        memory: Tensor | None = local.get("memory")
+        if memory is None or memory.numel() < rows * columns:
+            memory = local["memory"] = torch.empty(rows * columns)
+            views.clear()
+        view = views[(rows, columns)] = memory[: rows * columns].view(rows, columns)
+    return view
+
+
+_SCRATCH = threading.local()

@@ -60,3 +60,22 @@ def test_draws_keep_the_rows_of_numpys_per_draw_stream(
         got = sampler.draw_layer(n, output, out_features, CPU, CPU)
         assert tuple(_listed(r) for r in got) == expected.draw_layer(n, output, out_features), step
         assert _listed(sampler.draw(n + step % 7, CPU)) == expected.draw(n + step % 7), step
+
+
+def test_rows_handed_out_hold_until_released_and_their_buffers_then_take_the_next_steps_draws() -> None:
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    native.prepare()
+    sampler, expected = RowSampler(RowSampling(fraction=1 / 8), seed=5), _PerDrawRows(RowSampling(fraction=1 / 8), 5)
+    # One layer called three times in a step: each call's rows stay what they were drawn as until the step is taken.
+    step = [sampler.draw_layer(128, True, 768, CPU, CPU) for _ in range(3)]
+    drawn = [expected.draw_layer(128, True, 768) for _ in range(3)]
+    assert [tuple(_listed(r) for r in pair) for pair in step] == drawn
+    sampler.release()
+    again = sampler.draw_layer(128, True, 768, CPU, CPU)
+    assert tuple(_listed(r) for r in again) == expected.draw_layer(128, True, 768)
+    pointers = [None if r is None else r.data_ptr() for r in (*step[0], *again)]
+    # The next step's first draw is written where the last step's first was: no tensor made per draw.
+    assert None not in pointers
+    assert pointers[:2] == pointers[2:]
+    assert tuple(_listed(r) for r in step[1]) == drawn[1]

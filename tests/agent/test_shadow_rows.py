@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -271,3 +272,47 @@ def test_a_failing_kept_rows_comparison_is_counted_never_raised_into_training(
         assert not set(missing) & record.metrics.keys()
         assert record.metrics["weight_rel_l2"][0] is not None
         assert ("output_rel_l2" in record.metrics) is (broken != "compare_linear_rows")
+
+
+def test_a_kept_rows_update_declined_on_its_values_compares_the_reference_rows_the_pass_computed(
+    monkeypatch: Any,
+) -> None:
+    """A weight gradient holding infinities in its kept rows: the one-pass comparison declines, and the reference
+    rows it computed are compared another way, never computed a second time; the figures those of the reference
+    computed again (a signal: not finite)."""
+    import quantwatch.agent.layers as layers
+
+    computed = {"again": 0}
+    weight_grad_rows = layers.weight_grad_rows
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        computed["again"] += 1
+        return weight_grad_rows(*args, **kwargs)
+
+    def run() -> list[qw.StepRecord]:
+        torch.manual_seed(0)
+        model = nn.Sequential(qw_linear())
+        # Registered before the agent's own hook on the weight, so the agent sees the gradient it returns.
+        model[0].weight.register_hook(lambda grad: grad.index_fill(0, torch.arange(32), torch.inf))
+        sink = qw.InMemoryExporter()
+        monitor = qw.attach(model, run="rows", exporter=sink, every=1, shadow_rows=1 / 2)
+        for _ in range(2):
+            model(torch.randn(8, 16)).square().sum().backward()
+            monitor.step()
+        assert monitor.close(10)
+        assert monitor.stats()["failures"] == {}
+        return [record for _, record in sink.records()]
+
+    monkeypatch.setattr(layers, "weight_grad_rows", counted)
+    reused = run()
+    assert computed["again"] == 0
+    monkeypatch.setattr(layers, "compare_weight_grad_rows", lambda *args, **kwargs: False)
+    again = run()
+    assert computed["again"] == 2  # each step's update, its reference computed a second time
+    assert len(reused) == len(again) == 2
+    for a, b in zip(reused, again, strict=True):
+        assert not math.isfinite(a.metrics["update_rel_l2"][0])
+        assert "update_cosine" in a.estimated
+        assert a.estimated == b.estimated
+        for metric in ("update_rel_l2", "update_cosine"):
+            np.testing.assert_array_equal(np.array(a.metrics[metric], float), np.array(b.metrics[metric], float))

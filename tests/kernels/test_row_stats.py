@@ -4,6 +4,7 @@ against the gathered copy (``comparison_fields(x, q.index_select(0, rows))``); d
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -12,10 +13,12 @@ from torch import Tensor
 
 from quantwatch.kernels import StatsBatch, native
 from quantwatch.kernels.row_stats import (
+    RowsPass,
     compare_linear_rows,
     compare_weight_grad_rows,
     comparison_into,
     row_comparison_fields,
+    scratch_matrix,
     stratified_rows,
     weight_grad_rows,
 )
@@ -335,3 +338,50 @@ def test_a_kept_rows_update_compares_as_its_reference_gradient_computed_then_com
         untouched = host_row()
         assert not compare_weight_grad_rows(*args, untouched), reason
         assert all(math.isnan(v) for v in untouched.values.tolist()), reason
+
+
+def test_a_kept_rows_update_writes_its_reference_rows_where_asked_also_when_it_declines_on_the_values() -> None:
+    g = torch.Generator().manual_seed(3)
+    tokens, out_features, in_features = 16, 40, 32
+    columns = torch.tensor([1, 7, 22, 39])
+    dy, x = torch.randn(tokens, out_features, generator=g), torch.randn(tokens, in_features, generator=g)
+    grad = dy.T.mm(x) + 0.01 * torch.randn(out_features, in_features, generator=g)
+    expected = weight_grad_rows(dy, x, columns)
+    assert expected is not None
+    reference, out = torch.full((4, in_features), math.nan), host_row()
+    assert compare_weight_grad_rows(dy, x, columns, grad, out, reference=reference) is RowsPass.COMPARED
+    assert torch.equal(reference, expected)
+    infinite = grad.clone()
+    infinite[22, 5] = math.inf  # a kept row: the comparison declines on it, the reference is computed all the same
+    reference, untouched = torch.full((4, in_features), math.nan), host_row()
+    ended = compare_weight_grad_rows(dy, x, columns, infinite, untouched, reference=reference)
+    assert ended is RowsPass.REFERENCE
+    assert not ended
+    assert torch.equal(reference, expected)
+    assert all(math.isnan(v) for v in untouched.values.tolist())
+    for reason, buffer in {
+        "a buffer of other rows": torch.full((3, in_features), math.nan),
+        "float64": torch.full((4, in_features), math.nan, dtype=torch.float64),
+        "not contiguous": torch.full((in_features, 4), math.nan).T,
+    }.items():
+        assert compare_weight_grad_rows(dy, x, columns, grad, host_row(), reference=buffer) is RowsPass.DECLINED, reason
+        assert bool(buffer.isnan().all()), reason
+    declined = torch.full((4, in_features), math.nan)
+    out_of_range = torch.tensor([1, 7, 22, 40])
+    assert compare_weight_grad_rows(dy, x, out_of_range, grad, host_row(), reference=declined) is RowsPass.DECLINED
+    assert bool(declined.isnan().all())
+
+
+def test_the_scratch_matrix_is_one_memory_per_thread_grown_when_too_small() -> None:
+    small = scratch_matrix(4, 8)
+    assert small.shape == (4, 8)
+    assert small.dtype == torch.float32
+    assert scratch_matrix(2, 16).data_ptr() == small.data_ptr()  # another shape, the same memory
+    large = scratch_matrix(64, 64)
+    assert large.shape == (64, 64)
+    assert scratch_matrix(4, 8).data_ptr() == large.data_ptr()
+    other: list[int] = []
+    thread = threading.Thread(target=lambda: other.append(scratch_matrix(4, 8).data_ptr()))
+    thread.start()
+    thread.join()
+    assert other[0] != large.data_ptr()
