@@ -287,7 +287,11 @@ def test_a_linear_calls_kept_rows_compare_as_their_reference_computed_then_compa
     out = host_row()
     assert compare_linear_rows(xn, wn, b, rows, yn, out)
     expected_fields = comparison_fields(ref.index_select(0, rows), yn.index_select(0, rows).double())
-    np.testing.assert_allclose(out.values.tolist()[:5], expected_fields[:5], rtol=1e-5)
+    np.testing.assert_allclose(out.values.tolist()[:4], expected_fields[:4], rtol=1e-5)
+    # Σ(q−x)² sees the float32 reference's rounding (δ ≈ 2⁻²⁴·√in of each value) against differences of 1% of the
+    # values: its relative error is about 2·2⁻²⁴·√in / (0.01·√(kept·out)), 6e-6 for 1,024 inputs, and its sign and size
+    # follow the build's summation order (1.3e-5 measured with AVX2's 8 lanes, under 1e-5 with AVX-512's 16).
+    np.testing.assert_allclose(out.values.tolist()[4], expected_fields[4], rtol=5e-5)
 
 
 def test_a_linear_calls_kept_rows_the_pass_cannot_compare_are_declined_and_the_row_untouched() -> None:
