@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -96,6 +96,7 @@ class Slot:
     values: npt.NDArray[np.float64]  # float32 figures widened; exported by their shortest float32 spelling
     omitted: int = 0
     text: bytes | None = None  # rendered sample lines; None until a scrape renders them after a change
+    neg_badness: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))  # see _neg_badness
 
 
 @dataclass
@@ -116,6 +117,7 @@ class CachedRun:
     labels: dict[int, npt.NDArray[np.object_]] = field(default_factory=dict)  # rank -> label bytes by layer id
     last_layers: tuple[str, ...] = ()
     last_ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    last_ids_cover_all: bool = False  # whether last_ids holds every layer the run has sent
 
     def ids_of(self, layers: Sequence[str]) -> npt.NDArray[np.int64]:
         """Ids of ``layers``, registering new ones; a batch with the same layer list as the last costs a compare."""
@@ -127,6 +129,8 @@ class CachedRun:
                     self.layer_names.append(name)
             self.last_layers = key
             self.last_ids = np.fromiter((self.layer_ids[n] for n in key), dtype=np.int64, count=len(key))
+            # Registration only happens here, so while the list stays the same this stays true or false.
+            self.last_ids_cover_all = len(set(key)) == len(self.layer_names)
         return self.last_ids
 
     def label_texts(self, rank: int) -> npt.NDArray[np.object_]:
@@ -221,9 +225,7 @@ class LatestValueCache:
             for s in ordered:
                 for scalar, value in s.scalars.items():
                     state.scalars[(scalar, rank)] = float(value)
-            ids = state.ids_of(layers)
-            for metric, (values, measured) in latest.items():
-                self._omitted_values_total += self._merge(state, metric, rank, ids[measured], values[measured])
+            self._omitted_values_total += self._merge_all(state, rank, state.ids_of(layers), latest)
             self._changed_runs.add(run)
 
     def restore(self, stored: StoredRank) -> bool:
@@ -243,45 +245,91 @@ class LatestValueCache:
             state.last_step[stored.rank] = stored.last_step
             for scalar, value in stored.scalars.items():
                 state.scalars[(scalar, stored.rank)] = value
-            ids = state.ids_of(stored.layers)
-            for metric, (values, measured) in stored.latest.items():
-                self._merge(state, metric, stored.rank, ids[measured], values[measured])
+            latest = {
+                metric: (values, None if measured.all() else measured)
+                for metric, (values, measured) in stored.latest.items()
+            }
+            self._merge_all(state, stored.rank, state.ids_of(stored.layers), latest)
             self._changed_runs.add(stored.run)
             return True
 
-    def _merge(
+    def _merge_all(
         self,
         state: CachedRun,
-        metric: str,
         rank: int,
         ids: npt.NDArray[np.int64],
-        values: npt.NDArray[np.float64],
+        latest: Mapping[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_] | None]],
     ) -> int:
-        """Merge one rank's new values into the (run, metric) slot; returns how many of them the cap left out."""
-        if ids.size == 0:
+        """Merge one rank's latest values of every metric into their slots; returns how many the cap left out.
+
+        The per-batch work is done once for all metrics (the badness of every value in one pass, which layers the
+        rank re-sent), so that what is left per metric is the few numpy calls of the top-K itself.
+        """
+        if not latest or ids.size == 0:
+            return 0
+        metrics = list(latest)
+        neg = np.array([latest[m][0] for m in metrics], dtype=np.float64)
+        neg *= np.array([1.0 if lower_is_worse(m) else -1.0 for m in metrics])[:, None]
+        neg[np.isnan(neg)] = -np.inf
+        resent: npt.NDArray[np.bool_] | None = None  # by layer id: the batch holds it (made once, when needed)
+        rank_ids = np.full(ids.size, rank, dtype=np.int64)
+        dropped = 0
+        for row, metric in enumerate(metrics):
+            values, measured = latest[metric]
+            if measured is not None:
+                new = _Entries(rank_ids[measured], ids[measured], values[measured], neg[row][measured])
+                remeasured = np.zeros(len(state.layer_names), dtype=np.bool_)
+                remeasured[new.layer_ids] = True
+                dropped += self._merge(state, metric, rank, new, remeasured)
+                continue
+            if resent is None and not state.last_ids_cover_all:
+                resent = np.zeros(len(state.layer_names), dtype=np.bool_)
+                resent[ids] = True
+            # resent None: the batch holds every layer the run knows, so all of this rank's entries are replaced
+            dropped += self._merge(state, metric, rank, _Entries(rank_ids, ids, values, neg[row]), resent)
+        return dropped
+
+    def _merge(
+        self, state: CachedRun, metric: str, rank: int, new: _Entries, remeasured: npt.NDArray[np.bool_] | None
+    ) -> int:
+        """Merge one rank's new values into the (run, metric) slot; returns how many of them the cap left out.
+
+        ``remeasured`` is True by layer id where the rank re-sent the layer (None: every layer); the rank's old
+        entries of those layers are replaced, everything else stays a candidate. Which candidates survive is
+        exactly what one argpartition over [old kept entries, new entries] picks, so ties go the same way.
+        """
+        size = new.layer_ids.size
+        if size == 0:
             return 0
         old = state.slots.get(metric)
         if old is None:
-            ranks, layer_ids, vals = np.full(ids.size, rank, dtype=np.int64), ids, values
+            ranks, layer_ids, vals, neg = new
         else:
-            # Entries of this rank that the batch measured again are replaced; everything else stays a candidate.
-            remeasured = np.zeros(len(state.layer_names), dtype=np.bool_)
-            remeasured[ids] = True
-            keep = (old.ranks != rank) | ~remeasured[old.layer_ids]
-            ranks = np.concatenate([old.ranks[keep], np.full(ids.size, rank, dtype=np.int64)])
-            layer_ids = np.concatenate([old.layer_ids[keep], ids])
-            vals = np.concatenate([old.values[keep], values])
+            mine = old.ranks == rank
+            if not mine.any():
+                if old.ranks.size == self.top_k and new.neg_badness.min() > old.neg_badness.max():
+                    # Every new value is strictly better than every exported one: the top-K stays as it is.
+                    old.omitted = size
+                    return size
+                keep = None
+            elif remeasured is None:
+                keep = ~mine
+            else:
+                keep = ~(mine & remeasured[old.layer_ids])
+            if keep is None:
+                ranks, layer_ids, vals, neg = (np.concatenate([a, b]) for a, b in zip(_entries(old), new, strict=True))
+            else:
+                ranks, layer_ids, vals, neg = (
+                    np.concatenate([a[keep], b]) for a, b in zip(_entries(old), new, strict=True)
+                )
         omitted = dropped = 0
         if vals.size > self.top_k:
-            badness = np.where(np.isnan(vals), np.inf, -vals if lower_is_worse(metric) else vals)
-            chosen = np.argpartition(-badness, self.top_k - 1)[: self.top_k]
+            chosen = np.argpartition(neg, self.top_k - 1)[: self.top_k]
             omitted = vals.size - self.top_k
-            kept = np.zeros(vals.size, dtype=np.bool_)
-            kept[chosen] = True
-            dropped = ids.size - int(np.count_nonzero(kept[-ids.size :]))
-            ranks, layer_ids, vals = ranks[chosen], layer_ids[chosen], vals[chosen]
+            dropped = size - int(np.count_nonzero(chosen >= vals.size - size))
+            ranks, layer_ids, vals, neg = ranks[chosen], layer_ids[chosen], vals[chosen], neg[chosen]
         order = np.lexsort((layer_ids, ranks))
-        state.slots[metric] = Slot(ranks[order], layer_ids[order], vals[order], omitted)
+        state.slots[metric] = Slot(ranks[order], layer_ids[order], vals[order], omitted, neg_badness=neg[order])
         return dropped
 
     def run_names(self) -> set[str]:
@@ -366,24 +414,43 @@ class LatestValueCache:
             )
 
 
+class _Entries(NamedTuple):
+    """Candidates of a slot, aligned: rank, layer id, value and negated badness (what argpartition ranks)."""
+
+    ranks: npt.NDArray[np.int64]
+    layer_ids: npt.NDArray[np.int64]
+    values: npt.NDArray[np.float64]
+    neg_badness: npt.NDArray[np.float64]
+
+
+def _entries(slot: Slot) -> _Entries:
+    return _Entries(slot.ranks, slot.layer_ids, slot.values, slot.neg_badness)
+
+
 def _latest_per_layer(
     steps: Sequence[StepLike], n_layers: int
-) -> dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]]:
-    """Per metric: the value of each layer at the newest step that measured it, and which layers any step measured."""
-    latest: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]] = {}
+) -> dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_] | None]]:
+    """Per metric: the value of each layer at the newest step that measured it, and which layers any step measured
+    (None: all of them, the common case, which then costs no mask)."""
+    latest: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_] | None]] = {}
     for s in steps:
         for metric, raw in s.metrics.items():
-            values = np.asarray(raw, dtype=np.float64)
+            values = np.array(raw, dtype=np.float64)  # a copy: later steps are written into it
             if values.shape != (n_layers,):
                 raise ValueError(f"metrics.{metric} has {values.size} values for {n_layers} layers")
             missing = s.missing.get(metric)
-            measured = np.ones(n_layers, dtype=np.bool_) if missing is None else ~np.asarray(missing, dtype=np.bool_)
             current = latest.get(metric)
+            if missing is None:  # every layer measured: this newer step replaces whatever came before
+                latest[metric] = (values, None)
+                continue
+            measured = ~np.asarray(missing, dtype=np.bool_)
             if current is None:
-                latest[metric] = (np.where(measured, values, np.nan), measured.copy())
+                values[~measured] = np.nan
+                latest[metric] = (values, measured)
             else:
                 np.copyto(current[0], values, where=measured)
-                current[1][:] |= measured
+                if current[1] is not None:
+                    current[1][:] |= measured
     return latest
 
 
