@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -89,14 +89,31 @@ class StoredRank:
 
 @dataclass
 class Slot:
-    """The exported layers of one (run, metric): at most K entries, sorted by (rank, layer id = model order)."""
+    """The exported layers of one (run, metric): at most K entries, sorted by (rank, layer id = model order).
 
-    ranks: npt.NDArray[np.int64]
-    layer_ids: npt.NDArray[np.int64]
-    values: npt.NDArray[np.float64]  # float32 figures widened; exported by their shortest float32 spelling
+    The entries are the columns of one (4, n) float64 array, rows rank, layer id, value and negated badness (what
+    the top-K ranks: see :meth:`LatestValueCache._merge_all`), so that a merge moves them with one call, not four.
+    Ranks and layer ids are small integers, exact in a float64.
+    """
+
+    entries: npt.NDArray[np.float64]
     omitted: int = 0
     text: bytes | None = None  # rendered sample lines; None until a scrape renders them after a change
-    neg_badness: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))  # see _neg_badness
+
+    @property
+    def ranks(self) -> npt.NDArray[np.int64]:
+        """Rank of each entry."""
+        return cast("npt.NDArray[np.int64]", self.entries[0].astype(np.int64))
+
+    @property
+    def layer_ids(self) -> npt.NDArray[np.int64]:
+        """Layer id of each entry."""
+        return cast("npt.NDArray[np.int64]", self.entries[1].astype(np.int64))
+
+    @property
+    def values(self) -> npt.NDArray[np.float64]:
+        """Value of each entry: float32 figures widened; exported by their shortest float32 spelling."""
+        return cast("npt.NDArray[np.float64]", self.entries[2])
 
 
 @dataclass
@@ -262,74 +279,76 @@ class LatestValueCache:
     ) -> int:
         """Merge one rank's latest values of every metric into their slots; returns how many the cap left out.
 
-        The per-batch work is done once for all metrics (the badness of every value in one pass, which layers the
-        rank re-sent), so that what is left per metric is the few numpy calls of the top-K itself.
+        The per-batch work is done once for all metrics (the entries and badness of every value in one pass, which
+        layers the rank re-sent), so that what is left per metric is the few numpy calls of the top-K itself.
         """
         if not latest or ids.size == 0:
             return 0
         metrics = list(latest)
-        neg = np.array([latest[m][0] for m in metrics], dtype=np.float64)
-        neg *= np.array([1.0 if lower_is_worse(m) else -1.0 for m in metrics])[:, None]
+        entries = np.empty((len(metrics), 4, ids.size))
+        entries[:, 0] = rank
+        entries[:, 1] = ids
+        entries[:, 2] = [latest[m][0] for m in metrics]
+        # Negated badness: higher is worse except for cosines and SQNR; NaN is the worst of all.
+        neg = entries[:, 3]
+        np.multiply(entries[:, 2], np.array([1.0 if lower_is_worse(m) else -1.0 for m in metrics])[:, None], out=neg)
         neg[np.isnan(neg)] = -np.inf
         resent: npt.NDArray[np.bool_] | None = None  # by layer id: the batch holds it (made once, when needed)
-        rank_ids = np.full(ids.size, rank, dtype=np.int64)
         dropped = 0
         for row, metric in enumerate(metrics):
-            values, measured = latest[metric]
+            measured = latest[metric][1]
             if measured is not None:
-                new = _Entries(rank_ids[measured], ids[measured], values[measured], neg[row][measured])
                 remeasured = np.zeros(len(state.layer_names), dtype=np.bool_)
-                remeasured[new.layer_ids] = True
-                dropped += self._merge(state, metric, rank, new, remeasured)
+                remeasured[ids[measured]] = True
+                dropped += self._merge(state, metric, rank, entries[row][:, measured], remeasured)
                 continue
             if resent is None and not state.last_ids_cover_all:
                 resent = np.zeros(len(state.layer_names), dtype=np.bool_)
                 resent[ids] = True
             # resent None: the batch holds every layer the run knows, so all of this rank's entries are replaced
-            dropped += self._merge(state, metric, rank, _Entries(rank_ids, ids, values, neg[row]), resent)
+            dropped += self._merge(state, metric, rank, entries[row], resent)
         return dropped
 
     def _merge(
-        self, state: CachedRun, metric: str, rank: int, new: _Entries, remeasured: npt.NDArray[np.bool_] | None
+        self,
+        state: CachedRun,
+        metric: str,
+        rank: int,
+        new: npt.NDArray[np.float64],
+        remeasured: npt.NDArray[np.bool_] | None,
     ) -> int:
-        """Merge one rank's new values into the (run, metric) slot; returns how many of them the cap left out.
+        """Merge one rank's new entries into the (run, metric) slot; returns how many of them the cap left out.
 
         ``remeasured`` is True by layer id where the rank re-sent the layer (None: every layer); the rank's old
         entries of those layers are replaced, everything else stays a candidate. Which candidates survive is
-        exactly what one argpartition over [old kept entries, new entries] picks, so ties go the same way.
+        exactly what one argpartition over [old kept entries, new entries] picks, so ties go as they always did.
         """
-        size = new.layer_ids.size
+        size = int(new.shape[1])
         if size == 0:
             return 0
         old = state.slots.get(metric)
         if old is None:
-            ranks, layer_ids, vals, neg = new
+            entries = new
         else:
-            mine = old.ranks == rank
-            if not mine.any():
-                if old.ranks.size == self.top_k and new.neg_badness.min() > old.neg_badness.max():
+            mine = old.entries[0] == rank
+            if not np.count_nonzero(mine):
+                if old.entries.shape[1] == self.top_k and new[3].min() > old.entries[3].max():
                     # Every new value is strictly better than every exported one: the top-K stays as it is.
                     old.omitted = size
                     return size
-                keep = None
-            elif remeasured is None:
-                keep = ~mine
+                entries = np.concatenate([old.entries, new], axis=1)
             else:
-                keep = ~(mine & remeasured[old.layer_ids])
-            if keep is None:
-                ranks, layer_ids, vals, neg = (np.concatenate([a, b]) for a, b in zip(_entries(old), new, strict=True))
-            else:
-                ranks, layer_ids, vals, neg = (
-                    np.concatenate([a[keep], b]) for a, b in zip(_entries(old), new, strict=True)
-                )
+                if remeasured is not None:
+                    mine &= remeasured[old.entries[1].astype(np.int64)]
+                entries = np.concatenate([old.entries.compress(~mine, axis=1), new], axis=1)
         omitted = dropped = 0
-        if vals.size > self.top_k:
-            chosen = np.argpartition(neg, self.top_k - 1)[: self.top_k]
-            omitted = vals.size - self.top_k
-            dropped = size - int(np.count_nonzero(chosen >= vals.size - size))
-            ranks, layer_ids, vals, neg = ranks[chosen], layer_ids[chosen], vals[chosen], neg[chosen]
-        order = np.lexsort((layer_ids, ranks))
-        state.slots[metric] = Slot(ranks[order], layer_ids[order], vals[order], omitted, neg_badness=neg[order])
+        total = entries.shape[1]
+        if total > self.top_k:
+            chosen = np.argpartition(entries[3], self.top_k - 1)[: self.top_k]
+            omitted = total - self.top_k
+            dropped = size - int(np.count_nonzero(chosen >= total - size))
+            entries = entries.take(chosen, axis=1)
+        state.slots[metric] = Slot(entries.take(np.lexsort((entries[1], entries[0])), axis=1), omitted)
         return dropped
 
     def run_names(self) -> set[str]:
@@ -414,19 +433,6 @@ class LatestValueCache:
             )
 
 
-class _Entries(NamedTuple):
-    """Candidates of a slot, aligned: rank, layer id, value and negated badness (what argpartition ranks)."""
-
-    ranks: npt.NDArray[np.int64]
-    layer_ids: npt.NDArray[np.int64]
-    values: npt.NDArray[np.float64]
-    neg_badness: npt.NDArray[np.float64]
-
-
-def _entries(slot: Slot) -> _Entries:
-    return _Entries(slot.ranks, slot.layer_ids, slot.values, slot.neg_badness)
-
-
 def _latest_per_layer(
     steps: Sequence[StepLike], n_layers: int
 ) -> dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_] | None]]:
@@ -477,8 +483,9 @@ def _render_slots(slots: Sequence[tuple[str, CachedRun, Slot]]) -> list[bytes]:
 
 def _slot_labels(state: CachedRun, slot: Slot) -> list[bytes]:
     """Label text of each entry of a slot."""
-    if slot.ranks[0] == slot.ranks[-1]:  # sorted by rank: one rank throughout
-        return cast("list[bytes]", state.label_texts(int(slot.ranks[0]))[slot.layer_ids].tolist())
+    first, last = slot.entries[0, 0], slot.entries[0, -1]
+    if first == last:  # sorted by rank: one rank throughout
+        return cast("list[bytes]", state.label_texts(int(first))[slot.layer_ids].tolist())
     ranks = slot.ranks.tolist()
     texts = {rank: state.label_texts(rank) for rank in set(ranks)}
     return [texts[rank][layer] for rank, layer in zip(ranks, slot.layer_ids.tolist(), strict=True)]
