@@ -193,9 +193,9 @@ class LatestValueCache:
     """Latest value per exported series, fed a whole batch at a time; thread-safe.
 
     Per (run, metric) it keeps the ``top_k`` worst layers across ranks (the exposition's cardinality cap); per
-    (run, rank) the last step and the latest scalars. Work per batch is O(layers) numpy per metric; nothing is
-    rendered on the ingest path (see :meth:`render_changed` and :meth:`snapshot`). ``clock`` is injectable so tests
-    can freeze time.
+    (run, rank) the last step and the latest scalars. Work per batch is O(layers) numpy, a few calls per metric;
+    nothing is rendered on the ingest path (see :meth:`render_changed` and :meth:`snapshot`). ``clock`` is
+    injectable so tests can freeze time.
     """
 
     def __init__(
