@@ -89,13 +89,31 @@ class StoredRank:
 
 @dataclass
 class Slot:
-    """The exported layers of one (run, metric): at most K entries, sorted by (rank, layer id = model order)."""
+    """The exported layers of one (run, metric): at most K entries, sorted by (rank, layer id = model order).
 
-    ranks: npt.NDArray[np.int64]
-    layer_ids: npt.NDArray[np.int64]
-    values: npt.NDArray[np.float64]  # float32 figures widened; exported by their shortest float32 spelling
+    The entries are the columns of one (4, n) float64 array, rows rank, layer id, value and negated badness (what
+    the top-K ranks: see :meth:`LatestValueCache._merge_all`), so that a merge moves them with one call, not four.
+    Ranks and layer ids are small integers, exact in a float64.
+    """
+
+    entries: npt.NDArray[np.float64]
     omitted: int = 0
     text: bytes | None = None  # rendered sample lines; None until a scrape renders them after a change
+
+    @property
+    def ranks(self) -> npt.NDArray[np.int64]:
+        """Rank of each entry."""
+        return cast("npt.NDArray[np.int64]", self.entries[0].astype(np.int64))
+
+    @property
+    def layer_ids(self) -> npt.NDArray[np.int64]:
+        """Layer id of each entry."""
+        return cast("npt.NDArray[np.int64]", self.entries[1].astype(np.int64))
+
+    @property
+    def values(self) -> npt.NDArray[np.float64]:
+        """Value of each entry: float32 figures widened; exported by their shortest float32 spelling."""
+        return cast("npt.NDArray[np.float64]", self.entries[2])
 
 
 @dataclass
@@ -116,6 +134,7 @@ class CachedRun:
     labels: dict[int, npt.NDArray[np.object_]] = field(default_factory=dict)  # rank -> label bytes by layer id
     last_layers: tuple[str, ...] = ()
     last_ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    last_ids_cover_all: bool = False  # whether last_ids holds every layer the run has sent
 
     def ids_of(self, layers: Sequence[str]) -> npt.NDArray[np.int64]:
         """Ids of ``layers``, registering new ones; a batch with the same layer list as the last costs a compare."""
@@ -127,6 +146,8 @@ class CachedRun:
                     self.layer_names.append(name)
             self.last_layers = key
             self.last_ids = np.fromiter((self.layer_ids[n] for n in key), dtype=np.int64, count=len(key))
+            # Registration only happens here, so while the list stays the same this stays true or false.
+            self.last_ids_cover_all = len(set(key)) == len(self.layer_names)
         return self.last_ids
 
     def label_texts(self, rank: int) -> npt.NDArray[np.object_]:
@@ -172,9 +193,9 @@ class LatestValueCache:
     """Latest value per exported series, fed a whole batch at a time; thread-safe.
 
     Per (run, metric) it keeps the ``top_k`` worst layers across ranks (the exposition's cardinality cap); per
-    (run, rank) the last step and the latest scalars. Work per batch is O(layers) numpy per metric; nothing is
-    rendered on the ingest path (see :meth:`render_changed` and :meth:`snapshot`). ``clock`` is injectable so tests
-    can freeze time.
+    (run, rank) the last step and the latest scalars. Work per batch is O(layers) numpy, a few calls per metric;
+    nothing is rendered on the ingest path (see :meth:`render_changed` and :meth:`snapshot`). ``clock`` is
+    injectable so tests can freeze time.
     """
 
     def __init__(
@@ -221,9 +242,7 @@ class LatestValueCache:
             for s in ordered:
                 for scalar, value in s.scalars.items():
                     state.scalars[(scalar, rank)] = float(value)
-            ids = state.ids_of(layers)
-            for metric, (values, measured) in latest.items():
-                self._omitted_values_total += self._merge(state, metric, rank, ids[measured], values[measured])
+            self._omitted_values_total += self._merge_all(state, rank, state.ids_of(layers), latest)
             self._changed_runs.add(run)
 
     def restore(self, stored: StoredRank) -> bool:
@@ -243,45 +262,93 @@ class LatestValueCache:
             state.last_step[stored.rank] = stored.last_step
             for scalar, value in stored.scalars.items():
                 state.scalars[(scalar, stored.rank)] = value
-            ids = state.ids_of(stored.layers)
-            for metric, (values, measured) in stored.latest.items():
-                self._merge(state, metric, stored.rank, ids[measured], values[measured])
+            latest = {
+                metric: (values, None if measured.all() else measured)
+                for metric, (values, measured) in stored.latest.items()
+            }
+            self._merge_all(state, stored.rank, state.ids_of(stored.layers), latest)
             self._changed_runs.add(stored.run)
             return True
+
+    def _merge_all(
+        self,
+        state: CachedRun,
+        rank: int,
+        ids: npt.NDArray[np.int64],
+        latest: Mapping[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_] | None]],
+    ) -> int:
+        """Merge one rank's latest values of every metric into their slots; returns how many the cap left out.
+
+        The per-batch work is done once for all metrics (the entries and badness of every value in one pass, which
+        layers the rank re-sent), so that what is left per metric is the few numpy calls of the top-K itself.
+        """
+        if not latest or ids.size == 0:
+            return 0
+        metrics = list(latest)
+        entries = np.empty((len(metrics), 4, ids.size))
+        entries[:, 0] = rank
+        entries[:, 1] = ids
+        entries[:, 2] = [latest[m][0] for m in metrics]
+        # Negated badness: higher is worse except for cosines and SQNR; NaN is the worst of all.
+        neg = entries[:, 3]
+        np.multiply(entries[:, 2], np.array([1.0 if lower_is_worse(m) else -1.0 for m in metrics])[:, None], out=neg)
+        neg[np.isnan(neg)] = -np.inf
+        resent: npt.NDArray[np.bool_] | None = None  # by layer id: the batch holds it (made once, when needed)
+        dropped = 0
+        for row, metric in enumerate(metrics):
+            measured = latest[metric][1]
+            if measured is not None:
+                remeasured = np.zeros(len(state.layer_names), dtype=np.bool_)
+                remeasured[ids[measured]] = True
+                dropped += self._merge(state, metric, rank, entries[row][:, measured], remeasured)
+                continue
+            if resent is None and not state.last_ids_cover_all:
+                resent = np.zeros(len(state.layer_names), dtype=np.bool_)
+                resent[ids] = True
+            # resent None: the batch holds every layer the run knows, so all of this rank's entries are replaced
+            dropped += self._merge(state, metric, rank, entries[row], resent)
+        return dropped
 
     def _merge(
         self,
         state: CachedRun,
         metric: str,
         rank: int,
-        ids: npt.NDArray[np.int64],
-        values: npt.NDArray[np.float64],
+        new: npt.NDArray[np.float64],
+        remeasured: npt.NDArray[np.bool_] | None,
     ) -> int:
-        """Merge one rank's new values into the (run, metric) slot; returns how many of them the cap left out."""
-        if ids.size == 0:
+        """Merge one rank's new entries into the (run, metric) slot; returns how many of them the cap left out.
+
+        ``remeasured`` is True by layer id where the rank re-sent the layer (None: every layer); the rank's old
+        entries of those layers are replaced, everything else stays a candidate. Which candidates survive is
+        exactly what one argpartition over [old kept entries, new entries] picks, so ties go as they always did.
+        """
+        size = int(new.shape[1])
+        if size == 0:
             return 0
         old = state.slots.get(metric)
         if old is None:
-            ranks, layer_ids, vals = np.full(ids.size, rank, dtype=np.int64), ids, values
+            entries = new
         else:
-            # Entries of this rank that the batch measured again are replaced; everything else stays a candidate.
-            remeasured = np.zeros(len(state.layer_names), dtype=np.bool_)
-            remeasured[ids] = True
-            keep = (old.ranks != rank) | ~remeasured[old.layer_ids]
-            ranks = np.concatenate([old.ranks[keep], np.full(ids.size, rank, dtype=np.int64)])
-            layer_ids = np.concatenate([old.layer_ids[keep], ids])
-            vals = np.concatenate([old.values[keep], values])
+            mine = old.entries[0] == rank
+            if not np.count_nonzero(mine):
+                if old.entries.shape[1] == self.top_k and new[3].min() > old.entries[3].max():
+                    # Every new value is strictly better than every exported one: the top-K stays as it is.
+                    old.omitted = size
+                    return size
+                entries = np.concatenate([old.entries, new], axis=1)
+            else:
+                if remeasured is not None:
+                    mine &= remeasured[old.entries[1].astype(np.int64)]
+                entries = np.concatenate([old.entries.compress(~mine, axis=1), new], axis=1)
         omitted = dropped = 0
-        if vals.size > self.top_k:
-            badness = np.where(np.isnan(vals), np.inf, -vals if lower_is_worse(metric) else vals)
-            chosen = np.argpartition(-badness, self.top_k - 1)[: self.top_k]
-            omitted = vals.size - self.top_k
-            kept = np.zeros(vals.size, dtype=np.bool_)
-            kept[chosen] = True
-            dropped = ids.size - int(np.count_nonzero(kept[-ids.size :]))
-            ranks, layer_ids, vals = ranks[chosen], layer_ids[chosen], vals[chosen]
-        order = np.lexsort((layer_ids, ranks))
-        state.slots[metric] = Slot(ranks[order], layer_ids[order], vals[order], omitted)
+        total = entries.shape[1]
+        if total > self.top_k:
+            chosen = np.argpartition(entries[3], self.top_k - 1)[: self.top_k]
+            omitted = total - self.top_k
+            dropped = size - int(np.count_nonzero(chosen >= total - size))
+            entries = entries.take(chosen, axis=1)
+        state.slots[metric] = Slot(entries.take(np.lexsort((entries[1], entries[0])), axis=1), omitted)
         return dropped
 
     def run_names(self) -> set[str]:
@@ -368,22 +435,28 @@ class LatestValueCache:
 
 def _latest_per_layer(
     steps: Sequence[StepLike], n_layers: int
-) -> dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]]:
-    """Per metric: the value of each layer at the newest step that measured it, and which layers any step measured."""
-    latest: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]] = {}
+) -> dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_] | None]]:
+    """Per metric: the value of each layer at the newest step that measured it, and which layers any step measured
+    (None: all of them, the common case, which then costs no mask)."""
+    latest: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_] | None]] = {}
     for s in steps:
         for metric, raw in s.metrics.items():
-            values = np.asarray(raw, dtype=np.float64)
+            values = np.array(raw, dtype=np.float64)  # a copy: later steps are written into it
             if values.shape != (n_layers,):
                 raise ValueError(f"metrics.{metric} has {values.size} values for {n_layers} layers")
             missing = s.missing.get(metric)
-            measured = np.ones(n_layers, dtype=np.bool_) if missing is None else ~np.asarray(missing, dtype=np.bool_)
             current = latest.get(metric)
+            if missing is None:  # every layer measured: this newer step replaces whatever came before
+                latest[metric] = (values, None)
+                continue
+            measured = ~np.asarray(missing, dtype=np.bool_)
             if current is None:
-                latest[metric] = (np.where(measured, values, np.nan), measured.copy())
+                values[~measured] = np.nan
+                latest[metric] = (values, measured)
             else:
                 np.copyto(current[0], values, where=measured)
-                current[1][:] |= measured
+                if current[1] is not None:
+                    current[1][:] |= measured
     return latest
 
 
@@ -410,8 +483,9 @@ def _render_slots(slots: Sequence[tuple[str, CachedRun, Slot]]) -> list[bytes]:
 
 def _slot_labels(state: CachedRun, slot: Slot) -> list[bytes]:
     """Label text of each entry of a slot."""
-    if slot.ranks[0] == slot.ranks[-1]:  # sorted by rank: one rank throughout
-        return cast("list[bytes]", state.label_texts(int(slot.ranks[0]))[slot.layer_ids].tolist())
+    first, last = slot.entries[0, 0], slot.entries[0, -1]
+    if first == last:  # sorted by rank: one rank throughout
+        return cast("list[bytes]", state.label_texts(int(first))[slot.layer_ids].tolist())
     ranks = slot.ranks.tolist()
     texts = {rank: state.label_texts(rank) for rank in set(ranks)}
     return [texts[rank][layer] for rank, layer in zip(ranks, slot.layer_ids.tolist(), strict=True)]
