@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy import ColumnElement, Connection, Engine, Integer, and_, bindparam, func, select
+from sqlalchemy import ColumnElement, Connection, Engine, and_, bindparam, select
 from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
 
 from quantwatch.service.models import (
@@ -22,10 +22,10 @@ from quantwatch.service.models import (
     RunRank,
     ScalarPoint,
 )
+from quantwatch.service.rollup_codec import decode_blocks
 from quantwatch.service.rollups import (
     I64,
     LEVELS,
-    STATS_DTYPE,
     Partials,
     group_starts,
     is_missing,
@@ -72,15 +72,9 @@ class HistoryReader:
     def _build_read_statements(self) -> None:
         """Prebuilt statements of the history reads (a series answer runs four of them; building each per call cost
         more than executing it)."""
-        offset = bindparam("offset", type_=Integer)
         self._points = RawPoints()
         blocks = (*_one_series(Rollup, Rollup.bucket), Rollup.level == bindparam("level"))
         self._block_rows = select(Rollup.bucket, Rollup.stats).where(*blocks).order_by(Rollup.bucket)
-        self._block_layer_rows = (
-            select(Rollup.bucket, func.substr(Rollup.stats, offset, STATS_DTYPE.itemsize))
-            .where(*blocks)
-            .order_by(Rollup.bucket)
-        )
         self._estimated_steps = select(EstimatedPoint.step).where(*_one_series(EstimatedPoint, EstimatedPoint.step))
         # Everything a series read needs to know before reading values, in one round trip: the run, the layer's
         # index, the metric's id (only if the run has sent it) and the rank's step range (NULL where absent).
@@ -224,14 +218,10 @@ class HistoryReader:
         n_layers: int,
     ) -> tuple[I64, Partials]:
         params = {"run_id": run_id, "rank": rank, "nid": nid, "level": level, "lo": lo_b, "hi": hi_b}
-        if layer is None:
-            rows = conn.execute(self._block_rows, params).all()
-        else:
-            offset = STATS_DTYPE.itemsize * layer + 1
-            rows = conn.execute(self._block_layer_rows, {**params, "offset": offset}).all()
-        buckets, blobs = columns(rows)
-        width = 1 if layer is not None else n_layers
-        return buckets * level, Partials.from_stats(blobs, width)
+        # One layer's blocks too are read whole: a block is compressed, and the layer's group of it is what is
+        # inflated (rollup_codec); SQLite reads the whole value of a substr() from its pages anyway.
+        buckets, blobs = columns(conn.execute(self._block_rows, params).all())
+        return buckets * level, decode_blocks(blobs, n_layers, layer)
 
     def _unstored(
         self,
