@@ -7,14 +7,15 @@ of its float32 bits from the min's (the sign, the exponent and the leading manti
 XORed with the bits of ``(min + max) / 2 · count`` (the mean lies between min and max, so sign, exponent and leading
 bits vanish again; the low bytes of a sum of float32 values are mostly zero already), and the count, in nearly every
 block the same for every layer, once in the header. The records are split into byte planes (every layer's most
-significant byte of the min, then the next, …, as the chunk codec does) and deflated, in groups of
-:data:`GROUP_LAYERS` layers so that a one-layer read (a series) inflates its own group only. On the series recorded
-from the demo and the agent benchmark a block takes about half its bytes (0.47–0.54 by level).
+significant byte of the min, then the next, …, as the chunk codec does), in groups of :data:`GROUP_LAYERS` layers so
+that a one-layer read (a series) inflates its own group only; the planes that shrink are deflated, the mostly-noise
+ones (:data:`_STORED`) follow the stream as they are. On the series recorded
+from the demo and the agent benchmark a block takes about half its bytes (0.50–0.54 by level on the demo's).
 
 Layout (version 2; the unversioned records before it count as version 1): ``<BHI`` (version, the count of every layer
 or :data:`PER_LAYER_COUNTS`, layers), ``groups`` × ``<I`` (where each group's stream ends, counted from the first
-stream's start), then the raw deflate streams. A stream holds its layers' 16 planes (min 4, max 4, sum 8) and,
-with per-layer counts, the count's 2.
+stream's start), then the groups: a raw deflate stream of the planes :data:`_DEFLATED` (and, with per-layer counts,
+the count's two), then the planes :data:`_STORED` as they are.
 """
 
 from __future__ import annotations
@@ -30,14 +31,16 @@ from quantwatch.service.rollups import Partials
 
 VERSION = 2
 GROUP_LAYERS = 64
-"""Layers per deflate stream (as in the chunk codec). On the demo's series groups of 64 take 3% more bytes than groups
-of 128 and 9% more than one stream of 512 layers, but a series read (one layer) inflates 1 KiB of each block it reads,
-not 2 or 8: about 0.2 ms less per 100 blocks than groups of 128."""
+"""Layers per deflate stream (as in the chunk codec); with :data:`WINDOW_BITS` part of version 2's layout. On the
+demo's series groups of 64 take 3% more bytes than groups of 128 and 9% more than one stream of 512 layers, but a
+series read (one layer) inflates 1 KiB of each block it reads, not 2 or 8 (decoding one layer of a block: about 12 µs
+instead of 15 with groups of 128, on the 2-core machine under load)."""
 LEVEL = 6
 WINDOW_BITS = 12
 MEM_LEVEL = 4
 """A stream holds ~1 KiB (16 planes of 64 layers): a 4 KiB window and hash table see all of it, and zlib sets them up
-in a quarter of the time of its default 32 KiB window and 64 KiB table (which cost more than deflating the group)."""
+in a quarter of the time of its default 32 KiB window and 64 KiB table (27 µs against 120 µs a stream: more than
+deflating it)."""
 PER_LAYER_COUNTS = 0xFFFF
 """The header's count when the layers' counts differ (a block never holds more than 4096 steps)."""
 _HEADER = struct.Struct("<BHI")
@@ -46,6 +49,13 @@ _CODED = np.dtype([("min", ">u4"), ("max", ">u4"), ("sum", ">u8"), ("count", ">u
 _PLANES = _CODED.itemsize
 _SHARED_COUNT_PLANES = _PLANES - 2
 """Planes of a stream when the header holds the count."""
+_DEFLATED = [0, 4, 5, 8, 9, 13, 14, 15]
+"""Planes worth deflating: the min's top byte, the coded max's top two and the coded sum's top two and low three (on the
+demo's series they shrink to 0.01–0.25 of their bytes, the coded max's second to 0.66). The other eight (the min's
+low three bytes, the coded max's, the coded sum's middle three) are mostly noise (0.81–0.83 deflated) and are stored
+after the stream as they are: deflating them cost as much time as all the others for 1.4 bytes per layer."""
+_STORED = [1, 2, 3, 6, 7, 10, 11, 12]
+_COUNT = [16, 17]
 _ONE = struct.Struct("<I")
 _PAIR = struct.Struct("<II")
 U8 = npt.NDArray[np.uint8]
@@ -81,11 +91,12 @@ def encode_blocks(part: Partials, rows: Sequence[int]) -> list[bytes]:
     out = []
     for r in range(len(take)):
         shared = n_layers > 0 and bool((count[r] == count[r, 0]).all())
-        n_planes = _SHARED_COUNT_PLANES if shared else _PLANES
         streams = []
+        deflated = _DEFLATED if shared else _DEFLATED + _COUNT
         for g in range(0, n_layers, GROUP_LAYERS):
+            group = planes[r, :, g : g + GROUP_LAYERS]
             packer = zlib.compressobj(LEVEL, zlib.DEFLATED, -WINDOW_BITS, MEM_LEVEL)
-            streams.append(packer.compress(planes[r, :n_planes, g : g + GROUP_LAYERS].tobytes()) + packer.flush())
+            streams.append(packer.compress(group[deflated].tobytes()) + packer.flush() + group[_STORED].tobytes())
         ends = np.cumsum([len(s) for s in streams]).tolist()
         header = _HEADER.pack(VERSION, int(count[r, 0]) if shared else PER_LAYER_COUNTS, n_layers)
         out.append(header + struct.pack(f"<{len(ends)}I", *ends) + b"".join(streams))
@@ -98,14 +109,18 @@ def blob_layers(blob: bytes) -> int:
     return layers
 
 
-def _group_planes(blob: bytes, g: int, groups: int, n_planes: int, width: int) -> U8:
-    """The (planes, width) bytes of group ``g`` of a blob."""
-    ends = struct.unpack_from(f"<{groups}I", blob, _HEADER.size)
-    start = _HEADER.size + 4 * groups
-    first = start + (ends[g - 1] if g else 0)
-    data = zlib.decompress(blob[first : start + ends[g]], -WINDOW_BITS)
-    planes: U8 = np.frombuffer(data, np.uint8)
-    return planes.reshape(n_planes, width)
+def _canonical(planes: U8, per_layer: bool) -> U8:
+    """(rows, planes, layers) bytes in the order a stream holds them (then the header's count, when shared) put back
+    in the order of :data:`_CODED`."""
+    order = _DEFLATED + _COUNT + _STORED if per_layer else _DEFLATED + _STORED + _COUNT
+    out: U8 = planes[:, np.argsort(order), :]
+    return out
+
+
+def _count_planes(counts: Sequence[int], width: int) -> U8:
+    """(rows, 2, width) bytes of a count per row shared by its layers."""
+    count = np.array(counts, np.uint16)[:, None, None].repeat(width, axis=2)
+    return np.concatenate([(count >> np.uint16(8)).astype(np.uint8), (count & np.uint16(0xFF)).astype(np.uint8)], 1)
 
 
 def _row_planes(blob: bytes, layer: int | None) -> U8:
@@ -114,22 +129,14 @@ def _row_planes(blob: bytes, layer: int | None) -> U8:
     version, count, held = _HEADER.unpack_from(blob)
     if version != VERSION:
         raise ValueError(f"rollup codec version {version} is not known (this collector reads {VERSION})")
-    groups = -(-held // GROUP_LAYERS)
-    n_planes = _PLANES if count == PER_LAYER_COUNTS else _SHARED_COUNT_PLANES
-    if layer is None:
-        widths = [min(GROUP_LAYERS, held - a) for a in range(0, held, GROUP_LAYERS)]
-        parts = [_group_planes(blob, g, groups, n_planes, w) for g, w in enumerate(widths)]
-        planes = np.concatenate(parts, axis=1) if parts else np.zeros((n_planes, 0), np.uint8)
-    elif layer >= held:
+    if layer is not None and layer >= held:
         return np.zeros((_PLANES, 0), np.uint8)
-    else:
-        g = layer // GROUP_LAYERS
-        group = _group_planes(blob, g, groups, n_planes, min(GROUP_LAYERS, held - g * GROUP_LAYERS))
-        planes = group[:, layer % GROUP_LAYERS, None]
-    if n_planes == _PLANES:
-        return planes
-    shared = np.array([[count >> 8], [count & 0xFF]], np.uint8).repeat(planes.shape[1], axis=1)
-    return np.concatenate([planes, shared])
+    per_layer = count == PER_LAYER_COUNTS
+    planes = _uniform_planes([blob], held, _PLANES if per_layer else _SHARED_COUNT_PLANES, layer)
+    if not per_layer:
+        planes = np.concatenate([planes, _count_planes([count], planes.shape[2])], axis=1)
+    row: U8 = _canonical(planes, per_layer)[0]
+    return row
 
 
 def _from_planes(planes: U8) -> Partials:
@@ -144,9 +151,10 @@ def _from_planes(planes: U8) -> Partials:
     return Partials(vmin, vmax, vsum, count)
 
 
-def _inflate(blob: bytes, start: int, end: int) -> bytes:
-    """The bytes of the stream at ``blob[start:end]``."""
-    return zlib.decompress(blob[start:end], -WINDOW_BITS)
+def _inflate(blob: bytes, start: int, end: int, width: int) -> bytes:
+    """The planes of the group stored at ``blob[start:end]`` (``width`` layers): the deflated ones, then the stored."""
+    cut = end - len(_STORED) * width
+    return zlib.decompress(blob[start:cut], -WINDOW_BITS) + blob[cut:end]
 
 
 def _uniform_planes(blobs: Sequence[bytes], n_layers: int, n_planes: int, layer: int | None) -> U8:
@@ -162,13 +170,14 @@ def _uniform_planes(blobs: Sequence[bytes], n_layers: int, n_planes: int, layer:
             bounds = [_PAIR.unpack_from(b, _HEADER.size + 4 * (g - 1)) for b in blobs]
         else:
             bounds = [(0, _ONE.unpack_from(b, _HEADER.size)[0]) for b in blobs]
-        data = b"".join([_inflate(b, table + a, table + e) for b, (a, e) in zip(blobs, bounds, strict=True)])
+        data = b"".join([_inflate(b, table + a, table + e, width) for b, (a, e) in zip(blobs, bounds, strict=True)])
         group: U8 = np.frombuffer(data, np.uint8).reshape(rows, n_planes, width)
         return group[:, :, layer % GROUP_LAYERS, None]
     ends = struct.Struct(f"<{groups}I")
+    widths = [min(GROUP_LAYERS, n_layers - g * GROUP_LAYERS) for g in range(groups)]
     data = b"".join(
         [
-            _inflate(b, table + (e[g - 1] if g else 0), table + e[g])
+            _inflate(b, table + (e[g - 1] if g else 0), table + e[g], widths[g])
             for b in blobs
             for e in (ends.unpack_from(b, _HEADER.size),)
             for g in range(groups)
@@ -200,10 +209,8 @@ def decode_blocks(blobs: Sequence[bytes], n_layers: int, layer: int | None = Non
         # The common case: every block as wide as the run, all with shared counts or none.
         planes = _uniform_planes(blobs, n_layers, _SHARED_COUNT_PLANES if shared else _PLANES, layer)
         if shared:
-            count = np.array(counts, np.uint16)[:, None, None].repeat(width, axis=2)
-            high = (count >> np.uint16(8)).astype(np.uint8)
-            planes = np.concatenate([planes, high, (count & np.uint16(0xFF)).astype(np.uint8)], axis=1)
-        return _from_planes(planes)
+            planes = np.concatenate([planes, _count_planes(counts, width)], axis=1)
+        return _from_planes(_canonical(planes, not shared))
     out = Partials.empty(len(blobs), width)
     for i, blob in enumerate(blobs):
         part = _from_planes(_row_planes(blob, layer)[None, :, :width])
