@@ -13,8 +13,8 @@ ones (:data:`_STORED`) follow the stream as they are. On the series recorded
 from the demo and the agent benchmark a block takes about half its bytes (0.50–0.54 by level on the demo's).
 
 Layout (version 2; the unversioned records before it count as version 1): ``<BHI`` (version, the count of every layer
-or :data:`PER_LAYER_COUNTS`, layers), ``groups`` × ``<I`` (where each group's stream ends, counted from the first
-stream's start), then the groups: a raw deflate stream of the planes :data:`_DEFLATED` (and, with per-layer counts,
+or :data:`PER_LAYER_COUNTS`, layers), ``groups`` × ``<I`` (where each group ends, counted from the first group's
+start), then the groups: a raw deflate stream of the planes :data:`_DEFLATED` (and, with per-layer counts,
 the count's two), then the planes :data:`_STORED` as they are.
 """
 
