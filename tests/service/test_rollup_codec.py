@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sqlalchemy import select
+from sqlalchemy import insert, select
 
 from alembic import command
 from quantwatch.service import Settings
 from quantwatch.service.app import create_app
 from quantwatch.service.batch import decode_json
 from quantwatch.service.core.db import alembic_config, upgrade
-from quantwatch.service.models import Rollup
+from quantwatch.service.models import MetricName, Rollup, Run
 from quantwatch.service.rollup_codec import (
     GROUP_LAYERS,
     PER_LAYER_COUNTS,
@@ -154,3 +154,30 @@ def test_migration_0017_rewrites_blocks_both_ways_and_reads_stay_exact(store: St
     _assert_exact(store, "grow", ref)
     _ingest(store, "grow", list(range(1100, 1300)), rng.standard_normal((200, 4)).astype(np.float32), LAYERS, ref)
     _assert_exact(store, "grow", ref)
+
+
+def test_a_one_layer_read_fetches_exactly_the_layers_values(store: Store) -> None:
+    """A one-layer read of stored blocks (on PostgreSQL the layer's group picked out in SQL, on SQLite the whole
+    block) gives that layer of each block to the bit, over blocks of 0–200 layers (one to four groups, shared and
+    per-layer counts), and nothing measured where a block holds fewer layers than the layer read."""
+    store.ingest(decode_json(json.dumps(batch_doc("r", ["a"], [0], {"m": np.ones((1, 1))})).encode()))
+    assert (store._layer_group_rows is not None) == (store.engine.dialect.name == "postgresql")
+    widths = [0, 3, 64, 70, 130, 200, 200]
+    blocks = [
+        _blocks(8, w, seed, "smooth" if seed % 2 else "wild").take(np.array([0])) for seed, w in enumerate(widths)
+    ]
+    blobs = [encode_blocks(part, [0])[0] for part in blocks]
+    assert {int.from_bytes(b[1:3], "little") == PER_LAYER_COUNTS for b in blobs[1:]} == {True, False}
+    with store.engine.begin() as conn:
+        run_id = conn.execute(select(Run.id).where(Run.name == "r")).scalar_one()
+        nid = conn.execute(select(MetricName.id).where(MetricName.name == "m")).scalar_one()
+        keys = {"run_id": run_id, "rank": 0, "name_id": nid, "level": 64}
+        conn.execute(insert(Rollup), [{**keys, "bucket": 1000 + i, "stats": b} for i, b in enumerate(blobs)])
+    for layer in (0, 2, 3, 63, 64, 69, 70, 129, 130, 199, 200):
+        want = Partials.concat(
+            [part.column(layer) if layer < w else Partials.empty(1, 1) for part, w in zip(blocks, widths, strict=True)]
+        )
+        with store.engine.connect() as conn:
+            steps, got = store._rollup_partials(conn, run_id, 0, nid, 64, 1000, 1000 + len(blobs) - 1, layer, 201)
+        assert steps.tolist() == [64 * (1000 + i) for i in range(len(blobs))]
+        assert _bits(got) == _bits(want)
