@@ -151,10 +151,11 @@ def _from_planes(planes: U8) -> Partials:
     return Partials(vmin, vmax, vsum, count)
 
 
-def _inflate(group: bytes, width: int) -> bytes:
-    """The planes of one stored group of ``width`` layers: the deflated ones, then the stored."""
-    cut = len(group) - len(_STORED) * width
-    return zlib.decompress(group[:cut], -WINDOW_BITS) + group[cut:]
+def _inflate(blob: bytes, start: int, end: int, width: int) -> bytes:
+    """The planes of the group stored at ``blob[start:end]`` (``width`` layers): the deflated ones, then the stored
+    (cut out of the blob here, not sliced first: a copy per group cost ~2% of decoding whole blocks)."""
+    cut = end - len(_STORED) * width
+    return zlib.decompress(blob[start:cut], -WINDOW_BITS) + blob[cut:end]
 
 
 def _uniform_planes(blobs: Sequence[bytes], n_layers: int, n_planes: int) -> U8:
@@ -167,7 +168,7 @@ def _uniform_planes(blobs: Sequence[bytes], n_layers: int, n_planes: int) -> U8:
     widths = [min(GROUP_LAYERS, n_layers - g * GROUP_LAYERS) for g in range(groups)]
     data = b"".join(
         [
-            _inflate(b[table + (e[g - 1] if g else 0) : table + e[g]], widths[g])
+            _inflate(b, table + (e[g - 1] if g else 0), table + e[g], widths[g])
             for b in blobs
             for e in (ends.unpack_from(b, _HEADER.size),)
             for g in range(groups)
@@ -216,7 +217,10 @@ def decode_layer(heads: Sequence[bytes], groups: Sequence[bytes | None], layer: 
     for kind in np.unique(kinds[kinds >= 0]).tolist():
         width, per_layer = kind // 2, bool(kind % 2)
         rows = np.flatnonzero(kinds == kind)
-        data = b"".join([_inflate(groups[i] or b"", width) for i in rows.tolist()])
+        held = [groups[i] for i in rows.tolist()]
+        if None in held:
+            raise ValueError(f"a block holding layer {layer} came without the layer's group")
+        data = b"".join([_inflate(g, 0, len(g), width) for g in held if g is not None])
         planes = np.frombuffer(data, np.uint8).reshape(rows.size, -1, width)[:, :, col, None]
         if not per_layer:
             planes = np.concatenate([planes, _count_planes(head["count"][rows], 1)], axis=1)
