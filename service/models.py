@@ -166,8 +166,8 @@ class Rollup(Base):
     name_id: Mapped[int] = mapped_column(RowId, ForeignKey("metric_names.id"), primary_key=True)
     level: Mapped[int] = mapped_column(Integer, primary_key=True)
     bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    # Per layer, packed: min float32, max float32, sum float64, count uint16 (18 bytes, rollups.STATS_DTYPE), so
-    # one layer of a block is one contiguous slice.
+    # Every layer's figures in one rollup_codec block (records of rollups.STATS_DTYPE per layer before revision 0017);
+    # a one-layer read fetches the header and the layer's group of it (store/reads.py).
     stats: Mapped[bytes] = mapped_column(LargeBinary)
 
     # WITHOUT ROWID: the key is the table, so a range read of blocks is one b-tree walk, not index + row lookups.

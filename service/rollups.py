@@ -27,7 +27,8 @@ JsonFloats = npt.NDArray[np.floating] | list[object]
 
 MISSING_BITS = 0x7FC00001
 NAN_BITS = 0x7FC00000
-# One layer's rollup record, packed little-endian (18 bytes).
+# One layer's rollup record, packed little-endian (18 bytes): how a block was stored before revision 0017, which
+# compresses them (rollup_codec); the migrations read and write it.
 STATS_DTYPE = np.dtype([("min", "<f4"), ("max", "<f4"), ("sum", "<f8"), ("count", "<u2")])
 # Rollup block sizes in steps. A read of bucket width w takes the largest level ≤ w, so combines at most four blocks
 # per bucket; 128 is there for the most common read, a 1,000-point series of a 100,000-step run (w = 128), which then
@@ -104,7 +105,7 @@ class Partials:
 
     @classmethod
     def from_stats(cls, blobs: Sequence[bytes], n_layers: int) -> Partials:
-        """Decode stored rollup blobs (:data:`STATS_DTYPE` per layer), padding older, narrower rows."""
+        """Decode blocks of :data:`STATS_DTYPE` records (the layout before revision 0017), padding narrower ones."""
         width = STATS_DTYPE.itemsize * n_layers
         if blobs and set(map(len, blobs)) == {width}:
             rec = np.frombuffer(b"".join(blobs), STATS_DTYPE).reshape(-1, n_layers)
@@ -117,7 +118,8 @@ class Partials:
         return cls(rec["min"], rec["max"], rec["sum"], rec["count"].astype(np.int64))
 
     def stats(self, row: int) -> bytes:
-        """Encode one row for storage (counts as uint16: a block never holds more than 4096 steps)."""
+        """One row as :data:`STATS_DTYPE` records, the layout before revision 0017 (counts as uint16: a block never
+        holds more than 4096 steps)."""
         rec = np.empty(self.vmin.shape[1], STATS_DTYPE)
         rec["min"], rec["max"], rec["sum"], rec["count"] = (
             self.vmin[row],

@@ -30,8 +30,13 @@ from quantwatch.service.rollups import rows_from_blobs
 from quantwatch.service.store.chunk_codec import encode_steps, encode_times, encode_values
 from quantwatch.service.store.raw_points import Rows, decode_chunk, merge, times_array
 
-CHUNK_ROWS = 64
-"""Raw rows of a metric that wait behind the frontier before they are folded (bench/storage_layout.py)."""
+CHUNK_ROWS = 128
+"""Raw rows of a metric that wait behind the frontier before they are folded (bench/storage_layout.py). 128 rather
+than 64: the values take 2% fewer bytes (fewer first rows without a predecessor; 1.95 → 1.91 bytes per value on the
+demo's series), and a chunk of 512 layers then always outgrows a 64 KiB SQLite page, so its overflow pages are full
+and only the remainder shares a leaf page, where one of ~60 KiB took a page of its own: over 4,096 steps of 16-step
+batches the second half costs 2.45 → 2.32 bytes per point (demo), 2.44 → 2.22 (agent); the raw tail waiting to be
+folded is twice as long."""
 
 _KEY = (
     PointChunk.run_id == bindparam("run_id"),

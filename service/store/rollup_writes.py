@@ -19,6 +19,7 @@ import numpy as np
 from sqlalchemy import Connection, bindparam, select
 
 from quantwatch.service.models import Rollup, RunRank
+from quantwatch.service.rollup_codec import decode_blocks, encode_blocks
 from quantwatch.service.rollups import F32, I64, LEVELS, Partials, group_starts
 from quantwatch.service.store.raw_points import RawPoints
 
@@ -85,7 +86,7 @@ class RollupWriter:
                 chunk = rows[start:i]
                 out[int(rows[start][0])] = (
                     np.array([r[1] for r in chunk], dtype=np.int64),
-                    Partials.from_stats([r[2] for r in chunk], n_layers),
+                    decode_blocks([r[2] for r in chunk], n_layers),
                 )
                 start = i
         return out
@@ -199,16 +200,9 @@ class RollupWriter:
     ) -> None:
         """Upsert the blocks ``which`` (indexes into ``keys``) of each name id's ``(keys, part, which)``."""
         rows = [
-            {
-                "run_id": run_id,
-                "rank": rank,
-                "name_id": nid,
-                "level": level,
-                "bucket": int(keys[i]),
-                "stats": part.stats(i),
-            }
+            {"run_id": run_id, "rank": rank, "name_id": nid, "level": level, "bucket": int(keys[i]), "stats": blob}
             for nid, (keys, part, which) in parts.items()
-            for i in which.tolist()
+            for i, blob in zip(which.tolist(), encode_blocks(part, which.tolist()), strict=True)
         ]
         if rows:
             conn.execute(self._upsert, rows)

@@ -24,7 +24,7 @@ from quantwatch.service.batch import decode_json
 from quantwatch.service.core.db import alembic_config, upgrade
 from quantwatch.service.exposition.queries import RankReader, RestoreLimits, recent_runs
 from quantwatch.service.models import Point, PointChunk, Rollup
-from quantwatch.service.rollups import LEVELS
+from quantwatch.service.rollups import LEVELS, STATS_DTYPE
 from quantwatch.service.store import Store, chunk_encoder, fold_worker, folding
 from quantwatch.service.store.chunk_codec import (
     decode_steps,
@@ -476,7 +476,8 @@ def test_sparse_blocks_are_not_stored_and_the_downgrade_of_0015_rebuilds_them(st
         command.downgrade(cfg, "0014_retention")
     assert _counts(store, run) == (0, len(ref.values))
     assert _block_keys(store) == {(level, s // level) for s in ref.values for level in LEVELS}
-    _assert_exact(store, run, ref)
+    with store.engine.connect() as conn:  # below 0017 blocks are records (this code reads them once upgraded)
+        assert {len(bytes(s)) for (s,) in conn.execute(select(Rollup.stats))} == {STATS_DTYPE.itemsize * len(LAYERS)}
     upgrade(store.engine)
     assert b"".join(store.export_csv(run)) == before
     _ingest(store, run, list(range(2304, 2400, 10)), np.ones((10, 4), dtype=np.float32), LAYERS, ref)
