@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -81,3 +82,20 @@ def make_batch() -> Callable[..., dict[str, Any]]:
 def encode_batch() -> Callable[..., tuple[bytes, dict[str, str]]]:
     """The :func:`encode` encoder."""
     return encode
+
+
+class HoldingObserver:
+    """An ingest observer that holds the batch ``hold_id`` inside its storing transaction until released."""
+
+    def __init__(self, hold_id: str) -> None:
+        self.hold_id = hold_id
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def on_batch(self, session: Any, run_row: Any, batch: Any) -> None:
+        if batch.batch_id == self.hold_id:
+            self.entered.set()
+            assert self.release.wait(30), "the test never released the held batch"
+
+    def after_commit(self, batch: Any) -> None:
+        pass

@@ -13,6 +13,8 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.service.conftest import HoldingObserver
+
 PROBLEM = "application/problem+json"
 
 
@@ -351,23 +353,6 @@ def test_nul_characters_are_refused_not_crashed(
     assert q.json()["errors"][0]["field"] == "query.metric"
 
 
-class _Holding:
-    """An ingest observer that holds the batch ``hold_id`` inside its storing transaction until released."""
-
-    def __init__(self, hold_id: str) -> None:
-        self.hold_id = hold_id
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def on_batch(self, session: Any, run_row: Any, batch: Any) -> None:
-        if batch.batch_id == self.hold_id:
-            self.entered.set()
-            assert self.release.wait(30), "the test never released the held batch"
-
-    def after_commit(self, batch: Any) -> None:
-        pass
-
-
 def test_ingest_beyond_the_pending_limit_gets_429_with_retry_after_and_loses_nothing(
     make_app: Callable[..., Any], make_batch: Callable[..., Any], encode_batch: Callable[..., Any]
 ) -> None:
@@ -378,7 +363,7 @@ def test_ingest_beyond_the_pending_limit_gets_429_with_retry_after_and_loses_not
     held = make_batch("gate", ["a"], [1], {"m": np.array([[1.0]])}, batch_id="held")
     second = make_batch("gate", ["a"], [2], {"m": np.array([[2.0]])}, batch_id="second")
     app = make_app(max_pending_ingest=1)
-    holding = _Holding("held")
+    holding = HoldingObserver("held")
     app.state.ingest_observers.append(holding)
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
         outcome: list[httpx.Response] = []

@@ -3,7 +3,6 @@ another replica, or by the rule routes, reaches this replica's next answer; an u
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ from alembic import command
 from quantwatch.protocol import FIRING_EPISODES_FIELD
 from quantwatch.service.alerts import firing
 from quantwatch.service.server import BackgroundServer
-from tests.service.conftest import batch_doc, encode
+from tests.service.conftest import HoldingObserver, batch_doc, encode
 
 RULE = "quantwatch_update_direction"  # update_cosine below 0.95 for 3 steps; keeps firing 4 clear steps
 
@@ -110,30 +109,13 @@ def test_migration_0013_round_trip_keeps_the_answers_firing_episodes(empty_datab
         engine.dispose()
 
 
-class _Holding:
-    """An ingest observer that holds the batch ``hold_id`` inside its storing transaction until released."""
-
-    def __init__(self, hold_id: str) -> None:
-        self.hold_id = hold_id
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def on_batch(self, session: Any, run_row: Any, batch: Any) -> None:
-        if batch.batch_id == self.hold_id:
-            self.entered.set()
-            assert self.release.wait(30), "the test never released the held batch"
-
-    def after_commit(self, batch: Any) -> None:
-        pass
-
-
 def test_batches_stored_in_one_group_each_answer_with_their_own_runs_firing_episodes(
     make_app: Callable[..., Any],
 ) -> None:
     """Batches of different runs that share one transaction (SQLite's group commit; side by side on PostgreSQL) each
     answer with their own run's firing episodes, which the alert engine keeps with the batch, not the thread."""
     app = make_app()
-    holding = _Holding("held")
+    holding = HoldingObserver("held")
     app.state.ingest_observers.append(holding)
 
     def post(http: httpx.Client, run: str, steps: range, cosine: float, batch_id: str | None = None) -> list[str]:
