@@ -243,6 +243,18 @@ def _broken(*args: Any, **kwargs: Any) -> bool:
     raise RuntimeError("broken pass")
 
 
+def _two_kept_rows_steps(model: nn.Module) -> tuple[qw.Monitor, qw.InMemoryExporter]:
+    """Two training steps of ``model`` watched at ``every=1`` with half the rows kept; the closed monitor and its
+    sink."""
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run="rows", exporter=sink, every=1, shadow_rows=1 / 2)
+    for _ in range(2):
+        model(torch.randn(8, 16)).square().sum().backward()
+        monitor.step()
+    assert monitor.close(10)
+    return monitor, sink
+
+
 @pytest.mark.parametrize(
     ("broken", "failure", "missing"),
     [
@@ -258,13 +270,7 @@ def test_a_failing_kept_rows_comparison_is_counted_never_raised_into_training(
 
     monkeypatch.setattr(layers, broken, _broken)
     torch.manual_seed(0)
-    model = nn.Sequential(qw_linear())
-    sink = qw.InMemoryExporter()
-    monitor = qw.attach(model, run="rows", exporter=sink, every=1, shadow_rows=1 / 2)
-    for _ in range(2):
-        model(torch.randn(8, 16)).square().sum().backward()
-        monitor.step()
-    assert monitor.close(10)
+    monitor, sink = _two_kept_rows_steps(nn.Sequential(qw_linear()))
     assert monitor.stats()["failures"] == {failure: 2}
     records = [record for _, record in sink.records()]
     assert len(records) == 2
@@ -294,12 +300,7 @@ def test_a_kept_rows_update_declined_on_its_values_compares_the_reference_rows_t
         model = nn.Sequential(qw_linear())
         # Registered before the agent's own hook on the weight, so the agent sees the gradient it returns.
         model[0].weight.register_hook(lambda grad: grad.index_fill(0, torch.arange(32), torch.inf))
-        sink = qw.InMemoryExporter()
-        monitor = qw.attach(model, run="rows", exporter=sink, every=1, shadow_rows=1 / 2)
-        for _ in range(2):
-            model(torch.randn(8, 16)).square().sum().backward()
-            monitor.step()
-        assert monitor.close(10)
+        monitor, sink = _two_kept_rows_steps(model)
         assert monitor.stats()["failures"] == {}
         return [record for _, record in sink.records()]
 
