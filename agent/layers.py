@@ -475,11 +475,11 @@ class _ShadowedModuleAdapter(LayerAdapter):
         way, not computed again."""
         if rows is None or self.options.reference_dtype != torch.float32 or not grad.is_cpu:
             return False
-        row, weight = host_row(self._batch()), grad.shape[0] / rows.numel()
-        reference = scratch_matrix(rows.shape[0], kept.x.shape[1])
+        batch, weight = self._batch(), grad.shape[0] / rows.numel()
+        row, reference = host_row(batch), scratch_matrix(rows.shape[0], kept.x.shape[1])
         ended = compare_weight_grad_rows(kept.dy, kept.x, rows, grad, row, weight=weight, reference=reference)
         if ended is RowsPass.REFERENCE:
-            stats = row_comparison_stats(reference, grad, rows, batch=self._batch(), weight=weight)
+            stats = row_comparison_stats(reference, grad, rows, batch=batch, weight=weight)
         elif ended:
             stats = row.stats
         else:
