@@ -760,19 +760,19 @@ void each_thread(int64_t n, int threads, double* stats, Body body, int64_t granu
 }
 
 // qw_weight_grad_rows' register tile: GRAD_ROWS kept rows by GRAD_VECTORS vectors of x's features, GRAD_ROWS ·
-// GRAD_VECTORS accumulators (24 of AVX-512's 32 registers, 1.2-1.3 × the speed of 16 on a Zen 4; 16 on AVX2's 16
-// registers, where larger tiles were no faster).
+// GRAD_VECTORS accumulators (24 of AVX-512's 32 registers: 1.25-1.45 × the speed of 16 on a Zen 4 in a loop; 16 on
+// AVX2's 16 registers, where larger tiles were no faster).
 #if defined(__AVX512F__)
 constexpr int64_t GRAD_ROWS = 6, GRAD_VECTORS = 4;
 #else
 constexpr int64_t GRAD_ROWS = 4, GRAD_VECTORS = 4;
 #endif
 
-// One tile of R kept rows (columns[t * k + r]: the gathered dy values of token t) by GRAD_VECTORS vectors of x (row t
-// at x + t * in_features) into ref (row r at ref + r * in_features): each element a float32 sum over the tokens in order.
+// One tile of R kept rows (columns[t * k + r]: the gathered dy values of token t) by GRAD_VECTORS vectors of x (row
+// t at x + t * in_features) into ref (row r at ref + r * in_features): each element a float32 sum over the tokens in
+// order.
 template <int R>
-void grad_tile(const float* columns, const float* x, int64_t tokens, int64_t k, int64_t in_features,
-                float* ref) {
+void grad_tile(const float* columns, const float* x, int64_t tokens, int64_t k, int64_t in_features, float* ref) {
   constexpr int C = GRAD_VECTORS;
   vf acc[R][C] = {};
   for (int64_t t = 0; t < tokens; t++) {
