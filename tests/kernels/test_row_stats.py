@@ -170,7 +170,14 @@ def test_the_native_stratified_draws_keep_numpys_rows(n: int, k: int) -> None:
 
 @pytest.mark.parametrize(
     ("tokens", "out_features", "in_features", "kept"),
-    [(128, 768, 256, 96), (128, 256, 1024, 32), (7, 20, 48, 5), (3, 4, 16, 1)],
+    [
+        (128, 768, 256, 96),
+        (128, 256, 1024, 32),
+        (7, 20, 48, 5),
+        (3, 4, 16, 1),
+        # last tiles of every row count the kernel's register tiles leave (1 to 5 of 6 rows; 1 of 4 on AVX2)
+        *((9, 40, 64, kept) for kept in (5, 9, 10, 13, 16)),
+    ],
 )
 def test_the_kept_rows_weight_gradient_is_each_rows_float32_sum_over_the_tokens(
     tokens: int, out_features: int, in_features: int, kept: int
@@ -256,7 +263,14 @@ def test_a_comparison_the_pass_cannot_write_is_declined_and_the_row_untouched() 
 
 @pytest.mark.parametrize(
     ("tokens", "in_features", "out_features", "kept", "bias"),
-    [(128, 256, 768, 16, True), (128, 1024, 256, 16, True), (40, 32, 48, 9, False), (3, 16, 16, 1, True)],
+    [
+        (128, 256, 768, 16, True),
+        (128, 1024, 256, 16, True),
+        (40, 32, 48, 9, False),
+        (3, 16, 16, 1, True),
+        # a tile's 16 sums added in lane groups of 8 (AVX2) or 16 with every row and output count at its edge
+        (21, 64, 80, 7, True),
+    ],
 )
 def test_a_linear_calls_kept_rows_compare_as_their_reference_computed_then_compared(
     tokens: int, in_features: int, out_features: int, kept: int, bias: bool
