@@ -4,25 +4,32 @@ Ingests the same batches through the store (``Store.ingest``, in process: what a
 HTTP) into a fresh database per case: 512 layers × 12 metrics, either 16-step batches of consecutive steps, or
 1-step batches of every 10th step (the agent's sampling, as bench/ingest.py ``--many-ranks`` sends them). Values
 come from bench/workloads.py: the demo's and the agent benchmark's recorded series replayed at scale, a random walk,
-and uniform random numbers (incompressible, the bound). Prints bytes per point of the whole database (SQLite: the
-files after a checkpoint, less their free pages; PostgreSQL: ``pg_total_relation_size`` of every table, as
-bench/ingest.py measures it: dead tuples of deleted raw rows included until a vacuum), the share of the raw points,
-chunks and rollups in it,
-and the bytes per point the second half of the batches added (on PostgreSQL after a ``VACUUM`` between the halves,
-as autovacuum does in time): the raw tail waiting to be folded and the space its deleted rows free for the next
-ones stay about the same size however long the run, so this is the cost per point of a long run. Then ingest
-points/s (16-step) or requests/s (1-step) by CPU and wall time, and, after the 16-step fill, heatmap and series
-reads (median CPU milliseconds).
+and uniform random numbers (incompressible, the bound). Prints bytes per point of the whole database, the share of
+the raw points, chunks and rollups in it, and the bytes per point the second half of the batches added: the raw tail
+waiting to be folded and the space its deleted rows free for the next ones stay about the same size however long the
+run, so this is the cost per point of a long run. Then ingest points/s (16-step) or requests/s (1-step) by CPU and
+wall time, and, after the 16-step fill, heatmap and series reads (median CPU milliseconds).
+
+Both sizes are taken in a steady state, once the store's background folds are done (``Store.wait_for_folds``).
+SQLite: the files after a checkpoint, less their free pages. PostgreSQL: ``pg_total_relation_size`` of every table
+(heap, TOAST, indexes, free space map and visibility map) after a ``VACUUM``, so the rows the folds deleted count as
+the free space they leave for the next raw rows, not as dead tuples whose count depends on when autovacuum last ran;
+and the fill waits for the folds after each batch (its clocks stopped meanwhile), as they keep up in a collector its
+agents do not saturate: a table never shrinks below its last live row, so a fill at full speed measured how far the
+folds fell behind it (the raw table held up to every row of the run), which moved with the machine's load. On
+PostgreSQL a line per case then breaks the whole database down by table (the raw points, chunks, rollups, the rest):
+heap, TOAST and index bytes per point, and the raw table's live, dead and free bytes (``pgstattuple`` when the
+extension can be created, else ``pg_stat_user_tables``' tuple counts). The CPU rates count this process only: not the
+fold worker's encoding process, nor, on PostgreSQL, the folds between batches.
 
 Each ``--tree NAME=PATH`` runs the store of another checkout (its package first on ``PYTHONPATH``), the trees
 alternated case by case; ratios are to the first tree's. ``NAME=PATH,fold`` builds that tree's store with folding on
 and ``NAME=PATH,raw`` with it off (the collector's ``fold_chunks`` setting; on by default since the folds run in the
-background, opt-in before), so one checkout can run both ways side by side. Sizes are taken once the store's
-background folds are done (``Store.wait_for_folds``); the CPU rates count this process only, not the fold worker's
-encoding process.
+background, opt-in before), so one checkout can run both ways side by side.
 
     .venv/bin/python bench/storage_layout.py --tree main=/tmp/qw-main --tree new=. --tree raw=.,raw
     .venv/bin/python bench/storage_layout.py --skip-postgres --workloads demo --steps 256 --requests 200
+    .venv/bin/python bench/storage_layout.py --skip-sqlite --steps 4096 --requests 4096
 """
 
 from __future__ import annotations
@@ -74,9 +81,16 @@ def batches(workload: str, steps_per_batch: int, count: int, stride: int) -> lis
     return out
 
 
-def database_size(engine: Any) -> dict[str, int]:
-    """Bytes of the whole database and of its point, chunk and rollup tables (with their indexes)."""
+TABLES = ("points", "point_chunks", "rollups")
+
+
+def database_size(engine: Any) -> dict[str, Any]:
+    """Bytes of the whole database and of its point, chunk and rollup tables (with their indexes); on PostgreSQL
+    also ``tables``, each of those tables' (and the rest's) heap, TOAST, index and other bytes (free space map,
+    visibility map), and ``raw``, the raw points' heap tuples: live, dead, free (bytes, or tuple counts from the
+    statistics collector where ``pgstattuple`` cannot be created)."""
     from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
 
     with engine.connect() as conn:
         if engine.dialect.name == "sqlite":
@@ -90,17 +104,37 @@ def database_size(engine: Any) -> dict[str, int]:
             total = sum(p.stat().st_size for p in path.parent.glob(path.name + "*")) - int(free) * int(page)
             index = {"points": ["ix_points_key"], "point_chunks": ["ix_point_chunks_key"], "rollups": []}
             parts = {t: int(tables.get(t, 0)) + sum(int(tables.get(i, 0)) for i in index[t]) for t in index}
-        else:
-            rows = conn.execute(
-                text(
-                    "SELECT c.relname, pg_total_relation_size(c.oid) FROM pg_class c "
-                    "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND c.relkind = 'r'"
-                )
-            ).all()
-            sizes = {str(r[0]): int(r[1]) for r in rows}
-            total = sum(sizes.values())
-            parts = {t: sizes.get(t, 0) for t in ("points", "point_chunks", "rollups")}
-    return {"total": total, **parts}
+            return {"total": total, **parts}
+        rows = conn.execute(
+            text(
+                "SELECT c.relname, pg_total_relation_size(c.oid), pg_relation_size(c.oid), "
+                "coalesce(pg_total_relation_size(nullif(c.reltoastrelid, 0)), 0), pg_indexes_size(c.oid) "
+                "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = 'public' AND c.relkind = 'r'"
+            )
+        ).all()
+        sizes = {str(r[0]): int(r[1]) for r in rows}
+        split: dict[str, dict[str, int]] = {t: dict.fromkeys(("heap", "toast", "indexes", "other"), 0) for t in TABLES}
+        split["rest"] = dict.fromkeys(("heap", "toast", "indexes", "other"), 0)
+        for name, whole, heap, toast, indexes in rows:
+            into = split[name if name in TABLES else "rest"]
+            for key, value in (("heap", heap), ("toast", toast), ("indexes", indexes)):
+                into[key] += int(value)
+            into["other"] += int(whole) - int(heap) - int(toast) - int(indexes)
+        try:
+            with conn.begin_nested():
+                conn.exec_driver_sql("CREATE EXTENSION IF NOT EXISTS pgstattuple")
+            live, dead, free = conn.execute(
+                text("SELECT tuple_len, dead_tuple_len, free_space FROM pgstattuple('points')")
+            ).one()
+            raw = {"unit": "bytes", "live": int(live), "dead": int(dead), "free": int(free)}
+        except DBAPIError:  # no contrib package, or no right to create it: the tuple counts the server keeps
+            live, dead = conn.execute(
+                text("SELECT n_live_tup, n_dead_tup FROM pg_stat_user_tables WHERE relname = 'points'")
+            ).one()
+            raw = {"unit": "tuples", "live": int(live), "dead": int(dead), "free": 0}
+    total = sum(sizes.values())
+    return {"total": total, **{t: sizes.get(t, 0) for t in TABLES}, "tables": split, "raw": raw}
 
 
 def settle(store: Any) -> None:
@@ -108,6 +142,15 @@ def settle(store: Any) -> None:
     wait = getattr(store, "wait_for_folds", None)
     if wait is not None:
         wait()
+
+
+def steady_size(store: Any, engine: Any) -> dict[str, Any]:
+    """:func:`database_size` once the folds are done and, on PostgreSQL, after a ``VACUUM`` (see the module)."""
+    settle(store)
+    if engine.dialect.name == "postgresql":
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("VACUUM")
+    return database_size(engine)
 
 
 def worker(case: dict[str, Any]) -> dict[str, Any]:
@@ -120,34 +163,42 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
     count = case["requests"] if one_step else case["steps"] // 16
     bodies = batches(case["workload"], case["batch"], count, SAMPLE_EVERY if one_step else 1)
     decoded = [decode_msgpack(b) for b in bodies]
+    paced = case["backend"] == "postgres"
     with fresh_engine(case["backend"], "bench_storage") as engine:
         store = Store(
             engine, make_sessionmaker(engine), **({} if case["fold"] is None else {"fold_chunks": case["fold"]})
         )
+        clocks = {"points": 0, "cpu": 0.0, "wall": 0.0}
+
+        def fill(part: list[Any]) -> None:
+            for batch in part:
+                cpu, wall = time.process_time(), time.perf_counter()
+                clocks["points"] += store.ingest(batch).points
+                clocks["cpu"] += time.process_time() - cpu
+                clocks["wall"] += time.perf_counter() - wall
+                if paced:  # the folds keep up (see the module), off the clocks
+                    settle(store)
+
         half = len(decoded) // 2
-        cpu, wall = time.process_time(), time.perf_counter()
-        first = sum(store.ingest(batch).points for batch in decoded[:half])
-        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-        settle(store)
-        before = database_size(engine)
-        if case["backend"] == "postgres":  # what autovacuum does in time: the space of deleted rows becomes reusable
-            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                conn.exec_driver_sql("VACUUM")
-        cpu2, wall2 = time.process_time(), time.perf_counter()
-        points = first + sum(store.ingest(batch).points for batch in decoded[half:])
-        cpu, wall = cpu + time.process_time() - cpu2, wall + time.perf_counter() - wall2
-        settle(store)
-        sizes = database_size(engine)
+        fill(decoded[:half])
+        first = clocks["points"]
+        before = steady_size(store, engine)
+        fill(decoded[half:])
+        points = clocks["points"]
+        sizes = steady_size(store, engine)
         out: dict[str, Any] = {
             "points": points,
             "bytes_per_point": sizes["total"] / points,
-            "shares": {t: sizes[t] / sizes["total"] for t in ("points", "point_chunks", "rollups")},
+            "shares": {t: sizes[t] / sizes["total"] for t in TABLES},
             # What the second half added per point: the raw tail waiting to be folded and the space its deleted rows
             # leave stay about the same size however long the run, so this is what a long run costs per point.
             "marginal_bytes_per_point": (sizes["total"] - before["total"]) / (points - first),
-            "rate_cpu": (count if one_step else points) / cpu,
-            "rate_wall": (count if one_step else points) / wall,
+            "rate_cpu": (count if one_step else points) / clocks["cpu"],
+            "rate_wall": (count if one_step else points) / clocks["wall"],
         }
+        if "tables" in sizes:
+            out["tables"] = {t: {k: v / points for k, v in parts.items()} for t, parts in sizes["tables"].items()}
+            out["raw"] = sizes["raw"]
         if not one_step:
             reads = {
                 "heatmap 512×500": lambda: store.heatmap("bench", METRICS[0], 0, None, None, 500, None, "max"),
@@ -166,6 +217,17 @@ def worker(case: dict[str, Any]) -> dict[str, Any]:
                     times.append((time.process_time() - t0) * 1e3)
                 out["reads_ms"][name] = statistics.median(times)
     return out
+
+
+def breakdown(result: dict[str, Any]) -> str:
+    """The PostgreSQL tables' bytes per point (heap/TOAST/indexes/FSM and VM) and the raw points' tuples."""
+    parts = ", ".join(f"{t} " + "/".join(f"{v:.2f}" for v in split.values()) for t, split in result["tables"].items())
+    raw = result["raw"]
+    if raw["unit"] == "bytes":
+        tuples = f"live {raw['live'] / 1e6:.1f} MB, dead {raw['dead'] / 1e6:.1f} MB, free {raw['free'] / 1e6:.1f} MB"
+    else:
+        tuples = f"live {raw['live']} tuples, dead {raw['dead']} tuples"
+    return f"    B/point heap/TOAST/indexes/FSM+VM: {parts}; raw points' heap: {tuples}"
 
 
 def run_case(tree: Path, case: dict[str, Any]) -> dict[str, Any]:
@@ -200,6 +262,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000, help="1-step batches (every 10th step)")
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--skip-postgres", action="store_true")
+    parser.add_argument("--skip-sqlite", action="store_true")
     parser.add_argument("--tree", action="append", default=[], help="NAME=PATH (default: this checkout)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -207,7 +270,7 @@ def main() -> None:
         print(json.dumps(worker(json.loads(args.worker))))
         return
     trees = [(n, *tree_spec(p)) for n, p in (t.split("=", 1) for t in args.tree)] or [("this", Path.cwd(), None)]
-    backends = ["sqlite"] + ([] if args.skip_postgres else ["postgres"])
+    backends = ([] if args.skip_sqlite else ["sqlite"]) + ([] if args.skip_postgres else ["postgres"])
     print(f"load average {os.getloadavg()[0]:.1f} at start; {len(LAYERS)} layers × {len(METRICS)} metrics")
     for backend in backends:
         for batch in (16, 1):
@@ -232,6 +295,8 @@ def main() -> None:
                             f"{k} {v:.1f} ms ({v / base['reads_ms'][k]:.2f}×)" for k, v in r["reads_ms"].items()
                         )
                     print(line, flush=True)
+                    if "tables" in r:
+                        print(breakdown(r), flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at end")
 
 

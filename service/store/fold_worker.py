@@ -37,8 +37,12 @@ IDLE_SECONDS = 60.0
 """How long the thread waits for more work before it ends (its encoding process with it). Longer than the gaps
 between folds a busy collector sees (at the agent's cadence each rank compacts every 64 sampled steps, so 16 ranks
 posting every 2 s queue a fold about every 8 s): starting the process costs about 0.8 s of CPU."""
-VACUUM_BYTES = 4 << 20
-"""Bytes of raw rows folds delete on PostgreSQL between two vacuums of their table (see FoldWorker._vacuum_after)."""
+VACUUM_BYTES = 1 << 20
+"""Bytes of raw rows folds delete on PostgreSQL between two vacuums of their table (see FoldWorker._vacuum_after).
+Less than one fold of a wide rank (128 steps × 512 layers × 12 metrics: 3 MiB), so such a fold's rows are free for
+the next ones at once: at 4 MiB the table held the rows of two folds besides the tail, 1.38 → 0.83 bytes per point of
+raw table at 1,024 steps (bench/storage_layout.py, demo, 16-step batches); the vacuums took
+328 ms of the 11 s its 63 folds took at 4,096 steps (98 ms at 4 MiB)."""
 PROCESS_VALUES = 1 << 17
 """Values a rank's fold encodes from which the encoding goes to the worker's process (fewer: on its thread, as the
 round trip's pickling costs more than it saves; 64 steps × 512 layers × 4 metrics is 131,072)."""
