@@ -60,6 +60,12 @@ class Store(HistoryReader):
         downgrade below migration 0007 (whose downgrade refuses ranks with steps past their frontier) and for tests."""
         self._writer.compact_all(run)
 
+    def compact_idle(self, seen_before: float) -> int:
+        """Build the complete blocks of every rank that has some not built and whose last batch came before
+        ``seen_before`` (seconds since the epoch): ingest compacts a rank only once several blocks are due, so a rank
+        that stopped sending is compacted here (by the collector's compaction sweeper); how many ranks it compacted."""
+        return self._writer.compact_idle(seen_before)
+
     def wait_for_folds(self, timeout: float | None = None) -> bool:
         """Wait until the background folder has folded every rank queued so far (at once with folding off); False
         when ``timeout`` ran out first."""

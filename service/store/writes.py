@@ -36,7 +36,7 @@ from quantwatch.service.models import (
 from quantwatch.service.rollups import F32, I64, MISSING_BITS, is_missing, missing_row
 from quantwatch.service.store.actions import write_actions
 from quantwatch.service.store.common import IngestResult, RunCache, find_run
-from quantwatch.service.store.compaction import Compactor, frontier_after
+from quantwatch.service.store.compaction import Compactor, compaction_due
 from quantwatch.service.store.group_commit import GroupCommit
 from quantwatch.service.store.raw_points import RawPoints, Rows
 from quantwatch.service.store.retention import keep_retained
@@ -143,7 +143,7 @@ class BatchWriter:
                 observer.after_commit(batch)
             except Exception:
                 log.exception("ingest observer %r failed after commit", observer)
-        if frontier_after(max(s.step for s in batch.steps)) > stored.frontier:
+        if compaction_due(stored.frontier, max(s.step for s in batch.steps)):
             self._compact(stored.run_id, batch.rank)
         return IngestResult(batch.batch_id, False, batch.points)
 
@@ -196,6 +196,11 @@ class BatchWriter:
                 self._compactor.compact(run_id, rank, self.rank_key(run_id, rank), whole=True)
             if self._compactor.folds is not None:
                 self._compactor.folds.fold(run_id, rank, self.rank_key(run_id, rank))
+
+    def compact_idle(self, seen_before: float) -> int:
+        """Compact the ranks whose complete blocks wait below the batches' trigger and whose last batch came before
+        ``seen_before`` (see Compactor.compact_idle); how many it compacted."""
+        return self._compactor.compact_idle(seen_before, self.rank_key, self._exclusive)
 
     def _exclusive(self) -> AbstractContextManager[None]:
         """The write slot between ingest groups on SQLite (see GroupCommit); nothing to hold on PostgreSQL."""
