@@ -62,7 +62,7 @@ class Store(HistoryReader):
 
     def compact_idle(self, seen_before: float) -> int:
         """Build the complete blocks of every rank that has some not built and whose last batch came before
-        ``seen_before`` (seconds since the epoch): ingest compacts a rank only once several blocks are due, so a rank
+        ``seen_before`` (seconds since the epoch): ingest compacts a rank up to edges of several blocks only, so a rank
         that stopped sending is compacted here (by the collector's compaction sweeper); how many ranks it compacted."""
         return self._writer.compact_idle(seen_before)
 

@@ -1,15 +1,16 @@
 """Rollups built behind the ingest path, from complete blocks (issue 21).
 
 A batch commits its raw points only (plus the blocks of any steps that arrive behind the frontier); each rank's
-``compacted_step`` frontier says up to where every rollup block is complete. Once a rank's newest step has moved past
-:data:`COMPACT_STEPS` of whole base blocks, :meth:`Compactor.compact` builds them and every level above from the raw
-points in a transaction of its own and moves the frontier; a rank whose complete blocks wait below that for
-:data:`IDLE_SECONDS` is compacted by the collector's sweeper (:meth:`Compactor.compact_idle`). Reads use blocks that end
-before the frontier and the raw points after it, so they are exact whatever the frontier; a crash between a batch's
-commit and the compaction loses nothing (the points are committed) and duplicates nothing (the next compaction of the
-rank rebuilds its blocks from raw). With folding on (the ``fold_chunks`` setting, the default), a compaction that moved
-the frontier then queues the rank for the background folder (:mod:`.fold_worker`), which folds the raw rows behind the
-frontier into compressed chunks off the ingest path; off, compaction builds the blocks only.
+``compacted_step`` frontier says up to where every rollup block is complete. Once a rank's newest step has passed an
+edge of :data:`COMPACT_STEPS` beyond its frontier, :meth:`Compactor.compact` builds the base blocks up to that edge and
+every level above from the raw points in a transaction of its own and moves the frontier there; a rank whose complete
+blocks wait behind no such edge for :data:`IDLE_SECONDS` is compacted by the collector's sweeper
+(:meth:`Compactor.compact_idle`). Reads use blocks that end before the frontier and the raw points after it, so they are
+exact whatever the frontier; a crash between a batch's commit and the compaction loses nothing (the points are
+committed) and duplicates nothing (the next compaction of the rank rebuilds its blocks from raw). With folding on (the
+``fold_chunks`` setting, the default), a compaction that moved the frontier then queues the rank for the background
+folder (:mod:`.fold_worker`), which folds the raw rows behind the frontier into compressed chunks off the ingest path;
+off, compaction builds the blocks only.
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ from quantwatch.service.store.rollup_writes import RollupWriter
 
 BLOCK_STEPS = LEVELS[0]
 COMPACT_STEPS = 4 * BLOCK_STEPS
-"""How far a rank's frontier must be able to move before a batch compacts it. A compaction's cost is mostly fixed
-(its transaction and commit, the reads and writes of the parent levels' blocks), so it is paid once per this many
-steps: at the agent's ``every=25`` a one-step batch crosses a base block's edge in 39% of batches, and compacting at
-each edge cost a one-step batch 4× per step what a 16-step one pays (which moves the frontier by ~6 blocks at once).
-Reads are exact whatever the frontier; the raw tail they read is up to this many steps longer."""
+"""The edges a batch moves its rank's frontier to: multiples of this many steps (a level's block, 256). A compaction's
+cost is mostly fixed (its transaction and commit, the reads and writes of the parent levels' blocks, and each parent
+whose children are not all stored read again from raw), so it is paid once per this many steps: at the agent's
+``every=25`` a one-step batch crossed a base block's edge in 39% of batches, and compacting at each edge cost a
+one-step batch 4× per step what a 16-step one pays (which moves the frontier by ~6 blocks at once). From one edge to
+the next a compaction combines the 128- and 256-step blocks from the base blocks it has just built, none read again
+from raw (unless a base block holds no sample). Reads are exact whatever the frontier; the raw tail they read is at
+most ``2 × COMPACT_STEPS - 1`` steps long."""
 IDLE_SECONDS = 30.0
-"""How long a rank whose complete blocks wait below :data:`COMPACT_STEPS` goes without a batch before the sweeper
-compacts it (a rank that stopped sending is compacted eventually, and folded after)."""
+"""How long a rank whose complete blocks wait behind no :data:`COMPACT_STEPS` edge goes without a batch before the
+sweeper compacts it (a rank that stopped sending is compacted eventually, and folded after)."""
 
 
 def frontier_after(last_step: int) -> int:
@@ -44,10 +48,15 @@ def frontier_after(last_step: int) -> int:
     return last_step // BLOCK_STEPS * BLOCK_STEPS
 
 
+def compaction_edge(last_step: int) -> int:
+    """Where a batch moves the frontier of a rank whose newest step is ``last_step``: the last :data:`COMPACT_STEPS`
+    edge at or before it (nowhere when that is not past the frontier)."""
+    return last_step // COMPACT_STEPS * COMPACT_STEPS
+
+
 def compaction_due(frontier: int, last_step: int) -> bool:
-    """Whether a batch whose newest step is ``last_step`` compacts a rank at ``frontier``: at least
-    :data:`COMPACT_STEPS` of complete base blocks are not built."""
-    return frontier_after(last_step) - frontier >= COMPACT_STEPS
+    """Whether a batch whose newest step is ``last_step`` compacts a rank at ``frontier``."""
+    return compaction_edge(last_step) > frontier
 
 
 class Compactor:
@@ -69,11 +78,12 @@ class Compactor:
         self.folds = FoldWorker(factory, group) if fold else None
         self.pg = pg
 
-    def compact(self, run_id: int, rank: int, lock_key: int, *, whole: bool = False) -> int:
-        """Build every base block of (run, rank) between its frontier and the block of its last step (``whole``:
-        that block too, so the frontier passes the last step), in one transaction under the rank's write lock
-        (``lock_key`` on PostgreSQL); return the new frontier (unchanged when nothing was due). With folding on, a moved
-        frontier queues the rank for the folder."""
+    def compact(self, run_id: int, rank: int, lock_key: int, *, whole: bool = False, blocks: bool = False) -> int:
+        """Build every base block of (run, rank) between its frontier and the :func:`compaction_edge` of its last
+        step (``blocks``: every complete block, up to the block of its last step; ``whole``: that block too, so the
+        frontier passes the last step), in one transaction under the rank's write lock (``lock_key`` on PostgreSQL);
+        return the new frontier (unchanged when nothing was due). With folding on, a moved frontier queues the rank for
+        the folder."""
         with self.factory() as session:
             conn = session.connection(execution_options={"sqlite_begin": "IMMEDIATE"})
             try:
@@ -88,7 +98,8 @@ class Compactor:
                     session.rollback()
                     return 0
                 frontier, last_step, n_layers = int(row[0]), int(row[1]), int(row[2])
-                target = last_step + 1 if whole else frontier_after(last_step)
+                edge = frontier_after if blocks else compaction_edge
+                target = last_step + 1 if whole else edge(last_step)
                 if target <= frontier:
                     session.rollback()
                     return frontier
@@ -119,10 +130,10 @@ class Compactor:
         lock_key: Callable[[int, int], int],
         exclusive: Callable[[], AbstractContextManager[None]],
     ) -> int:
-        """Compact every rank with complete blocks not built whose last batch came before ``seen_before`` (seconds
-        since the epoch), each in a transaction of its own (``exclusive``: the writer's slot on SQLite; ``lock_key``:
-        a rank's PostgreSQL advisory lock key); return how many ranks it compacted. Replicas may run it side by side:
-        a rank compacted by one finds nothing due in the other."""
+        """Build the complete blocks of every rank with some not built whose last batch came before ``seen_before``
+        (seconds since the epoch), each in a transaction of its own (``exclusive``: the writer's slot on SQLite;
+        ``lock_key``: a rank's PostgreSQL advisory lock key); return how many ranks it compacted. Replicas may run it
+        side by side: a rank compacted by one finds nothing due in the other."""
         due = RunRank.last_step // BLOCK_STEPS * BLOCK_STEPS > RunRank.compacted_step
         with self.factory() as session:
             ranks = session.execute(
@@ -132,5 +143,5 @@ class Compactor:
             ).all()
         for run_id, rank in ranks:
             with exclusive():
-                self.compact(int(run_id), int(rank), lock_key(int(run_id), int(rank)))
+                self.compact(int(run_id), int(rank), lock_key(int(run_id), int(rank)), blocks=True)
         return len(ranks)

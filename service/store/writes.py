@@ -198,7 +198,7 @@ class BatchWriter:
                 self._compactor.folds.fold(run_id, rank, self.rank_key(run_id, rank))
 
     def compact_idle(self, seen_before: float) -> int:
-        """Compact the ranks whose complete blocks wait below the batches' trigger and whose last batch came before
+        """Compact the ranks whose complete blocks wait behind no compaction edge and whose last batch came before
         ``seen_before`` (see Compactor.compact_idle); how many it compacted."""
         return self._compactor.compact_idle(seen_before, self.rank_key, self._exclusive)
 

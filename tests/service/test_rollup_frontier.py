@@ -134,10 +134,8 @@ batches = st.lists(
 def test_reads_across_the_raw_tail_and_finished_blocks_are_exact(store: Store, shapes: list[Any]) -> None:
     run = f"prop-{uuid.uuid4().hex[:8]}"
     ref = ingest_shapes(store, run, shapes)
-    # Built up to the newest step's block, or fewer than COMPACT_STEPS behind it (the batches compact no sooner).
-    newest = max(ref.values) // 64 * 64
-    assert newest - COMPACT_STEPS < _frontier(store, run) <= newest
-    assert _frontier(store, run) % 64 == 0
+    # Built up to the last COMPACT_STEPS edge at or before the newest step (the batches compact no further).
+    assert _frontier(store, run) == max(ref.values) // COMPACT_STEPS * COMPACT_STEPS
     store.compact_rollups(run)
     assert _frontier(store, run) == max(ref.values) + 1
     _assert_exact(store, run, ref)
@@ -189,25 +187,25 @@ def crash_crossing_batch(
 
 def test_a_crash_between_commit_and_compaction_loses_and_duplicates_nothing(store: Store, database_url: str) -> None:
     run = "crash"
-    # Steps up to 319: blocks 0–4 complete, COMPACT_STEPS of them due, so the batch compacts (and dies doing it).
+    # Steps up to 319: past the first COMPACT_STEPS edge, so the batch compacts (and dies doing it).
     ref, doc = crash_crossing_batch(store, database_url, run, CRASHING_INGEST, last=319)
     assert _frontier(store, run) == 0  # committed, not compacted
     _assert_exact(store, run, ref)
     assert store.ingest(decode_json(json.dumps(doc).encode())).duplicate  # the batch was durable
     assert store.get_run(run)["points"] == 320 * 4
     _ingest(store, run, [322], np.full((1, 4), 5.0, dtype=np.float32), LAYERS, ref)  # the next batch compacts
-    assert _frontier(store, run) == 320
+    assert _frontier(store, run) == 256
     _assert_exact(store, run, ref)
     with store.engine.connect() as conn:
         blocks = conn.execute(select(Rollup.level, Rollup.bucket).order_by(Rollup.level, Rollup.bucket)).all()
-    # Complete blocks only: the second 256-step block and the 1024- and 4096-step ones end past the frontier.
-    assert [tuple(b) for b in blocks] == [(64, 0), (64, 1), (64, 2), (64, 3), (64, 4), (128, 0), (128, 1), (256, 0)]
+    # Up to the edge only: block (64, 4) waits for the next edge, the 1024- and 4096-step blocks end past it.
+    assert [tuple(b) for b in blocks] == [(64, 0), (64, 1), (64, 2), (64, 3), (128, 0), (128, 1), (256, 0)]
     assert store.get_run(run)["points"] == 321 * 4
 
 
 def test_one_step_batches_compact_once_several_blocks_are_due(store: Store) -> None:
-    """Batches of one sampled step (every 25th, as the agent's default) leave complete blocks unbuilt until
-    COMPACT_STEPS of them are due, then build them all in one compaction; reads are exact all along."""
+    """Batches of one sampled step (every 25th, as the agent's default) leave complete blocks unbuilt until a batch
+    passes the next COMPACT_STEPS edge, then build them all in one compaction; reads are exact all along."""
     run = "one-step"
     ref = Reference()
     frontiers = []
@@ -217,20 +215,19 @@ def test_one_step_batches_compact_once_several_blocks_are_due(store: Store) -> N
     _assert_exact(store, run, ref)
     expected, frontier = [], 0
     for step in range(0, 1000, 25):
-        if step // 64 * 64 - frontier >= COMPACT_STEPS:
-            frontier = step // 64 * 64
+        frontier = max(frontier, step // COMPACT_STEPS * COMPACT_STEPS)
         expected.append(frontier)
     assert frontiers == expected
     assert sorted(set(frontiers)) == [0, 256, 512, 768]  # three compactions for 40 batches
 
 
 def test_a_rank_that_stops_sending_is_compacted_by_the_sweep(store: Store) -> None:
-    """Complete blocks below the batches' trigger wait for a rank's next batches; once the rank has sent nothing for
+    """Complete blocks behind no COMPACT_STEPS edge wait for a rank's next batches; once the rank has sent nothing for
     the sweep's idle time, the compaction sweeper builds them (and a second sweep finds nothing due)."""
     run = "stopped"
     ref = Reference()
     _ingest(store, run, list(range(200)), np.arange(800, dtype=np.float32).reshape(200, 4), LAYERS, ref)
-    assert _frontier(store, run) == 0  # blocks 0–2 complete: fewer than COMPACT_STEPS
+    assert _frontier(store, run) == 0  # blocks 0–2 complete, the first COMPACT_STEPS edge not passed
     sent_at = store.get_run(run)["last_seen_at"]
     assert store.compact_idle(sent_at - 1) == 0  # the rank sent a batch since
     CompactionSweeper(store, idle_seconds=30, clock=lambda: sent_at + 10).run_pass()
