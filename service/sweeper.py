@@ -6,9 +6,10 @@ one short transaction per rank) until one finds nothing more to drop, so a backl
 any one transaction holding a rank's write lock for long. Replicas on one database may all sweep: the store's
 transactions make the second sweep of a rank find nothing due.
 
-Ingest compacts a rank up to edges of several base blocks (``store.compaction.COMPACT_STEPS``); the compaction sweeper
-compacts, every :data:`~quantwatch.service.store.compaction.IDLE_SECONDS`, the ranks whose complete blocks wait below
-that and that sent nothing for as long, so their raw points are folded and their blocks built although no batch of
+Ingest compacts a rank up to edges of one or, for sparse sampling, several base blocks
+(``store.compaction.edge_steps``); the compaction sweeper compacts, every
+:data:`~quantwatch.service.store.compaction.IDLE_SECONDS`, the ranks whose complete blocks wait behind no such edge
+and that sent nothing for as long, so their raw points are folded and their blocks built although no batch of
 theirs comes to do it.
 """
 

@@ -56,9 +56,9 @@ class Store(HistoryReader):
     def compact_rollups(self, run: str) -> None:
         """Move each rank's frontier of ``run`` past its last step now: build its base blocks, the partial last one
         included, and the complete blocks above them, and, with folding on, fold what is due of its raw points into
-        chunks before it returns (raises NotFoundError). Ingest builds blocks up to edges of 256 steps (the compaction
-        sweeper those of ranks that stopped sending); this is for a downgrade below migration 0007 (whose downgrade
-        refuses ranks with steps past their frontier) and for tests."""
+        chunks before it returns (raises NotFoundError). Ingest builds blocks up to edges of 64 or 256 steps (the
+        compaction sweeper those of ranks that stopped sending); this is for a downgrade below migration 0007 (whose
+        downgrade refuses ranks with steps past their frontier) and for tests."""
         self._writer.compact_all(run)
 
     def compact_idle(self, seen_before: float) -> int:

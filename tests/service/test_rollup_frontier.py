@@ -25,7 +25,7 @@ from quantwatch.service.batch import decode_json
 from quantwatch.service.core.db import make_engine, make_sessionmaker
 from quantwatch.service.models import Rollup, RunRank
 from quantwatch.service.store import Store, choose_width
-from quantwatch.service.store.compaction import COMPACT_STEPS
+from quantwatch.service.store.compaction import COMPACT_STEPS, DENSE_STEPS
 from quantwatch.service.sweeper import CompactionSweeper
 from tests.service.conftest import batch_doc
 
@@ -134,8 +134,10 @@ batches = st.lists(
 def test_reads_across_the_raw_tail_and_finished_blocks_are_exact(store: Store, shapes: list[Any]) -> None:
     run = f"prop-{uuid.uuid4().hex[:8]}"
     ref = ingest_shapes(store, run, shapes)
-    # Built up to the last COMPACT_STEPS edge at or before the newest step (the batches compact no further).
-    assert _frontier(store, run) == max(ref.values) // COMPACT_STEPS * COMPACT_STEPS
+    # Built up to an edge at or before the newest step's block: its own (dense batches), or the last COMPACT_STEPS one.
+    newest = max(ref.values)
+    assert newest // COMPACT_STEPS * COMPACT_STEPS <= _frontier(store, run) <= newest // 64 * 64
+    assert _frontier(store, run) % 64 == 0
     store.compact_rollups(run)
     assert _frontier(store, run) == max(ref.values) + 1
     _assert_exact(store, run, ref)
@@ -160,18 +162,16 @@ CRASHING_INGEST = textwrap.dedent(
 )
 
 
-def crash_crossing_batch(
-    store: Store, database_url: str, run: str, script: str, last: int = 127
-) -> tuple[Reference, dict[str, Any]]:
-    """Ingest steps 0–59 of ``run``, then send steps 60–``last`` (a block's last step) from a process running
+def crash_crossing_batch(store: Store, database_url: str, run: str, script: str) -> tuple[Reference, dict[str, Any]]:
+    """Ingest steps 0–59 of ``run``, then send steps 60–127 (up to a block's last step) from a process running
     ``script``, which must kill itself after the batch's commit; what the store must hold, and the batch sent."""
     ref = Reference()
     first = np.arange(60, dtype=np.float32)[:, None] * np.ones((1, 4), dtype=np.float32)
     _ingest(store, run, list(range(60)), first, LAYERS, ref)
     assert _frontier(store, run) == 0  # block 0 is not complete yet
-    # Up to a block's last step: the blocks up to it are complete, none is built yet.
-    crossing = np.full((last + 1 - 60, 4), 100.0, dtype=np.float32)
-    doc = batch_doc(run, LAYERS, list(range(60, last + 1)), {"m": crossing}, batch_id="crossing")
+    # Up to a block's last step: blocks 0 and 1 (and the first 128-step block) are complete, none is built yet.
+    crossing = np.full((68, 4), 100.0, dtype=np.float32)
+    doc = batch_doc(run, LAYERS, list(range(60, 128)), {"m": crossing}, batch_id="crossing")
     proc = subprocess.run(
         [sys.executable, "-c", script, database_url, json.dumps(doc)],
         cwd=Path(__file__).parents[2],
@@ -180,53 +180,56 @@ def crash_crossing_batch(
         check=False,
     )
     assert proc.returncode == -9, proc.stderr.decode()
-    for step, row in zip(range(60, last + 1), crossing, strict=True):
+    for step, row in zip(range(60, 128), crossing, strict=True):
         ref.values[step] = row
     return ref, doc
 
 
 def test_a_crash_between_commit_and_compaction_loses_and_duplicates_nothing(store: Store, database_url: str) -> None:
     run = "crash"
-    # Steps up to 319: past the first COMPACT_STEPS edge, so the batch compacts (and dies doing it).
-    ref, doc = crash_crossing_batch(store, database_url, run, CRASHING_INGEST, last=319)
+    ref, doc = crash_crossing_batch(store, database_url, run, CRASHING_INGEST)
     assert _frontier(store, run) == 0  # committed, not compacted
     _assert_exact(store, run, ref)
     assert store.ingest(decode_json(json.dumps(doc).encode())).duplicate  # the batch was durable
-    assert store.get_run(run)["points"] == 320 * 4
-    _ingest(store, run, [322], np.full((1, 4), 5.0, dtype=np.float32), LAYERS, ref)  # the next batch compacts
-    assert _frontier(store, run) == 256
+    assert store.get_run(run)["points"] == 128 * 4
+    _ingest(store, run, [130], np.full((1, 4), 5.0, dtype=np.float32), LAYERS, ref)  # the next batch compacts
+    assert _frontier(store, run) == 128
     _assert_exact(store, run, ref)
     with store.engine.connect() as conn:
         blocks = conn.execute(select(Rollup.level, Rollup.bucket).order_by(Rollup.level, Rollup.bucket)).all()
-    # Up to the edge only: block (64, 4) waits for the next edge, the 1024- and 4096-step blocks end past it.
-    assert [tuple(b) for b in blocks] == [(64, 0), (64, 1), (64, 2), (64, 3), (128, 0), (128, 1), (256, 0)]
-    assert store.get_run(run)["points"] == 321 * 4
+    # Complete blocks only: the 256-, 1024- and 4096-step blocks of step 0 end past the frontier.
+    assert [tuple(b) for b in blocks] == [(64, 0), (64, 1), (128, 0)]
+    assert store.get_run(run)["points"] == 129 * 4
 
 
-def test_one_step_batches_compact_once_several_blocks_are_due(store: Store) -> None:
-    """Batches of one sampled step (every 25th, as the agent's default) leave complete blocks unbuilt until a batch
-    passes the next COMPACT_STEPS edge, then build them all in one compaction; reads are exact all along."""
-    run = "one-step"
+@pytest.mark.parametrize("every", [2, 25])
+def test_one_step_batches_compact_at_the_edges_their_sampling_calls_for(store: Store, every: int) -> None:
+    """Batches of one sampled step: sampled densely (every 2nd step) each base block's edge compacts the rank; sparsely
+    (every 25th, the agent's default) complete blocks wait until a batch passes the next COMPACT_STEPS edge, then are
+    built in one compaction. Reads are exact all along."""
+    run = f"one-step-{every}"
     ref = Reference()
     frontiers = []
-    for step in range(0, 1000, 25):
+    for step in range(0, 1000 if every > DENSE_STEPS else 300, every):
         _ingest(store, run, [step], np.float32([[step, -step, 0.5, 2]]), LAYERS, ref)
         frontiers.append(_frontier(store, run))
     _assert_exact(store, run, ref)
+    edge = 64 if every <= DENSE_STEPS else COMPACT_STEPS
     expected, frontier = [], 0
-    for step in range(0, 1000, 25):
-        frontier = max(frontier, step // COMPACT_STEPS * COMPACT_STEPS)
+    for step in sorted(ref.values):
+        frontier = max(frontier, step // edge * edge)
         expected.append(frontier)
     assert frontiers == expected
-    assert sorted(set(frontiers)) == [0, 256, 512, 768]  # three compactions for 40 batches
+    assert len(set(frontiers)) == (5 if every <= DENSE_STEPS else 4)  # 0 and 4 moves of the frontier, or 3
 
 
 def test_a_rank_that_stops_sending_is_compacted_by_the_sweep(store: Store) -> None:
-    """Complete blocks behind no COMPACT_STEPS edge wait for a rank's next batches; once the rank has sent nothing for
-    the sweep's idle time, the compaction sweeper builds them (and a second sweep finds nothing due)."""
+    """Complete blocks behind no edge of the rank's batches wait for its next batches; once the rank has sent nothing
+    for the sweep's idle time, the compaction sweeper builds them (and a second sweep finds nothing due)."""
     run = "stopped"
     ref = Reference()
-    _ingest(store, run, list(range(200)), np.arange(800, dtype=np.float32).reshape(200, 4), LAYERS, ref)
+    steps = list(range(0, 255, 5))  # sampled every 5th step: sparse, so its edges are COMPACT_STEPS apart
+    _ingest(store, run, steps, np.arange(4 * len(steps), dtype=np.float32).reshape(-1, 4), LAYERS, ref)
     assert _frontier(store, run) == 0  # blocks 0–2 complete, the first COMPACT_STEPS edge not passed
     sent_at = store.get_run(run)["last_seen_at"]
     assert store.compact_idle(sent_at - 1) == 0  # the rank sent a batch since
@@ -239,4 +242,4 @@ def test_a_rank_that_stops_sending_is_compacted_by_the_sweep(store: Store) -> No
     _assert_exact(store, run, ref)
     with store.engine.connect() as conn:
         blocks = conn.execute(select(Rollup.level, Rollup.bucket).order_by(Rollup.level, Rollup.bucket)).all()
-    assert [tuple(b) for b in blocks] == [(64, 0), (64, 1), (64, 2), (128, 0)]
+    assert [tuple(b) for b in blocks] == [(128, 0)]  # a base block's 13 samples are too few to be stored
