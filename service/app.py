@@ -20,7 +20,7 @@ from quantwatch.service.core.db import WriteHealth, make_engine, make_sessionmak
 from quantwatch.service.exposition import StartupRestore, alert_series_source, delivery_counts, install_exposition
 from quantwatch.service.ranks.setup import install_ranks
 from quantwatch.service.store import RetentionPolicy, Store
-from quantwatch.service.sweeper import RetentionSweeper
+from quantwatch.service.sweeper import CompactionSweeper, RetentionSweeper
 from quantwatch.service.whatif import routes as whatif_routes
 from quantwatch.service.whatif.setup import install_whatif
 
@@ -53,9 +53,11 @@ def create_app(
         worker.start()
         exposition.start()
         sweeper.start()
+        compaction.start()
         try:
             yield
         finally:
+            compaction.stop()
             sweeper.stop()
             exposition.stop()
             worker.stop()
@@ -74,6 +76,8 @@ def create_app(
     policy = RetentionPolicy(settings.retention_steps, settings.retention_age)
     sweeper = RetentionSweeper(store, policy, settings.retention_interval_seconds)
     app.state.retention = sweeper
+    compaction = CompactionSweeper(store)
+    app.state.compaction = compaction
     write_health = WriteHealth()
     app.state.write_health = write_health
     app.state.ingest_observers = list(observers)

@@ -56,9 +56,16 @@ class Store(HistoryReader):
     def compact_rollups(self, run: str) -> None:
         """Move each rank's frontier of ``run`` past its last step now: build its base blocks, the partial last one
         included, and the complete blocks above them, and, with folding on, fold what is due of its raw points into
-        chunks before it returns (raises NotFoundError). Ingest builds blocks once they are complete; this is for a
-        downgrade below migration 0007 (whose downgrade refuses ranks with steps past their frontier) and for tests."""
+        chunks before it returns (raises NotFoundError). Ingest builds blocks up to edges of 64 or 256 steps (the
+        compaction sweeper those of ranks that stopped sending); this is for a downgrade below migration 0007 (whose
+        downgrade refuses ranks with steps past their frontier) and for tests."""
         self._writer.compact_all(run)
+
+    def compact_idle(self, seen_before: float) -> int:
+        """Build the complete blocks of every rank that has some not built and whose last batch came before
+        ``seen_before`` (seconds since the epoch): ingest compacts a rank up to edges of several blocks only, so a rank
+        that stopped sending is compacted here (by the collector's compaction sweeper); how many ranks it compacted."""
+        return self._writer.compact_idle(seen_before)
 
     def wait_for_folds(self, timeout: float | None = None) -> bool:
         """Wait until the background folder has folded every rank queued so far (at once with folding off); False

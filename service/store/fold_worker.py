@@ -35,8 +35,9 @@ log = logging.getLogger("quantwatch.service")
 
 IDLE_SECONDS = 60.0
 """How long the thread waits for more work before it ends (its encoding process with it). Longer than the gaps
-between folds a busy collector sees (at the agent's cadence each rank compacts every 64 sampled steps, so 16 ranks
-posting every 2 s queue a fold about every 8 s): starting the process costs about 0.8 s of CPU."""
+between folds a busy collector sees (at the agent's cadence each rank compacts every 256 steps, about 10 sampled steps
+or 20 s, so 16 ranks posting every 2 s queue a fold about every 1.3 s): starting the process costs about 0.8 s of
+CPU."""
 VACUUM_BYTES = 1 << 20
 """Bytes of raw rows folds delete on PostgreSQL between two vacuums of their table (see FoldWorker._vacuum_after).
 Less than one fold of a wide rank (128 steps × 512 layers × 12 metrics: 3 MiB), so such a fold's rows are free for

@@ -36,7 +36,7 @@ from quantwatch.service.models import (
 from quantwatch.service.rollups import F32, I64, MISSING_BITS, is_missing, missing_row
 from quantwatch.service.store.actions import write_actions
 from quantwatch.service.store.common import IngestResult, RunCache, find_run
-from quantwatch.service.store.compaction import Compactor, frontier_after
+from quantwatch.service.store.compaction import Compactor, compaction_due, edge_steps
 from quantwatch.service.store.group_commit import GroupCommit
 from quantwatch.service.store.raw_points import RawPoints, Rows
 from quantwatch.service.store.retention import keep_retained
@@ -47,10 +47,12 @@ log = logging.getLogger("quantwatch.service")
 
 @dataclass(frozen=True)
 class _Stored:
-    """What a stored batch publishes to the writer's caches once committed, and the rank's frontier it read."""
+    """What a stored batch publishes to the writer's caches once committed, the rank's frontier it read and the
+    spacing of the edges it compacts the rank to."""
 
     run_id: int
     frontier: int
+    edge: int
     names: dict[str, int]
     cache: RunCache
 
@@ -143,8 +145,8 @@ class BatchWriter:
                 observer.after_commit(batch)
             except Exception:
                 log.exception("ingest observer %r failed after commit", observer)
-        if frontier_after(max(s.step for s in batch.steps)) > stored.frontier:
-            self._compact(stored.run_id, batch.rank)
+        if compaction_due(stored.frontier, max(s.step for s in batch.steps), stored.edge):
+            self._compact(stored.run_id, batch.rank, stored.edge)
         return IngestResult(batch.batch_id, False, batch.points)
 
     def _store(
@@ -183,7 +185,8 @@ class BatchWriter:
         for observer in observers:
             observer.on_batch(session, run_row, batch)
         kinds = cache.kinds | self._new_kinds(batch, name_ids)
-        return _Stored(run_id, frontier, pending_names, RunCache(layers, index, kinds))
+        edge = edge_steps(sorted({s.step for s in batch.steps}), last_step)
+        return _Stored(run_id, frontier, edge, pending_names, RunCache(layers, index, kinds))
 
     def compact_all(self, run: str) -> None:
         """Move every rank's frontier of ``run`` past its last step now (see Store.compact_rollups; raises
@@ -197,16 +200,21 @@ class BatchWriter:
             if self._compactor.folds is not None:
                 self._compactor.folds.fold(run_id, rank, self.rank_key(run_id, rank))
 
+    def compact_idle(self, seen_before: float) -> int:
+        """Compact the ranks whose complete blocks wait behind no compaction edge and whose last batch came before
+        ``seen_before`` (see Compactor.compact_idle); how many it compacted."""
+        return self._compactor.compact_idle(seen_before, self.rank_key, self._exclusive)
+
     def _exclusive(self) -> AbstractContextManager[None]:
         """The write slot between ingest groups on SQLite (see GroupCommit); nothing to hold on PostgreSQL."""
         return self._group.exclusive() if self._group is not None else nullcontext()
 
-    def _compact(self, run_id: int, rank: int) -> None:
+    def _compact(self, run_id: int, rank: int, edge: int) -> None:
         """Build the rank's complete blocks after the batch is durable: a failure here costs reads some raw steps
         until the rank's next batch retries it, never the acknowledged batch (so it is logged, not raised)."""
         try:
             with self._exclusive():
-                self._compactor.compact(run_id, rank, self.rank_key(run_id, rank))
+                self._compactor.compact(run_id, rank, self.rank_key(run_id, rank), edge)
         except Exception:
             log.exception("rollup compaction of run id %d rank %d failed; the next batch retries it", run_id, rank)
 

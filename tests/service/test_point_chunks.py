@@ -25,7 +25,7 @@ from quantwatch.service.core.db import alembic_config, upgrade
 from quantwatch.service.exposition.queries import RankReader, RestoreLimits, recent_runs
 from quantwatch.service.models import Point, PointChunk, Rollup
 from quantwatch.service.rollups import LEVELS, STATS_DTYPE
-from quantwatch.service.store import Store, chunk_encoder, fold_worker, folding
+from quantwatch.service.store import Store, chunk_encoder, compaction, fold_worker, folding
 from quantwatch.service.store.chunk_codec import (
     decode_steps,
     decode_times,
@@ -112,9 +112,10 @@ def _app_store(database_url: str, **settings: Any) -> Store:
 
 @pytest.fixture
 def store(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
-    """A collector's store with folding on. Four rows per chunk: small histories make many chunks, and late steps
-    land in them and between them."""
+    """A collector's store with folding on. Four rows per chunk and a compaction at every base block's edge: small
+    histories make many chunks, and late steps land in them and between them."""
     monkeypatch.setattr(folding, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(compaction, "COMPACT_STEPS", compaction.BLOCK_STEPS)
     folded = _app_store(database_url, fold_chunks=True)
     yield folded
     folded.engine.dispose()
@@ -124,6 +125,7 @@ def store(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]
 def unfolded(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
     """A collector's store with folding off (``fold_chunks`` false), over the same database."""
     monkeypatch.setattr(folding, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(compaction, "COMPACT_STEPS", compaction.BLOCK_STEPS)
     raw = _app_store(database_url, fold_chunks=False)
     yield raw
     raw.engine.dispose()
@@ -249,7 +251,7 @@ FOLD_CRASH = textwrap.dedent(
     from quantwatch.service import Settings
     from quantwatch.service.batch import decode_json
     from quantwatch.service.core.db import make_engine, make_sessionmaker
-    from quantwatch.service.store import Store, chunk_encoder, fold_worker, folding
+    from quantwatch.service.store import Store, chunk_encoder, compaction, fold_worker, folding
 
     apply = folding.ChunkFolder.apply
 
@@ -258,6 +260,7 @@ FOLD_CRASH = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGKILL)
 
     folding.CHUNK_ROWS = 4
+    compaction.COMPACT_STEPS = compaction.BLOCK_STEPS
     folding.ChunkFolder.apply = killed
     settings = Settings(database_url=sys.argv[1], auto_upgrade=False, fold_chunks=True)
     engine = make_engine(settings)

@@ -27,7 +27,7 @@ from quantwatch.service import Settings
 from quantwatch.service.batch import decode_json
 from quantwatch.service.core.db import alembic_config, make_engine, make_sessionmaker, upgrade
 from quantwatch.service.models import Point, PointChunk, Rollup, RunRank
-from quantwatch.service.store import RetentionPass, RetentionPolicy, Store, folding
+from quantwatch.service.store import RetentionPass, RetentionPolicy, Store, compaction, folding
 from quantwatch.service.store.chunk_codec import decode_steps
 from quantwatch.service.store.reads import HistoryReader
 from quantwatch.service.sweeper import RetentionSweeper
@@ -152,11 +152,15 @@ def test_reads_at_rollup_resolution_answer_as_before_the_drop(store: Store) -> N
     assert "raw_from_step" not in store.series(run, "m", "a", 0, 960, None, 100_000)
 
 
-def test_a_sparse_run_cut_inside_a_block_not_yet_built_reads_as_a_run_never_cut(store: Store) -> None:
+def test_a_sparse_run_cut_inside_a_block_not_yet_built_reads_as_a_run_never_cut(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every 10th step: blocks of 64 and 128 steps hold too few samples to be stored, so reads and the parent blocks
     built later take those steps from the raw points. A cut (1088) inside a 256-step block not complete yet
-    (1024–1279, frontier 1216), then the rest of the run: every read at a rollup width, and the parents built after
-    the cut, answer as those of the same run never cut, as the sweep stores the base blocks of the steps it drops."""
+    (1024–1279, frontier 1216: batches compact at every base block's edge here, as the compaction sweeper does for
+    a rank that stopped), then the rest of the run: every read at a rollup width, and the parents built after the cut,
+    answer as those of the same run never cut, as the sweep stores the base blocks of the steps it drops."""
+    monkeypatch.setattr(compaction, "COMPACT_STEPS", compaction.BLOCK_STEPS)
     cut_run, whole = f"sparse-{uuid.uuid4().hex[:8]}", f"whole-{uuid.uuid4().hex[:8]}"
     values = _history()
     first, rest = list(range(0, 1251, 10)), list(range(1260, 1300, 10))

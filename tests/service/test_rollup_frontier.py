@@ -25,6 +25,8 @@ from quantwatch.service.batch import decode_json
 from quantwatch.service.core.db import make_engine, make_sessionmaker
 from quantwatch.service.models import Rollup, RunRank
 from quantwatch.service.store import Store, choose_width
+from quantwatch.service.store.compaction import COMPACT_STEPS, DENSE_STEPS
+from quantwatch.service.sweeper import CompactionSweeper
 from tests.service.conftest import batch_doc
 
 LAYERS = ["a", "b", "c", "d"]
@@ -132,7 +134,10 @@ batches = st.lists(
 def test_reads_across_the_raw_tail_and_finished_blocks_are_exact(store: Store, shapes: list[Any]) -> None:
     run = f"prop-{uuid.uuid4().hex[:8]}"
     ref = ingest_shapes(store, run, shapes)
-    assert _frontier(store, run) == max(ref.values) // 64 * 64  # every block before the newest one is built
+    # Built up to an edge at or before the newest step's block: its own (dense batches), or the last COMPACT_STEPS one.
+    newest = max(ref.values)
+    assert newest // COMPACT_STEPS * COMPACT_STEPS <= _frontier(store, run) <= newest // 64 * 64
+    assert _frontier(store, run) % 64 == 0
     store.compact_rollups(run)
     assert _frontier(store, run) == max(ref.values) + 1
     _assert_exact(store, run, ref)
@@ -195,3 +200,46 @@ def test_a_crash_between_commit_and_compaction_loses_and_duplicates_nothing(stor
     # Complete blocks only: the 256-, 1024- and 4096-step blocks of step 0 end past the frontier.
     assert [tuple(b) for b in blocks] == [(64, 0), (64, 1), (128, 0)]
     assert store.get_run(run)["points"] == 129 * 4
+
+
+@pytest.mark.parametrize("every", [2, 25])
+def test_one_step_batches_compact_at_the_edges_their_sampling_calls_for(store: Store, every: int) -> None:
+    """Batches of one sampled step: sampled densely (every 2nd step) each base block's edge compacts the rank; sparsely
+    (every 25th, the agent's default) complete blocks wait until a batch passes the next COMPACT_STEPS edge, then are
+    built in one compaction. Reads are exact all along."""
+    run = f"one-step-{every}"
+    ref = Reference()
+    frontiers = []
+    for step in range(0, 1000 if every > DENSE_STEPS else 300, every):
+        _ingest(store, run, [step], np.float32([[step, -step, 0.5, 2]]), LAYERS, ref)
+        frontiers.append(_frontier(store, run))
+    _assert_exact(store, run, ref)
+    edge = 64 if every <= DENSE_STEPS else COMPACT_STEPS
+    expected, frontier = [], 0
+    for step in sorted(ref.values):
+        frontier = max(frontier, step // edge * edge)
+        expected.append(frontier)
+    assert frontiers == expected
+    assert len(set(frontiers)) == (5 if every <= DENSE_STEPS else 4)  # 0 and 4 moves of the frontier, or 3
+
+
+def test_a_rank_that_stops_sending_is_compacted_by_the_sweep(store: Store) -> None:
+    """Complete blocks behind no edge of the rank's batches wait for its next batches; once the rank has sent nothing
+    for the sweep's idle time, the compaction sweeper builds them (and a second sweep finds nothing due)."""
+    run = "stopped"
+    ref = Reference()
+    steps = list(range(0, 255, 5))  # sampled every 5th step: sparse, so its edges are COMPACT_STEPS apart
+    _ingest(store, run, steps, np.arange(4 * len(steps), dtype=np.float32).reshape(-1, 4), LAYERS, ref)
+    assert _frontier(store, run) == 0  # blocks 0–2 complete, the first COMPACT_STEPS edge not passed
+    sent_at = store.get_run(run)["last_seen_at"]
+    assert store.compact_idle(sent_at - 1) == 0  # the rank sent a batch since
+    CompactionSweeper(store, idle_seconds=30, clock=lambda: sent_at + 10).run_pass()
+    assert _frontier(store, run) == 0  # not idle for long enough
+    CompactionSweeper(store, idle_seconds=30, clock=lambda: sent_at + 31).run_pass()
+    assert _frontier(store, run) == 192
+    assert store.compact_idle(sent_at + 31) == 0  # nothing due any more
+    assert store.wait_for_folds(60)
+    _assert_exact(store, run, ref)
+    with store.engine.connect() as conn:
+        blocks = conn.execute(select(Rollup.level, Rollup.bucket).order_by(Rollup.level, Rollup.bucket)).all()
+    assert [tuple(b) for b in blocks] == [(128, 0)]  # a base block's 13 samples are too few to be stored
