@@ -480,7 +480,7 @@ class _ShadowedModuleAdapter(LayerAdapter):
         ended = compare_weight_grad_rows(kept.dy, kept.x, rows, grad, row, weight=weight, reference=reference)
         if ended is RowsPass.REFERENCE:
             stats = row_comparison_stats(reference, grad, rows, batch=batch, weight=weight)
-        elif ended:
+        elif ended is RowsPass.COMPARED:
             stats = row.stats
         else:
             return False

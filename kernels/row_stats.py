@@ -226,14 +226,11 @@ def compare_linear_rows(
 
 
 class RowsPass(enum.Enum):
-    """How `compare_weight_grad_rows` ended; true for ``COMPARED`` only."""
+    """How `compare_weight_grad_rows` ended."""
 
     COMPARED = "compared"  # the comparison written into the row (and the reference rows into ``reference``)
     REFERENCE = "reference"  # declined on the values (NaN/±inf, sums beyond its float32 runs): the reference computed
     DECLINED = "declined"  # nothing computed
-
-    def __bool__(self) -> bool:
-        return self is RowsPass.COMPARED
 
 
 _ENDED = {0: RowsPass.COMPARED, 1: RowsPass.REFERENCE, 2: RowsPass.REFERENCE}  # OK, NONFINITE, OUT_OF_RANGE

@@ -18,6 +18,7 @@ from torch import nn
 
 import quantwatch.agent as qw
 from quantwatch.agent.rows import RowSampler, RowSampling, parse_shadow_rows
+from quantwatch.kernels.row_stats import RowsPass
 
 # Stated bounds at 1/8 of the rows (16 of the 128 tokens of a call; 1/8 of a weight gradient's rows), max over every
 # layer and step of the run below; measured maxima over 10 steps (BENCHMARKS.md): 0.039, 0.081 and 0.36.
@@ -128,7 +129,7 @@ def test_kept_rows_read_in_place_give_the_gathered_rows_figures_bit_for_bit(monk
     torch.set_num_threads(1)
     base = bench.make_model()
     monkeypatch.setattr(layers, "compare_linear_rows", lambda *args, **kwargs: False)
-    monkeypatch.setattr(layers, "compare_weight_grad_rows", lambda *args, **kwargs: False)
+    monkeypatch.setattr(layers, "compare_weight_grad_rows", lambda *args, **kwargs: RowsPass.DECLINED)
     read = comparison.row_comparison_fields
     calls = {"in place": 0}
 
@@ -171,7 +172,7 @@ def test_one_pass_kept_rows_comparisons_give_the_figures_of_references_computed_
     one_pass = _run(bench, copy.deepcopy(base), 1 / 8)
     assert done == {"output": 16 * STEPS, "update": 16 * STEPS}  # every layer, every step
     monkeypatch.setattr(layers, "compare_linear_rows", lambda *args, **kwargs: False)
-    monkeypatch.setattr(layers, "compare_weight_grad_rows", lambda *args, **kwargs: False)
+    monkeypatch.setattr(layers, "compare_weight_grad_rows", lambda *args, **kwargs: RowsPass.DECLINED)
     computed_first = _run(bench, copy.deepcopy(base), 1 / 8)
     for a, b in zip(one_pass, computed_first, strict=True):
         assert a.estimated == b.estimated
@@ -307,7 +308,7 @@ def test_a_kept_rows_update_declined_on_its_values_compares_the_reference_rows_t
     monkeypatch.setattr(layers, "weight_grad_rows", counted)
     reused = run()
     assert computed["again"] == 0
-    monkeypatch.setattr(layers, "compare_weight_grad_rows", lambda *args, **kwargs: False)
+    monkeypatch.setattr(layers, "compare_weight_grad_rows", lambda *args, **kwargs: RowsPass.DECLINED)
     again = run()
     assert computed["again"] == 2  # each step's update, its reference computed a second time
     assert len(reused) == len(again) == 2

@@ -344,7 +344,7 @@ def test_a_kept_rows_update_compares_as_its_reference_gradient_computed_then_com
     assert reference is not None
     expected = row_comparison_fields(reference, grad, columns, weight=out_features / kept)
     out = host_row()
-    assert compare_weight_grad_rows(dy, x, columns, grad, out, weight=out_features / kept)
+    assert compare_weight_grad_rows(dy, x, columns, grad, out, weight=out_features / kept) is RowsPass.COMPARED
     assert _same(tuple(out.values.tolist()), expected)  # type: ignore[arg-type]
     declined = {
         "a gradient of other rows": (dy, x, columns, grad[:-1]),
@@ -354,7 +354,7 @@ def test_a_kept_rows_update_compares_as_its_reference_gradient_computed_then_com
     }
     for reason, args in declined.items():
         untouched = host_row()
-        assert not compare_weight_grad_rows(*args, untouched), reason
+        assert compare_weight_grad_rows(*args, untouched) is RowsPass.DECLINED, reason
         assert all(math.isnan(v) for v in untouched.values.tolist()), reason
 
 
@@ -374,7 +374,6 @@ def test_a_kept_rows_update_writes_its_reference_rows_where_asked_also_when_it_d
     reference, untouched = torch.full((4, in_features), math.nan), host_row()
     ended = compare_weight_grad_rows(dy, x, columns, infinite, untouched, reference=reference)
     assert ended is RowsPass.REFERENCE
-    assert not ended
     assert torch.equal(reference, expected)
     assert all(math.isnan(v) for v in untouched.values.tolist())
     for reason, buffer in {
