@@ -72,16 +72,8 @@ TOKEN_SCOPES = AppPart[dict[str, frozenset[str]]]("token_scopes")
 ingest_observers_of = INGEST_OBSERVERS.of
 
 
-async def get_ingest_observers(request: Request) -> tuple[IngestObserver, ...]:
-    """The ingest observers as they are now (a snapshot for one request)."""
-    return tuple(INGEST_OBSERVERS.of(request.app))
-
-
-SettingsDep = Annotated[Settings, Depends(SETTINGS.get)]
 StoreDep = Annotated[Store, Depends(STORE.get)]
 AlertsDep = Annotated[AlertEngine, Depends(ALERTS.get)]
-IngestGateDep = Annotated[IngestGate, Depends(INGEST_GATE.get)]
-ObserversDep = Annotated[tuple[IngestObserver, ...], Depends(get_ingest_observers)]
 WriteHealthDep = Annotated[WriteHealth, Depends(WRITE_HEALTH.get)]
 RankChecksDep = Annotated[RankChecks, Depends(RANK_CHECKS.get)]
 FiringAlertCountsDep = Annotated[FiringAlertCounts | None, Depends(FIRING_ALERT_COUNTS.get)]
