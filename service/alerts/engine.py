@@ -113,6 +113,12 @@ class _Pending:
     leased: list[int] = field(default_factory=list)
     unleased: list[int] = field(default_factory=list)
 
+    def take_outbox(self) -> tuple[list[int], list[int]]:
+        """The (leased, unleased) outbox ids recorded so far, then forgotten."""
+        taken = self.leased, self.unleased
+        self.leased, self.unleased = [], []
+        return taken
+
 
 class AlertEngine:
     """The alerting ingest observer: ``on_batch`` inside the ingest transaction, ``after_commit`` after it.
@@ -200,8 +206,7 @@ class AlertEngine:
 
     def _send(self, pending: _Pending) -> None:
         """Dispatch ``pending``'s leased outbox rows and wake the worker for the others (then forgotten)."""
-        leased, unleased = pending.leased, pending.unleased
-        pending.leased, pending.unleased = [], []
+        leased, unleased = pending.take_outbox()
         if leased and self._dispatch is not None:
             self._dispatch(leased)
         if unleased:
@@ -222,7 +227,7 @@ class AlertEngine:
         """Evaluate one batch given per step inside the caller's transaction; returns how many outbox rows it wrote."""
         repository.lock_cursor(session, run, rank)
         pending = self._thread_pending()
-        pending.leased, pending.unleased = [], []
+        pending.take_outbox()  # what a failed evaluation on this thread left behind
         return self._evaluate(
             session,
             read_batch_head(session, run, rank, None),
@@ -448,10 +453,7 @@ class AlertEngine:
     def take_enqueued(self) -> tuple[list[int], list[int]]:
         """Ids of the (leased, unleased) outbox rows this thread's ``evaluate`` and ``notify`` wrote since the last
         call (then forgotten)."""
-        pending = self._thread_pending()
-        leased, unleased = pending.leased, pending.unleased
-        pending.leased, pending.unleased = [], []
-        return leased, unleased
+        return self._thread_pending().take_outbox()
 
     # -- reads for Prometheus and the API ----------------------------------------------------------------------
     def latest_series(self) -> list[SeriesSnapshot]:
