@@ -58,9 +58,14 @@ def edge_steps(steps: Sequence[int], previous_step: int) -> int:
     return BLOCK_STEPS if dense else COMPACT_STEPS
 
 
+def last_edge(step: int, edge: int) -> int:
+    """The last edge (a multiple of ``edge`` steps) at or before ``step``: where a compaction moves the frontier."""
+    return step // edge * edge
+
+
 def compaction_due(frontier: int, last_step: int, edge: int) -> bool:
     """Whether a batch whose newest step is ``last_step`` compacts a rank at ``frontier`` to edges ``edge`` apart."""
-    return last_step // edge * edge > frontier
+    return last_edge(last_step, edge) > frontier
 
 
 class Compactor:
@@ -101,7 +106,7 @@ class Compactor:
                     session.rollback()
                     return 0
                 frontier, last_step, n_layers = int(row[0]), int(row[1]), int(row[2])
-                target = last_step + 1 if whole else last_step // edge * edge
+                target = last_step + 1 if whole else last_edge(last_step, edge)
                 if target <= frontier:
                     session.rollback()
                     return frontier
