@@ -332,10 +332,6 @@ class LatestValueCache:
         else:
             mine = old.entries[0] == rank
             if not np.count_nonzero(mine):
-                if old.entries.shape[1] == self.top_k and new[3].min() > old.entries[3].max():
-                    # Every new value is strictly better than every exported one: the top-K stays as it is.
-                    old.omitted = size
-                    return size
                 entries = np.concatenate([old.entries, new], axis=1)
             else:
                 if remeasured is not None:
