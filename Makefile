@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test system-packages lint typecheck pytest bench-setup clean
+.PHONY: demo test system-packages lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,11 +38,6 @@ pytest: system-packages $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 test: system-packages lint typecheck pytest
-
-# What bench/ compares against besides the project (MLflow, TensorBoard: the `bench` extra), into the same venv;
-# neither the demo nor the suite needs them.
-bench-setup: $(STAMP)
-	$(BIN)/python -m pip install --quiet -e ".[agent,dev,torchao,hf,lightning,bench]"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
