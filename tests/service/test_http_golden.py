@@ -3,13 +3,16 @@ byte (status, content type, disposition, body) with the recording in ``data/http
 
 The recording was made against the collector before its data layer became the ``service/store`` package (issue 14),
 so a refactoring of the store or the routes that changes any answer fails here. Wall-clock fields (a run's
-``created_at``/``last_seen_at``) are masked in place; everything else is compared as sent. Re-record on purpose with
-``QUANTWATCH_RECORD_GOLDEN=1``. Both backends must give the same answers: the file holds one recording.
+``created_at``/``last_seen_at``) are masked in place; a Parquet export is compared by its schema and rows (its bytes
+name the pyarrow release that wrote them, which a fresh install may not match); everything else is compared as sent.
+Re-record on purpose with ``QUANTWATCH_RECORD_GOLDEN=1``. Both backends must give the same answers: the file holds one
+recording.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 from fastapi.testclient import TestClient
 
 from tests.service.conftest import batch_doc, encode
@@ -153,9 +157,17 @@ def _requests() -> Iterator[tuple[str, str, dict[str, Any]]]:
     yield "GET", "/api/v1/runs", {}
 
 
+def _parquet_content(body: bytes) -> bytes:
+    """The table a Parquet body holds, as canonical JSON: its schema (names, types, metadata) and every row."""
+    table = pq.read_table(io.BytesIO(body))
+    return json.dumps({"schema": str(table.schema), "rows": table.to_pylist()}, sort_keys=True).encode()
+
+
 def _answer(response: Any) -> dict[str, Any]:
     body = WALL_CLOCK.sub(rb'"\1":"wall-clock"', response.content)
     media = response.headers.get("content-type", "")
+    if media == "application/vnd.apache.parquet":
+        body = _parquet_content(body)
     # Large bodies are kept as their digest (the file stays small); the small ones as text, for readable diffs.
     text = body.decode() if len(body) <= 4096 else f"sha256:{hashlib.sha256(body).hexdigest()} ({len(body)} bytes)"
     return {
