@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import BigInteger, Connection, Engine, and_, bindparam, delete, func, select, text, update
+from sqlalchemy import BigInteger, Connection, Engine, and_, bindparam, cast, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -92,6 +92,29 @@ class BatchWriter:
             if self.pg
             else batch_row.returning(Batch.batch_id)
         )
+        # On PostgreSQL the run's id is looked up by name inside that statement (the lock's key computed from it as
+        # rank_key does), so a batch of a known run needs no statement of its own to find its run first: the marks
+        # that lookup read are read again under the lock anyway.
+        self._batch_insert_by_name = (
+            postgresql.insert(Batch)
+            .from_select(
+                ["run_id", "batch_id", "rank", "received_at", "points"],
+                select(
+                    Run.id,
+                    bindparam("batch_id"),
+                    bindparam("rank"),
+                    bindparam("received_at"),
+                    bindparam("points", type_=BigInteger),
+                ).where(Run.name == bindparam("name")),
+            )
+            .on_conflict_do_nothing()
+            .returning(
+                Batch.run_id,
+                func.pg_advisory_xact_lock(
+                    cast(Batch.run_id, BigInteger) * RANK_LOCK_SPAN + bindparam("rank_part", type_=BigInteger)
+                ),
+            )
+        )
         point = self._insert(Point)
         self._point_upsert = point.on_conflict_do_update(
             index_elements=["run_id", "rank", "step", "name_id"],
@@ -157,13 +180,21 @@ class BatchWriter:
         points = batch.points
         pending_names: dict[str, int] = {}
         conn = session.connection()
-        run_id, marks = self._ensure_run(conn, batch.run, batch.rank, now)
-        row = {"run_id": run_id, "batch_id": batch.batch_id, "rank": batch.rank, "received_at": now, "points": points}
+        row: dict[str, Any] = {"batch_id": batch.batch_id, "rank": batch.rank, "received_at": now, "points": points}
+        found = None
         if self.pg:
-            row["rank_key"] = self.rank_key(run_id, batch.rank)
-        inserted = conn.execute(self._batch_insert, row).first()
-        if inserted is None:
-            return None
+            by_name = {**row, "name": batch.run, "rank_part": self._rank_part(batch.rank)}
+            found = conn.execute(self._batch_insert_by_name, by_name).first()
+        if found is not None:
+            run_id = int(found[0])
+        else:
+            # SQLite; or on PostgreSQL a new run, or a duplicate (nothing inserted by name): the statements one by one.
+            run_id, marks = self._ensure_run(conn, batch.run, batch.rank, now)
+            row["run_id"] = run_id
+            if self.pg:
+                row["rank_key"] = self.rank_key(run_id, batch.rank)
+            if conn.execute(self._batch_insert, row).first() is None:
+                return None
         if self.pg:
             # Holding the rank lock now, read the layer count and the marks again, in a statement of their own (its
             # snapshot is taken after the lock): a transaction of this rank that committed while we waited may have
@@ -220,7 +251,12 @@ class BatchWriter:
 
     @staticmethod
     def rank_key(run_id: int, rank: int) -> int:
-        return run_id * RANK_LOCK_SPAN + rank % (RANK_LOCK_SPAN - 1) + 1
+        return run_id * RANK_LOCK_SPAN + BatchWriter._rank_part(rank)
+
+    @staticmethod
+    def _rank_part(rank: int) -> int:
+        """The rank's share of its lock key (see rank_key), below RANK_LOCK_SPAN."""
+        return rank % (RANK_LOCK_SPAN - 1) + 1
 
     @staticmethod
     def _new_kinds(batch: IngestBatch, name_ids: dict[str, int]) -> set[tuple[int, str]]:
