@@ -67,6 +67,7 @@ _OF_RANK = and_(RunRank.run_id == Run.id, RunRank.rank == bindparam("rank"))
 _MARKS = (Run.layer_count, RunRank.compacted_step, RunRank.last_step)
 _RUN = select(Run.id, *_MARKS).outerjoin(RunRank, _OF_RANK).where(Run.name == bindparam("name"))
 _LOCKED_MARKS = select(*_MARKS).outerjoin(RunRank, _OF_RANK).where(Run.id == bindparam("run_id"))
+_RANK_FIELDS = ("run_id", "rank", "first_step", "last_step", "last_seen_at", "points")
 _STORED_STEPS = select(Point.step, Point.name_id).where(
     Point.run_id == bindparam("run_id"),
     Point.rank == bindparam("rank"),
@@ -124,14 +125,19 @@ class BatchWriter:
         least, greatest = (func.least, func.greatest) if self.pg else (func.min, func.max)
         table = RunRank.__table__
         # Built once, as the point upsert: building and cache-keying it per batch cost ~a fifth of a 1-step batch.
-        self._rank_upsert = rank.on_conflict_do_update(
-            index_elements=["run_id", "rank"],
-            set_={
-                "first_step": least(table.c.first_step, rank.excluded.first_step),
-                "last_step": greatest(table.c.last_step, rank.excluded.last_step),
-                "last_seen_at": rank.excluded.last_seen_at,
-                "points": table.c.points + rank.excluded.points,
-            },
+        rank_set = {
+            "first_step": least(table.c.first_step, rank.excluded.first_step),
+            "last_step": greatest(table.c.last_step, rank.excluded.last_step),
+            "last_seen_at": rank.excluded.last_seen_at,
+            "points": table.c.points + rank.excluded.points,
+        }
+        self._rank_upsert = rank.on_conflict_do_update(index_elements=["run_id", "rank"], set_=rank_set)
+        # On PostgreSQL, once the batch holds its rank's lock, one statement reads the run's layer count and the
+        # rank's marks as they were before the batch and upserts the rank's row for it: the upsert runs in a CTE of
+        # the read, and both see the statement's snapshot, taken after the lock.
+        ranked = rank.values({name: bindparam(name) for name in _RANK_FIELDS})
+        self._marks_and_rank = select(_LOCKED_MARKS.cte("marks")).add_cte(
+            ranked.on_conflict_do_update(index_elements=["run_id", "rank"], set_=rank_set).cte("rank_row")
         )
         self._names: dict[str, int] = {}
         self._runs: dict[int, RunCache] = {}
@@ -198,8 +204,8 @@ class BatchWriter:
         if self.pg:
             # Holding the rank lock now, read the layer count and the marks again, in a statement of their own (its
             # snapshot is taken after the lock): a transaction of this rank that committed while we waited may have
-            # widened the run, and its rollup blobs with it.
-            marks = tuple(conn.execute(_LOCKED_MARKS, {"run_id": run_id, "rank": batch.rank}).one())
+            # widened the run, and its rollup blobs with it. The same statement upserts the rank's row for the batch.
+            marks = tuple(conn.execute(self._marks_and_rank, self._rank_row(run_id, batch, now, points)).one())
         layer_count = int(marks[0])
         frontier, last_step = (0, -1) if marks[1] is None else (int(marks[1]), int(marks[2]))
         cache = self._run_cache(conn, run_id, layer_count)
@@ -211,7 +217,8 @@ class BatchWriter:
         self._write_scalars(conn, run_id, batch, name_ids)
         self._write_estimated(conn, run_id, batch, name_ids)
         write_actions(conn, self._insert, run_id, batch, now)
-        self._write_rank(conn, run_id, batch, now, points)
+        if not self.pg:
+            conn.execute(self._rank_upsert, self._rank_row(run_id, batch, now, points))
         run_row = StoredRun(run_id, batch.run)
         for observer in observers:
             observer.on_batch(session, run_row, batch)
@@ -439,11 +446,19 @@ class BatchWriter:
         if rows:
             conn.execute(self._insert(EstimatedPoint).on_conflict_do_nothing(), rows)
 
-    def _write_rank(self, conn: Connection, run_id: int, batch: IngestBatch, now: float, points: int) -> None:
+    @staticmethod
+    def _rank_row(run_id: int, batch: IngestBatch, now: float, points: int) -> dict[str, Any]:
+        """The rank's row as the batch upserts it (see ``_rank_upsert``)."""
         lo = min(s.step for s in batch.steps)
         hi = max(s.step for s in batch.steps)
-        params = {"run_id": run_id, "rank": batch.rank, "first_step": lo, "last_step": hi}
-        conn.execute(self._rank_upsert, {**params, "last_seen_at": now, "points": points})
+        return {
+            "run_id": run_id,
+            "rank": batch.rank,
+            "first_step": lo,
+            "last_step": hi,
+            "last_seen_at": now,
+            "points": points,
+        }
 
     def delete_run(self, name: str) -> None:
         """Delete a run and everything stored for it (foreign keys cascade)."""
