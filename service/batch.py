@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -294,6 +295,26 @@ def _actions(raw: Any) -> tuple[Action, ...]:
     return tuple(actions)
 
 
+def _check_layer_names(layers: list[Any]) -> None:
+    """Raise :class:`WireError` at the first name that is not a string of 1..MAX_LAYER_NAME_LENGTH chars without NUL.
+
+    A valid list (every batch but a broken client's) is checked by builtins that loop in C: a Python loop over 512
+    names was 0.15 ms, about 2 % of a one-step request. Only a list that fails them is walked to name the field.
+    """
+    if not layers:
+        return
+    with suppress(TypeError):  # join refuses a list that holds anything but strings
+        joined = "".join(layers)
+        lengths = list(map(len, layers))
+        if "\x00" not in joined and min(lengths) > 0 and max(lengths) <= wire.MAX_LAYER_NAME_LENGTH:
+            return
+    for i, name in enumerate(layers):
+        if not (isinstance(name, str) and 0 < len(name) <= wire.MAX_LAYER_NAME_LENGTH):
+            raise WireError(422, f"layers[{i}]", f"must be 1..{wire.MAX_LAYER_NAME_LENGTH} chars")
+        if "\x00" in name:
+            raise WireError(422, f"layers[{i}]", "must not contain NUL")
+
+
 def batch_from_obj(obj: Any) -> IngestBatch:
     """Validate a decoded JSON/msgpack document into an :class:`IngestBatch` (raises :class:`WireError`)."""
     _require(isinstance(obj, dict), "", "the batch must be an object")
@@ -315,12 +336,7 @@ def batch_from_obj(obj: Any) -> IngestBatch:
     _require("\x00" not in batch_id, "batch_id", "must not contain NUL")  # PostgreSQL text cannot store it
     layers = obj.get("layers", [])
     _require(isinstance(layers, list), "layers", "must be an array of layer names")
-    for i, name in enumerate(layers):
-        # The field names are built only for a bad name: 512 f-strings per batch were a tenth of a one-step batch.
-        if not (isinstance(name, str) and 0 < len(name) <= wire.MAX_LAYER_NAME_LENGTH):
-            raise WireError(422, f"layers[{i}]", f"must be 1..{wire.MAX_LAYER_NAME_LENGTH} chars")
-        if "\x00" in name:
-            raise WireError(422, f"layers[{i}]", "must not contain NUL")
+    _check_layer_names(layers)
     _require(len(set(layers)) == len(layers), "layers", "layer names must be unique")
     raw_steps = obj.get("steps")
     _require(isinstance(raw_steps, list) and len(raw_steps) > 0, "steps", "must be a non-empty array")

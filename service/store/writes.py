@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import BigInteger, Connection, Engine, and_, bindparam, delete, func, select, text, update
+from sqlalchemy import BigInteger, Connection, Engine, and_, bindparam, cast, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -67,6 +67,7 @@ _OF_RANK = and_(RunRank.run_id == Run.id, RunRank.rank == bindparam("rank"))
 _MARKS = (Run.layer_count, RunRank.compacted_step, RunRank.last_step)
 _RUN = select(Run.id, *_MARKS).outerjoin(RunRank, _OF_RANK).where(Run.name == bindparam("name"))
 _LOCKED_MARKS = select(*_MARKS).outerjoin(RunRank, _OF_RANK).where(Run.id == bindparam("run_id"))
+_RANK_FIELDS = ("run_id", "rank", "first_step", "last_step", "last_seen_at", "points")
 _STORED_STEPS = select(Point.step, Point.name_id).where(
     Point.run_id == bindparam("run_id"),
     Point.rank == bindparam("rank"),
@@ -92,6 +93,29 @@ class BatchWriter:
             if self.pg
             else batch_row.returning(Batch.batch_id)
         )
+        # On PostgreSQL the run's id is looked up by name inside that statement (the lock's key computed from it as
+        # rank_key does), so a batch of a known run needs no statement of its own to find its run first: the marks
+        # that lookup read are read again under the lock anyway.
+        self._batch_insert_by_name = (
+            postgresql.insert(Batch)
+            .from_select(
+                ["run_id", "batch_id", "rank", "received_at", "points"],
+                select(
+                    Run.id,
+                    bindparam("batch_id"),
+                    bindparam("rank"),
+                    bindparam("received_at"),
+                    bindparam("points", type_=BigInteger),
+                ).where(Run.name == bindparam("name")),
+            )
+            .on_conflict_do_nothing()
+            .returning(
+                Batch.run_id,
+                func.pg_advisory_xact_lock(
+                    cast(Batch.run_id, BigInteger) * RANK_LOCK_SPAN + bindparam("rank_part", type_=BigInteger)
+                ),
+            )
+        )
         point = self._insert(Point)
         self._point_upsert = point.on_conflict_do_update(
             index_elements=["run_id", "rank", "step", "name_id"],
@@ -101,14 +125,19 @@ class BatchWriter:
         least, greatest = (func.least, func.greatest) if self.pg else (func.min, func.max)
         table = RunRank.__table__
         # Built once, as the point upsert: building and cache-keying it per batch cost ~a fifth of a 1-step batch.
-        self._rank_upsert = rank.on_conflict_do_update(
-            index_elements=["run_id", "rank"],
-            set_={
-                "first_step": least(table.c.first_step, rank.excluded.first_step),
-                "last_step": greatest(table.c.last_step, rank.excluded.last_step),
-                "last_seen_at": rank.excluded.last_seen_at,
-                "points": table.c.points + rank.excluded.points,
-            },
+        rank_set = {
+            "first_step": least(table.c.first_step, rank.excluded.first_step),
+            "last_step": greatest(table.c.last_step, rank.excluded.last_step),
+            "last_seen_at": rank.excluded.last_seen_at,
+            "points": table.c.points + rank.excluded.points,
+        }
+        self._rank_upsert = rank.on_conflict_do_update(index_elements=["run_id", "rank"], set_=rank_set)
+        # On PostgreSQL, once the batch holds its rank's lock, one statement reads the run's layer count and the
+        # rank's marks as they were before the batch and upserts the rank's row for it: the upsert runs in a CTE of
+        # the read, and both see the statement's snapshot, taken after the lock.
+        ranked = rank.values({name: bindparam(name) for name in _RANK_FIELDS})
+        self._marks_and_rank = select(_LOCKED_MARKS.cte("marks")).add_cte(
+            ranked.on_conflict_do_update(index_elements=["run_id", "rank"], set_=rank_set).cte("rank_row")
         )
         self._names: dict[str, int] = {}
         self._runs: dict[int, RunCache] = {}
@@ -157,18 +186,26 @@ class BatchWriter:
         points = batch.points
         pending_names: dict[str, int] = {}
         conn = session.connection()
-        run_id, marks = self._ensure_run(conn, batch.run, batch.rank, now)
-        row = {"run_id": run_id, "batch_id": batch.batch_id, "rank": batch.rank, "received_at": now, "points": points}
+        row: dict[str, Any] = {"batch_id": batch.batch_id, "rank": batch.rank, "received_at": now, "points": points}
+        found = None
         if self.pg:
-            row["rank_key"] = self.rank_key(run_id, batch.rank)
-        inserted = conn.execute(self._batch_insert, row).first()
-        if inserted is None:
-            return None
+            by_name = {**row, "name": batch.run, "rank_part": self._rank_part(batch.rank)}
+            found = conn.execute(self._batch_insert_by_name, by_name).first()
+        if found is not None:
+            run_id = int(found[0])
+        else:
+            # SQLite; or on PostgreSQL a new run, or a duplicate (nothing inserted by name): the statements one by one.
+            run_id, marks = self._ensure_run(conn, batch.run, batch.rank, now)
+            row["run_id"] = run_id
+            if self.pg:
+                row["rank_key"] = self.rank_key(run_id, batch.rank)
+            if conn.execute(self._batch_insert, row).first() is None:
+                return None
         if self.pg:
             # Holding the rank lock now, read the layer count and the marks again, in a statement of their own (its
             # snapshot is taken after the lock): a transaction of this rank that committed while we waited may have
-            # widened the run, and its rollup blobs with it.
-            marks = tuple(conn.execute(_LOCKED_MARKS, {"run_id": run_id, "rank": batch.rank}).one())
+            # widened the run, and its rollup blobs with it. The same statement upserts the rank's row for the batch.
+            marks = tuple(conn.execute(self._marks_and_rank, self._rank_row(run_id, batch, now, points)).one())
         layer_count = int(marks[0])
         frontier, last_step = (0, -1) if marks[1] is None else (int(marks[1]), int(marks[2]))
         cache = self._run_cache(conn, run_id, layer_count)
@@ -180,7 +217,8 @@ class BatchWriter:
         self._write_scalars(conn, run_id, batch, name_ids)
         self._write_estimated(conn, run_id, batch, name_ids)
         write_actions(conn, self._insert, run_id, batch, now)
-        self._write_rank(conn, run_id, batch, now, points)
+        if not self.pg:
+            conn.execute(self._rank_upsert, self._rank_row(run_id, batch, now, points))
         run_row = StoredRun(run_id, batch.run)
         for observer in observers:
             observer.on_batch(session, run_row, batch)
@@ -220,7 +258,12 @@ class BatchWriter:
 
     @staticmethod
     def rank_key(run_id: int, rank: int) -> int:
-        return run_id * RANK_LOCK_SPAN + rank % (RANK_LOCK_SPAN - 1) + 1
+        return run_id * RANK_LOCK_SPAN + BatchWriter._rank_part(rank)
+
+    @staticmethod
+    def _rank_part(rank: int) -> int:
+        """The rank's share of its lock key (see rank_key), below RANK_LOCK_SPAN."""
+        return rank % (RANK_LOCK_SPAN - 1) + 1
 
     @staticmethod
     def _new_kinds(batch: IngestBatch, name_ids: dict[str, int]) -> set[tuple[int, str]]:
@@ -403,11 +446,19 @@ class BatchWriter:
         if rows:
             conn.execute(self._insert(EstimatedPoint).on_conflict_do_nothing(), rows)
 
-    def _write_rank(self, conn: Connection, run_id: int, batch: IngestBatch, now: float, points: int) -> None:
+    @staticmethod
+    def _rank_row(run_id: int, batch: IngestBatch, now: float, points: int) -> dict[str, Any]:
+        """The rank's row as the batch upserts it (see ``_rank_upsert``)."""
         lo = min(s.step for s in batch.steps)
         hi = max(s.step for s in batch.steps)
-        params = {"run_id": run_id, "rank": batch.rank, "first_step": lo, "last_step": hi}
-        conn.execute(self._rank_upsert, {**params, "last_seen_at": now, "points": points})
+        return {
+            "run_id": run_id,
+            "rank": batch.rank,
+            "first_step": lo,
+            "last_step": hi,
+            "last_seen_at": now,
+            "points": points,
+        }
 
     def delete_run(self, name: str) -> None:
         """Delete a run and everything stored for it (foreign keys cascade)."""
