@@ -299,7 +299,8 @@ def _check_layer_names(layers: list[Any]) -> None:
     """Raise :class:`WireError` at the first name that is not a string of 1..MAX_LAYER_NAME_LENGTH chars without NUL.
 
     A valid list (every batch but a broken client's) is checked by builtins that loop in C: a Python loop over 512
-    names was 0.15 ms, about 2 % of a one-step request. Only a list that fails them is walked to name the field.
+    names took 0.15 ms of a one-step batch's decode, these 0.05–0.08 ms. Only a list that fails them is walked to
+    name the field.
     """
     if not layers:
         return
