@@ -175,7 +175,7 @@ def test_the_native_stratified_draws_keep_numpys_rows(n: int, k: int) -> None:
         (128, 256, 1024, 32),
         (7, 20, 48, 5),
         (3, 4, 16, 1),
-        # last tiles of every row count the kernel's register tiles leave (1 to 5 of 6 rows; 1 of 4 on AVX2)
+        # last tiles of every row count the kernel's register tiles leave (1 to 5 of 6 rows; 1 and 2 of 3 on AVX2)
         *((9, 40, 64, kept) for kept in (5, 9, 10, 13, 16)),
     ],
 )
@@ -268,7 +268,8 @@ def test_a_comparison_the_pass_cannot_write_is_declined_and_the_row_untouched() 
         (128, 1024, 256, 16, True),
         (40, 32, 48, 9, False),
         (3, 16, 16, 1, True),
-        # a tile's 16 sums added in lane groups of 8 (AVX2) or 16 with every row and output count at its edge
+        # a tile's sums added in lane groups of 8 (AVX2: 12 of 4 by 3, the last group padded) or 16 (4 by 4), with
+        # every row and output count at its edge
         (21, 64, 80, 7, True),
     ],
 )
