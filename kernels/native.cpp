@@ -760,12 +760,13 @@ void each_thread(int64_t n, int threads, double* stats, Body body, int64_t granu
 }
 
 // qw_weight_grad_rows' register tile: GRAD_ROWS kept rows by GRAD_VECTORS vectors of x's features, GRAD_ROWS ·
-// GRAD_VECTORS accumulators (24 of AVX-512's 32 registers: 1.25-1.45 × the speed of 16 on a Zen 4 in a loop; 16 on
-// AVX2's 16 registers, where larger tiles were no faster).
+// GRAD_VECTORS accumulators (24 of AVX-512's 32 registers: 1.25-1.45 × the speed of 16 on a Zen 4 in a loop). AVX2 has
+// 16 registers: 12 accumulators, the GRAD_VECTORS vectors of x and the broadcast dy value fill them; a tile of 16
+// accumulators spills two of them to the stack on every token (1.2 × the time of 12 on a Zen 1).
 #if defined(__AVX512F__)
 constexpr int64_t GRAD_ROWS = 6, GRAD_VECTORS = 4;
 #else
-constexpr int64_t GRAD_ROWS = 4, GRAD_VECTORS = 4;
+constexpr int64_t GRAD_ROWS = 3, GRAD_VECTORS = 4;
 #endif
 
 // One tile of R kept rows (columns[t * k + r]: the gathered dy values of token t) by GRAD_VECTORS vectors of x (row
@@ -1185,12 +1186,19 @@ inline vf lane_sums(const vf* v) {
 // (+ bias[o] when given) for x (`n` rows of `in` floats, a multiple of the vector width), w (`out` rows of `in`) and
 // the `k` kept rows rows[] of x: each dot product summed in vector lanes over x's row in order (one fused
 // multiply-add each where the unit has them), the lanes added as lane_sums adds them, then the bias; whichever
-// thread computes it. Tiles of R rows of x by O rows of w keep R · O accumulators in registers; a short edge tile
-// repeats its first row (computed, not stored).
+// thread computes it. Tiles of R rows of x by O rows of w keep R · O accumulators in registers, with the O vectors of
+// w and one of x: 4 by 4 in AVX-512's 32 registers, 4 by 3 in AVX2's 16 (4 by 4 spills two accumulators to the stack
+// on every vector there: 1.2 × the time on a Zen 1). The accumulators are summed in groups of L, the last one padded
+// with zeros (each sum is its own vector's, so the padding changes none). A short edge tile repeats its first row
+// (computed, not stored).
 static void linear_rows(const float* x, const float* w, const float* bias, const int64_t* rows, int64_t k, int64_t in,
                         int64_t out, float* ref, int threads) {
+#if defined(QW_AVX2)
+  constexpr int64_t R = 4, O = 3;
+#else
   constexpr int64_t R = 4, O = 4;
-  static_assert((R * O) % L == 0, "a tile's accumulators are whole groups of L for lane_sums");
+#endif
+  constexpr int64_t SUMS = (R * O + L - 1) / L * L;  // the accumulators rounded up to whole groups of L
   const int64_t vectors = in / L, out_tiles = (out + O - 1) / O;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t tile = 0; tile < out_tiles; tile++) {
@@ -1201,7 +1209,7 @@ static void linear_rows(const float* x, const float* w, const float* bias, const
       const int64_t kept = k - r0 < R ? k - r0 : R;
       const float* xr[R];
       for (int64_t r = 0; r < R; r++) xr[r] = x + rows[r0 + (r < kept ? r : 0)] * in;
-      vf acc[R * O] = {};
+      vf acc[SUMS] = {};
       for (int64_t v = 0; v < vectors; v++) {
         vf wv[O];
         for (int64_t o = 0; o < O; o++) wv[o] = load(wo[o] + v * L);
@@ -1210,8 +1218,8 @@ static void linear_rows(const float* x, const float* w, const float* bias, const
           for (int64_t o = 0; o < O; o++) acc[r * O + o] = fused_add(acc[r * O + o], xv, wv[o]);
         }
       }
-      float sums[R * O];
-      for (int64_t g = 0; g < R * O; g += L) {
+      float sums[SUMS];
+      for (int64_t g = 0; g < SUMS; g += L) {
         vf s = lane_sums(acc + g);
         std::memcpy(sums + g, &s, sizeof s);
       }

@@ -175,7 +175,7 @@ def test_the_native_stratified_draws_keep_numpys_rows(n: int, k: int) -> None:
         (128, 256, 1024, 32),
         (7, 20, 48, 5),
         (3, 4, 16, 1),
-        # last tiles of every row count the kernel's register tiles leave (1 to 5 of 6 rows; 1 of 4 on AVX2)
+        # last tiles of every row count the kernel's register tiles leave (1 to 5 of 6 rows; 1 and 2 of 3 on AVX2)
         *((9, 40, 64, kept) for kept in (5, 9, 10, 13, 16)),
     ],
 )
@@ -268,7 +268,8 @@ def test_a_comparison_the_pass_cannot_write_is_declined_and_the_row_untouched() 
         (128, 1024, 256, 16, True),
         (40, 32, 48, 9, False),
         (3, 16, 16, 1, True),
-        # a tile's 16 sums added in lane groups of 8 (AVX2) or 16 with every row and output count at its edge
+        # a tile's sums added in lane groups of 8 (AVX2: 12 of 4 by 3, the last group padded) or 16 (4 by 4), with
+        # every row and output count at its edge
         (21, 64, 80, 7, True),
     ],
 )
@@ -387,6 +388,76 @@ def test_a_kept_rows_update_writes_its_reference_rows_where_asked_also_when_it_d
     out_of_range = torch.tensor([1, 7, 22, 40])
     assert compare_weight_grad_rows(dy, x, out_of_range, grad, host_row(), reference=declined) is RowsPass.DECLINED
     assert bool(declined.isnan().all())
+
+
+def _twelve_bit(shape: tuple[int, ...], g: torch.Generator) -> Tensor:
+    """Values of 12-bit significands below 1: a product of two is exact in float32, and a float32 sum plus such a
+    product is exact in float64, so `_fused` rounds once, as a fused multiply-add does; float32 sums of them round."""
+    return torch.randint(-4095, 4096, shape, generator=g).float() * 2.0**-12
+
+
+def _fused(total: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``total + a · b`` rounded once to float32 (exact in float64 for `_twelve_bit` values)."""
+    return (a.astype(np.float64) * b + total).astype(np.float32)
+
+
+def _lane_tree(lanes: np.ndarray) -> np.ndarray:
+    """The float32 sum of the last axis' lanes as the kernels add them: lane i with lane i + L/2, those with their
+    i + L/4, ... down to neighbours."""
+    while lanes.shape[-1] > 1:
+        half = lanes.shape[-1] // 2
+        lanes = lanes[..., :half] + lanes[..., half:]
+    return lanes[..., 0]
+
+
+def _build_lanes() -> int:
+    """The vector width of the loaded build's kernels (floats); skips on a build whose sums are not fused."""
+    lanes = {"avx2": 8, "avx512": 16}.get(native.vector_isa())
+    if lanes is None:
+        pytest.skip("a generic build: whether its sums are fused is the compiler's choice")
+    return lanes
+
+
+@pytest.mark.parametrize(("tokens", "in_features", "out_features", "kept"), [(21, 64, 80, 7), (128, 1024, 256, 16)])
+def test_a_linear_calls_kept_rows_reference_sums_each_dot_product_in_the_documented_order(
+    tokens: int, in_features: int, out_features: int, kept: int
+) -> None:
+    # The order qw_compare_linear_rows documents, whatever its register tiles: lane j of each element sums
+    # x[i]·w[i] for i = j, j + L, j + 2L, ... one fused multiply-add each, the lanes are added as a tree, then the
+    # bias. Its float32 roundings make another order differ in the last bits, which the figures then show.
+    lanes = _build_lanes()
+    g = torch.Generator().manual_seed(tokens)
+    rows = torch.sort(torch.randperm(tokens, generator=g)[:kept]).values
+    x, w = _twelve_bit((tokens, in_features), g), _twelve_bit((out_features, in_features), g)
+    b = _twelve_bit((out_features,), g)
+    kept_x, weights = x.index_select(0, rows).numpy(), w.numpy()
+    sums = np.zeros((kept, out_features, lanes), dtype=np.float32)
+    for v in range(0, in_features, lanes):
+        sums = _fused(sums, kept_x[:, None, v : v + lanes], weights[None, :, v : v + lanes])
+    reference = torch.from_numpy(_lane_tree(sums) + b.numpy())
+    y = (x.double().mm(w.double().T) * (1 + 0.01 * torch.randn(tokens, out_features, generator=g).double())).float()
+    out = host_row()
+    assert compare_linear_rows(x, w, b, rows, y, out, weight=tokens / kept)
+    expected = row_comparison_fields(reference, y, rows, weight=tokens / kept)
+    assert _same(tuple(out.values.tolist()), expected)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("tokens", "out_features", "in_features", "kept"), [(9, 40, 64, 5), (128, 768, 256, 96)])
+def test_the_kept_rows_weight_gradient_sums_each_element_over_the_tokens_in_order(
+    tokens: int, out_features: int, in_features: int, kept: int
+) -> None:
+    # Each element a float32 sum over the tokens in their order, one fused multiply-add each, whatever the tiles.
+    _build_lanes()
+    g = torch.Generator().manual_seed(tokens)
+    columns = torch.randperm(out_features, generator=g)[:kept]
+    dy, x = _twelve_bit((tokens, out_features), g), _twelve_bit((tokens, in_features), g)
+    kept_dy, inputs = dy.index_select(1, columns).numpy(), x.numpy()
+    expected = np.zeros((kept, in_features), dtype=np.float32)
+    for t in range(tokens):
+        expected = _fused(expected, kept_dy[t][:, None], inputs[t][None, :])
+    got = weight_grad_rows(dy, x, columns)
+    assert got is not None
+    assert torch.equal(got, torch.from_numpy(expected))
 
 
 def test_the_scratch_matrix_is_one_memory_per_thread_grown_when_too_small() -> None:
