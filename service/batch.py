@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgpack
@@ -76,7 +77,12 @@ class IngestBatch(BatchFields[IngestStep]):
     next batch its thread stores, and the write path may run a batch's ``on_batch`` on another thread than the
     caller's (see :class:`IngestObserver`)."""
 
-    @property
+    @cached_property
+    def step_numbers(self) -> list[int]:
+        """The batch's steps, sorted (the write path reads its span, its newest step and its spacing)."""
+        return sorted({step.step for step in self.steps})
+
+    @cached_property
     def points(self) -> int:
         """Measured values in the batch (per-layer metric values plus scalars)."""
         total = 0

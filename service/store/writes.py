@@ -174,7 +174,7 @@ class BatchWriter:
                 observer.after_commit(batch)
             except Exception:
                 log.exception("ingest observer %r failed after commit", observer)
-        if compaction_due(stored.frontier, max(s.step for s in batch.steps), stored.edge):
+        if compaction_due(stored.frontier, batch.step_numbers[-1], stored.edge):
             self._compact(stored.run_id, batch.rank, stored.edge)
         return IngestResult(batch.batch_id, False, batch.points)
 
@@ -183,10 +183,14 @@ class BatchWriter:
     ) -> _Stored | None:
         """Write ``batch`` in ``session``'s transaction (or savepoint) and run the observers' ``on_batch``; what to
         publish once it is committed, or None for a duplicate (nothing written)."""
-        points = batch.points
         pending_names: dict[str, int] = {}
         conn = session.connection()
-        row: dict[str, Any] = {"batch_id": batch.batch_id, "rank": batch.rank, "received_at": now, "points": points}
+        row: dict[str, Any] = {
+            "batch_id": batch.batch_id,
+            "rank": batch.rank,
+            "received_at": now,
+            "points": batch.points,
+        }
         found = None
         if self.pg:
             by_name = {**row, "name": batch.run, "rank_part": self._rank_part(batch.rank)}
@@ -205,7 +209,7 @@ class BatchWriter:
             # Holding the rank lock now, read the layer count and the marks again, in a statement of their own (its
             # snapshot is taken after the lock): a transaction of this rank that committed while we waited may have
             # widened the run, and its rollup blobs with it. The same statement upserts the rank's row for the batch.
-            marks = tuple(conn.execute(self._marks_and_rank, self._rank_row(run_id, batch, now, points)).one())
+            marks = tuple(conn.execute(self._marks_and_rank, self._rank_row(run_id, batch, now)).one())
         layer_count = int(marks[0])
         frontier, last_step = (0, -1) if marks[1] is None else (int(marks[1]), int(marks[2]))
         cache = self._run_cache(conn, run_id, layer_count)
@@ -218,12 +222,12 @@ class BatchWriter:
         self._write_estimated(conn, run_id, batch, name_ids)
         write_actions(conn, self._insert, run_id, batch, now)
         if not self.pg:
-            conn.execute(self._rank_upsert, self._rank_row(run_id, batch, now, points))
+            conn.execute(self._rank_upsert, self._rank_row(run_id, batch, now))
         run_row = StoredRun(run_id, batch.run)
         for observer in observers:
             observer.on_batch(session, run_row, batch)
         kinds = cache.kinds | self._new_kinds(batch, name_ids)
-        edge = edge_steps(sorted({s.step for s in batch.steps}), last_step)
+        edge = edge_steps(batch.step_numbers, last_step)
         return _Stored(run_id, frontier, edge, pending_names, RunCache(layers, index, kinds))
 
     def compact_all(self, run: str) -> None:
@@ -359,8 +363,7 @@ class BatchWriter:
         steps_by_metric = keep_retained(conn, run_id, batch.rank, steps_by_metric, frontier)
         if not steps_by_metric:
             return
-        lo = min(s.step for s in batch.steps)
-        hi = max(s.step for s in batch.steps)
+        lo, hi = batch.step_numbers[0], batch.step_numbers[-1]
         # Chunks hold only steps behind the frontier: a batch wholly past it (the usual case) looks at raw rows only.
         stored: dict[int, Rows] = {}
         if lo < frontier:
@@ -447,17 +450,15 @@ class BatchWriter:
             conn.execute(self._insert(EstimatedPoint).on_conflict_do_nothing(), rows)
 
     @staticmethod
-    def _rank_row(run_id: int, batch: IngestBatch, now: float, points: int) -> dict[str, Any]:
+    def _rank_row(run_id: int, batch: IngestBatch, now: float) -> dict[str, Any]:
         """The rank's row as the batch upserts it (see ``_rank_upsert``)."""
-        lo = min(s.step for s in batch.steps)
-        hi = max(s.step for s in batch.steps)
         return {
             "run_id": run_id,
             "rank": batch.rank,
-            "first_step": lo,
-            "last_step": hi,
+            "first_step": batch.step_numbers[0],
+            "last_step": batch.step_numbers[-1],
             "last_seen_at": now,
-            "points": points,
+            "points": batch.points,
         }
 
     def delete_run(self, name: str) -> None:
