@@ -55,7 +55,7 @@ from quantwatch.agent.sampling import Schedule
 from quantwatch.agent.scalars import agent_scalars, scalar_step, split_scalars
 from quantwatch.agent.shadow import LossClosure, OptimizerFactory, ShadowModel, ShadowOptions
 from quantwatch.agent.validation import check_run, check_shadow, check_step_options, detect_rank, periods, reports
-from quantwatch.agent.whatif import DEFAULT_WHATIF_EVERY, WhatIf
+from quantwatch.agent.whatif import WhatIf
 from quantwatch.agent.wire import Encoding, StepRecord, wire_formats
 from quantwatch.agent.wrappers import CompiledRegions, unwrap
 from quantwatch.kernels import native as native_kernels
@@ -102,7 +102,7 @@ class Monitor:
         failures: FailureLog,
         shadow_options: ShadowOptions | None = None,
         rank_reporter: RankReporter | None = None,
-        whatif_every: int = 0,
+        whatif_every: int | None = 0,
     ) -> None:
         self.run = run
         self.rank = rank
@@ -142,7 +142,7 @@ class Monitor:
         self._window_seconds = 0.0
         self._closed = False
         self._loop = ActionLoop(self, min(schedule.periods.values()), engine.exporter if engine is not None else None)
-        self._arm(self._metrics_at(0))
+        self._arm(self._metrics_at(0), 0)
         _MONITORS.add(self)
 
     # ----------------------------------------------------------------------------------------------- public API
@@ -212,7 +212,7 @@ class Monitor:
                 self._disarm(list(self._adapters))
         self._next_step = step
         self._next_sampled = self.schedule.next_step(step)
-        self._arm(self._metrics_at(step))
+        self._arm(self._metrics_at(step), step)
 
     def watch_kernel(self, fn: F, name: str) -> F:
         """Wrap a quantization kernel ``q = fn(x, ...)``; on sampled steps the error of ``q`` against ``x`` is
@@ -308,12 +308,12 @@ class Monitor:
             return frozenset()
         return self.schedule.metrics_at(step)
 
-    def _arm(self, metrics: frozenset[str]) -> None:
-        """Install the hooks that measuring ``metrics`` needs (none for an empty set)."""
+    def _arm(self, metrics: frozenset[str], step: int) -> None:
+        """Install the hooks that measuring ``metrics`` at ``step`` needs (none for an empty set)."""
         if not metrics:
             return
         self._armed = metrics
-        self._whatif.arm(self._sampled_steps)
+        self._whatif.arm(self._sampled_steps, step)
         self._compiled.run_eager()
         kinds = metric_kinds(metrics)
         with self._lock:
@@ -383,11 +383,11 @@ class Monitor:
             self._sampled_steps += 1
             self._submit(current, armed, adapters, step_seconds, tokens, shadow_loss, scalars)
             if self._armed:  # kept armed for the next step: its what-if hooks too, when it is a what-if step
-                self._whatif.arm(self._sampled_steps)
+                self._whatif.arm(self._sampled_steps, current + 1)
         elif (scalars or shadow_loss is not None) and current % self._scalars_every == 0:
             self._submit_scalars(current, step_seconds, tokens, shadow_loss, scalars)
         self._loop.boundary(current)
-        self._arm(upcoming)
+        self._arm(upcoming, current + 1)
 
     def _submit_scalars(
         self, step: int, step_seconds: float, tokens: float | None, shadow_loss: Tensor | None, scalars: dict[str, Any]
@@ -500,7 +500,7 @@ def attach(
     reference_dtype: Literal["float32", "bfloat16"] = "float32",
     tokens_per_step: float | None = None,
     scalars_every: int = 1,
-    whatif_every: int = DEFAULT_WHATIF_EVERY,
+    whatif_every: int | None = None,
     exporter: Exporter | None = None,
     encoding: Encoding = "msgpack",
     compress: bool = True,
@@ -528,9 +528,11 @@ def attach(
     are named in ``StepRecord.estimated``); ``reference_dtype`` (``"float32"``, autocast off, or ``"bfloat16"``) is
     the precision of the layer references (:func:`quantwatch.agent.shadow.run_reference`).
     Scalars given to :meth:`Monitor.step` go out for every step (``scalars_every``: every N-th) whatever the
-    sampling; every ``whatif_every``-th sampled step (0: none) also measures :mod:`~quantwatch.agent.whatif`
-    statistics.  Every rank sends weight fingerprints whatever ``ranks`` says (:mod:`~quantwatch.agent.fingerprint`;
-    its replica group is detected or ``replica_group``) and its environment once.
+    sampling; what-if steps also measure :mod:`~quantwatch.agent.whatif` statistics: by default the first sampled
+    step and then one at least ``WHATIF_STEPS`` (250) steps after the previous, whatever ``every``; with
+    ``whatif_every=N`` every N-th sampled step (0: none).  Every rank sends weight fingerprints whatever ``ranks``
+    says (:mod:`~quantwatch.agent.fingerprint`; its replica group is detected or ``replica_group``) and its
+    environment once.
 
     Raises :class:`ConfigError` naming the field for configuration mistakes; nothing raises after this returns.
     """

@@ -13,7 +13,6 @@ from quantwatch.agent.errors import ConfigError
 from quantwatch.agent.monitor import DEFAULT_EVERY, attach
 from quantwatch.agent.sampling import Schedule
 from quantwatch.agent.validation import check_run, check_shadow, check_step_options, periods, reports
-from quantwatch.agent.whatif import DEFAULT_WHATIF_EVERY
 
 __all__ = ["check_attach_options"]
 
@@ -41,7 +40,7 @@ def check_attach_options(**options: Any) -> None:
     check_step_options(
         options.get("tokens_per_step"),
         options.get("scalars_every", 1),
-        options.get("whatif_every", DEFAULT_WHATIF_EVERY),
+        options.get("whatif_every"),
     )
     url = options.get("url")
     if url is not None and not isinstance(url, str):

@@ -94,10 +94,15 @@ def check_scalars_every(scalars_every: object) -> None:
         raise ConfigError("scalars_every", f"must be an integer >= 1, got {scalars_every!r}")
 
 
-def check_whatif_every(whatif_every: object) -> int:
-    """``whatif_every`` if it is an integer >= 0 (0: no what-if statistics), else ConfigError."""
+def check_whatif_every(whatif_every: object) -> int | None:
+    """``whatif_every`` if it is None (the default period in training steps) or an integer >= 0 (0: no what-if
+    statistics), else ConfigError."""
+    if whatif_every is None:
+        return None
     if not isinstance(whatif_every, int) or isinstance(whatif_every, bool) or whatif_every < 0:
-        raise ConfigError("whatif_every", f"must be an integer >= 0 (0: no what-if statistics), got {whatif_every!r}")
+        raise ConfigError(
+            "whatif_every", f"must be None or an integer >= 0 (0: no what-if statistics), got {whatif_every!r}"
+        )
     return whatif_every
 
 

@@ -1,6 +1,7 @@
 """What-if statistics: the error each monitored layer's weight, input and gradient would have under other formats.
 
-On every ``whatif_every``-th sampled step (:data:`DEFAULT_WHATIF_EVERY`; 0: never) forward hooks on the monitored
+On what-if steps (by default the first sampled step and then one every :data:`WHATIF_STEPS` steps; with
+``whatif_every=N`` every N-th sampled step; 0: never) forward hooks on the monitored
 modules quantize the tensors the layer saw (its master weight and the input of its first call in the step) and a
 hook on that call's output the gradient that reaches it, to every candidate of :func:`layer_candidates` with the
 fused kernels (``quantize(..., with_stats=True)``; stochastic rounding draws from a generator of the agent's own, so
@@ -29,13 +30,15 @@ from quantwatch.kernels.formats import accepted_format_names
 from quantwatch.kernels.native import plain
 from quantwatch.protocol import TENSOR_KINDS, WHATIF_CANDIDATES, WHATIF_STATS, candidate_spec, own_candidates
 
-__all__ = ["DEFAULT_WHATIF_EVERY", "WhatIf", "WhatIfValues", "layer_candidates"]
+__all__ = ["WHATIF_STEPS", "WhatIf", "WhatIfValues", "layer_candidates"]
 
-DEFAULT_WHATIF_EVERY = 10
-"""What-if statistics on every 10th sampled step (with ``every=25``: one step in 250). On the CPU a what-if step costs
-about 1.4 times a sampled step (+25-34 ms of CPU on the benchmark's 53-62 ms step, every candidate on the native
-kernels, the stochastic-rounding ones included), so at its defaults the agent adds 0.1-0.2% of a step for it and
-stays within 3% (BENCHMARKS.md, issue 18)."""
+WHATIF_STEPS = 250
+"""``whatif_every=None`` (the default): what-if statistics on the first sampled step and then on the first sampled step
+at least 250 training steps after the previous what-if step (with ``every=25``: every 10th sampled step). On the CPU a
+what-if step costs about 1.4 times a sampled step (+25-34 ms of CPU on the benchmark's 53-62 ms step, every candidate
+on the native kernels, the stochastic-rounding ones included), so the agent adds 0.1-0.2% of a step for it whatever
+the sampling: a period counted in sampled steps would cost 10% of every step at ``every=1`` (BENCHMARKS.md, issues 18
+and 16)."""
 
 SEED = 0x5EED_0F_5A
 WhatIfValues = dict[str, dict[str, dict[str, list[float | None]]]]
@@ -80,9 +83,15 @@ class WhatIf:
     and ``.formats``; ``measured``: the names of those its adapters measure, not those left out)."""
 
     def __init__(
-        self, every: int, found: Mapping[str, Any], measured: Iterable[str], failures: FailureLog, clock: OverheadClock
+        self,
+        every: int | None,
+        found: Mapping[str, Any],
+        measured: Iterable[str],
+        failures: FailureLog,
+        clock: OverheadClock,
     ) -> None:
         self.every = check_whatif_every(every)
+        self._last_step: int | None = None  # the latest what-if step (whatif_every=None)
         self.failures = failures
         self.clock = clock
         names = set(map(str, measured))
@@ -94,14 +103,24 @@ class WhatIf:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._armed = False
 
-    def arm(self, sampled_index: int) -> None:
-        """Hook the modules when the sampled step numbered ``sampled_index`` (from 0) is a what-if step."""
-        if not self.every or sampled_index % self.every:
+    def arm(self, sampled_index: int, step: int) -> None:
+        """Hook the modules when the sampled step numbered ``sampled_index`` (from 0), training step ``step``, is a
+        what-if step."""
+        if not self._due(sampled_index, step):
             return
         self._armed = True
         for layer in self._layers:
             if layer.handle is None:
                 layer.handle = layer.module.register_forward_hook(functools.partial(self._on_forward, layer))
+
+    def _due(self, sampled_index: int, step: int) -> bool:
+        """Whether that sampled step is a what-if step (see :data:`WHATIF_STEPS`)."""
+        if self.every is not None:
+            return bool(self.every) and sampled_index % self.every == 0
+        if self._last_step is not None and step < self._last_step + WHATIF_STEPS:
+            return False
+        self._last_step = step
+        return True
 
     def disarm(self) -> None:
         """Remove the hooks (the statistics stay until :meth:`take`)."""

@@ -49,7 +49,7 @@ from torch import nn
 
 import quantwatch.agent as qw
 from quantwatch.agent.spool import DiskSpool
-from quantwatch.agent.whatif import DEFAULT_WHATIF_EVERY, layer_candidates
+from quantwatch.agent.whatif import WHATIF_STEPS, layer_candidates
 from quantwatch.kernels import QuantConfig, QuantSpec, Recipe, quantize_model
 from quantwatch.service.server import free_port, wait_until_ready
 
@@ -434,8 +434,9 @@ def main() -> None:
     parser.add_argument(
         "--whatif-periods",
         type=lambda text: [int(part) for part in text.split(",")],
-        default=[DEFAULT_WHATIF_EVERY],
-        help=f"comma-separated what-if periods the defaults are composed for (default {DEFAULT_WHATIF_EVERY})",
+        default=[WHATIF_STEPS // qw.DEFAULT_EVERY],
+        help=f"comma-separated what-if periods in sampled steps the defaults are composed for (default"
+        f" {WHATIF_STEPS // qw.DEFAULT_EVERY}: every {WHATIF_STEPS} steps)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

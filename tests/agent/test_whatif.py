@@ -107,21 +107,36 @@ def test_whatif_figures_equal_quantizing_the_same_tensors_by_hand() -> None:
     assert monitor.stats()["failures"] == {}
 
 
-def test_whatif_has_its_own_period_and_no_hooks_between_its_steps() -> None:
+def _whatif_steps(steps: int, every: int, **options: Any) -> tuple[list[int], nn.Module]:
+    """The steps that carried what-if statistics when the model trained ``steps`` steps, and the model."""
     model = _model()
     sink = qw.InMemoryExporter()
-    monitor = qw.attach(model, run="period", exporter=sink, every=2)  # whatif_every: its default
-    period = 2 * whatif_module.DEFAULT_WHATIF_EVERY  # training steps between what-if steps
-    _train(model, monitor, 2 * period + 5)
+    monitor = qw.attach(model, run="period", exporter=sink, every=every, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    torch.manual_seed(11)
+    for _ in range(steps):
+        model(torch.randn(32, 24)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step()
     monitor.close()
-    steps = [s for b in sink.batches for s in b.steps if s.metrics]
-    assert len(steps) == period + 3
-    assert [s.step for s in steps if s.whatif] == [0, period, 2 * period]
+    assert monitor.stats()["failures"] == {}
+    return [s.step for b in sink.batches for s in b.steps if s.whatif], model
+
+
+def test_whatif_comes_every_250_steps_by_default_whatever_the_sampling() -> None:
+    every_25, model = _whatif_steps(251, every=25)
+    assert every_25 == [0, 250]  # every 10th sampled step, as whatif_every=10 would
     assert all(not module._forward_hooks for module in model.modules())
-    off = qw.attach(_model(), run="off", exporter=(sink := qw.InMemoryExporter()), every=1, whatif_every=0)
-    _train(off._model, off, 3)
-    off.close()
-    assert [s.step for b in sink.batches for s in b.steps if s.whatif] == []
+    # A period of 10 sampled steps would measure what-if every 70 steps at every=7; it is the first sampled step at
+    # least 250 steps after the previous what-if step.
+    assert _whatif_steps(260, every=7)[0] == [0, 252]
+    assert whatif_module.WHATIF_STEPS == 250
+
+
+def test_whatif_every_n_counts_sampled_steps_and_0_turns_it_off() -> None:
+    assert _whatif_steps(40, every=2, whatif_every=3)[0] == [0, 6, 12, 18, 24, 30, 36]
+    assert _whatif_steps(5, every=1, whatif_every=0)[0] == []
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "10"])
