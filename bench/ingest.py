@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -84,6 +85,41 @@ def collectors(database_url: str, tree: Path | None = None, count: int = 1) -> I
             proc.terminate()
         for proc in procs:
             proc.wait(30)
+
+
+@contextmanager
+def scraping(urls: list[str], every: float) -> Iterator[list[int]]:
+    """GET every collector's /metrics at once and then every ``every`` seconds while the block runs, as Prometheus
+    does (the exposition merges and renders in the background only while someone scrapes); yields the count of
+    scrapes so far. ``every`` 0: no scrapes."""
+    done = [0]
+    if every <= 0:
+        yield done
+        return
+    stop, failed = threading.Event(), []
+
+    def loop() -> None:
+        with httpx.Client(timeout=60) as http:
+            while True:
+                try:
+                    for url in urls:
+                        http.get(f"{url}/metrics").raise_for_status()
+                except httpx.HTTPError as exc:
+                    failed.append(exc)
+                    return
+                done[0] += 1
+                if stop.wait(every):
+                    return
+
+    thread = threading.Thread(target=loop, name="scraper", daemon=True)
+    thread.start()
+    try:
+        yield done
+    finally:
+        stop.set()
+        thread.join()
+    if failed:
+        raise RuntimeError(f"a scrape failed: {failed[0]!r}")
 
 
 RUN = "bench-ingest"
@@ -232,7 +268,9 @@ def bench_backend(
             for rank in range(case.clients)
         ]
         urls, pids = [base for base, _ in replicas], [pid for _, pid in replicas]
-        ingest = run_clients(urls, works, args.seconds, args.warmup, pids)
+        with scraping(urls, args.scrape) as scrapes:
+            ingest = run_clients(urls, works, args.seconds, args.warmup, pids)
+        ingest["scrapes"] = scrapes[0]
         ingest["episodes"] = check_episodes(replicas[-1][0], RUN)
         shares = ", ".join(f"{k} {ingest[k + '_cores']:.2f}" for k in ("collector", "client", "postgres", "machine"))
         print(
@@ -243,7 +281,7 @@ def bench_backend(
             f"{ingest['cpu_ms_per_request']:.1f} ms per request, {ingest['refused']} refused (429), "
             f"{ingest['late']} sent a period late (most behind its time: {ingest['lag_seconds']:.2f} s); cores used: "
             f"{shares}; load average {os.getloadavg()[0]:.1f}; collectors ready in {ready:.0f} s, clients spawned "
-            f"and warmed up in {ingest['setup_seconds']:.0f} s\n"
+            f"and warmed up in {ingest['setup_seconds']:.0f} s; {ingest['scrapes']} scrapes of /metrics\n"
             f"episodes: {ingest['episodes']}",
             flush=True,
         )
@@ -415,6 +453,13 @@ def parse_args() -> argparse.Namespace:
         help="run the collector from the checkout PATH (repeat to compare trees side by side; the first is the base)",
     )
     parser.add_argument("--rounds", type=int, default=1, help="how many times each tree runs each case")
+    parser.add_argument(
+        "--scrape",
+        type=float,
+        default=0.0,
+        help="seconds between two scrapes of every collector's /metrics while the clients run, as Prometheus's "
+        "(dashboards/prometheus/prometheus.yml: 5); 0 (default): none, and the exposition merges nothing",
+    )
     args = parser.parse_args()
     if args.steps_per_batch is None:
         args.steps_per_batch = 1 if args.many_ranks else 16

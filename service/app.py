@@ -86,7 +86,7 @@ def create_app(
     app.state.token_scopes = settings.token_scopes()
     problems.install(app, write_health)
     app.include_router(health.router)
-    app.include_router(ingest.router)
+    ingest.install(app)
     install_ranks(app, settings, store)  # before runs: its /runs/{run}/ranks must win over /runs/{run}
     app.include_router(whatif_routes.router)  # before runs, as the ranks' route
     app.include_router(runs.router)

@@ -113,6 +113,28 @@ async def reject_nul(request: Request) -> None:
             raise ProblemError(422, f"{field} contains a NUL character", [{"field": field, "message": "NUL"}])
 
 
+def _authorize(request: Request, scope: Scope, credentials: HTTPAuthorizationCredentials | None) -> None:
+    """Raise the 401 or 403 problem unless ``credentials`` hold a token with ``scope`` (when tokens are configured)."""
+    tokens = TOKEN_SCOPES.of(request.app)
+    if not tokens:
+        return
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if credentials is None or credentials.scheme.lower() != "bearer":
+        raise ProblemError(401, "a bearer token is required", headers=challenge)
+    digest = hash_token(credentials.credentials)
+    scopes = next((s for h, s in tokens.items() if hmac.compare_digest(h, digest)), None)
+    if scopes is None:
+        raise ProblemError(401, "unknown token", headers=challenge)
+    if scope not in scopes:
+        raise ProblemError(403, f"this token lacks the {scope!r} scope")
+
+
+async def check_scope(request: Request, scope: Scope) -> None:
+    """What :func:`require`'s dependency checks, for a plain Starlette route (no dependency solving)."""
+    if TOKEN_SCOPES.of(request.app):
+        _authorize(request, scope, await bearer(request))
+
+
 def require(scope: Scope) -> DependsParam:
     """A dependency that lets a request through only with a token holding ``scope`` (when tokens are configured)."""
 
@@ -120,18 +142,7 @@ def require(scope: Scope) -> DependsParam:
         request: Request,
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
     ) -> None:
-        tokens = TOKEN_SCOPES.of(request.app)
-        if not tokens:
-            return
-        challenge = {"WWW-Authenticate": "Bearer"}
-        if credentials is None or credentials.scheme.lower() != "bearer":
-            raise ProblemError(401, "a bearer token is required", headers=challenge)
-        digest = hash_token(credentials.credentials)
-        scopes = next((s for h, s in tokens.items() if hmac.compare_digest(h, digest)), None)
-        if scopes is None:
-            raise ProblemError(401, "unknown token", headers=challenge)
-        if scope not in scopes:
-            raise ProblemError(403, f"this token lacks the {scope!r} scope")
+        _authorize(request, scope, credentials)
 
     dependency: DependsParam = Depends(check)
     return dependency

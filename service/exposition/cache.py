@@ -1,10 +1,19 @@
 """The latest-value cache: latest value per exported series, fed a whole batch at a time, rendered off the ingest path.
 
-Nothing on the ingest path calls ``Gauge.set`` per point: the cache takes a whole batch at once, with numpy, and the
-sample lines of a (run, metric) are rendered after it changed (by the background renderer between scrapes, or by
-the scrape itself for whatever is left). Cardinality is bounded by design: per (run, metric) only the ``top_k``
-worst layers are kept (higher is worse, except for cosines and SQNR where lower is worse; non-finite values are the
-worst of all), the rest is counted, and runs that send nothing for ``run_ttl_seconds`` drop out.
+Nothing on the ingest path calls ``Gauge.set`` per point: the cache takes a whole batch at once, with numpy, and keeps
+its latest values per (run, rank) until the top-K merge, which runs off the ingest path with the rendering of the
+sample lines of a (run, metric) that changed (by the background renderer between scrapes, or by the scrape itself for
+whatever is left). Cardinality is bounded by design: per (run, metric) only the ``top_k`` worst layers are kept
+(higher is worse, except for cosines and SQNR where lower is worse; non-finite values are the worst of all), the rest
+is counted, and runs that send nothing for ``run_ttl_seconds`` drop out.
+
+Deferring the merge (issue 21: it was a tenth of a one-step batch's CPU) coalesces the batches of one (run, rank) that
+arrive between two merges: per layer the newest of them that measured it is merged, as if they had come as one batch
+(a batch whose layer list differs from the waiting ones' merges them first). Two things follow,
+both chosen: a value another rank's batch pushed out of the top-K while a newer batch of this rank was waiting is no
+longer pushed out by the value that newer batch replaced (the slots hold the worst of the latest values, not of every
+value seen between scrapes), and ``quantwatch_exposition_layer_values_omitted`` counts the values the cap leaves out
+when they are merged, so a value replaced before its merge is neither exported nor counted.
 """
 
 from __future__ import annotations
@@ -27,12 +36,14 @@ __all__ = [
     "DEFAULT_TOP_K",
     "CacheSnapshot",
     "CachedRun",
+    "Latest",
     "LatestValueCache",
     "LayerFamily",
     "Slot",
     "StepLike",
     "StepValues",
     "StoredRank",
+    "WaitingValues",
     "slot_rows",
 ]
 
@@ -116,6 +127,35 @@ class Slot:
         return cast("npt.NDArray[np.float64]", self.entries[2])
 
 
+Latest = dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_] | None]]
+"""Per metric: the latest value of each of a batch's layers, and which of them were measured (None: all)."""
+
+
+@dataclass
+class WaitingValues:
+    """The latest values of one (run, rank) that batches brought since its last merge into the slots.
+
+    ``ids`` are the layer ids of the batches' layer list (one list: a batch with another merges these first);
+    ``covers_all`` whether that list held every layer the run knew when they began to wait (layers the run learns
+    later hold no entry of this rank, so its entries are all replaced when this was true).
+    """
+
+    ids: npt.NDArray[np.int64]
+    covers_all: bool
+    latest: Latest
+
+    def take(self, latest: Latest) -> None:
+        """Lay a newer batch's latest values over these: per layer, the newer value where the batch measured it."""
+        for metric, (values, measured) in latest.items():
+            current = self.latest.get(metric)
+            if current is None or measured is None:
+                self.latest[metric] = (values, measured)
+                continue
+            np.copyto(current[0], values, where=measured)
+            if current[1] is not None:
+                current[1][:] |= measured
+
+
 @dataclass
 class CachedRun:
     """Everything the cache holds for one run.
@@ -135,6 +175,7 @@ class CachedRun:
     last_layers: tuple[str, ...] = ()
     last_ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     last_ids_cover_all: bool = False  # whether last_ids holds every layer the run has sent
+    waiting: dict[int, WaitingValues] = field(default_factory=dict)  # by rank: latest values not merged into the slots
 
     def ids_of(self, layers: Sequence[str]) -> npt.NDArray[np.int64]:
         """Ids of ``layers``, registering new ones; a batch with the same layer list as the last costs a compare."""
@@ -223,7 +264,8 @@ class LatestValueCache:
         """Take one stored batch of (run, rank): the latest value of every layer and scalar in it.
 
         A batch whose newest step is older than the newest already seen for (run, rank) is history, not the
-        present: it leaves the latest values alone.
+        present: it leaves the latest values alone. The last step and the scalars are current at once; the layer
+        values wait for the next merge (:meth:`render_changed` or :meth:`snapshot`: see the module's docstring).
         """
         ordered = sorted(steps, key=lambda s: s.step)
         if not ordered:
@@ -242,7 +284,14 @@ class LatestValueCache:
             for s in ordered:
                 for scalar, value in s.scalars.items():
                     state.scalars[(scalar, rank)] = float(value)
-            self._omitted_values_total += self._merge_all(state, rank, state.ids_of(layers), latest)
+            ids = state.ids_of(layers)
+            waiting = state.waiting.get(rank)
+            if waiting is not None and np.array_equal(waiting.ids, ids):
+                waiting.take(latest)
+            else:
+                if waiting is not None:
+                    self._merge_waiting(state, rank, waiting)
+                state.waiting[rank] = WaitingValues(ids, state.last_ids_cover_all, latest)
             self._changed_runs.add(run)
 
     def restore(self, stored: StoredRank) -> bool:
@@ -259,6 +308,7 @@ class LatestValueCache:
                 state = self._runs[stored.run] = CachedRun(name=stored.run, last_seen=stored.last_seen)
             elif stored.rank in state.last_step:
                 return False
+            self._merge_run(state)
             state.last_step[stored.rank] = stored.last_step
             for scalar, value in stored.scalars.items():
                 state.scalars[(scalar, stored.rank)] = value
@@ -266,21 +316,34 @@ class LatestValueCache:
                 metric: (values, None if measured.all() else measured)
                 for metric, (values, measured) in stored.latest.items()
             }
-            self._merge_all(state, stored.rank, state.ids_of(stored.layers), latest)
+            ids = state.ids_of(stored.layers)
+            self._merge_all(state, stored.rank, ids, latest, state.last_ids_cover_all)
             self._changed_runs.add(stored.run)
             return True
+
+    def _merge_run(self, state: CachedRun) -> None:
+        """Merge every rank's waiting values of ``state`` into its slots, in the order they began waiting."""
+        for rank, waiting in state.waiting.items():
+            self._merge_waiting(state, rank, waiting)
+        state.waiting.clear()
+
+    def _merge_waiting(self, state: CachedRun, rank: int, waiting: WaitingValues) -> None:
+        """Merge one rank's waiting values into the slots, counting what the cap leaves out of them."""
+        self._omitted_values_total += self._merge_all(state, rank, waiting.ids, waiting.latest, waiting.covers_all)
 
     def _merge_all(
         self,
         state: CachedRun,
         rank: int,
         ids: npt.NDArray[np.int64],
-        latest: Mapping[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_] | None]],
+        latest: Latest,
+        covers_all: bool,
     ) -> int:
         """Merge one rank's latest values of every metric into their slots; returns how many the cap left out.
 
-        The per-batch work is done once for all metrics (the entries and badness of every value in one pass, which
-        layers the rank re-sent), so that what is left per metric is the few numpy calls of the top-K itself.
+        ``covers_all``: ``ids`` hold every layer the run knows now. The per-batch work is done once for all metrics
+        (the entries and badness of every value in one pass, which layers the rank re-sent), so that what is left per
+        metric is the few numpy calls of the top-K itself.
         """
         if not latest or ids.size == 0:
             return 0
@@ -302,7 +365,7 @@ class LatestValueCache:
                 remeasured[ids[measured]] = True
                 dropped += self._merge(state, metric, rank, entries[row][:, measured], remeasured)
                 continue
-            if resent is None and not state.last_ids_cover_all:
+            if resent is None and not covers_all:
                 resent = np.zeros(len(state.layer_names), dtype=np.bool_)
                 resent[ids] = True
             # resent None: the batch holds every layer the run knows, so all of this rank's entries are replaced
@@ -366,16 +429,19 @@ class LatestValueCache:
         return len(stale)
 
     def render_changed(self, runs_per_hold: int = 8) -> int:
-        """Render the slots that batches changed since they were last rendered; returns how many it rendered.
+        """Merge the values batches left waiting and render the slots they changed; returns how many it rendered.
 
-        The :class:`BackgroundRenderer` calls this between scrapes, so that a scrape finds most slots rendered. The
-        lock is held for ``runs_per_hold`` runs at a time: ingest and a scrape wait for one small pass at most.
-        Runs changed while it works are left to the next call (or to the scrape).
+        The :class:`BackgroundRenderer` calls this between scrapes, so that a scrape finds most slots merged and
+        rendered. The lock is held for one (run, rank)'s merge, then for the rendering of ``runs_per_hold`` runs at a
+        time: ingest and a scrape wait for one small pass at most. Runs changed while it works are left to the next
+        call (or to the scrape).
         """
         with self._lock:
             todo, self._changed_runs = sorted(self._changed_runs), set()
         rendered = 0
         for first in range(0, len(todo), runs_per_hold):
+            for run in todo[first : first + runs_per_hold]:
+                self._merge_waiting_of(run)
             with self._lock:
                 changed = [
                     (layer_family_name(metric), state, slot)
@@ -389,8 +455,24 @@ class LatestValueCache:
             rendered += len(changed)
         return rendered
 
+    def _merge_waiting_of(self, run: str) -> None:
+        """Merge the waiting values of ``run``, one rank per hold of the lock: ingest waits for one merge at most
+        (a run of 64 ranks would hold it for 64 otherwise). Ranks that begin to wait meanwhile are left to the next
+        call, or to the scrape."""
+        with self._lock:
+            state = self._runs.get(run)
+            count = 0 if state is None else len(state.waiting)
+        for _ in range(count):
+            with self._lock:
+                state = self._runs.get(run)
+                if state is None or not state.waiting:
+                    return
+                rank = next(iter(state.waiting))  # the one waiting longest
+                self._merge_waiting(state, rank, state.waiting.pop(rank))
+
     def snapshot(self) -> CacheSnapshot:
-        """Expire idle runs, render changed slots and return what a scrape exports."""
+        """Expire idle runs, merge the values batches left waiting, render changed slots and return what a scrape
+        exports: every batch acknowledged before the call is in it."""
         deadline = self._clock() - self.run_ttl_seconds
         with self._lock:
             self.scraped_at = time.monotonic()
@@ -403,6 +485,7 @@ class LatestValueCache:
             omitted: dict[str, int] = {}
             changed: list[tuple[str, CachedRun, Slot]] = []
             for run, state in runs:
+                self._merge_run(state)
                 for metric, slot in state.slots.items():
                     if slot.text is None:
                         changed.append((layer_family_name(metric), state, slot))
@@ -429,12 +512,10 @@ class LatestValueCache:
             )
 
 
-def _latest_per_layer(
-    steps: Sequence[StepLike], n_layers: int
-) -> dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_] | None]]:
+def _latest_per_layer(steps: Sequence[StepLike], n_layers: int) -> Latest:
     """Per metric: the value of each layer at the newest step that measured it, and which layers any step measured
     (None: all of them, the common case, which then costs no mask)."""
-    latest: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_] | None]] = {}
+    latest: Latest = {}
     for s in steps:
         for metric, raw in s.metrics.items():
             values = np.array(raw, dtype=np.float64)  # a copy: later steps are written into it

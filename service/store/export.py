@@ -100,6 +100,8 @@ class Exporter:
     ) -> Iterator[tuple[I64, F64, I64, F32]]:
         """The rank's points in (step, metric) order, in windows of steps holding about ``chunk_rows`` rows each:
         (steps, times, name ids, values (rows × ``width``, the run's layers)) per window."""
+        if not nids:
+            return  # a run of scalars only has no layer points (concatenating nothing raised mid-stream)
         lo, span = first, chunk_rows
         while lo <= last:
             hi = min(last, lo + span - 1)

@@ -4,6 +4,10 @@ The reference below is that merge written out plainly: per metric, this rank's r
 measured values join, one argpartition over [kept, new] keeps the top-K worst. The cache merges every metric of a
 batch in one pass with shortcuts for the common cases; its slots and counters must be the reference's exactly,
 ties included (values are drawn from a small set with NaN and ±inf, so ties at the cap's edge are frequent).
+
+The cache merges off the ingest path, at a scrape or a background render: the batches of one (run, rank) that wait
+for it are merged as one batch of all their steps (the reference's ``observe_waiting``), a batch of another layer
+list merging the waiting ones first.
 """
 
 from __future__ import annotations
@@ -27,10 +31,30 @@ class ReferenceCache:
         self.layer_ids: dict[str, int] = {}
         self.slots: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]] = {}
         self.omitted_total = 0
+        self.waiting: dict[int, tuple[list[str], list[StepValues]]] = {}
 
-    def observe(self, rank: int, layers: list[str], steps: list[StepValues]) -> None:
+    def observe_waiting(self, rank: int, layers: list[str], steps: list[StepValues]) -> None:
+        """Keep a batch until :meth:`merge_waiting`, with the rank's waiting ones when they have the same layers."""
+        self.register(layers)
+        waiting = self.waiting.get(rank)
+        if waiting is not None and waiting[0] == layers:
+            waiting[1].extend(steps)
+            return
+        if waiting is not None:
+            self.observe(rank, *waiting)
+        self.waiting[rank] = (layers, list(steps))
+
+    def merge_waiting(self) -> None:
+        for rank, (layers, steps) in self.waiting.items():
+            self.observe(rank, layers, steps)
+        self.waiting.clear()
+
+    def register(self, layers: list[str]) -> None:
         for name in layers:
             self.layer_ids.setdefault(name, len(self.layer_ids))
+
+    def observe(self, rank: int, layers: list[str], steps: list[StepValues]) -> None:
+        self.register(layers)
         ids = np.array([self.layer_ids[n] for n in layers], dtype=np.int64)
         latest: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for s in sorted(steps, key=lambda s: s.step):
@@ -88,6 +112,21 @@ def random_batch(rng: np.random.Generator, step: int) -> tuple[list[str], list[S
     return layers, steps
 
 
+def assert_same_slots(cache: LatestValueCache, reference: ReferenceCache) -> None:
+    """After a snapshot (which merges what waits): the cache's slots and counter are the reference's."""
+    omitted_total = cache.snapshot().omitted_values_total
+    state = cache._runs["run"]
+    assert state.layer_names == list(reference.layer_ids)
+    assert set(state.slots) == set(reference.slots)
+    for metric, slot in state.slots.items():
+        ranks, ids, values, omitted = reference.slots[metric]
+        np.testing.assert_array_equal(slot.ranks, ranks)
+        np.testing.assert_array_equal(slot.layer_ids, ids)
+        np.testing.assert_array_equal(slot.values, values)
+        assert slot.omitted == omitted
+    assert omitted_total == reference.omitted_total
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_batched_merge_equals_the_per_metric_merge(seed: int) -> None:
     rng = np.random.default_rng(seed)
@@ -100,13 +139,23 @@ def test_batched_merge_equals_the_per_metric_merge(seed: int) -> None:
         step += 3
         cache.observe("run", rank, layers, steps)
         reference.observe(rank, layers, steps)
-        state = cache._runs["run"]
-        assert state.layer_names == list(reference.layer_ids)
-        assert set(state.slots) == set(reference.slots)
-        for metric, slot in state.slots.items():
-            ranks, ids, values, omitted = reference.slots[metric]
-            np.testing.assert_array_equal(slot.ranks, ranks)
-            np.testing.assert_array_equal(slot.layer_ids, ids)
-            np.testing.assert_array_equal(slot.values, values)
-            assert slot.omitted == omitted
-        assert cache.snapshot().omitted_values_total == reference.omitted_total
+        assert_same_slots(cache, reference)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batches_waiting_for_a_merge_merge_as_one_batch_of_their_steps(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    top_k = int(rng.integers(1, 12))
+    cache, reference = LatestValueCache(top_k=top_k), ReferenceCache(top_k)
+    step = merges = 0
+    for _ in range(300):
+        rank = int(rng.integers(0, 4))
+        layers, steps = random_batch(rng, step)
+        step += 3
+        cache.observe("run", rank, layers, steps)
+        reference.observe_waiting(rank, layers, steps)
+        if rng.random() < 0.15:
+            reference.merge_waiting()
+            assert_same_slots(cache, reference)
+            merges += 1
+    assert merges > 20

@@ -76,6 +76,32 @@ def test_a_running_collector_renders_changed_layers_before_the_scrape(
     assert layer_values == {"a": 0.5, "b": 0.25}
 
 
+def test_a_scrape_right_after_an_acknowledged_batch_shows_it(
+    start_collector: Callable[..., Any],
+    make_batch: Callable[..., dict[str, Any]],
+    encode_batch: Callable[..., tuple[bytes, dict[str, str]]],
+) -> None:
+    # Batches wait in the cache until a render or a scrape merges them (issue 21): whichever comes first, a scrape
+    # after a batch's 200 shows it, and batches that waited together show per layer the newest value measured.
+    collector = start_collector()
+    scrape(collector.url)  # the background renderer works from now on, racing the posts below
+    layers = ["a", "b", "c"]
+
+    def values() -> dict[str, float]:
+        got = scrape(collector.url)["quantwatch_layer_output_rel_l2_ratio"]
+        return {dict(k)["layer"]: v for k, v in got.items() if dict(k)["rank"] == "1"}
+
+    for step in range(1, 13):
+        rel = np.array([[step / 16, step / 32, step / 64]], np.float32)
+        body, headers = encode_batch(make_batch("now", layers, [step], {"output_rel_l2": rel}, rank=1))
+        assert post(collector.url, body, headers).status_code == 200
+        assert values() == {"a": step / 16, "b": step / 32, "c": step / 64}
+    for step, rel in ((20, [0.5, np.nan, np.nan]), (21, [np.nan, 0.75, np.nan])):  # NaN in JSON = null
+        doc = make_batch("now", layers, [step], {"output_rel_l2": np.array([rel], np.float32)}, rank=1)
+        assert post(collector.url, *encode_batch(doc)).status_code == 200
+    assert values() == {"a": 0.5, "b": 0.75, "c": 12 / 64}
+
+
 def test_promtool_accepts_the_live_exposition(
     live_collector: Any,
     make_batch: Callable[..., dict[str, Any]],

@@ -296,6 +296,20 @@ def test_delete_run(client: Any, post_batch: Callable[..., Any], make_batch: Cal
     ]
 
 
+def test_export_of_a_run_of_scalars_only_holds_its_scalars(client: Any, post_batch: Callable[..., Any]) -> None:
+    doc = {
+        "run": "scalars",
+        "batch_id": "s",
+        "layers": [],
+        "steps": [{"step": 3, "metrics": {}, "scalars": {"loss": 2.5}}],
+    }
+    assert post_batch(doc).status_code == 200
+    r = client.get("/api/v1/runs/scalars/export", params={"format": "csv"})
+    assert r.status_code == 200
+    rows = list(csv.DictReader(io.StringIO(r.text)))
+    assert [(x["kind"], x["name"], int(x["step"]), float(x["value"])) for x in rows] == [("scalar", "loss", 3, 2.5)]
+
+
 def test_export_csv_and_parquet_hold_every_point_exactly(
     client: Any, post_batch: Callable[..., Any], make_batch: Callable[..., Any]
 ) -> None:
