@@ -528,11 +528,9 @@ def attach(
     are named in ``StepRecord.estimated``); ``reference_dtype`` (``"float32"``, autocast off, or ``"bfloat16"``) is
     the precision of the layer references (:func:`quantwatch.agent.shadow.run_reference`).
     Scalars given to :meth:`Monitor.step` go out for every step (``scalars_every``: every N-th) whatever the
-    sampling; what-if steps also measure :mod:`~quantwatch.agent.whatif` statistics: by default the first sampled
-    step and then one at least ``WHATIF_STEPS`` (250) steps after the previous, whatever ``every``; with
-    ``whatif_every=N`` every N-th sampled step (0: none).  Every rank sends weight fingerprints whatever ``ranks``
-    says (:mod:`~quantwatch.agent.fingerprint`; its replica group is detected or ``replica_group``) and its
-    environment once.
+    sampling; :mod:`~quantwatch.agent.whatif` statistics come every 250 steps whatever ``every`` (``whatif_every=N``:
+    every N-th sampled step; 0: none).  Every rank sends weight fingerprints whatever ``ranks`` says
+    (:mod:`~quantwatch.agent.fingerprint`; its replica group is detected or ``replica_group``) and its environment once.
 
     Raises :class:`ConfigError` naming the field for configuration mistakes; nothing raises after this returns.
     """
