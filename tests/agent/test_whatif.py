@@ -114,11 +114,16 @@ def _whatif_steps(steps: int, every: int, **options: Any) -> tuple[list[int], nn
     monitor = qw.attach(model, run="period", exporter=sink, every=every, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     torch.manual_seed(11)
-    for _ in range(steps):
-        model(torch.randn(32, 24)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        monitor.step()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # hundreds of tiny steps: a second thread only waits (on a core the other worker holds)
+    try:
+        for _ in range(steps):
+            model(torch.randn(32, 24)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step()
+    finally:
+        torch.set_num_threads(threads)
     monitor.close()
     assert monitor.stats()["failures"] == {}
     return [s.step for b in sink.batches for s in b.steps if s.whatif], model
