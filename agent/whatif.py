@@ -108,6 +108,7 @@ class WhatIf:
         what-if step."""
         if not self._due(sampled_index, step):
             return
+        self._last_step = step
         self._armed = True
         for layer in self._layers:
             if layer.handle is None:
@@ -117,10 +118,7 @@ class WhatIf:
         """Whether that sampled step is a what-if step (see :data:`WHATIF_STEPS`)."""
         if self.every is not None:
             return bool(self.every) and sampled_index % self.every == 0
-        if self._last_step is not None and step < self._last_step + WHATIF_STEPS:
-            return False
-        self._last_step = step
-        return True
+        return self._last_step is None or step >= self._last_step + WHATIF_STEPS
 
     def disarm(self) -> None:
         """Remove the hooks (the statistics stay until :meth:`take`)."""
