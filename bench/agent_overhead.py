@@ -13,7 +13,10 @@ drift of a shared machine hits all of them alike:
 * ``every1_rows`` the same with ``shadow_rows=1/8`` (``output_*`` and ``update_cosine`` estimated from an eighth of
   the rows);
 * ``tensorboard`` the same per-layer figures, written through TensorBoard's ``SummaryWriter`` on the training
-  thread each step (the usual "compute, .item(), add_scalar" pattern; the agent measures, the writer logs).
+  thread each step (the usual "compute, .item(), add_scalar" pattern; the agent measures, the writer logs);
+* ``ref_gemms``   not a training step: the two FP32 GEMMs an exact sampled step adds for every layer ``attach``
+  found (the reference forward ``F.linear(x, W, b)`` and the reference weight gradient ``dYᵀX``, at the layer's
+  shapes), timed alongside; its ratio is the floor under ``every1``'s (``every1`` ≥ 1 + ``ref_gemms``).
 
 Each for two families of the same transformer (``--families``): ``quantlinear`` (QuantWatch's ``quantize_model``:
 FP8 attention, NVFP4 MLP) and ``float8`` (torchao's ``convert_to_float8_training`` with
@@ -41,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 import torch
@@ -196,6 +200,50 @@ class Trainer:
         return elapsed
 
 
+class Timed(Protocol):
+    """What the rounds time: a :class:`Trainer` or the :class:`ReferenceGemms`."""
+
+    monitor: qw.Monitor | None
+    times: list[float]
+    cpu_times: list[float]
+    sampled: list[bool]
+
+    def step(self) -> float:
+        """One timed step; returns its wall time in seconds."""
+        ...
+
+
+class ReferenceGemms:
+    """The FP32 GEMMs an exact sampled step adds per monitored layer, timed like a :class:`Trainer`'s step: for each
+    layer, ``F.linear(x, W, b)`` and ``dYᵀX`` on random tensors of its shapes (``tokens`` rows)."""
+
+    monitor: qw.Monitor | None = None
+
+    def __init__(self, model: nn.Module, layers: list[str], tokens: int) -> None:
+        gen = torch.Generator().manual_seed(2)
+        self.operands = []
+        for name in layers:
+            weight = model.get_submodule(name).weight
+            outputs, inputs = weight.shape
+            shapes = ((tokens, inputs), (outputs, inputs), (outputs,), (tokens, outputs))
+            self.operands.append(tuple(torch.randn(shape, generator=gen) for shape in shapes))
+        self.times: list[float] = []
+        self.cpu_times: list[float] = []
+        self.sampled: list[bool] = []
+
+    def step(self) -> float:
+        """Both GEMMs of every layer once; returns their wall time in seconds."""
+        started, cpu_started = time.perf_counter(), time.process_time()
+        for x, w, b, dy in self.operands:
+            F.linear(x, w, b)
+            dy.t().mm(x)
+        elapsed = time.perf_counter() - started
+        self.times.append(elapsed)
+        self.cpu_times.append(time.process_time() - cpu_started)
+        self.sampled.append(False)
+        return elapsed
+
+
 class Collector:
     """A collector (``quantwatch.service`` on uvicorn) in a subprocess, stoppable and restartable."""
 
@@ -276,7 +324,7 @@ def overhead(
     """Part 1: interleaved step times of the variants of one model family; returns median ratios to ``none``."""
     base = FAMILIES[family]()
     every1_metrics = list(qw.DEFAULT_METRICS)
-    trainers = {
+    trainers: dict[str, Timed] = {
         "none": Trainer(copy.deepcopy(base), None, args.batch, args.seq, False),
     }
     model = copy.deepcopy(base)
@@ -310,6 +358,8 @@ def overhead(
         whatif_every=0,
     )
     trainers["tensorboard"] = Trainer(model, monitor, args.batch, args.seq, True)
+    found = trainers["every1"].monitor
+    trainers["ref_gemms"] = ReferenceGemms(base, list(found.layers) if found else [], args.batch * args.seq)
     print(
         f"\n== {family}: {len(trainers['every1'].monitor.layers) if trainers['every1'].monitor else 0} layers "
         "found by attach ==",
@@ -465,6 +515,7 @@ def main() -> None:
                         "every1_whatif",
                         "every1_rows",
                         "tensorboard",
+                        "ref_gemms",
                     ]
                     cells = [f"{name} {ratios[f'{name}_wall']:.3f}/{ratios[f'{name}_cpu']:.3f}" for name in names]
                     print(f"{family:<12} " + "  ".join(cells))
