@@ -17,8 +17,8 @@ metric reports:
 torchao 0.18's weight wrapper registers its ``F.linear`` override where only ``__torch_dispatch__`` looks (its
 ``implements`` no longer covers torch functions), so ``F.linear`` on it runs the plain high-precision ``mm``, forward
 and backward: such a layer is reported ``high_precision`` for every kind (a warning says so once) and measured as
-one.  Whether the wrapper computes in INT8 is probed once per class on a 1×2 product whose INT8 result differs from
-the exact one, so a torchao that wires it again is measured as INT8 without a change here.
+one.  Whether the wrapper computes in INT8 is probed once per class and device type on a product whose INT8 result
+differs from the exact one, so a torchao that wires it again is measured as INT8 without a change here.
 
 The casts are recomputed with torchao's own ``quantize_int8_rowwise`` (deterministic rounding: the very values the
 layer computed with); the layer casts its weight in its input's dtype, which these recomputations assume is the
@@ -88,20 +88,27 @@ def _holder(module: nn.Module) -> Any:
     return weight if isinstance(weight, _weight_classes()) else module
 
 
-#: Per weight wrapper class, whether it computes in INT8 (`_wrapper_computes_int8`).
-_PROBED: dict[type, bool] = {}
+#: Per (weight wrapper class, device type), whether it computes in INT8 (`_wrapper_computes_int8`).
+_PROBED: dict[tuple[type, str], bool] = {}
 
 
-def _wrapper_computes_int8(wrapper: type, config_type: type) -> bool:
-    """Whether ``F.linear`` on a ``wrapper`` weight of an all-INT8 ``config_type`` runs torchao's INT8 GEMM: the
-    weight row (1, 0.004) casts to (1, 1/127) (0.508 rounds to 1), so the INT8 product with the input (0, 1), cast
-    exactly, is 1/127 where the exact one is 0.004."""
-    if wrapper in _PROBED:
-        return _PROBED[wrapper]
-    weight = torch.tensor([[1.0, 0.004]])
-    x = torch.tensor([[0.0, 1.0]])
-    with torch.no_grad():
-        out = linear(x, wrapper(weight, config_type(**dict.fromkeys(_FLAGS, True))))
+def _wrapper_computes_int8(wrapper: type, config_type: type, device: torch.device) -> bool:
+    """Whether ``F.linear`` on a ``wrapper`` weight of an all-INT8 ``config_type`` runs torchao's INT8 GEMM on
+    ``device``: every weight row (1, 0.004, 0, …) casts to (1, 1/127, 0, …) (0.508 rounds to 1), so its INT8 product
+    with the input rows (0, 1, 0, …), cast exactly, is 1/127 where the exact one is 0.004.  32 × 32, as CUDA's
+    ``_int_mm`` wants."""
+    key = (wrapper, device.type)
+    if key in _PROBED:
+        return _PROBED[key]
+    weight = torch.zeros(32, 32, device=device)
+    weight[:, 0], weight[:, 1] = 1.0, 0.004
+    x = torch.zeros(32, 32, device=device)
+    x[:, 1] = 1.0
+    try:
+        with torch.no_grad():
+            out = linear(x, wrapper(weight, config_type(**dict.fromkeys(_FLAGS, True))))
+    except Exception as exc:  # a wrapper or config this torchao builds differently: not measurable
+        raise UnsupportedLayerError(f"probing {wrapper.__name__} failed: {exc}") from exc
     computes = not torch.equal(out, linear(x, weight))
     if not computes:
         logger.warning(
@@ -109,7 +116,7 @@ def _wrapper_computes_int8(wrapper: type, config_type: type) -> bool:
             "layers converted with module_swap=False train in high precision (module_swap=True works)",
             wrapper.__name__,
         )
-    _PROBED[wrapper] = computes
+    _PROBED[key] = computes
     return computes
 
 
@@ -118,7 +125,7 @@ def computes_int8(module: nn.Module) -> bool:
     this torchao routes ``F.linear`` to them); UnsupportedLayerError when it has no config with the GEMM flags."""
     config = int8_training_config(module)
     holder = _holder(module)
-    return holder is module or _wrapper_computes_int8(type(holder), type(config))
+    return holder is module or _wrapper_computes_int8(type(holder), type(config), holder.device)
 
 
 def int8_training_config(module: nn.Module) -> Any:
