@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.functional import linear
 
-from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear
+from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, high_precision_data
 from quantwatch.agent.adapters.registry import (
     HIGH_PRECISION,
     Adapter,
@@ -55,7 +55,6 @@ __all__ = [
     "computes_int8",
     "int8_training_config",
     "set_int8_gemms",
-    "unwrap_int8_weight",
 ]
 
 INT8_TRAINING_FORMAT = "int8"
@@ -145,14 +144,6 @@ def set_int8_gemms(module: nn.Module, on: bool) -> None:
     setattr(_holder(module), "config", dataclasses.replace(config, **dict.fromkeys(_FLAGS, on)))  # noqa: B010
 
 
-def unwrap_int8_weight(t: Tensor) -> Tensor:
-    """The high-precision tensor inside an ``Int8MixedPrecisionTrainingLinearWeight``; ``t`` itself otherwise."""
-    if isinstance(t, _weight_classes()):
-        data: Tensor = getattr(t, "_data")  # noqa: B009
-        return data
-    return t
-
-
 def _int8_rowwise_cast(t: Tensor) -> CastResult:
     """torchao's cast of ``t`` flattened to rows (tokens, or the weight's output channels), one scale per row."""
     from torchao.prototype.quantized_training.int8 import quantize_int8_rowwise
@@ -198,4 +189,4 @@ class Int8MixedPrecisionTrainingAdapter(Adapter):
         casts: dict[int, Cast] = {
             _KINDS[kind]: _int8_rowwise_cast for kind, (flag, _) in _REPORTED.items() if on and getattr(config, flag)
         }
-        return RecomputedCastLinear(name, module, context, casts, unwrap=unwrap_int8_weight)
+        return RecomputedCastLinear(name, module, context, casts, unwrap=high_precision_data)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 import quantwatch.agent as qw
 from quantwatch.agent.adapters import torchao_int8
+from quantwatch.agent.adapters.linear import high_precision_data
 from quantwatch.agent.wire import encode_batch
 from quantwatch.protocol import check_layer_format
 from quantwatch.service.alerts.defaults import DEFAULT_RULES
@@ -226,8 +227,9 @@ def test_the_weight_wrapper_that_never_runs_int8_refuses_to_be_switched_on() -> 
     assert monitor.layer_formats() == [HIGH, HIGH]
 
 
-def test_the_shadow_model_runs_int8_layers_in_high_precision_and_leaves_the_model_alone() -> None:
-    model = int8_model()
+@pytest.mark.parametrize("swap", [True, False], ids=["module_swap", "weight_wrapper"])
+def test_the_shadow_model_runs_int8_layers_in_high_precision_and_the_drift_is_measured(swap: bool) -> None:
+    model = int8_model(swap=swap)
     sink = qw.InMemoryExporter()
     monitor = qw.attach(
         model,
@@ -240,17 +242,25 @@ def test_the_shadow_model_runs_int8_layers_in_high_precision_and_leaves_the_mode
     )
     shadow = monitor.shadow_model
     assert shadow is not None
+    weights = [high_precision_data(shadow[i].weight) for i in (0, 2)]
     x = torch.randn(8, 32)
-    expected = F.linear(torch.relu(F.linear(x, shadow[0].weight, shadow[0].bias)), shadow[2].weight, shadow[2].bias)
+    expected = F.linear(torch.relu(F.linear(x, weights[0], shadow[0].bias)), weights[1], shadow[2].bias)
     torch.testing.assert_close(shadow(x), expected, rtol=1e-6, atol=1e-6)
-    assert not torch.equal(model(x), shadow(x))  # the model still computes in INT8
-    assert model[0].config.output
-    assert model[2].config.output
-    loss = model(x).pow(2).mean()
-    loss.backward()
-    monitor.step(0, loss=loss, shadow_closure=lambda m: m(x).pow(2).mean())
+    # The model's own layers (and the config they share) still compute in INT8.
+    assert torch.equal(model(x), shadow(x)) is not (swap or wrapper_computes_int8())
+    assert all(getattr(layer, "config", getattr(layer.weight, "config", None)).output for layer in (model[0], model[2]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for step in range(2):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step(step, loss=loss, shadow_closure=lambda m: m(x).pow(2).mean())
     monitor.close()
     assert sink.scalar("loss_shadow", 0) == pytest.approx(float(expected.detach().pow(2).mean()), rel=1e-6)
+    # The drift compares the high-precision weights inside torchao's wrappers (numpy takes no wrapper).
+    drift = rel_l2(high_precision_data(model[0].weight), high_precision_data(shadow[0].weight))
+    assert sink.value("weight_drift_rel_l2", "0", 1) == pytest.approx(drift, rel=1e-5, abs=1e-12)
     assert monitor.stats()["failures"] == {}
 
 
