@@ -33,6 +33,7 @@ from quantwatch.agent.adapters import (
     dequantize_shadow,
     find_layers,
 )
+from quantwatch.agent.adapters.linear import high_precision_data
 from quantwatch.agent.adapters.quantwatch_layers import KernelEntry
 from quantwatch.agent.comparison import comparison_stats
 from quantwatch.agent.destination import make_exporter
@@ -422,10 +423,10 @@ class Monitor:
     ) -> None:
         if "weight_drift_rel_l2" in armed and self._shadow is not None:
             for adapter in adapters:
-                shadow_weight = self._shadow.weights.get(adapter.name)
-                weight = adapter.weight
-                if shadow_weight is not None and weight is not None:
-                    adapter.record(KIND_DRIFT, comparison_stats(shadow_weight, weight, batch=self._deferred.batch))
+                shadow_weight, weight = self._shadow.weights.get(adapter.name), adapter.weight
+                if shadow_weight is not None and weight is not None:  # a torchao wrapper's data: numpy takes no wrapper
+                    pair = high_precision_data(shadow_weight), high_precision_data(weight)
+                    adapter.record(KIND_DRIFT, comparison_stats(*pair, batch=self._deferred.batch))
         rows: list[Tensor] = []
         present: list[list[bool]] = []
         scales: list[Tensor] = []

@@ -33,6 +33,11 @@ takes:
   ...)``, what ``quantize_(m, Float8TrainingOpConfig(...))`` makes but the same parameter objects (torchao's two
   wrapper classes share their layout: ``_data`` and ``config``), emulated off a CUDA device of compute capability
   8.9+; ``"mxfp8"`` switches an MXFP8 layer on again.
+* torchao INT8 mixed-precision training (an ``nn.Linear`` whose weight is ``Int8MixedPrecisionTrainingLinearWeight``,
+  or ``Int8MixedPrecisionTrainingLinear``): None gives the layer a config of its own with ``output``, ``grad_input``
+  and ``grad_weight`` off (torchao's own high-precision GEMMs; the config ``quantize_`` shared between layers is
+  left alone), ``"int8"`` one with all three on.  A weight-wrapper layer that this torchao never runs in INT8
+  (:mod:`quantwatch.agent.adapters.torchao_int8`) refuses ``"int8"``.
 * torchao ``NVFP4Linear``: None runs ``F.linear``; an ``"fp8..."`` recipe makes it a ``Float8Linear`` in place (its
   class, and the attributes ``Float8Linear.__init__`` sets; emulated as above), not under tensor parallelism nor
   when a wrapper such as FSDP2 derived its class; ``"nvfp4"`` switches it on again.
@@ -57,6 +62,12 @@ from quantwatch.agent.adapters.linear import (
 )
 from quantwatch.agent.adapters.registry import loaded_classes
 from quantwatch.agent.adapters.torchao_float8 import Float8LinearAdapter, Float8TrainingWeightAdapter
+from quantwatch.agent.adapters.torchao_int8 import (
+    INT8_TRAINING_FORMAT,
+    Int8MixedPrecisionTrainingAdapter,
+    computes_int8,
+    set_int8_gemms,
+)
 from quantwatch.agent.adapters.torchao_mx import MXFP8TrainingAdapter, NVFP4TrainingAdapter, PrototypeQatAdapter
 from quantwatch.agent.adapters.torchao_qat import TorchAoQatAdapter
 from quantwatch.agent.errors import ConfigError
@@ -269,6 +280,18 @@ def _switch_nvfp4(module: nn.Module, fmt: str | None) -> None:
         raise _refused(module, fmt, f"None, 'nvfp4' or a float8 recipe ({_RECIPE_NAMES})")
 
 
+def _switch_int8_training(module: nn.Module, fmt: str | None) -> None:
+    if fmt is not None and fmt != INT8_TRAINING_FORMAT:
+        raise _refused(module, fmt, f"None or {INT8_TRAINING_FORMAT!r}")
+    if fmt is not None and not computes_int8(module):
+        raise ConfigError(
+            "format",
+            f"this torchao runs a {type(_weight(module)).__name__} weight in high precision whatever its config "
+            "(F.linear is not routed to its INT8 GEMMs); module_swap=True works",
+        )
+    set_int8_gemms(module, on=fmt is not None)
+
+
 def _is_quantwatch(module: nn.Module) -> bool:
     return all(hasattr(module, f"{kind}_quantizer") for kind in _QUANTIZERS)
 
@@ -282,6 +305,7 @@ _SWITCHES: tuple[tuple[Callable[[nn.Module], bool], Callable[[nn.Module, str | N
     (MXFP8TrainingAdapter().recognises, _switch_training_weight),
     (Float8TrainingWeightAdapter().recognises, _switch_training_weight),
     (NVFP4TrainingAdapter().recognises, _switch_nvfp4),
+    (Int8MixedPrecisionTrainingAdapter().recognises, _switch_int8_training),
 )
 
 

@@ -19,8 +19,9 @@ drift of a shared machine hits all of them alike:
   shapes), timed alongside; its ratio is the floor under ``every1``'s (``every1`` ≥ 1 + ``ref_gemms``).
 
 Each for two families of the same transformer (``--families``): ``quantlinear`` (QuantWatch's ``quantize_model``:
-FP8 attention, NVFP4 MLP) and ``float8`` (torchao's ``convert_to_float8_training`` with
-``Float8LinearConfig(emulate=True)`` on every block's linear layers: FP8 E4M3 tensor-scaled, emulated on the CPU).
+FP8 attention, NVFP4 MLP), ``float8`` (torchao's ``convert_to_float8_training`` with
+``Float8LinearConfig(emulate=True)`` on every block's linear layers: FP8 E4M3 tensor-scaled, emulated on the CPU)
+and ``int8`` (torchao's INT8 mixed-precision training, ``module_swap=True``: ``torch._int_mm`` on the CPU).
 Ratios are to the family's own ``none``.  The agent measures whatever ``attach`` finds in a model: ``Float8Linear``
 layers only once the torchao adapter is registered (until then the float8 variants measure nothing, and their ratios
 show only the gate and exporter).
@@ -115,7 +116,23 @@ def make_float8_model() -> nn.Module:
     return model
 
 
-FAMILIES = {"quantlinear": make_model, "float8": make_float8_model}
+def make_int8_model() -> nn.Module:
+    """The same transformer with torchao's INT8 mixed-precision training (``module_swap=True``: torchao 0.18's
+    weight-wrapper variant computes in high precision) for every block's linear layers."""
+    from torchao.prototype.quantized_training import Int8MixedPrecisionTrainingConfig
+    from torchao.quantization import quantize_
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    quantize_(
+        model,
+        Int8MixedPrecisionTrainingConfig(module_swap=True),
+        filter_fn=lambda module, fqn: isinstance(module, nn.Linear) and fqn.startswith("blocks."),
+    )
+    return model
+
+
+FAMILIES = {"quantlinear": make_model, "float8": make_float8_model, "int8": make_int8_model}
 
 
 class TensorBoardExporter:
@@ -475,8 +492,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps-per-round", type=int, default=2)
-    parser.add_argument("--float8-rounds", type=int, default=2, help="rounds of the float8 family (slow on a CPU)")
-    parser.add_argument("--families", default="quantlinear,float8", help="comma-separated: quantlinear, float8")
+    parser.add_argument("--float8-rounds", type=int, default=2, help="rounds of the torchao families (slow on a CPU)")
+    parser.add_argument("--families", default="quantlinear,float8", help="comma-separated: quantlinear, float8, int8")
     parser.add_argument("--outage-seconds", type=float, default=30.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-overhead", action="store_true")

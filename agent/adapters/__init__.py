@@ -2,8 +2,8 @@
 
 Built in: QuantWatch's own layers (the reference-forward protocol), torch.ao eager QAT, torchao float8 training
 (``Float8Linear``), torchao QAT (``FakeQuantizedLinear`` / ``FakeQuantizedEmbedding`` and the prototype MX / NVFP4
-fake-quantized linears), torchao MXFP8 training (by the weight's type) and NVFP4 training (``NVFP4Linear``).
-Register your own with :func:`register_adapter`.
+fake-quantized linears), torchao MXFP8 training (by the weight's type), NVFP4 training (``NVFP4Linear``) and INT8
+mixed-precision training (both variants). Register your own with :func:`register_adapter`.
 """
 
 from quantwatch.agent.adapters.discovery import (

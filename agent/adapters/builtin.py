@@ -5,6 +5,7 @@ from __future__ import annotations
 from quantwatch.agent.adapters.quantwatch_layers import ReferenceForwardAdapter, TorchAoEagerQatAdapter
 from quantwatch.agent.adapters.registry import Adapter
 from quantwatch.agent.adapters.torchao_float8 import Float8LinearAdapter, Float8TrainingWeightAdapter
+from quantwatch.agent.adapters.torchao_int8 import Int8MixedPrecisionTrainingAdapter
 from quantwatch.agent.adapters.torchao_mx import MXFP8TrainingAdapter, NVFP4TrainingAdapter, PrototypeQatAdapter
 from quantwatch.agent.adapters.torchao_qat import TorchAoQatAdapter
 
@@ -19,4 +20,5 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
     MXFP8TrainingAdapter(),
     Float8TrainingWeightAdapter(),
     NVFP4TrainingAdapter(),
+    Int8MixedPrecisionTrainingAdapter(),
 )

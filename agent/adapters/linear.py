@@ -61,9 +61,16 @@ def training_weight_classes(name: str = "TrainingWeightWrapperBaseTensor") -> tu
     return loaded_classes(f"torchao.prototype.moe_training.tensor:{name}")
 
 
+#: torchao INT8 mixed-precision training's weight wrapper (its high-precision weight in ``_data`` too).
+_INT8_TRAINING_WEIGHT = (
+    "torchao.prototype.quantized_training.int8_mixed_precision:Int8MixedPrecisionTrainingLinearWeight"
+)
+
+
 def high_precision_data(t: Tensor) -> Tensor:
-    """The high-precision tensor inside a torchao training weight wrapper; ``t`` itself otherwise."""
-    if isinstance(t, training_weight_classes()):
+    """The high-precision tensor inside a torchao training weight wrapper (MXFP8 / float8 training's, INT8
+    mixed-precision training's); ``t`` itself otherwise."""
+    if isinstance(t, training_weight_classes() + loaded_classes(_INT8_TRAINING_WEIGHT)):
         data: Tensor = getattr(t, "_data")  # noqa: B009
         return data
     return t

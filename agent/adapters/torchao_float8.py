@@ -373,6 +373,10 @@ class Float8TrainingWeightAdapter(Adapter):
             return dict.fromkeys(FORMAT_KINDS, HIGH_PRECISION)
         return _formats(getattr(module.weight, "config")._float8_linear_config)  # noqa: B009
 
+    def dequantize(self, module: nn.Module) -> None:
+        """The shadow copy runs ``F.linear`` on the wrapped data."""
+        plain_linear_forward(module)
+
     def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
         """A measurer recomputing the layer's casts (none once kept in high precision)."""
         config = getattr(module.weight, "config", None)

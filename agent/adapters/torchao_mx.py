@@ -91,6 +91,10 @@ class MXFP8TrainingAdapter(Adapter):
         """MXFP8 (E4M3 elements in blocks of 32, E8M0 scales) for every kind; high precision once kept there."""
         return dict(_HIGH) if runs_plain_linear(module) else {"weight": "mxfp8", "input": "mxfp8", "grad": "mxfp8"}
 
+    def dequantize(self, module: nn.Module) -> None:
+        """The shadow copy runs ``F.linear`` on the wrapped data."""
+        plain_linear_forward(module)
+
     def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
         """A measurer recomputing the forward and input-gradient GEMMs' casts (none once kept in high precision)."""
         if runs_plain_linear(module):

@@ -16,6 +16,8 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 import quantwatch.agent as qw
+from quantwatch.agent.adapters.linear import high_precision_data
+from quantwatch.agent.precision import _float8_op_config
 from quantwatch.protocol import check_layer_format
 
 with warnings.catch_warnings():  # torchao's CUDA-only extensions warn on a CPU
@@ -26,7 +28,11 @@ with warnings.catch_warnings():  # torchao's CUDA-only extensions warn on a CPU
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import GemmInputRole
-    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.prototype.moe_training.config import (
+        Float8TrainingOpConfig,
+        MXFP8TrainingOpConfig,
+        MXFP8TrainingRecipe,
+    )
     from torchao.prototype.mx_formats.mx_tensor import MXTensor
     from torchao.quantization import quantize_
     from torchao.quantization.granularity import PerRow, PerTensor
@@ -454,6 +460,40 @@ def test_mxfp8_training_output_shows_that_torchao_0_18_drops_the_bias() -> None:
     one_step(model, monitor, torch.randn(32, 64))
     assert sink.value("weight_rel_l2", "0", 0) < 0.05
     assert sink.value("output_rel_l2", "0", 0) > 0.5
+
+
+@pytest.mark.parametrize("kind", ["mxfp8", "float8_weight"])
+def test_the_shadow_model_runs_training_weight_wrapper_layers_in_high_precision(kind: str) -> None:
+    # Without its own dequantize the shadow copy trained quantized in lockstep: weight_drift_rel_l2 was exactly 0.
+    model = mxfp8_model(bias=False)
+    if kind == "float8_weight":
+        model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 32, bias=False))
+        quantize_(model, Float8TrainingOpConfig(float8_linear_recipe="tensorwise"))
+        for parameter in model.parameters():  # emulated GEMMs on a CPU, as precision.py switches them
+            parameter.config = _float8_op_config("fp8", torch.device("cpu"))
+    sink = qw.InMemoryExporter()
+    optimizer = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    monitor = qw.attach(
+        model, run=f"shadow-{kind}", exporter=sink, every=1, shadow="model", shadow_optimizer=optimizer,
+        metrics=["weight_drift_rel_l2"],
+    )  # fmt: skip
+    shadow = monitor.shadow_model
+    assert shadow is not None
+    x = torch.randn(32, 64)
+    weights = [high_precision_data(shadow[i].weight) for i in (0, 2)]
+    assert torch.equal(shadow(x), F.linear(torch.relu(F.linear(x, weights[0])), weights[1]))
+    own = optimizer(model.parameters())
+    for step in range(2):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        own.step()
+        own.zero_grad()
+        monitor.step(step, loss=loss, shadow_closure=lambda m: m(x).pow(2).mean())
+    monitor.close()
+    drift = rel_l2(high_precision_data(model[0].weight), high_precision_data(shadow[0].weight))
+    assert drift > 0
+    assert sink.value("weight_drift_rel_l2", "0", 1) == pytest.approx(drift, rel=1e-5)
+    assert monitor.stats()["failures"] == {}
 
 
 def test_layers_that_need_a_gpu_are_recognised_with_their_formats() -> None:
