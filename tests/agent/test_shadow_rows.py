@@ -319,3 +319,30 @@ def test_a_kept_rows_update_declined_on_its_values_compares_the_reference_rows_t
         assert a.estimated == b.estimated
         for metric in ("update_rel_l2", "update_cosine"):
             np.testing.assert_array_equal(np.array(a.metrics[metric], float), np.array(b.metrics[metric], float))
+
+
+def test_a_transposed_gradient_is_compared_in_one_native_pass_as_its_contiguous_copy() -> None:
+    """A weight gradient that torchao computes as ``(Xᵀ dY)ᵀ`` (INT8 mixed-precision training) is a transposed view:
+    against a reference of either layout its comparison is the native pass's over contiguous matrices, bit for bit
+    (before, it took the NumPy way: other roundings, five passes and a copy)."""
+    from quantwatch.agent.comparison import comparison_stats
+    from quantwatch.kernels import ErrorStats
+    from quantwatch.kernels import native as native_kernels
+
+    native_kernels.prepare()
+    gen = torch.Generator().manual_seed(3)
+    reference = torch.randn(96, 64, generator=gen)
+    value = reference + 0.01 * torch.randn(96, 64, generator=gen)
+
+    def fields(stats: ErrorStats) -> np.ndarray:
+        return np.array([float(getattr(stats, name)) for name in ErrorStats.FIELDS])
+
+    def transposed(t: torch.Tensor) -> torch.Tensor:  # the same values, stored column by column
+        return t.mT.contiguous().mT
+
+    contiguous = fields(comparison_stats(reference, value))
+    assert np.array_equal(fields(comparison_stats(reference, transposed(value))), contiguous, equal_nan=True)
+    both = fields(comparison_stats(transposed(reference), transposed(value)))
+    assert np.array_equal(
+        both, fields(comparison_stats(reference.mT.contiguous(), value.mT.contiguous())), equal_nan=True
+    )
