@@ -69,6 +69,19 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossClosure = Callable[[nn.Module], Tensor]
 
 
+def _copy(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, the high-precision data inside torchao weight wrappers included: after a forward with
+    gradients an MXFP8 training wrapper holds its ``_data`` as the output of torchao's ``unwrap_weight`` (a graph
+    node, which ``deepcopy`` refuses: ``attach(shadow="model")`` raised on a model that had trained a step); the copy
+    gets it as the leaf a fresh wrapper holds."""
+    memo: dict[int, Any] = {}
+    for parameter in model.parameters():
+        data = getattr(parameter, "_data", None)
+        if isinstance(data, Tensor) and not data.is_leaf:
+            memo[id(data)] = data.detach().clone()
+    return copy.deepcopy(model, memo)
+
+
 class ShadowModel:
     """An FP32 copy of ``model`` with its own optimizer; ``monitored`` are the qualified names to de-quantize."""
 
@@ -77,7 +90,7 @@ class ShadowModel:
 
         from quantwatch.agent.wrappers import named_modules
 
-        self.model = copy.deepcopy(model)
+        self.model = _copy(model)
         modules = dict(named_modules(self.model))  # the monitored layers' names, as the monitor gives them
         for name in monitored:
             module = modules[name]
