@@ -27,15 +27,13 @@ its casts recomputed (and measured as above).
 from __future__ import annotations
 
 import functools
-import sys
-import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from quantwatch.agent.adapters.capture import CastCapture
 from quantwatch.agent.adapters.linear import (
     Cast,
     CastResult,
@@ -242,67 +240,8 @@ def _overflow_mask(hp: Tensor, scale: Tensor, fmax: float) -> Tensor | None:
     return (hp * scale).abs_() > fmax
 
 
-#: A measurer's listener: (high-precision tensor, its cast, the cast's ``GemmInputRole``, whether in the forward).
-Listener = Callable[[Tensor, Any, Any, bool], None]
-
-
-class _CastCapture:
-    """Hands the casts ``Float8Linear`` makes to the measurer of the layer making them, while any measurer listens.
-
-    ``float8_linear`` looks ``hp_tensor_to_float8_dynamic`` up in its module globals at each call; the wrapper put
-    there calls the original and then the thread's current listener: the measurer whose layer's forward is running
-    (set by a forward pre-hook, cleared by a forward hook), or whose layer's matmul backward is (set by a pre-hook
-    on that autograd node, cleared by a hook after it).  The original is back in place as soon as the last
-    measurer stops listening: an unsampled step runs torchao untouched."""
-
-    def __init__(self) -> None:
-        self.listening = 0
-        self.original: Callable[..., Any] | None = None
-        self.local = threading.local()
-
-    def available(self) -> bool:
-        """Whether torchao's float8 linear calls its casts through the global the wrapper replaces."""
-        module = sys.modules.get("torchao.float8.float8_linear")
-        return module is not None and callable(getattr(module, "hp_tensor_to_float8_dynamic", None))
-
-    def start(self) -> None:
-        """One more measurer listens (the first installs the wrapper)."""
-        if self.original is None:
-            module: Any = sys.modules["torchao.float8.float8_linear"]
-            self.original = module.hp_tensor_to_float8_dynamic
-            module.hp_tensor_to_float8_dynamic = self._capturing
-        self.listening += 1
-
-    def stop(self) -> None:
-        """One measurer less (the last puts torchao's function back)."""
-        self.listening -= 1
-        if self.listening <= 0 and self.original is not None:
-            setattr(sys.modules["torchao.float8.float8_linear"], "hp_tensor_to_float8_dynamic", self.original)  # noqa: B010
-            self.original = None
-            self.listening = 0
-
-    def enter(self, listener: Listener, forward: bool) -> None:
-        """Casts made by this thread from now on are ``listener``'s (until `leave`)."""
-        self.local.current = (listener, forward)
-
-    def leave(self) -> None:
-        """Casts made by this thread are nobody's."""
-        self.local.current = None
-
-    def _capturing(self, hp_tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
-        original = self.original
-        if original is None:  # put back while a forward was running: torchao's own function
-            from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-
-            original = hp_tensor_to_float8_dynamic
-        fp8 = original(hp_tensor, *args, **kwargs)
-        current = getattr(self.local, "current", None)
-        if current is not None:
-            current[0](hp_tensor, fp8, kwargs.get("gemm_input_role"), current[1])
-        return fp8
-
-
-_CAPTURE = _CastCapture()
+_CAPTURE = CastCapture("torchao.float8.float8_linear", "hp_tensor_to_float8_dynamic")
+"""``float8_linear``'s casts, while a sampled step's measurers listen (:mod:`~quantwatch.agent.adapters.capture`)."""
 
 
 def _autocast_input(x: Tensor) -> Tensor:
@@ -440,7 +379,7 @@ class _CapturedCastLinear(RecomputedCastLinear):
             _CAPTURE.stop()
 
     def _enter_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        _CAPTURE.enter(self._on_cast, True)
+        _CAPTURE.enter(functools.partial(self._on_captured, True))
 
     def _leave_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         _CAPTURE.leave()
@@ -459,10 +398,13 @@ class _CapturedCastLinear(RecomputedCastLinear):
         node.register_hook(self._leave_backward)
 
     def _enter_backward(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
-        _CAPTURE.enter(self._on_cast, False)
+        _CAPTURE.enter(functools.partial(self._on_captured, False))
 
     def _leave_backward(self, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
         _CAPTURE.leave()
+
+    def _on_captured(self, forward: bool, args: tuple[Any, ...], kwargs: dict[str, Any], fp8: Any) -> None:
+        self._on_cast(args[0], fp8, kwargs.get("gemm_input_role"), forward)
 
     def _on_cast(self, hp: Tensor, fp8: Any, role: Any, forward: bool) -> None:
         wanted = self._wanted.get(role)
