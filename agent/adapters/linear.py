@@ -193,8 +193,9 @@ class RecomputedCastLinear(ShadowedLayer):
         return self._last_scale
 
     def arm(self, kinds: frozenset[int]) -> None:
-        """Also hook the forward when cast statistics are wanted."""
+        """Also hook the forward when cast statistics are wanted; forget the last sampled step's scale."""
         super().arm(kinds)
+        self._last_scale = None
         if kinds & {KIND_WEIGHT, KIND_INPUT, KIND_GRAD}:
             self._arm_casts()
 
@@ -208,10 +209,9 @@ class RecomputedCastLinear(ShadowedLayer):
         self._weight_measured = False
 
     def disarm(self) -> None:
-        """Remove the hooks; forget the step's scale."""
+        """Remove the hooks (the step's scale stays: the monitor reads it after disarming the step's adapters)."""
         super().disarm()
         self._weight_measured = False
-        self._last_scale = None
 
     def _on_forward_casts(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not args or not isinstance(args[0], Tensor):

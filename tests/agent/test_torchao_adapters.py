@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -221,6 +222,27 @@ def test_float8_reported_scale_is_one_over_torchaos_scale_bit_for_bit() -> None:
         assert torch.equal(_reported_scale(finite), (1.0 / finite).amax())
     low = scales[scales.isfinite()][:64].to(torch.bfloat16)  # another dtype: converted first, as before
     assert torch.equal(_reported_scale(low.reshape(-1, 1)), (1.0 / low.reshape(-1, 1).to(torch.float32)).amax())
+
+
+@pytest.mark.parametrize("kind", ["float8", "float8_recomputed", "mxfp8"])
+def test_scale_is_reported_on_the_sampled_steps_of_a_sparse_schedule(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The monitor reads `scale` after disarming the step's adapters: their disarm cleared it, so at every > 1 (the
+    # defaults) no torchao layer ever sent one.
+    from quantwatch.agent.adapters import torchao_float8
+
+    if kind == "float8_recomputed":
+        monkeypatch.setattr(torchao_float8._CAPTURE, "available", lambda: False)
+    model = mxfp8_model(bias=False) if kind == "mxfp8" else float8_model("tensorwise")
+    sink = qw.InMemoryExporter()
+    monitor = qw.attach(model, run=f"scale-{kind}", exporter=sink, every=2, metrics=["scale", "act_rel_l2"])
+    train(model, monitor, lambda: torch.randn(32, 64) if kind == "mxfp8" else torch.randn(4, 8, 32), steps=3)
+    monitor.close()
+    assert [record.step for _, record in sink.records() if record.metrics] == [0, 2]
+    for step in (0, 2):
+        scales = [sink.value("scale", name, step) for name in ("0", "2")]
+        assert all(value is not None and math.isfinite(value) and value > 0 for value in scales), (step, scales)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp"])
