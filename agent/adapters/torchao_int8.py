@@ -20,10 +20,15 @@ and backward: such a layer is reported ``high_precision`` for every kind (a warn
 one.  Whether the wrapper computes in INT8 is probed once per class and device type on a product whose INT8 result
 differs from the exact one, so a torchao that wires it again is measured as INT8 without a change here.
 
-The casts are recomputed with torchao's own ``quantize_int8_rowwise`` (deterministic rounding: the very values the
-layer computed with); the layer casts its weight in its input's dtype, which these recomputations assume is the
-weight's own (true unless CUDA autocast or mixed parameter dtypes make them differ).  ``scale`` is the dequantization
-scale ``amax/127`` (largest over tokens).
+The casts measured are the layer's own: on a sampled step the ``quantize_int8_rowwise`` that ``_dynamic_int8_mm``
+calls is wrapped (:mod:`~quantwatch.agent.adapters.capture`) and each cast a ``module_swap`` layer makes is handed to
+its measurer, so none is made twice (tested: a sampled step makes as many casts as an unsampled one).  The one cast
+a layer does not make, the input-gradient GEMM's of a layer whose input needs no gradient (the first layer's), is
+recomputed for ``grad_rel_l2``, as are all the casts of a weight-wrapper layer and of a torchao whose functions this
+wrapper cannot reach; recomputed with torchao's own ``quantize_int8_rowwise`` (deterministic rounding: the very
+values the layer computes with), the weight cast in the weight's own dtype (the layer's is its input's: the same
+unless CUDA autocast or mixed parameter dtypes make them differ).  ``scale`` is the dequantization scale
+``amax/127`` (largest over tokens).
 
 ``qw.actions.keep_high_precision`` switches a layer by giving it a config of its own (other layers keep the object
 ``quantize_`` shared between them): None sets every flag off, ``"int8"`` every flag on.
@@ -32,6 +37,7 @@ scale ``amax/127`` (largest over tokens).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
@@ -39,6 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.functional import linear
 
+from quantwatch.agent.adapters.capture import CastCapture, CastListener
 from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, high_precision_data
 from quantwatch.agent.adapters.registry import (
     HIGH_PRECISION,
@@ -149,9 +156,119 @@ def _int8_rowwise_cast(t: Tensor) -> CastResult:
     from torchao.prototype.quantized_training.int8 import quantize_int8_rowwise
 
     rows = t.reshape(-1, t.shape[-1])
-    int8, scale = quantize_int8_rowwise(rows)
+    return _int8_result(rows, *quantize_int8_rowwise(rows))
+
+
+def _int8_result(rows: Tensor, int8: Tensor, scale: Tensor) -> CastResult:
+    """The cast ``(int8, scale)`` of the matrix ``rows`` as measured: dequantized row by row."""
     # scale = amax/127 puts every row within [-127, 127] before the clip to [-128, 127]: nothing is clipped.
     return CastResult(rows, int8.to(rows.dtype) * scale.view(-1, 1), None, scale.amax().float())
+
+
+def _rows_of(rows: Tensor, t: Tensor | None) -> bool:
+    """Whether ``rows`` is ``t`` viewed as a matrix of its last dimension (not its transpose, nor another tensor)."""
+    if t is None or not rows.is_contiguous() or rows.data_ptr() != t.data_ptr() or not t.numel():
+        return False
+    return rows.shape == (t.numel() // t.shape[-1], t.shape[-1])
+
+
+_CAPTURE = CastCapture(_MODULE, "quantize_int8_rowwise")
+"""The casts ``_dynamic_int8_mm`` makes, while a sampled step's measurers listen
+(:mod:`~quantwatch.agent.adapters.capture`)."""
+
+
+class _CapturedInt8Linear(RecomputedCastLinear):
+    """Measures the casts an ``Int8MixedPrecisionTrainingLinear`` makes itself (`_CAPTURE`): the forward GEMM casts
+    its input, then its weight; in the backward node the input-gradient GEMM's cast of the output gradient is the
+    one of that gradient's own rows (the weight-gradient GEMM casts its transpose, and the input's).  A layer whose
+    input needs no gradient makes no input-gradient GEMM: its gradient cast is recomputed, as is that of a backward
+    node not of torchao's function (a newer torchao)."""
+
+    def __init__(self, name: str, module: nn.Module, context: AdapterContext, casts: dict[int, Cast]) -> None:
+        super().__init__(name, module, context, casts, unwrap=high_precision_data)
+        self._listening = False
+        self._calls = {True: 0, False: 0}  # casts seen in the running forward (True) and backward node (False)
+        self._outer: dict[bool, CastListener | None] = {True: None, False: None}
+        self._grad: Tensor | None = None  # the running backward node's output gradient, until its cast is measured
+
+    def _arm_casts(self) -> None:
+        _CAPTURE.start()
+        self._listening = True
+        self._handles.append(self.module.register_forward_pre_hook(self._enter_forward))
+        self._handles.append(self.module.register_forward_hook(self._leave_forward))
+
+    def disarm(self) -> None:
+        """Also stop listening to torchao's casts."""
+        super().disarm()
+        if self._listening:
+            self._listening = False
+            _CAPTURE.leave()
+            _CAPTURE.stop()
+
+    def _enter(self, forward: bool) -> None:
+        self._calls[forward] = 0
+        self._outer[forward] = _CAPTURE.enter(functools.partial(self._on_captured, forward))
+
+    def _enter_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self._enter(True)
+
+    def _leave_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        _CAPTURE.leave(self._outer[True])
+        if KIND_GRAD not in self.kinds or not isinstance(output, Tensor) or output.grad_fn is None:
+            return
+        node: Any = output.grad_fn
+        grad_cast = self.casts.get(KIND_GRAD)
+        if "Int8MixedPrecisionTrainingLinearFunction" not in node.name():
+            if grad_cast is not None:  # recompute the gradient cast, as RecomputedCastLinear does
+                node.register_prehook(functools.partial(self._on_grad_output, grad_cast, output.output_nr))
+            return
+        node.register_prehook(self._enter_backward)
+        node.register_hook(self._leave_backward)
+
+    def _enter_backward(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        self._grad = grad_outputs[0]
+        self._enter(False)
+
+    def _leave_backward(self, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
+        _CAPTURE.leave(self._outer[False])
+        grad, self._grad = self._grad, None
+        grad_cast = self.casts.get(KIND_GRAD)
+        if grad is not None and grad_cast is not None and KIND_GRAD in self.kinds:
+            # No input gradient wanted (the first layer's): the cast its GEMM would have made, as recomputed.
+            self._guard("cast_stats", self._measure_grad, grad_cast, grad)
+
+    def _on_captured(self, forward: bool, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        index = self._calls[forward]
+        config = int8_training_config(self.module)
+        if forward and (index >= 2 or not config.output):
+            # A forward makes two casts at most: this one is the backward node's whose forward activation
+            # checkpointing re-ran and stopped once it had the tensors it needed (its forward hook never ran).
+            outer = self._outer[True]
+            _CAPTURE.leave(outer)
+            if outer is not None:
+                outer(args, kwargs, result)
+            return
+        self._calls[forward] = index + 1
+        if forward:
+            kind = (KIND_INPUT, KIND_WEIGHT)[index]
+        elif config.grad_input and _rows_of(args[0], self._grad):
+            kind, self._grad = KIND_GRAD, None
+        else:
+            kind = None
+        if kind is None or kind not in self.kinds:
+            return
+        if kind == KIND_WEIGHT:
+            if self._weight_measured:
+                return
+            self._weight_measured = True
+        self._guard("cast_stats", self._measure_captured, kind, args[0], result)
+
+    def _measure_captured(self, kind: int, rows: Tensor, result: tuple[Tensor, Tensor]) -> None:
+        with torch.no_grad():
+            cast = _int8_result(rows, *result)
+            self.record(kind, cast.stats())
+        if kind == KIND_INPUT:
+            self._last_scale = cast.scale
 
 
 class Int8MixedPrecisionTrainingAdapter(Adapter):
@@ -189,4 +306,6 @@ class Int8MixedPrecisionTrainingAdapter(Adapter):
         casts: dict[int, Cast] = {
             _KINDS[kind]: _int8_rowwise_cast for kind, (flag, _) in _REPORTED.items() if on and getattr(config, flag)
         }
+        if casts and _holder(module) is module and _CAPTURE.available():
+            return _CapturedInt8Linear(name, module, context, casts)
         return RecomputedCastLinear(name, module, context, casts, unwrap=high_precision_data)

@@ -5,6 +5,7 @@ ops: both variants found, every figure recomputed, the layer's output rebuilt fr
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from types import SimpleNamespace
@@ -283,3 +284,55 @@ def test_a_layer_with_a_config_the_adapter_cannot_read_is_reported_once_and_left
     assert monitor.layers == ("2",)
     assert sink.value("act_rel_l2", "2", 1) is not None
     assert monitor.stats()["failures"] == {}
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "activation_checkpointing"])
+def test_the_casts_measured_are_those_the_layer_made_none_recomputed(
+    checkpointed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module-swap layer's casts are captured from its own ``_dynamic_int8_mm`` calls: a sampled step makes as
+    many casts as an unsampled one, recomputes only the gradient cast of a GEMM that does not run, and every figure is
+    what recomputing them all gives, bit for bit (also when activation checkpointing re-runs the forward inside the
+    backward node)."""
+    import torchao.prototype.quantized_training.int8 as int8_module
+    import torchao.prototype.quantized_training.int8_mixed_precision as mixed
+    from torch.utils.checkpoint import checkpoint
+
+    made, recomputed = [0], [0]
+    layer_cast, own_cast = mixed.quantize_int8_rowwise, int8_module.quantize_int8_rowwise
+    monkeypatch.setattr(
+        mixed, "quantize_int8_rowwise", lambda *a, **k: made.__setitem__(0, made[0] + 1) or layer_cast(*a, **k)
+    )
+    monkeypatch.setattr(
+        int8_module,
+        "quantize_int8_rowwise",
+        lambda *a, **k: recomputed.__setitem__(0, recomputed[0] + 1) or own_cast(*a, **k),
+    )
+    base = int8_model()
+    inputs = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
+    figures = []
+    for captured in (True, False):
+        monkeypatch.setattr(torchao_int8._CAPTURE, "available", lambda captured=captured: captured)
+        model = copy.deepcopy(base)
+        sink = qw.InMemoryExporter()
+        monitor = qw.attach(model, run=f"int8-capture-{captured}", exporter=sink, every=2)
+        counts = []
+        for step in range(2):  # step 0 sampled, step 1 not
+            made[0] = recomputed[0] = 0
+            output = checkpoint(model, inputs, use_reentrant=False) if checkpointed else model(inputs)
+            output.pow(2).mean().backward()
+            monitor.step(step)
+            counts.append((made[0], recomputed[0]))
+        monitor.close()
+        # Two layers' input and weight per forward run (checkpointing runs it twice), and their backward GEMMs' casts:
+        # output gradient and weight, input and output gradient (the first layer's input needs no gradient: 2).
+        layer_casts = 2 * 2 * (2 if checkpointed else 1) + 4 + 2
+        assert counts[1] == (layer_casts, 0)
+        # Captured, only the first layer's gradient cast is recomputed (its input-gradient GEMM does not run);
+        # recomputed, each layer's weight, input and gradient casts, and the first layer's input again where
+        # checkpointing re-ran its forward to the end (the second's stops at its last saved tensor).
+        assert counts[0] == (layer_casts, 1 if captured else 6 + checkpointed)
+        figures.append({(m, n): sink.value(m, n, 0) for m in CAST_METRICS | INPUT_CAST_METRICS for n in "02"})
+        assert monitor.stats()["failures"] == {}
+    assert all(value is not None for value in figures[0].values())
+    assert figures[0] == figures[1]
