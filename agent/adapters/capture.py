@@ -53,16 +53,13 @@ class CastCapture:
             self.original = None
             self.listening = 0
 
-    def enter(self, listener: CastListener) -> CastListener | None:
-        """Casts made by this thread from now on are ``listener``'s (until `leave`); returns the listener before it
-        (a forward that activation checkpointing re-runs inside a backward node gives the node's back)."""
-        previous: CastListener | None = getattr(self.local, "current", None)
+    def enter(self, listener: CastListener) -> None:
+        """Casts made by this thread from now on are ``listener``'s (until `leave`)."""
         self.local.current = listener
-        return previous
 
-    def leave(self, previous: CastListener | None = None) -> None:
-        """Casts made by this thread are ``previous``'s (nobody's by default)."""
-        self.local.current = previous
+    def leave(self) -> None:
+        """Casts made by this thread are nobody's."""
+        self.local.current = None
 
     def _capturing(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # `function` is torchao's, bound when the wrapper was installed: a call after it was put back (a forward

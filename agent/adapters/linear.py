@@ -32,6 +32,7 @@ __all__ = [
     "RecomputedCastLinear",
     "ShadowedLayer",
     "high_precision_data",
+    "in_backward",
     "plain_linear_forward",
     "reference_dtype",
     "runs_plain_linear",
@@ -127,6 +128,11 @@ class CastResult:
 Cast = Callable[[Tensor], CastResult]
 
 
+def in_backward() -> bool:
+    """Whether this thread runs a backward pass (a forward now is one activation checkpointing re-runs)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 class RecomputedCastLinear(ShadowedLayer):
     """Measures a linear layer by recomputing its casts (``casts[kind]`` for ``KIND_WEIGHT | KIND_INPUT |
     KIND_GRAD``; a missing kind is kept in high precision: no figure).
@@ -219,6 +225,9 @@ class RecomputedCastLinear(ShadowedLayer):
         self._guard("cast_stats", self._measure_forward, args[0], output)
 
     def _measure_forward(self, x: Tensor, output: Any) -> None:
+        if in_backward():  # a forward activation checkpointing re-runs: its casts are the first run's, measured
+            self._hook_grad_output(output)
+            return
         with torch.no_grad():
             weight_cast = self.casts.get(KIND_WEIGHT)
             if KIND_WEIGHT in self.kinds and weight_cast is not None and not self._weight_measured:
@@ -229,6 +238,11 @@ class RecomputedCastLinear(ShadowedLayer):
                 result = input_cast(self._prepare_input(x.detach()))
                 self.record(KIND_INPUT, result.stats())
                 self._last_scale = result.scale
+        self._hook_grad_output(output)
+
+    def _hook_grad_output(self, output: Any) -> None:
+        """Recompute the gradient cast when ``output``'s gradient reaches its node (a reentrant checkpoint's
+        recomputed forward makes the only node that runs)."""
         grad_cast = self.casts.get(KIND_GRAD)
         if KIND_GRAD in self.kinds and grad_cast is not None and isinstance(output, Tensor):
             node = output.grad_fn

@@ -39,6 +39,7 @@ from quantwatch.agent.adapters.linear import (
     CastResult,
     RecomputedCastLinear,
     high_precision_data,
+    in_backward,
     plain_linear_forward,
     runs_plain_linear,
     training_weight_classes,
@@ -360,6 +361,7 @@ class _CapturedCastLinear(RecomputedCastLinear):
                 forward = (role, axis) in (("WEIGHT", 0), ("INPUT", -1))
                 self._wanted[GemmInputRole[role]] = (kind, forward, torch.finfo(cast_config.target_dtype).max)
         self._listening = False
+        self._rerun = False  # the running forward is one activation checkpointing re-runs
         # The gradient of the last gradient cast measured: the weight-gradient GEMM casts the same tensor again (a
         # weak reference: a later backward's gradient is another tensor, so it needs no reset between steps).
         self._last_grad: weakref.ref[Tensor] | None = None
@@ -379,10 +381,15 @@ class _CapturedCastLinear(RecomputedCastLinear):
             _CAPTURE.stop()
 
     def _enter_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        _CAPTURE.enter(functools.partial(self._on_captured, True))
+        # A forward activation checkpointing re-runs inside a backward makes the first run's casts again (measured
+        # then), and may stop before its forward hook: it gets no listener, which would take the backward's casts.
+        self._rerun = in_backward()
+        if not self._rerun:
+            _CAPTURE.enter(functools.partial(self._on_captured, True))
 
     def _leave_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        _CAPTURE.leave()
+        if not self._rerun:
+            _CAPTURE.leave()
         if KIND_GRAD not in self.kinds or not isinstance(output, Tensor) or output.grad_fn is None:
             return
         node: Any = output.grad_fn

@@ -45,8 +45,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.functional import linear
 
-from quantwatch.agent.adapters.capture import CastCapture, CastListener
-from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, high_precision_data
+from quantwatch.agent.adapters.capture import CastCapture
+from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, high_precision_data, in_backward
 from quantwatch.agent.adapters.registry import (
     HIGH_PRECISION,
     Adapter,
@@ -188,8 +188,8 @@ class _CapturedInt8Linear(RecomputedCastLinear):
         super().__init__(name, module, context, casts, unwrap=high_precision_data)
         self._listening = False
         self._calls = {True: 0, False: 0}  # casts seen in the running forward (True) and backward node (False)
-        self._outer: dict[bool, CastListener | None] = {True: None, False: None}
         self._grad: Tensor | None = None  # the running backward node's output gradient, until its cast is measured
+        self._rerun = False  # the running forward is one activation checkpointing re-runs
 
     def _arm_casts(self) -> None:
         _CAPTURE.start()
@@ -207,13 +207,18 @@ class _CapturedInt8Linear(RecomputedCastLinear):
 
     def _enter(self, forward: bool) -> None:
         self._calls[forward] = 0
-        self._outer[forward] = _CAPTURE.enter(functools.partial(self._on_captured, forward))
+        _CAPTURE.enter(functools.partial(self._on_captured, forward))
 
     def _enter_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self._enter(True)
+        # A forward activation checkpointing re-runs inside a backward makes the first run's casts again (measured
+        # then), and may stop before its forward hook: it gets no listener of its own.
+        self._rerun = in_backward()
+        if not self._rerun:
+            self._enter(True)
 
     def _leave_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        _CAPTURE.leave(self._outer[True])
+        if not self._rerun:
+            _CAPTURE.leave()
         if KIND_GRAD not in self.kinds or not isinstance(output, Tensor) or output.grad_fn is None:
             return
         node: Any = output.grad_fn
@@ -230,7 +235,7 @@ class _CapturedInt8Linear(RecomputedCastLinear):
         self._enter(False)
 
     def _leave_backward(self, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
-        _CAPTURE.leave(self._outer[False])
+        _CAPTURE.leave()
         grad, self._grad = self._grad, None
         grad_cast = self.casts.get(KIND_GRAD)
         if grad is not None and grad_cast is not None and KIND_GRAD in self.kinds:
@@ -239,18 +244,10 @@ class _CapturedInt8Linear(RecomputedCastLinear):
 
     def _on_captured(self, forward: bool, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
         index = self._calls[forward]
-        config = int8_training_config(self.module)
-        if forward and (index >= 2 or not config.output):
-            # A forward makes two casts at most: this one is the backward node's whose forward activation
-            # checkpointing re-ran and stopped once it had the tensors it needed (its forward hook never ran).
-            outer = self._outer[True]
-            _CAPTURE.leave(outer)
-            if outer is not None:
-                outer(args, kwargs, result)
-            return
         self._calls[forward] = index + 1
+        config = int8_training_config(self.module)
         if forward:
-            kind = (KIND_INPUT, KIND_WEIGHT)[index]
+            kind = (KIND_INPUT, KIND_WEIGHT)[index] if config.output and index < 2 else None
         elif config.grad_input and _rows_of(args[0], self._grad):
             kind, self._grad = KIND_GRAD, None
         else:

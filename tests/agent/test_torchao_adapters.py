@@ -4,6 +4,7 @@ need a GPU to run (recognised, formats reported)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -222,6 +223,41 @@ def test_float8_reported_scale_is_one_over_torchaos_scale_bit_for_bit() -> None:
         assert torch.equal(_reported_scale(finite), (1.0 / finite).amax())
     low = scales[scales.isfinite()][:64].to(torch.bfloat16)  # another dtype: converted first, as before
     assert torch.equal(_reported_scale(low.reshape(-1, 1)), (1.0 / low.reshape(-1, 1).to(torch.float32)).amax())
+
+
+@pytest.mark.parametrize("captured", [True, False], ids=["captured", "recomputed"])
+def test_float8_casts_under_activation_checkpointing_are_those_of_the_plain_run(
+    captured: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The forward checkpointing re-runs inside the backward stopped before its forward hook, and the capture's
+    # forward listener then took the backward node's casts: the last layer's grad_rel_l2 was never reported.
+    from torch.utils.checkpoint import checkpoint
+
+    from quantwatch.agent.adapters import torchao_float8
+
+    monkeypatch.setattr(torchao_float8._CAPTURE, "available", lambda: captured)
+    base = float8_model("tensorwise")
+    figures = {}
+    for mode in ("plain", "checkpoint", "reentrant_checkpoint"):
+        model = copy.deepcopy(base)
+        sink = qw.InMemoryExporter()
+        monitor = qw.attach(model, run=f"f8-{mode}", exporter=sink, every=1, metrics=sorted(CHECKPOINTED))
+        # A reentrant checkpoint passes gradients only when an input needs one.
+        x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1)).requires_grad_(
+            mode == "reentrant_checkpoint"
+        )
+        out = model(x) if mode == "plain" else checkpoint(model, x, use_reentrant=mode == "reentrant_checkpoint")
+        out.pow(2).mean().backward()
+        monitor.step(0)
+        monitor.close()
+        figures[mode] = {(m, n): sink.value(m, n, 0) for m in CHECKPOINTED for n in ("0", "2")}
+        assert monitor.stats()["failures"] == {}
+    assert all(value is not None for value in figures["plain"].values())
+    for mode in ("checkpoint", "reentrant_checkpoint"):  # the same casts (statistics summed on another path or not)
+        assert figures[mode] == pytest.approx(figures["plain"], rel=1e-6), mode
+
+
+CHECKPOINTED = {"weight_rel_l2", "act_rel_l2", "grad_rel_l2"}
 
 
 @pytest.mark.parametrize("kind", ["float8", "float8_recomputed", "mxfp8"])

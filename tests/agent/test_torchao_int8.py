@@ -286,9 +286,9 @@ def test_a_layer_with_a_config_the_adapter_cannot_read_is_reported_once_and_left
     assert monitor.stats()["failures"] == {}
 
 
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "activation_checkpointing"])
+@pytest.mark.parametrize("checkpointed", [None, False, True], ids=["plain", "checkpoint", "reentrant_checkpoint"])
 def test_the_casts_measured_are_those_the_layer_made_none_recomputed(
-    checkpointed: bool, monkeypatch: pytest.MonkeyPatch
+    checkpointed: bool | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A module-swap layer's casts are captured from its own ``_dynamic_int8_mm`` calls: a sampled step makes as
     many casts as an unsampled one, recomputes only the gradient cast of a GEMM that does not run, and every figure is
@@ -309,7 +309,9 @@ def test_the_casts_measured_are_those_the_layer_made_none_recomputed(
         lambda *a, **k: recomputed.__setitem__(0, recomputed[0] + 1) or own_cast(*a, **k),
     )
     base = int8_model()
-    inputs = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
+    # A reentrant checkpoint passes gradients only to inputs that need one: then the first layer's input does too.
+    inputs = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1)).requires_grad_(bool(checkpointed))
+    first_grad = 1 if checkpointed else 0  # whether the first layer's input-gradient GEMM runs
     figures = []
     for captured in (True, False):
         monkeypatch.setattr(torchao_int8._CAPTURE, "available", lambda captured=captured: captured)
@@ -319,19 +321,18 @@ def test_the_casts_measured_are_those_the_layer_made_none_recomputed(
         counts = []
         for step in range(2):  # step 0 sampled, step 1 not
             made[0] = recomputed[0] = 0
-            output = checkpoint(model, inputs, use_reentrant=False) if checkpointed else model(inputs)
+            output = model(inputs) if checkpointed is None else checkpoint(model, inputs, use_reentrant=checkpointed)
             output.pow(2).mean().backward()
             monitor.step(step)
             counts.append((made[0], recomputed[0]))
         monitor.close()
         # Two layers' input and weight per forward run (checkpointing runs it twice), and their backward GEMMs' casts:
-        # output gradient and weight, input and output gradient (the first layer's input needs no gradient: 2).
-        layer_casts = 2 * 2 * (2 if checkpointed else 1) + 4 + 2
+        # output gradient and weight, input and output gradient (2 for a first layer whose input needs no gradient).
+        layer_casts = 2 * 2 * (1 if checkpointed is None else 2) + 4 + 2 + 2 * first_grad
         assert counts[1] == (layer_casts, 0)
-        # Captured, only the first layer's gradient cast is recomputed (its input-gradient GEMM does not run);
-        # recomputed, each layer's weight, input and gradient casts, and the first layer's input again where
-        # checkpointing re-ran its forward to the end (the second's stops at its last saved tensor).
-        assert counts[0] == (layer_casts, 1 if captured else 6 + checkpointed)
+        # Captured, only the first layer's gradient cast is recomputed where its input-gradient GEMM does not run;
+        # recomputed, each layer's weight, input and gradient casts, not again for a forward checkpointing re-runs.
+        assert counts[0] == (layer_casts, 1 - first_grad if captured else 6)
         figures.append({(m, n): sink.value(m, n, 0) for m in CAST_METRICS | INPUT_CAST_METRICS for n in "02"})
         assert monitor.stats()["failures"] == {}
     assert all(value is not None for value in figures[0].values())
