@@ -191,6 +191,15 @@ class _CapturedInt8Linear(RecomputedCastLinear):
         self._grad: Tensor | None = None  # the running backward node's output gradient, until its cast is measured
         self._rerun = False  # the running forward is one activation checkpointing re-runs
 
+    def _weight_grad(self, x: Tensor, grad_output: Tensor) -> Tensor:
+        """The reference weight gradient in the layout of the layer's: torchao computes an INT8 one as
+        ``(Xᵀ dY)ᵀ``, a transposed view, so the update comparison reads both in place instead of copying one."""
+        if not int8_training_config(self.module).grad_weight:
+            return super()._weight_grad(x, grad_output)
+        x2 = x.reshape(-1, x.shape[-1]).to(self.dtype)
+        g2 = grad_output.reshape(-1, grad_output.shape[-1]).to(self.dtype)
+        return x2.T.mm(g2).mT
+
     def _arm_casts(self) -> None:
         _CAPTURE.start()
         self._listening = True

@@ -337,3 +337,24 @@ def test_the_casts_measured_are_those_the_layer_made_none_recomputed(
         assert monitor.stats()["failures"] == {}
     assert all(value is not None for value in figures[0].values())
     assert figures[0] == figures[1]
+
+
+def test_the_update_comparison_reads_torchaos_transposed_gradient_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchao's INT8 weight gradient is ``(Xᵀ dY)ᵀ``, a transposed view: the reference is made in that layout, so the
+    comparison copies neither (one copy was ~2 ms a sampled step of the bench's model)."""
+    from quantwatch.agent import comparison
+
+    read, pairs = comparison._read_in_place, []
+
+    def spying(x: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
+        a, b = read(x, q)
+        pairs.append((q.is_contiguous(), a.data_ptr() == x.data_ptr() and b.data_ptr() == q.data_ptr()))
+        return a, b
+
+    monkeypatch.setattr(comparison, "_read_in_place", spying)
+    model = int8_model()
+    monitor = qw.attach(model, run="int8-in-place", exporter=qw.InMemoryExporter(), every=1, metrics=["update_cosine"])
+    train(model, monitor, lambda: torch.randn(4, 8, 32), steps=1)
+    monitor.close()
+    transposed = [in_place for contiguous, in_place in pairs if not contiguous]  # the two layers' weight gradients
+    assert transposed == [True, True]
