@@ -16,7 +16,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CastCapture", "CastListener"]
+from torch import Tensor, nn
+
+from quantwatch.agent.adapters.linear import RecomputedCastLinear, in_backward
+from quantwatch.agent.layers import KIND_GRAD
+
+__all__ = ["CapturedCastLinear", "CastCapture", "CastListener"]
 
 #: What a listener is handed: the cast function's positional and keyword arguments, and what it returned.
 CastListener = Callable[[tuple[Any, ...], dict[str, Any], Any], None]
@@ -69,3 +74,76 @@ class CastCapture:
         if listener is not None:
             listener(args, kwargs, result)
         return result
+
+
+class CapturedCastLinear(RecomputedCastLinear):
+    """A measurer of the casts its layer makes itself, through the subclass's :attr:`capture`: while its step is
+    sampled, the casts of the layer's forward, then those of its backward node (`_backward_node`; None: the
+    gradient cast is recomputed instead), reach `_on_captured` with whether they came in the forward.
+
+    A forward that activation checkpointing re-runs inside a backward makes the first run's casts again (measured
+    then) and may stop at its last saved tensor, before its forward hook: it gets no listener, which would take the
+    backward node's casts."""
+
+    capture: CastCapture
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._listening = False
+        self._rerun = False  # the running forward is one activation checkpointing re-runs
+
+    def _arm_casts(self) -> None:
+        self.capture.start()
+        self._listening = True
+        self._handles.append(self.module.register_forward_pre_hook(self._enter_forward))
+        self._handles.append(self.module.register_forward_hook(self._leave_forward))
+
+    def disarm(self) -> None:
+        """Also stop listening to torchao's casts."""
+        super().disarm()
+        if self._listening:
+            self._listening = False
+            self.capture.leave()
+            self.capture.stop()
+
+    def _enter_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self._rerun = in_backward()
+        if not self._rerun:
+            self._entering(None)
+            self.capture.enter(functools.partial(self._on_captured, True))
+
+    def _leave_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not self._rerun:
+            self.capture.leave()
+        if KIND_GRAD not in self.kinds or not isinstance(output, Tensor) or output.grad_fn is None:
+            return
+        node = self._backward_node(output.grad_fn)
+        if node is None:
+            grad_cast = self.casts.get(KIND_GRAD)
+            if grad_cast is not None:  # recompute the gradient cast, as RecomputedCastLinear does
+                output.grad_fn.register_prehook(functools.partial(self._on_grad_output, grad_cast, output.output_nr))
+            return
+        node.register_prehook(self._enter_backward)
+        node.register_hook(self._leave_backward)
+
+    def _enter_backward(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        self._entering(grad_outputs)
+        self.capture.enter(functools.partial(self._on_captured, False))
+
+    def _leave_backward(self, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
+        self.capture.leave()
+        self._left_backward()
+
+    def _backward_node(self, node: Any) -> Any | None:
+        """The layer's backward node, found from its output's ``grad_fn`` (None: not found)."""
+        return node
+
+    def _entering(self, grad_outputs: tuple[Tensor | None, ...] | None) -> None:
+        """Before the casts of a forward (None) or of the backward node (given its output gradients)."""
+
+    def _left_backward(self) -> None:
+        """After the backward node's casts."""
+
+    def _on_captured(self, forward: bool, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        """One cast the layer made: the cast function's arguments and result."""
+        raise NotImplementedError

@@ -33,13 +33,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from quantwatch.agent.adapters.capture import CastCapture
+from quantwatch.agent.adapters.capture import CapturedCastLinear, CastCapture
 from quantwatch.agent.adapters.linear import (
     Cast,
     CastResult,
     RecomputedCastLinear,
     high_precision_data,
-    in_backward,
     plain_linear_forward,
     runs_plain_linear,
     training_weight_classes,
@@ -341,10 +340,12 @@ def _is_float8_matmul(node: Any) -> bool:
     return known
 
 
-class _CapturedCastLinear(RecomputedCastLinear):
-    """Measures the casts a ``Float8Linear`` makes itself (`_CastCapture`); the reported cast of each kind (see the
+class _CapturedCastLinear(CapturedCastLinear):
+    """Measures the casts a ``Float8Linear`` makes itself (`_CAPTURE`); the reported cast of each kind (see the
     module doc) is told apart by its ``GemmInputRole`` and whether it is the forward GEMM's.  A layer whose matmul
     backward node cannot be found (a newer torchao) gets its gradient cast recomputed instead."""
+
+    capture = _CAPTURE
 
     def __init__(
         self, name: str, module: nn.Module, context: AdapterContext, casts: dict[int, Cast], config: Any
@@ -360,55 +361,14 @@ class _CapturedCastLinear(RecomputedCastLinear):
                 cast_config, role, axis = chosen
                 forward = (role, axis) in (("WEIGHT", 0), ("INPUT", -1))
                 self._wanted[GemmInputRole[role]] = (kind, forward, torch.finfo(cast_config.target_dtype).max)
-        self._listening = False
-        self._rerun = False  # the running forward is one activation checkpointing re-runs
         # The gradient of the last gradient cast measured: the weight-gradient GEMM casts the same tensor again (a
         # weak reference: a later backward's gradient is another tensor, so it needs no reset between steps).
         self._last_grad: weakref.ref[Tensor] | None = None
 
-    def _arm_casts(self) -> None:
-        _CAPTURE.start()
-        self._listening = True
-        self._handles.append(self.module.register_forward_pre_hook(self._enter_forward))
-        self._handles.append(self.module.register_forward_hook(self._leave_forward))
-
-    def disarm(self) -> None:
-        """Also stop listening to torchao's casts."""
-        super().disarm()
-        if self._listening:
-            self._listening = False
-            _CAPTURE.leave()
-            _CAPTURE.stop()
-
-    def _enter_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        # A forward activation checkpointing re-runs inside a backward makes the first run's casts again (measured
-        # then), and may stop before its forward hook: it gets no listener, which would take the backward's casts.
-        self._rerun = in_backward()
-        if not self._rerun:
-            _CAPTURE.enter(functools.partial(self._on_captured, True))
-
-    def _leave_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not self._rerun:
-            _CAPTURE.leave()
-        if KIND_GRAD not in self.kinds or not isinstance(output, Tensor) or output.grad_fn is None:
-            return
-        node: Any = output.grad_fn
+    def _backward_node(self, node: Any) -> Any | None:
         if not _is_float8_matmul(node):  # `output + bias`: the matmul is the addition's first input
             node = next((n for n, _ in node.next_functions if _is_float8_matmul(n)), None)
-        grad_cast = self.casts.get(KIND_GRAD)
-        if node is None and grad_cast is not None:  # recompute the gradient cast, as RecomputedCastLinear does
-            output.grad_fn.register_prehook(functools.partial(self._on_grad_output, grad_cast, output.output_nr))
-            return
-        if node is None:
-            return
-        node.register_prehook(self._enter_backward)
-        node.register_hook(self._leave_backward)
-
-    def _enter_backward(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
-        _CAPTURE.enter(functools.partial(self._on_captured, False))
-
-    def _leave_backward(self, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
-        _CAPTURE.leave()
+        return node
 
     def _on_captured(self, forward: bool, args: tuple[Any, ...], kwargs: dict[str, Any], fp8: Any) -> None:
         self._on_cast(args[0], fp8, kwargs.get("gemm_input_role"), forward)

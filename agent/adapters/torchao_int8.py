@@ -37,7 +37,6 @@ unless CUDA autocast or mixed parameter dtypes make them differ).  ``scale`` is 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import Any
 
@@ -45,8 +44,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.functional import linear
 
-from quantwatch.agent.adapters.capture import CastCapture
-from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, high_precision_data, in_backward
+from quantwatch.agent.adapters.capture import CapturedCastLinear, CastCapture
+from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, high_precision_data
 from quantwatch.agent.adapters.registry import (
     HIGH_PRECISION,
     Adapter,
@@ -177,19 +176,19 @@ _CAPTURE = CastCapture(_MODULE, "quantize_int8_rowwise")
 (:mod:`~quantwatch.agent.adapters.capture`)."""
 
 
-class _CapturedInt8Linear(RecomputedCastLinear):
+class _CapturedInt8Linear(CapturedCastLinear):
     """Measures the casts an ``Int8MixedPrecisionTrainingLinear`` makes itself (`_CAPTURE`): the forward GEMM casts
     its input, then its weight; in the backward node the input-gradient GEMM's cast of the output gradient is the
     one of that gradient's own rows (the weight-gradient GEMM casts its transpose, and the input's).  A layer whose
     input needs no gradient makes no input-gradient GEMM: its gradient cast is recomputed, as is that of a backward
     node not of torchao's function (a newer torchao)."""
 
+    capture = _CAPTURE
+
     def __init__(self, name: str, module: nn.Module, context: AdapterContext, casts: dict[int, Cast]) -> None:
         super().__init__(name, module, context, casts, unwrap=high_precision_data)
-        self._listening = False
         self._calls = {True: 0, False: 0}  # casts seen in the running forward (True) and backward node (False)
         self._grad: Tensor | None = None  # the running backward node's output gradient, until its cast is measured
-        self._rerun = False  # the running forward is one activation checkpointing re-runs
 
     def _weight_grad(self, x: Tensor, grad_output: Tensor) -> Tensor:
         """The reference weight gradient in the layout of the layer's: torchao computes an INT8 one as
@@ -200,51 +199,15 @@ class _CapturedInt8Linear(RecomputedCastLinear):
         g2 = grad_output.reshape(-1, grad_output.shape[-1]).to(self.dtype)
         return x2.T.mm(g2).mT
 
-    def _arm_casts(self) -> None:
-        _CAPTURE.start()
-        self._listening = True
-        self._handles.append(self.module.register_forward_pre_hook(self._enter_forward))
-        self._handles.append(self.module.register_forward_hook(self._leave_forward))
+    def _backward_node(self, node: Any) -> Any | None:
+        return node if "Int8MixedPrecisionTrainingLinearFunction" in node.name() else None
 
-    def disarm(self) -> None:
-        """Also stop listening to torchao's casts."""
-        super().disarm()
-        if self._listening:
-            self._listening = False
-            _CAPTURE.leave()
-            _CAPTURE.stop()
+    def _entering(self, grad_outputs: tuple[Tensor | None, ...] | None) -> None:
+        self._calls[grad_outputs is None] = 0
+        if grad_outputs is not None:
+            self._grad = grad_outputs[0]
 
-    def _enter(self, forward: bool) -> None:
-        self._calls[forward] = 0
-        _CAPTURE.enter(functools.partial(self._on_captured, forward))
-
-    def _enter_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        # A forward activation checkpointing re-runs inside a backward makes the first run's casts again (measured
-        # then), and may stop before its forward hook: it gets no listener of its own.
-        self._rerun = in_backward()
-        if not self._rerun:
-            self._enter(True)
-
-    def _leave_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not self._rerun:
-            _CAPTURE.leave()
-        if KIND_GRAD not in self.kinds or not isinstance(output, Tensor) or output.grad_fn is None:
-            return
-        node: Any = output.grad_fn
-        grad_cast = self.casts.get(KIND_GRAD)
-        if "Int8MixedPrecisionTrainingLinearFunction" not in node.name():
-            if grad_cast is not None:  # recompute the gradient cast, as RecomputedCastLinear does
-                node.register_prehook(functools.partial(self._on_grad_output, grad_cast, output.output_nr))
-            return
-        node.register_prehook(self._enter_backward)
-        node.register_hook(self._leave_backward)
-
-    def _enter_backward(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
-        self._grad = grad_outputs[0]
-        self._enter(False)
-
-    def _leave_backward(self, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
-        _CAPTURE.leave()
+    def _left_backward(self) -> None:
         grad, self._grad = self._grad, None
         grad_cast = self.casts.get(KIND_GRAD)
         if grad is not None and grad_cast is not None and KIND_GRAD in self.kinds:
