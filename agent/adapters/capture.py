@@ -110,7 +110,7 @@ class CapturedCastLinear(RecomputedCastLinear):
         self._rerun = in_backward()
         if not self._rerun:
             self._entering(None)
-            self.capture.enter(functools.partial(self._on_captured, True))
+            self.capture.enter(self._listener(forward=True))
 
     def _leave_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self._rerun:
@@ -128,11 +128,15 @@ class CapturedCastLinear(RecomputedCastLinear):
 
     def _enter_backward(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
         self._entering(grad_outputs)
-        self.capture.enter(functools.partial(self._on_captured, False))
+        self.capture.enter(self._listener(forward=False))
 
     def _leave_backward(self, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]) -> None:
         self.capture.leave()
         self._left_backward()
+
+    def _listener(self, *, forward: bool) -> CastListener:
+        # Called inside torchao's cast, so inside training: whatever it raises is counted, never raised.
+        return functools.partial(self._guard, "cast_stats", self._on_captured, forward)
 
     def _backward_node(self, node: Any) -> Any | None:
         """The layer's backward node, found from its output's ``grad_fn`` (None: not found)."""

@@ -358,3 +358,16 @@ def test_the_update_comparison_reads_torchaos_transposed_gradient_in_place(monke
     monitor.close()
     transposed = [in_place for contiguous, in_place in pairs if not contiguous]  # the two layers' weight gradients
     assert transposed == [True, True]
+
+
+def test_a_capture_listener_that_fails_is_counted_never_raised_into_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The listener runs inside torchao's cast, inside the layer's forward and backward.
+    def broken(*args: Any) -> None:
+        raise RuntimeError("a renamed torchao attribute")
+
+    monkeypatch.setattr(torchao_int8._CapturedInt8Linear, "_on_captured", broken)
+    model = int8_model()
+    monitor = qw.attach(model, run="int8-broken-listener", exporter=qw.InMemoryExporter(), every=1)
+    train(model, monitor, lambda: torch.randn(4, 8, 32), steps=2)
+    monitor.close()
+    assert monitor.stats()["failures"].get("cast_stats_failed", 0) > 0
