@@ -103,7 +103,7 @@ class Monitor:
         failures: FailureLog,
         shadow_options: ShadowOptions | None = None,
         rank_reporter: RankReporter | None = None,
-        whatif_every: int | None = 0,
+        whatif_every: int | None = None,
     ) -> None:
         self.run = run
         self.rank = rank

@@ -10,6 +10,7 @@ place as soon as the last measurer stops listening: an unsampled step runs torch
 
 from __future__ import annotations
 
+import abc
 import functools
 import sys
 import threading
@@ -76,7 +77,7 @@ class CastCapture:
         return result
 
 
-class CapturedCastLinear(RecomputedCastLinear):
+class CapturedCastLinear(RecomputedCastLinear, abc.ABC):
     """A measurer of the casts its layer makes itself, through the subclass's :attr:`capture`: while its step is
     sampled, the casts of the layer's forward, then those of its backward node (`_backward_node`; None: the
     gradient cast is recomputed instead), reach `_on_captured` with whether they came in the forward.
@@ -148,6 +149,6 @@ class CapturedCastLinear(RecomputedCastLinear):
     def _left_backward(self) -> None:
         """After the backward node's casts."""
 
+    @abc.abstractmethod
     def _on_captured(self, forward: bool, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
-        """One cast the layer made: the cast function's arguments and result."""
-        raise NotImplementedError
+        """One cast the layer made: the cast function's arguments and result (inside the listener's guard)."""

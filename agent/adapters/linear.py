@@ -27,6 +27,7 @@ from quantwatch.kernels import ErrorStats
 from quantwatch.kernels.stats import stats_from_masks
 
 __all__ = [
+    "INT8_TRAINING_WEIGHT",
     "Cast",
     "CastResult",
     "RecomputedCastLinear",
@@ -63,7 +64,7 @@ def training_weight_classes(name: str = "TrainingWeightWrapperBaseTensor") -> tu
 
 
 #: torchao INT8 mixed-precision training's weight wrapper (its high-precision weight in ``_data`` too).
-_INT8_TRAINING_WEIGHT = (
+INT8_TRAINING_WEIGHT = (
     "torchao.prototype.quantized_training.int8_mixed_precision:Int8MixedPrecisionTrainingLinearWeight"
 )
 
@@ -71,7 +72,7 @@ _INT8_TRAINING_WEIGHT = (
 def high_precision_data(t: Tensor) -> Tensor:
     """The high-precision tensor inside a torchao training weight wrapper (MXFP8 / float8 training's, INT8
     mixed-precision training's); ``t`` itself otherwise."""
-    if isinstance(t, training_weight_classes() + loaded_classes(_INT8_TRAINING_WEIGHT)):
+    if isinstance(t, training_weight_classes() + loaded_classes(INT8_TRAINING_WEIGHT)):
         data: Tensor = getattr(t, "_data")  # noqa: B009
         return data
     return t
@@ -129,8 +130,10 @@ Cast = Callable[[Tensor], CastResult]
 
 
 def in_backward() -> bool:
-    """Whether this thread runs a backward pass (a forward now is one activation checkpointing re-runs)."""
-    return bool(torch._C._current_graph_task_id() != -1)
+    """Whether this thread runs a backward pass (a forward now is one activation checkpointing re-runs); False
+    where torch does not say (it is asked in the layers' hooks, which must not raise)."""
+    graph_task = getattr(torch._C, "_current_graph_task_id", None)
+    return graph_task is not None and bool(graph_task() != -1)
 
 
 class RecomputedCastLinear(ShadowedLayer):

@@ -389,9 +389,6 @@ class _CapturedCastLinear(CapturedCastLinear):
             if last is not None and last() is hp:
                 return
             self._last_grad = weakref.ref(hp)
-        self._guard("cast_stats", self._measure_cast, kind, hp, fp8, fmax)
-
-    def _measure_cast(self, kind: int, hp: Tensor, fp8: Any, fmax: float) -> None:
         stats, scale = _cast_stats(hp, fp8, fmax, with_scale=kind == KIND_INPUT)
         self.record(kind, stats)
         if kind == KIND_INPUT:

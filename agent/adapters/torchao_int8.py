@@ -45,7 +45,13 @@ from torch import Tensor, nn
 from torch.nn.functional import linear
 
 from quantwatch.agent.adapters.capture import CapturedCastLinear, CastCapture
-from quantwatch.agent.adapters.linear import Cast, CastResult, RecomputedCastLinear, high_precision_data
+from quantwatch.agent.adapters.linear import (
+    INT8_TRAINING_WEIGHT,
+    Cast,
+    CastResult,
+    RecomputedCastLinear,
+    high_precision_data,
+)
 from quantwatch.agent.adapters.registry import (
     HIGH_PRECISION,
     Adapter,
@@ -80,7 +86,7 @@ _KINDS = {"weight": KIND_WEIGHT, "input": KIND_INPUT, "grad": KIND_GRAD}
 
 
 def _weight_classes() -> tuple[type, ...]:
-    return loaded_classes(f"{_MODULE}:Int8MixedPrecisionTrainingLinearWeight")
+    return loaded_classes(INT8_TRAINING_WEIGHT)
 
 
 def _module_classes() -> tuple[type, ...]:
@@ -195,9 +201,7 @@ class _CapturedInt8Linear(CapturedCastLinear):
         ``(Xᵀ dY)ᵀ``, a transposed view, so the update comparison reads both in place instead of copying one."""
         if not int8_training_config(self.module).grad_weight:
             return super()._weight_grad(x, grad_output)
-        x2 = x.reshape(-1, x.shape[-1]).to(self.dtype)
-        g2 = grad_output.reshape(-1, grad_output.shape[-1]).to(self.dtype)
-        return x2.T.mm(g2).mT
+        return super()._weight_grad(grad_output, x).mT  # (Xᵀ dY)ᵀ: the base's dYᵀX with the operands swapped
 
     def _backward_node(self, node: Any) -> Any | None:
         return node if "Int8MixedPrecisionTrainingLinearFunction" in node.name() else None
@@ -230,11 +234,8 @@ class _CapturedInt8Linear(CapturedCastLinear):
             if self._weight_measured:
                 return
             self._weight_measured = True
-        self._guard("cast_stats", self._measure_captured, kind, args[0], result)
-
-    def _measure_captured(self, kind: int, rows: Tensor, result: tuple[Tensor, Tensor]) -> None:
         with torch.no_grad():
-            cast = _int8_result(rows, *result)
+            cast = _int8_result(args[0], *result)
             self.record(kind, cast.stats())
         if kind == KIND_INPUT:
             self._last_scale = cast.scale
@@ -268,8 +269,8 @@ class Int8MixedPrecisionTrainingAdapter(Adapter):
         set_int8_gemms(module, on=False)
 
     def create(self, name: str, module: nn.Module, context: AdapterContext) -> LayerAdapter:
-        """A measurer recomputing the forward GEMM's weight and input casts and the input-gradient GEMM's
-        output-gradient cast, those of them the config has in INT8."""
+        """A measurer of the forward GEMM's weight and input casts and the input-gradient GEMM's output-gradient
+        cast, those of them the config has in INT8: captured from a module-swap layer's own calls, else recomputed."""
         config = int8_training_config(module)
         on = computes_int8(module)
         casts: dict[int, Cast] = {

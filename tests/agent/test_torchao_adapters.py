@@ -96,6 +96,30 @@ def train(model: nn.Module, monitor: qw.Monitor, make_input: Callable[[], Tensor
     monitor.flush()
 
 
+def attach_with_shadow(model: nn.Module, run: str, sink: qw.InMemoryExporter, lr: float = 1e-2) -> qw.Monitor:
+    """``attach`` every step with the FP32 shadow model (SGD at ``lr``), measuring ``weight_drift_rel_l2`` only."""
+    return qw.attach(
+        model,
+        run=run,
+        exporter=sink,
+        every=1,
+        shadow="model",
+        shadow_optimizer=lambda params: torch.optim.SGD(params, lr=lr),
+        metrics=["weight_drift_rel_l2"],
+    )
+
+
+def train_beside_shadow(model: nn.Module, monitor: qw.Monitor, x: Tensor, lr: float, steps: int = 2) -> None:
+    """``steps`` SGD steps of ``model`` on the loss ``mean(model(x)²)``, the shadow model stepping on its own."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step(step, loss=loss, shadow_closure=lambda m: m(x).pow(2).mean())
+
+
 def float8_model(recipe: str | Float8LinearConfig, bias: bool = True) -> nn.Sequential:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64, bias=bias), nn.ReLU(), nn.Linear(64, 16, bias=bias))
@@ -530,28 +554,18 @@ def test_the_shadow_model_runs_training_weight_wrapper_layers_in_high_precision(
         quantize_(model, Float8TrainingOpConfig(float8_linear_recipe="tensorwise"))
         for parameter in model.parameters():  # emulated GEMMs on a CPU, as precision.py switches them
             parameter.config = _float8_op_config("fp8", torch.device("cpu"))
-    optimizer = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     if trained:
         model(torch.randn(32, 64)).pow(2).mean().backward()
-        optimizer(model.parameters()).step()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
         model.zero_grad()
     sink = qw.InMemoryExporter()
-    monitor = qw.attach(
-        model, run=f"shadow-{kind}", exporter=sink, every=1, shadow="model", shadow_optimizer=optimizer,
-        metrics=["weight_drift_rel_l2"],
-    )  # fmt: skip
+    monitor = attach_with_shadow(model, f"shadow-{kind}", sink, lr=0.1)
     shadow = monitor.shadow_model
     assert shadow is not None
     x = torch.randn(32, 64)
     weights = [high_precision_data(shadow[i].weight) for i in (0, 2)]
     assert torch.equal(shadow(x), F.linear(torch.relu(F.linear(x, weights[0])), weights[1]))
-    own = optimizer(model.parameters())
-    for step in range(2):
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        own.step()
-        own.zero_grad()
-        monitor.step(step, loss=loss, shadow_closure=lambda m: m(x).pow(2).mean())
+    train_beside_shadow(model, monitor, x, lr=0.1)
     monitor.close()
     drift = rel_l2(high_precision_data(model[0].weight), high_precision_data(shadow[0].weight))
     assert drift > 0
@@ -618,15 +632,7 @@ def test_the_shadow_model_runs_torchao_layers_in_high_precision(kind: str) -> No
     model: nn.Module = float8_model("tensorwise") if kind == "float8" else qat_model(activation, weight)
     make_input = (lambda: torch.randn(8, 32)) if kind == "float8" else (lambda: torch.randint(0, 50, (4, 8)))
     sink = qw.InMemoryExporter()
-    monitor = qw.attach(
-        model,
-        run=f"shadow-{kind}",
-        exporter=sink,
-        every=1,
-        shadow="model",
-        shadow_optimizer=lambda params: torch.optim.SGD(params, lr=1e-2),
-        metrics=["weight_drift_rel_l2"],
-    )
+    monitor = attach_with_shadow(model, f"shadow-{kind}", sink)
     shadow = monitor.shadow_model
     assert shadow is not None
     x = make_input()

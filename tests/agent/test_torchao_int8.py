@@ -23,7 +23,14 @@ from quantwatch.agent.wire import encode_batch
 from quantwatch.protocol import check_layer_format
 from quantwatch.service.alerts.defaults import DEFAULT_RULES
 from tests.agent.test_contract import _decode
-from tests.agent.test_torchao_adapters import cosine, one_step, rel_l2, train
+from tests.agent.test_torchao_adapters import (
+    attach_with_shadow,
+    cosine,
+    one_step,
+    rel_l2,
+    train,
+    train_beside_shadow,
+)
 
 with warnings.catch_warnings():  # torchao's CUDA-only extensions warn on a CPU
     warnings.simplefilter("ignore")
@@ -232,15 +239,7 @@ def test_the_weight_wrapper_that_never_runs_int8_refuses_to_be_switched_on() -> 
 def test_the_shadow_model_runs_int8_layers_in_high_precision_and_the_drift_is_measured(swap: bool) -> None:
     model = int8_model(swap=swap)
     sink = qw.InMemoryExporter()
-    monitor = qw.attach(
-        model,
-        run="int8-shadow",
-        exporter=sink,
-        every=1,
-        shadow="model",
-        shadow_optimizer=lambda params: torch.optim.SGD(params, lr=1e-2),
-        metrics=["weight_drift_rel_l2"],
-    )
+    monitor = attach_with_shadow(model, "int8-shadow", sink)
     shadow = monitor.shadow_model
     assert shadow is not None
     weights = [high_precision_data(shadow[i].weight) for i in (0, 2)]
@@ -250,13 +249,7 @@ def test_the_shadow_model_runs_int8_layers_in_high_precision_and_the_drift_is_me
     # The model's own layers (and the config they share) still compute in INT8.
     assert torch.equal(model(x), shadow(x)) is not (swap or wrapper_computes_int8())
     assert all(getattr(layer, "config", getattr(layer.weight, "config", None)).output for layer in (model[0], model[2]))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    for step in range(2):
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        monitor.step(step, loss=loss, shadow_closure=lambda m: m(x).pow(2).mean())
+    train_beside_shadow(model, monitor, x, lr=1e-2)
     monitor.close()
     assert sink.scalar("loss_shadow", 0) == pytest.approx(float(expected.detach().pow(2).mean()), rel=1e-6)
     # The drift compares the high-precision weights inside torchao's wrappers (numpy takes no wrapper).
