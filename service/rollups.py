@@ -139,6 +139,24 @@ class Partials:
             np.concatenate([p.vcount.astype(np.int64, copy=False) for p in parts]),
         )
 
+    @classmethod
+    def side_by_side(cls, parts: Sequence[Partials]) -> Partials:
+        """The layers of ``parts`` (the same rows in each) one after another: several metrics' partials as one, so
+        that a reduction runs once for all of them (:meth:`columns` takes each back)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(
+            np.hstack([p.vmin for p in parts]),
+            np.hstack([p.vmax for p in parts]),
+            np.hstack([p.vsum for p in parts]),
+            np.hstack([p.vcount for p in parts]),
+        )
+
+    def columns(self, start: int, stop: int) -> Partials:
+        """Layers ``start`` … ``stop - 1`` of every row (views)."""
+        sl = slice(start, stop)
+        return Partials(self.vmin[:, sl], self.vmax[:, sl], self.vsum[:, sl], self.vcount[:, sl])
+
     def merge(self, other: Partials) -> Partials:
         """Element-wise combination of two partials of the same shape."""
         return Partials(
@@ -196,8 +214,7 @@ class Partials:
 
     def column(self, layer: int) -> Partials:
         """One layer as a ``[rows, 1]`` partial."""
-        sl = slice(layer, layer + 1)
-        return Partials(self.vmin[:, sl], self.vmax[:, sl], self.vsum[:, sl], self.vcount[:, sl])
+        return self.columns(layer, layer + 1)
 
     def mean(self) -> F64:
         """``sum / count`` (NaN where nothing was measured; callers mask with ``vcount``)."""

@@ -12,7 +12,7 @@ from the raw points of its steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -108,7 +108,7 @@ class RollupWriter:
         Blocks above the base level are written only where they end at or before ``complete_before`` (the frontier).
         """
         base = LEVELS[0]
-        level_parts: Blocks = {}
+        contents: dict[int, tuple[I64, F32]] = {}
         for nid, (steps, values) in matrices.items():
             if nid in replaced:
                 # Replaced values cannot be subtracted from a min or max: recompute the touched blocks from raw.
@@ -116,11 +116,15 @@ class RollupWriter:
                 lo, hi = int(touched.min()) * base, (int(touched.max()) + 1) * base - 1
                 # Behind the frontier, so some of these steps may be in chunks.
                 raw = self.points.read(conn, {"run_id": run_id, "rank": rank, "nid": nid}, lo, hi, None, n_layers)
-                keys, starts = group_starts(raw.steps // base)
-                level_parts[nid] = (keys, Partials.from_values(raw.values).reduce(starts))
+                contents[nid] = (raw.steps, raw.values)
             else:
-                keys, starts = group_starts(steps // base)
-                level_parts[nid] = (keys, Partials.from_values(values).reduce(starts))
+                contents[nid] = (steps, values)
+        level_parts: Blocks = {}
+        for nids in _alike({nid: (steps.tobytes(),) for nid, (steps, _) in contents.items()}):
+            # The metrics of a batch share its steps: their blocks are reduced in one pass, side by side.
+            keys, starts = group_starts(contents[nids[0]][0] // base)
+            values = np.hstack([contents[nid][1] for nid in nids]) if len(nids) > 1 else contents[nids[0]][1]
+            level_parts |= _split(nids, keys, Partials.from_values(values).reduce(starts), n_layers)
         self.upsert(conn, run_id, rank, base, level_parts)
         below = base
         for level in LEVELS[1:]:
@@ -142,7 +146,9 @@ class RollupWriter:
         complete_before: int,
     ) -> Blocks:
         """The complete blocks of ``level`` (ending at or before ``complete_before``) above the ``children`` just
-        computed (of level ``below``): each combined from its children, or from raw where one is not stored."""
+        computed (of level ``below``): each combined from its children, or from raw where one is not stored. Metrics
+        whose blocks line up (the same parents wanted, the same children stored and computed: a batch's metrics share
+        its steps) are combined side by side, in one pass."""
         factor = level // below
         wanted = {nid: np.unique(keys // factor) for nid, (keys, _) in children.items()}
         wanted = {nid: p[(p + 1) * level <= complete_before] for nid, p in wanted.items()}
@@ -152,38 +158,66 @@ class RollupWriter:
         lo_b = min(int(p[0]) for p in wanted.values()) * factor
         hi_b = (max(int(p[-1]) for p in wanted.values()) + 1) * factor - 1
         stored = self.read(conn, run_id, rank, list(wanted), below, lo_b, hi_b, n_layers)
+        none = (np.zeros(0, dtype=np.int64), Partials.empty(0, n_layers))
+        olds = {nid: stored.get(nid, none) for nid in wanted}
         out: Blocks = {}
-        for nid, parents in wanted.items():
-            old_keys, old = stored.get(nid, (np.zeros(0, dtype=np.int64), Partials.empty(0, n_layers)))
-            new_keys, new = children[nid]
-            # This pass's children win over what is stored (the same blocks, or a partial one now complete).
-            keep = np.flatnonzero(~np.isin(old_keys, new_keys))
-            keys = np.concatenate([old_keys[keep], new_keys])
-            order = np.argsort(keys, kind="stable")
-            part = Partials.concat([old.take(keep), new]).take(order)
-            keys = keys[order]
-            mine = np.flatnonzero(np.isin(keys // factor, parents))
-            found, starts = group_starts(keys[mine] // factor)
-            combined = part.take(mine).reduce(starts) if found.size else Partials.empty(0, n_layers)
-            full = np.diff(np.append(starts, mine.size)) == factor
-            short = parents[~np.isin(parents, found[full])]
-            if not short.size:
-                out[nid] = (found, combined)
-                continue
-            # A child not stored (too few samples, or no steps at all): the parents short of children from raw.
-            key = {"run_id": run_id, "rank": rank, "nid": nid}
-            steps, values = self.step_partials(
-                conn, key, int(short[0]) * level, (int(short[-1]) + 1) * level - 1, n_layers
-            )
+        shapes = {nid: (p.tobytes(), olds[nid][0].tobytes(), children[nid][0].tobytes()) for nid, p in wanted.items()}
+        for nids in _alike(shapes):
+            out |= self._combine(conn, run_id, rank, nids, wanted[nids[0]], olds, children, factor, level, n_layers)
+        return out
+
+    def _combine(
+        self,
+        conn: Connection,
+        run_id: int,
+        rank: int,
+        nids: list[int],
+        parents: I64,
+        olds: Blocks,
+        children: Blocks,
+        factor: int,
+        level: int,
+        n_layers: int,
+    ) -> Blocks:
+        """The ``parents`` of ``nids``, whose stored and computed children line up, combined side by side."""
+        old_keys, old = olds[nids[0]][0], Partials.side_by_side([olds[nid][1] for nid in nids])
+        new_keys, new = children[nids[0]][0], Partials.side_by_side([children[nid][1] for nid in nids])
+        # This pass's children win over what is stored (the same blocks, or a partial one now complete).
+        keep = np.flatnonzero(~np.isin(old_keys, new_keys))
+        keys = np.concatenate([old_keys[keep], new_keys])
+        order = np.argsort(keys, kind="stable")
+        part = Partials.concat([old.take(keep), new]).take(order)
+        keys = keys[order]
+        mine = np.flatnonzero(np.isin(keys // factor, parents))
+        found, starts = group_starts(keys[mine] // factor)
+        width = n_layers * len(nids)
+        combined = part.take(mine).reduce(starts) if found.size else Partials.empty(0, width)
+        full = np.diff(np.append(starts, mine.size)) == factor
+        short = parents[~np.isin(parents, found[full])]
+        if not short.size:
+            return _split(nids, found, combined, n_layers)
+        # A child not stored (too few samples, or no steps at all): the parents short of children from raw.
+        lo, hi = int(short[0]) * level, (int(short[-1]) + 1) * level - 1
+        key = {"run_id": run_id, "rank": rank}
+        raws = [self.step_partials(conn, key | {"nid": nid}, lo, hi, n_layers) for nid in nids]
+        kept = np.flatnonzero(full)
+
+        def with_raw(steps: I64, values: Partials, done: Partials) -> tuple[I64, Partials]:
             take = np.flatnonzero(np.isin(steps // level, short))
             raw_keys, raw_starts = group_starts(steps[take] // level)
-            from_raw = values.take(take).reduce(raw_starts) if raw_keys.size else None
-            kept = np.flatnonzero(full)
+            parts = [done.take(kept)] + ([values.take(take).reduce(raw_starts)] if raw_keys.size else [])
             keys = np.concatenate([found[kept], raw_keys])
             order = np.argsort(keys, kind="stable")
-            parts = [combined.take(kept)] + ([] if from_raw is None else [from_raw])
-            out[nid] = (keys[order], Partials.concat(parts).take(order))
-        return out
+            return keys[order], Partials.concat(parts).take(order)
+
+        steps = raws[0][0]
+        if all(np.array_equal(other, steps) for other, _ in raws[1:]):
+            return _split(nids, *with_raw(steps, Partials.side_by_side([raw for _, raw in raws]), combined), n_layers)
+        # Their raw steps differ (a metric not measured at every step): one metric at a time.
+        return {
+            nid: with_raw(raw_steps, raw, combined.columns(i * n_layers, (i + 1) * n_layers))
+            for i, (nid, (raw_steps, raw)) in enumerate(zip(nids, raws, strict=True))
+        }
 
     def upsert(self, conn: Connection, run_id: int, rank: int, level: int, parts: Blocks) -> None:
         """Write the blocks of ``parts`` that hold enough samples to be stored (see :data:`MIN_BLOCK_SAMPLES`)."""
@@ -202,6 +236,7 @@ class RollupWriter:
         rows = [
             {"run_id": run_id, "rank": rank, "name_id": nid, "level": level, "bucket": int(keys[i]), "stats": blob}
             for nid, (keys, part, which) in parts.items()
+            if which.size  # most levels of sparse samples store no block (encoding none still cost ~30 µs)
             for i, blob in zip(which.tolist(), encode_blocks(part, which.tolist()), strict=True)
         ]
         if rows:
@@ -244,3 +279,16 @@ class RollupWriter:
             have = stored.get(nid, (np.zeros(0, dtype=np.int64), None))[0]
             missing[nid] = (keys, Partials.from_values(raw.values).reduce(starts), np.flatnonzero(~np.isin(keys, have)))
         self._write(conn, run_id, rank, base, missing)
+
+
+def _alike(shapes: Mapping[int, tuple[bytes, ...]]) -> list[list[int]]:
+    """Name ids grouped by equal shape (whatever the caller keys them by), in first-seen order."""
+    groups: dict[tuple[bytes, ...], list[int]] = {}
+    for nid, shape in shapes.items():
+        groups.setdefault(shape, []).append(nid)
+    return list(groups.values())
+
+
+def _split(nids: list[int], keys: I64, part: Partials, n_layers: int) -> Blocks:
+    """Blocks of ``nids`` whose partials lie side by side in ``part``, each ``n_layers`` wide."""
+    return {nid: (keys, part.columns(i * n_layers, (i + 1) * n_layers)) for i, nid in enumerate(nids)}

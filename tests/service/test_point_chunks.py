@@ -140,19 +140,19 @@ def _counts(store: Store, run: str) -> tuple[int, int]:
     return int(chunks), int(raw)
 
 
-def _assert_export(store: Store, run: str, ref: Reference) -> None:
-    """The CSV export holds every measured (step, layer) value exactly once, with its exact value."""
+def _assert_export(store: Store, run: str, *refs: Reference) -> None:
+    """The CSV export holds every measured (metric, step, layer) value exactly once, with its exact value."""
     text = b"".join(store.export_csv(run)).decode()
     lines = text.splitlines()[1:]
     got = {}
     for line in lines:
         _rank, step, _, kind, name, layer, value = line.split(",")
         assert kind == "metric"
-        assert name == "m"
-        assert (int(step), layer) not in got
-        got[(int(step), layer)] = np.float32(float(value))
+        assert (name, int(step), layer) not in got
+        got[(name, int(step), layer)] = np.float32(float(value))
     want = {
-        (s, name): np.float32(v[i])
+        (ref.metric, s, name): np.float32(v[i])
+        for ref in refs
         for s, v in ref.values.items()
         for i, name in enumerate(LAYERS)
         if not np.isnan(v[i])
@@ -169,14 +169,15 @@ def _assert_export(store: Store, run: str, ref: Reference) -> None:
 @given(shapes=batches)
 def test_reads_across_chunks_and_raw_rows_are_exact(store: Store, shapes: list[Any]) -> None:
     run = f"chunks-{uuid.uuid4().hex[:8]}"
-    ref = ingest_shapes(store, run, shapes)
+    ref, partner = ingest_shapes(store, run, shapes)
     store.compact_rollups(run)  # the frontier passes the last step: every metric's rows are folded or late-merged
-    _assert_exact(store, run, ref)
-    _assert_export(store, run, ref)
+    _assert_exact(store, run, ref, partner)
+    _assert_export(store, run, ref, partner)
     chunks, raw = _counts(store, run)
     if len(ref.values) >= folding.CHUNK_ROWS:
         assert chunks > 0
-        assert raw < folding.CHUNK_ROWS  # what is left raw waits to fill a chunk
+        # What is left raw of each metric waits to fill a chunk.
+        assert raw < folding.CHUNK_ROWS * len([r for r in (ref, partner) if r.values])
     heat = store.heatmap(run, "m", 0, None, None, 100_000, None, "max")
     assert heat["bucket_steps"] == 1
     for step, column in zip(heat["steps"], zip(*heat["values"], strict=True), strict=True):

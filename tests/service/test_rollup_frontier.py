@@ -34,10 +34,12 @@ LAYERS = ["a", "b", "c", "d"]
 
 @dataclass
 class Reference:
-    """What the store must answer: step → float32 values per layer (NaN where never measured), layers sent."""
+    """What the store must answer for ``metric``: step → float32 values per layer (NaN where never measured), layers
+    sent."""
 
     values: dict[int, np.ndarray] = field(default_factory=dict)
     layers: set[str] = field(default_factory=set)
+    metric: str = "m"
 
 
 @pytest.fixture
@@ -47,23 +49,34 @@ def store(database_url: str) -> Iterator[Store]:
     engine.dispose()
 
 
-def _ingest(store: Store, run: str, steps: list[int], values: np.ndarray, layers: list[str], ref: Reference) -> None:
-    doc = batch_doc(run, layers, steps, {"m": values})
+def _ingest(
+    store: Store,
+    run: str,
+    steps: list[int],
+    values: np.ndarray,
+    layers: list[str],
+    ref: Reference,
+    also: tuple[np.ndarray, Reference] | None = None,
+) -> None:
+    """Send ``values`` of ``ref.metric`` (and ``also``: a second metric's values, in the same batch) and record them."""
+    sent = [(values, ref)] + ([also] if also is not None else [])
+    doc = batch_doc(run, layers, steps, {r.metric: v for v, r in sent})
     assert not store.ingest(decode_json(json.dumps(doc).encode())).duplicate
     assert store.wait_for_folds(60)  # what the batch's compaction queued for the background folder is folded
     cols = [LAYERS.index(n) for n in layers]
-    ref.layers.update(layers)
-    for step, row in zip(steps, values, strict=True):
-        old = ref.values.get(step, np.full(len(LAYERS), np.nan, dtype=np.float32))
-        new = old.copy()
-        new[cols] = np.where(np.isnan(row), old[cols], row)  # last write wins per measured (layer, step)
-        ref.values[step] = new
+    for metric_values, metric_ref in sent:
+        metric_ref.layers.update(layers)
+        for step, row in zip(steps, metric_values, strict=True):
+            old = metric_ref.values.get(step, np.full(len(LAYERS), np.nan, dtype=np.float32))
+            new = old.copy()
+            new[cols] = np.where(np.isnan(row), old[cols], row)  # last write wins per measured (layer, step)
+            metric_ref.values[step] = new
 
 
-def _expected(ref: Reference, layer: int, max_points: int) -> dict[str, Any]:
-    """The series answer computed from the reference alone (start and end open: the rank's whole range)."""
+def _expected(ref: Reference, layer: int, max_points: int, lo: int, hi: int) -> dict[str, Any]:
+    """The series answer computed from the reference alone (start and end open: the rank's whole range, ``lo`` to
+    ``hi``, whatever metric its steps measured)."""
     steps = np.array(sorted(ref.values), dtype=np.int64)
-    lo, hi = int(steps[0]), int(steps[-1])
     width = 1 if steps.size <= max_points else choose_width(lo, hi, max_points)
     buckets: dict[int, list[float]] = {}
     for s in steps.tolist():
@@ -80,13 +93,20 @@ def _expected(ref: Reference, layer: int, max_points: int) -> dict[str, Any]:
     }
 
 
-def _assert_exact(store: Store, run: str, ref: Reference) -> None:
+def _assert_exact(store: Store, run: str, *refs: Reference) -> None:
+    """Every read of every layer of the metrics of ``refs`` (all that ``run`` holds) answers what they say."""
+    steps = [step for ref in refs for step in ref.values]
+    for ref in refs:
+        _assert_metric_exact(store, run, ref, min(steps), max(steps))
+
+
+def _assert_metric_exact(store: Store, run: str, ref: Reference, lo: int, hi: int) -> None:
     for layer, name in enumerate(LAYERS):
         if name not in ref.layers:
             continue
         for max_points in (1, 3, 12, 40, 100_000):  # bucket widths of 1024, 256, 64, 16 (for ~700 steps), 1
-            got = store.series(run, "m", name, 0, None, None, max_points)
-            want = _expected(ref, layer, max_points)
+            got = store.series(run, ref.metric, name, 0, None, None, max_points)
+            want = _expected(ref, layer, max_points, lo, hi)
             assert np.asarray(got["steps"]).tolist() == want["steps"], (name, max_points)
             assert got["bucket_steps"] == want["bucket_steps"]
             assert np.float32(got["min"]).tolist() == np.float32(want["min"]).tolist()
@@ -99,17 +119,20 @@ def _frontier(store: Store, run: str) -> int:
         return int(session.scalars(select(RunRank.compacted_step).where(RunRank.run_id == store.run_id(run))).one())
 
 
-def ingest_shapes(store: Store, run: str, shapes: list[Any]) -> Reference:
-    """Ingest one batch per (steps, layers, seed) of ``shapes`` (random values, a fifth not measured), checking every
-    read after each; what the store must hold."""
-    ref = Reference()
+def ingest_shapes(store: Store, run: str, shapes: list[Any]) -> tuple[Reference, Reference]:
+    """Ingest one batch per (steps, layers, seed) of ``shapes`` (random values, a fifth not measured) of metric "m",
+    and in about half of them metric "n" too (so the two share some blocks, and not every step: rollups are built
+    for several metrics side by side where their steps line up, one at a time where they do not), checking every
+    read after each; what the store must hold of each."""
+    ref, partner = Reference(), Reference(metric="n")
     for steps, layers, seed in shapes:
         rng = np.random.default_rng(seed)
-        values = rng.standard_normal((len(steps), len(layers))).astype(np.float32)
+        values = rng.standard_normal((2, len(steps), len(layers))).astype(np.float32)
         values[rng.random(values.shape) < 0.2] = np.nan  # not measured in this batch
-        _ingest(store, run, sorted(steps), values, layers, ref)
-        _assert_exact(store, run, ref)
-    return ref
+        also = (values[1], partner) if rng.random() < 0.5 else None
+        _ingest(store, run, sorted(steps), values[0], layers, ref, also)
+        _assert_exact(store, run, ref, partner)
+    return ref, partner
 
 
 batches = st.lists(
@@ -133,14 +156,14 @@ batches = st.lists(
 @given(shapes=batches)
 def test_reads_across_the_raw_tail_and_finished_blocks_are_exact(store: Store, shapes: list[Any]) -> None:
     run = f"prop-{uuid.uuid4().hex[:8]}"
-    ref = ingest_shapes(store, run, shapes)
+    ref, partner = ingest_shapes(store, run, shapes)
     # Built up to an edge at or before the newest step's block: its own (dense batches), or the last COMPACT_STEPS one.
     newest = max(ref.values)
     assert newest // COMPACT_STEPS * COMPACT_STEPS <= _frontier(store, run) <= newest // 64 * 64
     assert _frontier(store, run) % 64 == 0
     store.compact_rollups(run)
     assert _frontier(store, run) == max(ref.values) + 1
-    _assert_exact(store, run, ref)
+    _assert_exact(store, run, ref, partner)
 
 
 CRASHING_INGEST = textwrap.dedent(
