@@ -75,7 +75,7 @@ RUN_LOCK_TAG = 1 << 40
 RANK_LOCK_SPAN = 1 << 20
 
 # The statements every batch runs, built once and run as driver SQL compiled once (DriverStatement): building,
-# cache-keying and executing a Core statement costs about twice what the driver spends on its SQL.
+# cache-keying and executing a Core statement costs SQLAlchemy more than the driver spends on its SQL.
 # A run's row with its rank's frontier and newest step (NULL: a rank with nothing stored yet), in one statement: on
 # SQLite by name (the transaction holds the write lock from its start), on PostgreSQL by id under the rank's lock.
 _OF_RANK = and_(RunRank.run_id == Run.id, RunRank.rank == bindparam("rank"))
