@@ -2,7 +2,8 @@
 
 Builds the collector with ``create_app`` on ``--database-url`` (a fresh database), then stores ``--batches``
 batches of ``--steps`` steps (every 25th) × 512 layers × 8 metrics in bench/ingest.py's binary encoding (healthy
-values, 8 ranks in turn, the shipped rules), after 16 warm-up batches. Prints wall and CPU time per batch, the SQL
+values, 8 ranks in turn, the shipped rules), after 16 warm-up batches; with ``--scalars`` each step also carries the
+catalogue's per-run scalars, as the agent's sampled steps carry theirs. Prints wall and CPU time per batch, the SQL
 statements per batch and their time by kind (SQLAlchemy cursor events), and with ``--profile`` the cProfile listing
 by cumulative time.
 
@@ -19,10 +20,12 @@ import re
 import time
 from typing import Any
 
+import msgpack
 from _common import METRICS
 from ingest import HEALTHY_SCALE, SAMPLE_EVERY, encode_batch, workload_values
 from sqlalchemy import event
 
+from quantwatch.protocol import SCALARS
 from quantwatch.service import Settings, create_app
 from quantwatch.service.batch import decode_msgpack
 
@@ -35,6 +38,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="run under cProfile and print the top 45 entries")
+    parser.add_argument("--scalars", action="store_true", help="every step carries the catalogue's scalars")
     args = parser.parse_args()
     app = create_app(Settings(database_url=args.database_url))
     store, observers = app.state.store, list(app.state.ingest_observers)
@@ -57,7 +61,10 @@ def main() -> None:
     for i in range(args.batches + 16):
         rank, first = i % RANKS, i // RANKS * args.steps * SAMPLE_EVERY
         steps = range(first, first + args.steps * SAMPLE_EVERY, SAMPLE_EVERY)
-        bodies.append(encode_batch("prof", rank, steps, METRICS, values[rank]))
+        body = encode_batch("prof", rank, steps, METRICS, values[rank])
+        if args.scalars:
+            body = with_scalars(body)
+        bodies.append(body)
     for body in bodies[:16]:
         store.ingest(decode_msgpack(body), observers)
     counts.clear()
@@ -77,6 +84,14 @@ def main() -> None:
         print(f"  {count / n:6.2f} statements {seconds[kind] / n * 1e3:8.3f} ms  {kind}")
     if profile is not None:
         pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
+
+
+def with_scalars(body: bytes) -> bytes:
+    """``body`` with every step carrying each of the catalogue's scalars."""
+    doc = msgpack.unpackb(body)
+    for step in doc["steps"]:
+        step["scalars"] = {name: 1.0 + i + step["step"] / 1e6 for i, name in enumerate(SCALARS)}
+    return bytes(msgpack.packb(doc, use_bin_type=True))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ cache.RuleCache`), the tokens of the rank's series-state rows (the states this p
 they are unchanged), how many format changes the run has recorded (:class:`~quantwatch.service.alerts.formats.
 LayerFormatRecorder`) and the run's firing tokens (:class:`~quantwatch.service.alerts.firing.FiringLists`). Four
 statements were a fifth of a one-step batch's statements; one ``UNION ALL`` reads them all, after the rank's lock
-(a token read before it could be overtaken by another replica's write).
+(a token read before it could be overtaken by another replica's write), as driver SQL compiled once
+(:class:`~quantwatch.service.core.driver_sql.DriverStatement`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sqlalchemy import cast as sql_cast
 from sqlalchemy.orm import Session
 
 from quantwatch.service.alerts.tables import FiringTokenRow, LayerFormatRow, RuleRow, SeriesStatesRow
+from quantwatch.service.core.driver_sql import DriverStatement
 
 __all__ = ["BatchHead", "read_batch_head"]
 
@@ -50,8 +52,8 @@ _FORMAT_COUNT: Select[*tuple[Any, ...]] = (
     .select_from(_FORMATS)
     .where(_FORMATS.c.run_id == bindparam("run_id"))
 )
-_WITH_FORMATS = union_all(_RULE_ROWS, _FIRING_ROWS, _FORMAT_COUNT)
-_WITHOUT_FORMATS = union_all(_RULE_ROWS, _FIRING_ROWS)
+_WITH_FORMATS = DriverStatement(union_all(_RULE_ROWS, _FIRING_ROWS, _FORMAT_COUNT))
+_WITHOUT_FORMATS = DriverStatement(union_all(_RULE_ROWS, _FIRING_ROWS))
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def read_batch_head(session: Session, run: str, rank: int, run_id: int | None) -
     params: dict[str, object] = {"run": run, "rank": rank}
     if run_id is not None:
         params["run_id"] = run_id
-    rows = session.connection().execute(statement, params).all()
+    rows = statement.execute(session.connection(), params).all()
     rules: list[tuple[int, int]] = []
     tokens: dict[int, int] = {}
     firing: list[tuple[int, int]] = []

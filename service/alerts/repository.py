@@ -44,6 +44,7 @@ from quantwatch.service.alerts.tables import (
     RuleRow,
     SeriesStatesRow,
 )
+from quantwatch.service.core.driver_sql import DriverStatement
 from quantwatch.service.models import Run
 
 __all__ = [
@@ -122,7 +123,12 @@ def conflict_statements(table: Table, keys: Sequence[str], updated: Sequence[str
     return statements
 
 
-_STATE_UPSERTS = conflict_statements(_STATES, ("rule_id", "run", "rank"), ("token", "series"))
+# Every batch that advances a sample writes its rank's rows: driver SQL compiled once (see DriverStatement).
+_STATE_FIELDS = ("rule_id", "run", "rank", "token", "series")
+_STATE_UPSERTS = {
+    dialect: DriverStatement(statement, _STATE_FIELDS)
+    for dialect, statement in conflict_statements(_STATES, ("rule_id", "run", "rank"), ("token", "series")).items()
+}
 
 
 def draw_token() -> int:
@@ -215,7 +221,7 @@ def upsert_series_states(
     ]
     if values:
         conn = session.connection()
-        conn.execute(_STATE_UPSERTS[conn.dialect.name], values)
+        _STATE_UPSERTS[conn.dialect.name].execute(conn, values)
     return written
 
 

@@ -17,11 +17,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import BigInteger, Connection, Engine, and_, bindparam, cast, delete, func, select, text, update
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Engine,
+    and_,
+    bindparam,
+    cast,
+    delete,
+    func,
+    literal_column,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.batch import IngestBatch, IngestObserver, StoredRun
+from quantwatch.service.core.driver_sql import DriverStatement
 from quantwatch.service.models import (
     Batch,
     EstimatedPoint,
@@ -60,14 +74,19 @@ class _Stored:
 RUN_LOCK_TAG = 1 << 40
 RANK_LOCK_SPAN = 1 << 20
 
-# The statements every batch runs, built once: building and cache-keying a statement costs ~5× executing it.
+# The statements every batch runs, built once and run as driver SQL compiled once (DriverStatement): building,
+# cache-keying and executing a Core statement costs SQLAlchemy more than the driver spends on its SQL.
 # A run's row with its rank's frontier and newest step (NULL: a rank with nothing stored yet), in one statement: on
 # SQLite by name (the transaction holds the write lock from its start), on PostgreSQL by id under the rank's lock.
 _OF_RANK = and_(RunRank.run_id == Run.id, RunRank.rank == bindparam("rank"))
 _MARKS = (Run.layer_count, RunRank.compacted_step, RunRank.last_step)
-_RUN = select(Run.id, *_MARKS).outerjoin(RunRank, _OF_RANK).where(Run.name == bindparam("name"))
+_RUN = DriverStatement(select(Run.id, *_MARKS).outerjoin(RunRank, _OF_RANK).where(Run.name == bindparam("name")))
 _LOCKED_MARKS = select(*_MARKS).outerjoin(RunRank, _OF_RANK).where(Run.id == bindparam("run_id"))
+_BATCH_FIELDS = ("run_id", "batch_id", "rank", "received_at", "points")
 _RANK_FIELDS = ("run_id", "rank", "first_step", "last_step", "last_seen_at", "points")
+_POINT_FIELDS = ("run_id", "rank", "step", "name_id", "time", "vals")
+_SCALAR_FIELDS = ("run_id", "rank", "name_id", "step", "time", "value")
+_ESTIMATED_FIELDS = ("run_id", "rank", "name_id", "step")
 _STORED_STEPS = select(Point.step, Point.name_id).where(
     Point.run_id == bindparam("run_id"),
     Point.rank == bindparam("rank"),
@@ -88,15 +107,18 @@ class BatchWriter:
         batch_row = self._insert(Batch).on_conflict_do_nothing()
         # On PostgreSQL the statement that inserts the batch's row also takes its rank's write lock (a RETURNING
         # expression runs only for a row inserted: a duplicate takes no lock), one round trip per batch fewer.
-        self._batch_insert = (
+        self._batch_insert = DriverStatement(
             batch_row.returning(Batch.batch_id, func.pg_advisory_xact_lock(bindparam("rank_key", type_=BigInteger)))
             if self.pg
-            else batch_row.returning(Batch.batch_id)
+            else batch_row.returning(Batch.batch_id),
+            _BATCH_FIELDS,
         )
         # On PostgreSQL the run's id is looked up by name inside that statement (the lock's key computed from it as
         # rank_key does), so a batch of a known run needs no statement of its own to find its run first: the marks
         # that lookup read are read again under the lock anyway.
-        self._batch_insert_by_name = (
+        # The lock key's span is written into the SQL (a value bound into a statement is not a DriverStatement's).
+        span = literal_column(str(RANK_LOCK_SPAN), BigInteger)
+        self._batch_insert_by_name = DriverStatement(
             postgresql.insert(Batch)
             .from_select(
                 ["run_id", "batch_id", "rank", "received_at", "points"],
@@ -112,14 +134,17 @@ class BatchWriter:
             .returning(
                 Batch.run_id,
                 func.pg_advisory_xact_lock(
-                    cast(Batch.run_id, BigInteger) * RANK_LOCK_SPAN + bindparam("rank_part", type_=BigInteger)
+                    cast(Batch.run_id, BigInteger) * span + bindparam("rank_part", type_=BigInteger)
                 ),
             )
         )
         point = self._insert(Point)
-        self._point_upsert = point.on_conflict_do_update(
-            index_elements=["run_id", "rank", "step", "name_id"],
-            set_={"vals": point.excluded.vals, "time": point.excluded.time},
+        self._point_upsert = DriverStatement(
+            point.on_conflict_do_update(
+                index_elements=["run_id", "rank", "step", "name_id"],
+                set_={"vals": point.excluded.vals, "time": point.excluded.time},
+            ),
+            _POINT_FIELDS,
         )
         rank = self._insert(RunRank)
         least, greatest = (func.least, func.greatest) if self.pg else (func.min, func.max)
@@ -131,13 +156,28 @@ class BatchWriter:
             "last_seen_at": rank.excluded.last_seen_at,
             "points": table.c.points + rank.excluded.points,
         }
-        self._rank_upsert = rank.on_conflict_do_update(index_elements=["run_id", "rank"], set_=rank_set)
+        self._rank_upsert = DriverStatement(
+            rank.on_conflict_do_update(index_elements=["run_id", "rank"], set_=rank_set), _RANK_FIELDS
+        )
         # On PostgreSQL, once the batch holds its rank's lock, one statement reads the run's layer count and the
         # rank's marks as they were before the batch and upserts the rank's row for it: the upsert runs in a CTE of
         # the read, and both see the statement's snapshot, taken after the lock.
         ranked = rank.values({name: bindparam(name) for name in _RANK_FIELDS})
-        self._marks_and_rank = select(_LOCKED_MARKS.cte("marks")).add_cte(
-            ranked.on_conflict_do_update(index_elements=["run_id", "rank"], set_=rank_set).cte("rank_row")
+        self._marks_and_rank = DriverStatement(
+            select(_LOCKED_MARKS.cte("marks")).add_cte(
+                ranked.on_conflict_do_update(index_elements=["run_id", "rank"], set_=rank_set).cte("rank_row")
+            )
+        )
+        scalar = self._insert(ScalarPoint)
+        self._scalar_upsert = DriverStatement(
+            scalar.on_conflict_do_update(
+                index_elements=["run_id", "rank", "name_id", "step"],
+                set_={"value": scalar.excluded.value, "time": scalar.excluded.time},
+            ),
+            _SCALAR_FIELDS,
+        )
+        self._estimated_insert = DriverStatement(
+            self._insert(EstimatedPoint).on_conflict_do_nothing(), _ESTIMATED_FIELDS
         )
         self._names: dict[str, int] = {}
         self._runs: dict[int, RunCache] = {}
@@ -194,7 +234,7 @@ class BatchWriter:
         found = None
         if self.pg:
             by_name = {**row, "name": batch.run, "rank_part": self._rank_part(batch.rank)}
-            found = conn.execute(self._batch_insert_by_name, by_name).first()
+            found = self._batch_insert_by_name.execute(conn, by_name).first()
         if found is not None:
             run_id = int(found[0])
         else:
@@ -203,13 +243,13 @@ class BatchWriter:
             row["run_id"] = run_id
             if self.pg:
                 row["rank_key"] = self.rank_key(run_id, batch.rank)
-            if conn.execute(self._batch_insert, row).first() is None:
+            if self._batch_insert.execute(conn, row).first() is None:
                 return None
         if self.pg:
             # Holding the rank lock now, read the layer count and the marks again, in a statement of their own (its
             # snapshot is taken after the lock): a transaction of this rank that committed while we waited may have
             # widened the run, and its rollup blobs with it. The same statement upserts the rank's row for the batch.
-            marks = tuple(conn.execute(self._marks_and_rank, self._rank_row(run_id, batch, now)).one())
+            marks = tuple(self._marks_and_rank.execute(conn, self._rank_row(run_id, batch, now)).one())
         layer_count = int(marks[0])
         frontier, last_step = (0, -1) if marks[1] is None else (int(marks[1]), int(marks[2]))
         cache = self._run_cache(conn, run_id, layer_count)
@@ -222,7 +262,7 @@ class BatchWriter:
         self._write_estimated(conn, run_id, batch, name_ids)
         write_actions(conn, self._insert, run_id, batch, now)
         if not self.pg:
-            conn.execute(self._rank_upsert, self._rank_row(run_id, batch, now))
+            self._rank_upsert.execute(conn, self._rank_row(run_id, batch, now))
         run_row = StoredRun(run_id, batch.run)
         for observer in observers:
             observer.on_batch(session, run_row, batch)
@@ -276,10 +316,10 @@ class BatchWriter:
 
     def _ensure_run(self, conn: Connection, name: str, rank: int, now: float) -> tuple[int, Sequence[Any]]:
         """The run's id (created when new) and its layer count and rank's marks (see ``_RUN``)."""
-        row = conn.execute(_RUN, {"name": name, "rank": rank}).first()
+        row = _RUN.execute(conn, {"name": name, "rank": rank}).first()
         if row is None:
             conn.execute(self._insert(Run).values(name=name, created_at=now, layer_count=0).on_conflict_do_nothing())
-            row = conn.execute(_RUN, {"name": name, "rank": rank}).one()
+            row = _RUN.execute(conn, {"name": name, "rank": rank}).one()
         return int(row[0]), tuple(row[1:])
 
     def _run_cache(self, conn: Connection, run_id: int, layer_count: int) -> RunCache:
@@ -409,7 +449,7 @@ class BatchWriter:
                 }
                 for i in range(len(entries))
             )
-        conn.execute(self._point_upsert, rows)
+        self._point_upsert.execute(conn, rows)
         # Steps at or past the frontier wait for the compactor; a step behind it (late, or re-sent) lands in a
         # complete block, which is recomputed from the raw points just written (a min or max cannot be subtracted).
         late = {nid: (s[s < frontier], v[s < frontier]) for nid, (s, v) in matrices.items() if int(s[0]) < frontier}
@@ -430,14 +470,7 @@ class BatchWriter:
             for name, value in st.scalars.items()
         ]
         if rows:
-            stmt = self._insert(ScalarPoint)
-            conn.execute(
-                stmt.on_conflict_do_update(
-                    index_elements=["run_id", "rank", "name_id", "step"],
-                    set_={"value": stmt.excluded.value, "time": stmt.excluded.time},
-                ),
-                rows,
-            )
+            self._scalar_upsert.execute(conn, rows)
 
     def _write_estimated(self, conn: Connection, run_id: int, batch: IngestBatch, name_ids: dict[str, int]) -> None:
         # A step re-sent as exact keeps its mark: the agent re-sends a step only as it was (a retry).
@@ -447,7 +480,7 @@ class BatchWriter:
             for name in sorted(st.estimated)
         ]
         if rows:
-            conn.execute(self._insert(EstimatedPoint).on_conflict_do_nothing(), rows)
+            self._estimated_insert.execute(conn, rows)
 
     @staticmethod
     def _rank_row(run_id: int, batch: IngestBatch, now: float) -> dict[str, Any]:
