@@ -138,14 +138,7 @@ class BatchWriter:
                 ),
             )
         )
-        point = self._insert(Point)
-        self._point_upsert = DriverStatement(
-            point.on_conflict_do_update(
-                index_elements=["run_id", "rank", "step", "name_id"],
-                set_={"vals": point.excluded.vals, "time": point.excluded.time},
-            ),
-            _POINT_FIELDS,
-        )
+        self._point_upsert = self._replacing(Point, _POINT_FIELDS, ("vals", "time"))
         rank = self._insert(RunRank)
         least, greatest = (func.least, func.greatest) if self.pg else (func.min, func.max)
         table = RunRank.__table__
@@ -168,14 +161,7 @@ class BatchWriter:
                 ranked.on_conflict_do_update(index_elements=["run_id", "rank"], set_=rank_set).cte("rank_row")
             )
         )
-        scalar = self._insert(ScalarPoint)
-        self._scalar_upsert = DriverStatement(
-            scalar.on_conflict_do_update(
-                index_elements=["run_id", "rank", "name_id", "step"],
-                set_={"value": scalar.excluded.value, "time": scalar.excluded.time},
-            ),
-            _SCALAR_FIELDS,
-        )
+        self._scalar_upsert = self._replacing(ScalarPoint, _SCALAR_FIELDS, ("value", "time"))
         self._estimated_insert = DriverStatement(
             self._insert(EstimatedPoint).on_conflict_do_nothing(), _ESTIMATED_FIELDS
         )
@@ -186,6 +172,15 @@ class BatchWriter:
         # side, each under its rank's advisory lock).
         self._group = None if self.pg else GroupCommit(factory)
         self._compactor = Compactor(factory, self._rollups, self.pg, self._group, fold=fold_chunks)
+
+    def _replacing(self, model: type[Any], fields: Sequence[str], replaced: Sequence[str]) -> DriverStatement:
+        """The insert of a row of ``model`` with ``fields`` that replaces the ``replaced`` ones of the row already
+        stored under the same key (the other fields): last write wins."""
+        insert = self._insert(model)
+        key = [field for field in fields if field not in replaced]
+        return DriverStatement(
+            insert.on_conflict_do_update(index_elements=key, set_={c: insert.excluded[c] for c in replaced}), fields
+        )
 
     def ingest(self, batch: IngestBatch, observers: Sequence[IngestObserver] = ()) -> IngestResult:
         """Store ``batch`` atomically, or recognise it as a duplicate; run the observers (see IngestObserver)."""
