@@ -25,8 +25,9 @@ from sqlalchemy import Table, bindparam, select
 from sqlalchemy.orm import Session
 
 from quantwatch.protocol import FIRING_EPISODE_KEYS
-from quantwatch.service.alerts.repository import conflict_statements, draw_token
+from quantwatch.service.alerts.repository import draw_token
 from quantwatch.service.alerts.tables import EpisodeRow, FiringTokenRow
+from quantwatch.service.core.driver_sql import conflict_statements
 
 __all__ = [
     "NO_FIRING",

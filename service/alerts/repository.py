@@ -44,7 +44,7 @@ from quantwatch.service.alerts.tables import (
     RuleRow,
     SeriesStatesRow,
 )
-from quantwatch.service.core.driver_sql import DriverStatement
+from quantwatch.service.core.driver_sql import conflict_statements, driver_upserts
 from quantwatch.service.models import Run
 
 __all__ = [
@@ -52,7 +52,6 @@ __all__ = [
     "cancel_delivery",
     "claim_deliveries",
     "clear_rule_state",
-    "conflict_statements",
     "decode_row",
     "decode_series",
     "disable_receiver",
@@ -107,28 +106,8 @@ def insert_ignore(session: Session, table: Any, rows: list[dict[str, Any]], keys
     conn.execute(dialect_insert(table).on_conflict_do_nothing(index_elements=list(keys)), rows)
 
 
-def conflict_statements(table: Table, keys: Sequence[str], updated: Sequence[str] = ()) -> dict[str, Any]:
-    """``INSERT … ON CONFLICT (keys)`` setting the ``updated`` columns (none: ``DO NOTHING``), by dialect name.
-
-    Built once per dialect at import: building and cache-keying the statement per batch costs more than running it.
-    """
-    statements: dict[str, Any] = {}
-    for dialect, module in (("sqlite", sqlite), ("postgresql", postgresql)):
-        statement = module.insert(table)
-        if updated:
-            excluded = {name: statement.excluded[name] for name in updated}
-            statements[dialect] = statement.on_conflict_do_update(index_elements=list(keys), set_=excluded)
-        else:
-            statements[dialect] = statement.on_conflict_do_nothing(index_elements=list(keys))
-    return statements
-
-
 # Every batch that advances a sample writes its rank's rows: driver SQL compiled once (see DriverStatement).
-_STATE_FIELDS = ("rule_id", "run", "rank", "token", "series")
-_STATE_UPSERTS = {
-    dialect: DriverStatement(statement, _STATE_FIELDS)
-    for dialect, statement in conflict_statements(_STATES, ("rule_id", "run", "rank"), ("token", "series")).items()
-}
+_STATE_UPSERTS = driver_upserts(_STATES, ("rule_id", "run", "rank"), ("token", "series"))
 
 
 def draw_token() -> int:

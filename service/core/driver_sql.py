@@ -23,13 +23,14 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, CursorResult
+from sqlalchemy import Connection, CursorResult, Table
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.selectable import ReturnsRows
 
-__all__ = ["DriverStatement"]
+__all__ = ["DriverStatement", "conflict_statements", "driver_upserts"]
 
 Row = Mapping[str, Any]
 Processor = Callable[[Any], Any]
@@ -108,3 +109,31 @@ def _refuse_what_core_alone_does(statement: ClauseElement, compiled: SQLCompiler
         ]
         if converted:
             raise ValueError(f"result columns Core would convert: {converted}")
+
+
+def conflict_statements(table: Table | type[Any], keys: Sequence[str], updated: Sequence[str] = ()) -> dict[str, Any]:
+    """``INSERT … ON CONFLICT (keys)`` into ``table`` (a table or a mapped class) setting the ``updated`` columns
+    (none: ``DO NOTHING``), by dialect name.
+
+    Built once per dialect at import: building and cache-keying the statement per batch costs more than running it.
+    """
+    statements: dict[str, Any] = {}
+    for dialect, module in (("sqlite", sqlite), ("postgresql", postgresql)):
+        statement = module.insert(table)
+        if updated:
+            excluded = {name: statement.excluded[name] for name in updated}
+            statements[dialect] = statement.on_conflict_do_update(index_elements=list(keys), set_=excluded)
+        else:
+            statements[dialect] = statement.on_conflict_do_nothing(index_elements=list(keys))
+    return statements
+
+
+def driver_upserts(
+    table: Table | type[Any], keys: Sequence[str], updated: Sequence[str] = ()
+) -> dict[str, DriverStatement]:
+    """:func:`conflict_statements` as driver SQL writing the ``keys`` and ``updated`` columns, by dialect name: the
+    upserts every batch runs (last write wins on the ``updated`` columns)."""
+    return {
+        dialect: DriverStatement(statement, (*keys, *updated))
+        for dialect, statement in conflict_statements(table, keys, updated).items()
+    }

@@ -35,7 +35,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from quantwatch.service.batch import IngestBatch, IngestObserver, StoredRun
-from quantwatch.service.core.driver_sql import DriverStatement
+from quantwatch.service.core.driver_sql import DriverStatement, driver_upserts
 from quantwatch.service.models import (
     Batch,
     EstimatedPoint,
@@ -84,9 +84,6 @@ _RUN = DriverStatement(select(Run.id, *_MARKS).outerjoin(RunRank, _OF_RANK).wher
 _LOCKED_MARKS = select(*_MARKS).outerjoin(RunRank, _OF_RANK).where(Run.id == bindparam("run_id"))
 _BATCH_FIELDS = ("run_id", "batch_id", "rank", "received_at", "points")
 _RANK_FIELDS = ("run_id", "rank", "first_step", "last_step", "last_seen_at", "points")
-_POINT_FIELDS = ("run_id", "rank", "step", "name_id", "time", "vals")
-_SCALAR_FIELDS = ("run_id", "rank", "name_id", "step", "time", "value")
-_ESTIMATED_FIELDS = ("run_id", "rank", "name_id", "step")
 _STORED_STEPS = select(Point.step, Point.name_id).where(
     Point.run_id == bindparam("run_id"),
     Point.rank == bindparam("rank"),
@@ -138,7 +135,9 @@ class BatchWriter:
                 ),
             )
         )
-        self._point_upsert = self._replacing(Point, _POINT_FIELDS, ("vals", "time"))
+        dialect = engine.dialect.name
+        step_key = ("run_id", "rank", "name_id", "step")  # one step of one series: the key of each row below
+        self._point_upsert = driver_upserts(Point, step_key, ("vals", "time"))[dialect]
         rank = self._insert(RunRank)
         least, greatest = (func.least, func.greatest) if self.pg else (func.min, func.max)
         table = RunRank.__table__
@@ -161,10 +160,8 @@ class BatchWriter:
                 ranked.on_conflict_do_update(index_elements=["run_id", "rank"], set_=rank_set).cte("rank_row")
             )
         )
-        self._scalar_upsert = self._replacing(ScalarPoint, _SCALAR_FIELDS, ("value", "time"))
-        self._estimated_insert = DriverStatement(
-            self._insert(EstimatedPoint).on_conflict_do_nothing(), _ESTIMATED_FIELDS
-        )
+        self._scalar_upsert = driver_upserts(ScalarPoint, step_key, ("value", "time"))[dialect]
+        self._estimated_insert = driver_upserts(EstimatedPoint, step_key)[dialect]
         self._names: dict[str, int] = {}
         self._runs: dict[int, RunCache] = {}
         self._lock = threading.Lock()
@@ -172,15 +169,6 @@ class BatchWriter:
         # side, each under its rank's advisory lock).
         self._group = None if self.pg else GroupCommit(factory)
         self._compactor = Compactor(factory, self._rollups, self.pg, self._group, fold=fold_chunks)
-
-    def _replacing(self, model: type[Any], fields: Sequence[str], replaced: Sequence[str]) -> DriverStatement:
-        """The insert of a row of ``model`` with ``fields`` that replaces the ``replaced`` ones of the row already
-        stored under the same key (the other fields): last write wins."""
-        insert = self._insert(model)
-        key = [field for field in fields if field not in replaced]
-        return DriverStatement(
-            insert.on_conflict_do_update(index_elements=key, set_={c: insert.excluded[c] for c in replaced}), fields
-        )
 
     def ingest(self, batch: IngestBatch, observers: Sequence[IngestObserver] = ()) -> IngestResult:
         """Store ``batch`` atomically, or recognise it as a duplicate; run the observers (see IngestObserver)."""

@@ -25,10 +25,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql import ClauseElement
 
 from quantwatch.service import Settings
-from quantwatch.service.alerts.repository import conflict_statements
 from quantwatch.service.alerts.tables import FiringTokenRow, RuleRow, SeriesStatesRow
 from quantwatch.service.core.db import dump_json, make_engine
-from quantwatch.service.core.driver_sql import DriverStatement
+from quantwatch.service.core.driver_sql import DriverStatement, conflict_statements
 from quantwatch.service.models import Batch, MetricName, Point, Run
 
 RULES = cast(Table, RuleRow.__table__)
