@@ -10,10 +10,12 @@ neither.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Integer, bindparam, func, select
+from sqlalchemy import BindParameter, Connection, Integer, bindparam, func, select
 
 from quantwatch.service.models import Point, PointChunk
 from quantwatch.service.rollups import F32, F64, I64, MISSING_BITS, group_starts, rows_from_blobs
@@ -123,6 +125,34 @@ class RawPoints:
         )
         tail = (*raw[:2], Point.step >= bindparam("lo"), Point.step < bindparam("hi"))
         self._rank_tail = select(Point.name_id, Point.step, Point.vals).where(*tail).order_by(Point.name_id, Point.step)
+        # Several series of a rank at once (read_many): their chunks from the earliest of their floors (each series'
+        # own, as in ``floor`` above, computed per name id): a series whose floor is later scans a few more index
+        # entries, which ``last_step >= lo`` drops.
+        nids: BindParameter[int] = bindparam("nids", type_=Integer, expanding=True)
+        of_rank = (PointChunk.run_id == bindparam("run_id"), PointChunk.rank == bindparam("rank"))
+        floors = (
+            select(func.max(PointChunk.first_step).label("first"))
+            .where(*of_rank, PointChunk.name_id.in_(nids), PointChunk.first_step <= bindparam("lo"))
+            .group_by(PointChunk.name_id)
+            .subquery()
+        )
+        earliest = select(func.min(floors.c.first)).scalar_subquery()
+        self._many_raw = (
+            select(Point.name_id, Point.step, Point.vals)
+            .where(*raw[:2], Point.name_id.in_(nids), *raw[3:])
+            .order_by(Point.name_id, Point.step)
+        )
+        self._many_chunks = (
+            select(PointChunk.name_id, PointChunk.rows, PointChunk.steps, PointChunk.vals)
+            .where(
+                *of_rank,
+                PointChunk.name_id.in_(nids),
+                PointChunk.first_step >= func.coalesce(earliest, bindparam("lo")),
+                PointChunk.first_step <= bindparam("hi"),
+                PointChunk.last_step >= bindparam("lo"),
+            )
+            .order_by(PointChunk.name_id, PointChunk.first_step)
+        )
         self._raw_steps = select(Point.step).where(*raw).order_by(Point.step).limit(bindparam("limit", type_=Integer))
 
     def read(
@@ -155,31 +185,34 @@ class RawPoints:
         if frontier is not None and lo >= frontier:
             return raw
         statement = self._chunks_timed if times else self._chunks
-        parts = []
-        for found in conn.execute(statement, params):
-            chunk = decode_chunk(found[0], found[1], found[3] if times else None, found[2], layer, width)
-            inside = (chunk.steps >= lo) & (chunk.steps <= hi)
-            parts.append(chunk if inside.all() else chunk.take(np.flatnonzero(inside)))
-        if not parts:
-            return raw
-        return merge([*parts, raw])
+        parts = [
+            _inside(decode_chunk(found[0], found[1], found[3] if times else None, found[2], layer, width), lo, hi)
+            for found in conn.execute(statement, params)
+        ]
+        return merge([*parts, raw]) if parts else raw
+
+    def read_many(
+        self, conn: Connection, run_id: int, rank: int, nids: Sequence[int], lo: int, hi: int, width: int
+    ) -> dict[int, Rows]:
+        """Rows of each series ``nids`` of (run, rank) with lo <= step <= hi, every layer, without times: what
+        :meth:`read` answers for each with ``frontier=None``, in two statements for them all (raw rows first, then
+        chunks, as :meth:`read` reads them)."""
+        params = {"run_id": run_id, "rank": rank, "nids": list(nids), "lo": lo, "hi": hi}
+        raw = _by_series(conn.execute(self._many_raw, params).all(), width)
+        parts: dict[int, list[Rows]] = {}
+        for found in conn.execute(self._many_chunks, params):
+            chunk = decode_chunk(found[1], found[2], None, found[3], None, width)
+            parts.setdefault(int(found[0]), []).append(_inside(chunk, lo, hi))
+        empty = Rows(np.zeros(0, dtype=np.int64), np.zeros((0, width), dtype=np.float32))
+        return {nid: merge([*parts.get(nid, []), raw.get(nid, empty)]) for nid in nids}
 
     def rank_tail(self, conn: Connection, run_id: int, rank: int, lo: int, hi: int, width: int) -> dict[int, Rows]:
         """Every metric's rows of (run, rank) with lo <= step < hi (without their times), by name id, where ``lo``
         is at or past the rank's frontier: raw rows only, as chunks hold none there (the compactor's read of the
         blocks it builds)."""
-        found = conn.execute(self._rank_tail, {"run_id": run_id, "rank": rank, "lo": lo, "hi": hi}).all()
-        if not found:
-            return {}
-        nids = np.fromiter((r[0] for r in found), dtype=np.int64, count=len(found))
-        steps = np.fromiter((r[1] for r in found), dtype=np.int64, count=len(found))
-        values = rows_from_blobs([bytes(r[2]) for r in found], width)
-        keys, starts = group_starts(nids)
-        ends = [*starts[1:].tolist(), len(found)]
-        return {
-            int(nid): Rows(steps[a:b], values[a:b], None)
-            for nid, a, b in zip(keys.tolist(), starts.tolist(), ends, strict=True)
-        }
+        return _by_series(
+            conn.execute(self._rank_tail, {"run_id": run_id, "rank": rank, "lo": lo, "hi": hi}).all(), width
+        )
 
     def next_step(self, conn: Connection, key: dict[str, int], lo: int) -> int | None:
         """The first step at or after ``lo`` of the series ``key`` (None when there is none)."""
@@ -206,3 +239,24 @@ class RawPoints:
             if total > 2 * limit:
                 break
         return np.unique(np.concatenate(found))
+
+
+def _inside(chunk: Rows, lo: int, hi: int) -> Rows:
+    """The rows of ``chunk`` with lo <= step <= hi."""
+    inside = (chunk.steps >= lo) & (chunk.steps <= hi)
+    return chunk if inside.all() else chunk.take(np.flatnonzero(inside))
+
+
+def _by_series(found: Sequence[Any], width: int) -> dict[int, Rows]:
+    """(name id, step, blob) rows ordered by name id and step as each name id's Rows (without times)."""
+    if not found:
+        return {}
+    nids = np.fromiter((r[0] for r in found), dtype=np.int64, count=len(found))
+    steps = np.fromiter((r[1] for r in found), dtype=np.int64, count=len(found))
+    values = rows_from_blobs([bytes(r[2]) for r in found], width)
+    keys, starts = group_starts(nids)
+    ends = [*starts[1:].tolist(), len(found)]
+    return {
+        int(nid): Rows(steps[a:b], values[a:b], None)
+        for nid, a, b in zip(keys.tolist(), starts.tolist(), ends, strict=True)
+    }

@@ -198,8 +198,7 @@ class RollupWriter:
             return _split(nids, found, combined, n_layers)
         # A child not stored (too few samples, or no steps at all): the parents short of children from raw.
         lo, hi = int(short[0]) * level, (int(short[-1]) + 1) * level - 1
-        key = {"run_id": run_id, "rank": rank}
-        raws = [self.step_partials(conn, key | {"nid": nid}, lo, hi, n_layers) for nid in nids]
+        raws = list(self.step_partials(conn, run_id, rank, nids, lo, hi, n_layers).values())
         kept = np.flatnonzero(full)
 
         def with_raw(steps: I64, values: Partials, done: Partials) -> tuple[I64, Partials]:
@@ -243,25 +242,26 @@ class RollupWriter:
             conn.execute(self._upsert, rows)
 
     def step_partials(
-        self, conn: Connection, key: dict[str, int], lo: int, hi: int, n_layers: int
-    ) -> tuple[I64, Partials]:
-        """Partials of the series ``key`` over [lo, hi]: one per raw point, and before the rank's retention cut,
-        whose raw points are gone, one per base block (keyed by its first step; retention stores every base block
-        of the steps it drops: :meth:`store_base_blocks`)."""
+        self, conn: Connection, run_id: int, rank: int, nids: Sequence[int], lo: int, hi: int, n_layers: int
+    ) -> dict[int, tuple[I64, Partials]]:
+        """Partials of each series ``nids`` of (run, rank) over [lo, hi], in the order of ``nids``: one per raw
+        point, and before the rank's retention cut, whose raw points are gone, one per base block (keyed by its first
+        step; retention stores every base block of the steps it drops: :meth:`store_base_blocks`). The series are
+        read together (a parent short of children is read for every metric of the rank)."""
         base = LEVELS[0]
-        cut = max(lo, min(hi + 1, read_raw_from(conn, key["run_id"], key["rank"])))
-        steps, parts = [], []
-        if lo < cut:
-            blocks = self.read(
-                conn, key["run_id"], key["rank"], [key["nid"]], base, lo // base, (cut - 1) // base, n_layers
+        cut = max(lo, min(hi + 1, read_raw_from(conn, run_id, rank)))
+        none = (np.zeros(0, dtype=np.int64), Partials.empty(0, n_layers))
+        blocks = self.read(conn, run_id, rank, nids, base, lo // base, (cut - 1) // base, n_layers) if lo < cut else {}
+        raws = self.points.read_many(conn, run_id, rank, nids, cut, hi, n_layers)
+        out = {}
+        for nid in nids:
+            keys, part = blocks.get(nid, none)
+            raw = raws[nid]
+            out[nid] = (
+                np.concatenate([keys * base, raw.steps]),
+                Partials.concat([part, Partials.from_values(raw.values)]),
             )
-            keys, part = blocks.get(key["nid"], (np.zeros(0, dtype=np.int64), Partials.empty(0, n_layers)))
-            steps.append(keys * base)
-            parts.append(part)
-        raw = self.points.read(conn, key, cut, hi, None, n_layers)
-        steps.append(raw.steps)
-        parts.append(Partials.from_values(raw.values))
-        return np.concatenate(steps), Partials.concat(parts)
+        return out
 
     def store_base_blocks(
         self, conn: Connection, run_id: int, rank: int, nids: Sequence[int], lo: int, hi: int, n_layers: int
@@ -271,8 +271,7 @@ class RollupWriter:
         base = LEVELS[0]
         stored = self.read(conn, run_id, rank, nids, base, lo // base, hi // base, n_layers)
         missing: dict[int, tuple[I64, Partials, I64]] = {}
-        for nid in nids:
-            raw = self.points.read(conn, {"run_id": run_id, "rank": rank, "nid": nid}, lo, hi, None, n_layers)
+        for nid, raw in self.points.read_many(conn, run_id, rank, nids, lo, hi, n_layers).items():
             if not raw.steps.size:
                 continue
             keys, starts = group_starts(raw.steps // base)

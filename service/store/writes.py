@@ -390,9 +390,8 @@ class BatchWriter:
         # Chunks hold only steps behind the frontier: a batch wholly past it (the usual case) looks at raw rows only.
         stored: dict[int, Rows] = {}
         if lo < frontier:
-            for name in steps_by_metric:
-                key = {"run_id": run_id, "rank": batch.rank, "nid": name_ids[name]}
-                stored[name_ids[name]] = self._points.read(conn, key, lo, hi, frontier, n_layers)
+            nids = [name_ids[name] for name in steps_by_metric]
+            stored = self._points.read_many(conn, run_id, batch.rank, nids, lo, hi, n_layers)
             existing = {(int(s), nid) for nid, found in stored.items() for s in found.steps.tolist()}
         elif lo <= last_step:  # a batch wholly past the rank's newest step (the usual case) re-sends nothing
             existing = {

@@ -23,7 +23,7 @@ from quantwatch.service.app import create_app
 from quantwatch.service.batch import decode_json
 from quantwatch.service.core.db import alembic_config, upgrade
 from quantwatch.service.exposition.queries import RankReader, RestoreLimits, recent_runs
-from quantwatch.service.models import Point, PointChunk, Rollup
+from quantwatch.service.models import MetricName, Point, PointChunk, Rollup
 from quantwatch.service.rollups import LEVELS, STATS_DTYPE
 from quantwatch.service.store import Store, chunk_encoder, compaction, fold_worker, folding
 from quantwatch.service.store.chunk_codec import (
@@ -34,7 +34,7 @@ from quantwatch.service.store.chunk_codec import (
     encode_times,
     encode_values,
 )
-from quantwatch.service.store.raw_points import Rows
+from quantwatch.service.store.raw_points import RawPoints, Rows
 from tests.service.conftest import batch_doc
 from tests.service.test_rollup_frontier import (
     LAYERS,
@@ -178,12 +178,37 @@ def test_reads_across_chunks_and_raw_rows_are_exact(store: Store, shapes: list[A
         assert chunks > 0
         # What is left raw of each metric waits to fill a chunk.
         assert raw < folding.CHUNK_ROWS * len([r for r in (ref, partner) if r.values])
+    _assert_read_many(store, run, ref, partner)
     heat = store.heatmap(run, "m", 0, None, None, 100_000, None, "max")
     assert heat["bucket_steps"] == 1
     for step, column in zip(heat["steps"], zip(*heat["values"], strict=True), strict=True):
         want = ref.values.get(int(step), np.full(len(LAYERS), np.nan, dtype=np.float32))
         got = np.float32([np.nan if v is None else v for v in column])
         assert np.array_equal(got, want[[LAYERS.index(n) for n in heat["layers"]]], equal_nan=True), step
+
+
+def _assert_read_many(store: Store, run: str, *refs: Reference) -> None:
+    """``RawPoints.read_many`` answers for several series at once what ``read`` answers for each, over ranges that
+    start and end inside chunks, between them and in the raw tail (the series' chunks need not line up)."""
+    refs = tuple(ref for ref in refs if ref.values)  # the partner metric may not have been sent at all
+    steps = sorted({step for ref in refs for step in ref.values})
+    if not steps:
+        return
+    run_id = store.run_id(run)
+    points = RawPoints()
+    with store.engine.connect() as conn:
+        nids = [
+            int(conn.execute(select(MetricName.id).where(MetricName.name == ref.metric)).scalar_one()) for ref in refs
+        ]
+        edges = [steps[0] - 1, steps[0], steps[len(steps) // 3] + 1, steps[len(steps) // 2], steps[-1], steps[-1] + 5]
+        for lo, hi in [(a, b) for a in edges for b in edges if a <= b]:
+            many = points.read_many(conn, run_id, 0, [*nids, 10**6], lo, hi, len(LAYERS))
+            assert set(many) == {*nids, 10**6}
+            assert many[10**6].values.shape == (0, len(LAYERS))  # a series with no rows: empty, of the width
+            for nid in nids:
+                one = points.read(conn, {"run_id": run_id, "rank": 0, "nid": nid}, lo, hi, None, len(LAYERS))
+                assert many[nid].steps.tolist() == one.steps.tolist(), (nid, lo, hi)
+                assert many[nid].values.view(np.uint32).tolist() == one.values.view(np.uint32).tolist()
 
 
 def _late_history(store: Store, run: str, ref: Reference) -> None:
