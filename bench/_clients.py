@@ -32,8 +32,9 @@ POINTS = re.compile(rb'"points":(\d+)')
 
 def batch_body(work: dict[str, Any], first_step: int) -> bytes:
     """One request body in the agent's binary encoding: ``steps_per_batch`` steps ``stride`` apart from
-    ``first_step``, metric ``j`` of step ``s`` the blob ``(j + s) % len(blobs)`` (a float32 ``bin`` per metric)."""
-    blobs, metrics = work["blobs"], work["metrics"]
+    ``first_step``, metric ``j`` of step ``s`` the blob ``(j + s) % len(blobs)`` (a float32 ``bin`` per metric), and
+    each of the work's ``scalars`` (if any) a value of its own per step, as the agent's sampled steps carry theirs."""
+    blobs, metrics, scalars = work["blobs"], work["metrics"], work.get("scalars", ())
     steps = range(first_step, first_step + work["steps_per_batch"] * work["stride"], work["stride"])
     doc = {
         "run": work["run"],
@@ -41,7 +42,12 @@ def batch_body(work: dict[str, Any], first_step: int) -> bytes:
         "batch_id": uuid.uuid4().hex,
         "layers": work["layers"],
         "steps": [
-            {"step": s, "time": 1.7e9 + s, "metrics": {m: blobs[(j + s) % len(blobs)] for j, m in enumerate(metrics)}}
+            {
+                "step": s,
+                "time": 1.7e9 + s,
+                "metrics": {m: blobs[(j + s) % len(blobs)] for j, m in enumerate(metrics)},
+                **({"scalars": {name: 1.0 + i + s / 1e6 for i, name in enumerate(scalars)}} if scalars else {}),
+            }
             for s in steps
         ],
     }

@@ -55,7 +55,7 @@ import numpy as np
 from _clients import batch_body, run_clients
 from _common import METRICS, postgres_database
 
-from quantwatch.protocol import LAYER_METRICS
+from quantwatch.protocol import LAYER_METRICS, SCALARS
 from quantwatch.service.server import free_port, wait_until_ready
 
 LAYERS = [
@@ -133,18 +133,29 @@ def workload_values(seed: int, scale: float) -> np.ndarray:
 
 
 def work_spec(
-    run: str, rank: int, metrics: list[str], values: np.ndarray, steps: int, stride: int = 1, interval: float = 0.0
+    run: str,
+    rank: int,
+    metrics: list[str],
+    values: np.ndarray,
+    steps: int,
+    stride: int = 1,
+    interval: float = 0.0,
+    scalars: bool = False,
 ) -> dict[str, Any]:
     """What one rank's client makes its bodies from (:func:`_clients.batch_body`): batches of ``steps`` steps
-    ``stride`` apart, metric ``i`` a float32 ``bin`` of row ``i % 16`` of ``values`` (rotated by step)."""
+    ``stride`` apart, metric ``i`` a float32 ``bin`` of row ``i % 16`` of ``values`` (rotated by step); with
+    ``scalars``, every step carries the catalogue's per-run scalars too (loss, step_seconds, …, as the agent's do)."""
     blobs = [values[i % values.shape[0]].astype("<f4").tobytes() for i in range(len(metrics))]
     spec = {"run": run, "rank": rank, "layers": LAYERS, "metrics": metrics, "blobs": blobs}
+    spec["scalars"] = list(SCALARS) if scalars else []
     return spec | {"steps_per_batch": steps, "stride": stride, "interval": interval}
 
 
-def encode_batch(run: str, rank: int, steps: range, metrics: list[str], values: np.ndarray) -> bytes:
-    """The agent's binary encoding: one float32 ``bin`` per metric and step."""
-    return batch_body(work_spec(run, rank, metrics, values, len(steps), steps.step), steps.start)
+def encode_batch(
+    run: str, rank: int, steps: range, metrics: list[str], values: np.ndarray, *, scalars: bool = False
+) -> bytes:
+    """The agent's binary encoding: one float32 ``bin`` per metric and step (and the scalars: see work_spec)."""
+    return batch_body(work_spec(run, rank, metrics, values, len(steps), steps.step, scalars=scalars), steps.start)
 
 
 # The "many ranks" workload (issue 21): each rank posts one sampled step per request, every SAMPLE_EVERY-th step,
@@ -264,7 +275,16 @@ def bench_backend(
         metrics = MANY_RANKS_METRICS if args.many_ranks else METRICS
         scale = FLAPPING_SCALE if args.flapping else HEALTHY_SCALE
         works = [
-            work_spec(RUN, rank, metrics, workload_values(rank, scale), args.steps_per_batch, args.every, case.interval)
+            work_spec(
+                RUN,
+                rank,
+                metrics,
+                workload_values(rank, scale),
+                args.steps_per_batch,
+                args.every,
+                case.interval,
+                args.scalars,
+            )
             for rank in range(case.clients)
         ]
         urls, pids = [base for base, _ in replicas], [pid for _, pid in replicas]
@@ -429,6 +449,11 @@ def parse_args() -> argparse.Namespace:
         help="each client a rank posting one sampled step of 12 metrics per request (as with --steps-per-batch 1)",
     )
     parser.add_argument(
+        "--scalars",
+        action="store_true",
+        help="every step also carries the catalogue's per-run scalars (loss, step_seconds, ...), as the agent's do",
+    )
+    parser.add_argument(
         "--every",
         type=int,
         help=f"steps between two sampled steps: default {SAMPLE_EVERY} (the agent's) with --many-ranks, else 1",
@@ -478,7 +503,8 @@ def main() -> None:
     print(
         f"workload: {args.clients} client processes (ranks) × batches of {steps} steps (every {args.every}th) × "
         f"{len(LAYERS)} layers × "
-        f"{len(metrics)} metrics (msgpack float32 bin, {steps * len(LAYERS) * len(metrics):,} points/batch), "
+        f"{len(metrics)} metrics (msgpack float32 bin, {steps * len(LAYERS) * len(metrics):,} points/batch)"
+        f"{f' + {len(SCALARS)} scalars a step' if args.scalars else ''}, "
         f"requests every {args.interval} s (0: closed loop), values uniform in "
         f"[0, {FLAPPING_SCALE if args.flapping else HEALTHY_SCALE}) with the shipped alert rules on; load average "
         f"{os.getloadavg()[0]:.1f}"

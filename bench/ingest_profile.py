@@ -20,12 +20,10 @@ import re
 import time
 from typing import Any
 
-import msgpack
 from _common import METRICS
 from ingest import HEALTHY_SCALE, SAMPLE_EVERY, encode_batch, workload_values
 from sqlalchemy import event
 
-from quantwatch.protocol import SCALARS
 from quantwatch.service import Settings, create_app
 from quantwatch.service.batch import decode_msgpack
 
@@ -61,9 +59,7 @@ def main() -> None:
     for i in range(args.batches + 16):
         rank, first = i % RANKS, i // RANKS * args.steps * SAMPLE_EVERY
         steps = range(first, first + args.steps * SAMPLE_EVERY, SAMPLE_EVERY)
-        body = encode_batch("prof", rank, steps, METRICS, values[rank])
-        if args.scalars:
-            body = with_scalars(body)
+        body = encode_batch("prof", rank, steps, METRICS, values[rank], scalars=args.scalars)
         bodies.append(body)
     for body in bodies[:16]:
         store.ingest(decode_msgpack(body), observers)
@@ -84,14 +80,6 @@ def main() -> None:
         print(f"  {count / n:6.2f} statements {seconds[kind] / n * 1e3:8.3f} ms  {kind}")
     if profile is not None:
         pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
-
-
-def with_scalars(body: bytes) -> bytes:
-    """``body`` with every step carrying each of the catalogue's scalars."""
-    doc = msgpack.unpackb(body)
-    for step in doc["steps"]:
-        step["scalars"] = {name: 1.0 + i + step["step"] / 1e6 for i, name in enumerate(SCALARS)}
-    return bytes(msgpack.packb(doc, use_bin_type=True))
 
 
 if __name__ == "__main__":
