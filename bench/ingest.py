@@ -21,6 +21,12 @@ the tree before issue 21 against main: 24 runs, 8 minutes at load 7–15 on 2 co
         --clients 16,64 --interval 0,2 --replicas 1,2 --seconds 8 --query-steps 0 --skip-mlflow \\
         --tree orig=/tmp/qw-orig --tree main=/tmp/qw-main
 
+Issue 21's ratio of batch sizes, side by side (each tree runs the 1-step and the 16-step workload one after the other
+in every round; the last table gives 1-step ÷ 16-step points/s per tree and round), with the agent's scalars:
+
+    .venv/bin/python bench/ingest.py --clients 8 --steps-per-batch 1,16 --every 25 --scalars --rounds 2 \
+        --seconds 12 --query-steps 0 --skip-mlflow
+
 ``--tree NAME=PATH`` runs the collector from another checkout of the project (``git archive`` it into /tmp; its
 ``quantwatch`` package first on ``PYTHONPATH``, the collector started in it; the clients are this tree's), each on a
 fresh database; start the bench outside any checkout (``python -m`` puts the working directory first on
@@ -45,7 +51,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -243,10 +249,11 @@ class Case:
     replicas: int
     clients: int
     interval: float
+    steps: int
 
     def __str__(self) -> str:
         cadence = f"every {self.interval:g} s" if self.interval > 0 else "closed loop"
-        return f"{self.backend} ×{self.replicas}, {self.clients} ranks, {cadence}"
+        return f"{self.backend} ×{self.replicas}, {self.clients} ranks, {cadence}, {self.steps}-step"
 
 
 def check_episodes(url: str, run: str) -> dict[str, Any]:
@@ -280,7 +287,7 @@ def bench_backend(
                 rank,
                 metrics,
                 workload_values(rank, scale),
-                args.steps_per_batch,
+                case.steps,
                 args.every,
                 case.interval,
                 args.scalars,
@@ -426,7 +433,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--clients", type=partial(numbers, int), default=[4], help="client processes (ranks), a list: 16,64"
     )
-    parser.add_argument("--steps-per-batch", type=int, help="default 16, 1 with --many-ranks")
+    parser.add_argument(
+        "--steps-per-batch",
+        type=partial(numbers, int),
+        help="steps a request, a list: 1,16 runs both workloads in turn in every round and prints their points/s "
+        "ratio (issue 21's goal) for each tree and round; default 16, 1 with --many-ranks",
+    )
     parser.add_argument(
         "--warmup",
         type=int,
@@ -487,7 +499,7 @@ def parse_args() -> argparse.Namespace:
     )
     args = parser.parse_args()
     if args.steps_per_batch is None:
-        args.steps_per_batch = 1 if args.many_ranks else 16
+        args.steps_per_batch = [1] if args.many_ranks else [16]
     if args.every is None:
         args.every = SAMPLE_EVERY if args.many_ranks else 1
     return args
@@ -503,15 +515,16 @@ def main() -> None:
     print(
         f"workload: {args.clients} client processes (ranks) × batches of {steps} steps (every {args.every}th) × "
         f"{len(LAYERS)} layers × "
-        f"{len(metrics)} metrics (msgpack float32 bin, {steps * len(LAYERS) * len(metrics):,} points/batch)"
+        f"{len(metrics)} metrics (msgpack float32 bin, {[n * len(LAYERS) * len(metrics) for n in steps]} "
+        "points/batch)"
         f"{f' + {len(SCALARS)} scalars a step' if args.scalars else ''}, "
         f"requests every {args.interval} s (0: closed loop), values uniform in "
         f"[0, {FLAPPING_SCALE if args.flapping else HEALTHY_SCALE}) with the shipped alert rules on; load average "
         f"{os.getloadavg()[0]:.1f}"
     )
     backends = [b for b, skip in (("sqlite", args.skip_sqlite), ("postgres", args.skip_postgres)) if not skip]
-    cases = [
-        Case(backend, replicas, clients, interval)
+    settings = [
+        (backend, replicas, clients, interval)
         for backend in backends
         for replicas in (args.replicas if backend == "postgres" else [1])
         for clients in args.clients
@@ -520,16 +533,18 @@ def main() -> None:
     results: list[tuple[Case, int, str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="qw-bench-") as tmp:
         workdir = Path(tmp)
-        for n, case in enumerate(cases):
+        for n, setting in enumerate(settings):
             for round_ in range(args.rounds):
-                for name, tree in trees:
+                # The batch sizes run one after the other for each tree: their ratio is measured side by side.
+                for (name, tree), steps_per_batch in ((t, s) for t in trees for s in args.steps_per_batch):
+                    case = Case(*setting, steps_per_batch)
                     title = f"{case}, {name} round {round_ + 1}"
                     if case.backend == "sqlite":
-                        db = workdir / f"{name}-{n}-{round_}" / "quantwatch.db"
+                        db = workdir / f"{name}-{n}-{round_}-{steps_per_batch}" / "quantwatch.db"
                         db.parent.mkdir()
                         result = bench_backend(title, f"sqlite:///{db}", partial(sqlite_bytes, db), args, tree, case)
                     else:
-                        with postgres_database(f"qw_bench_{name}_{n}_{round_}") as url:
+                        with postgres_database(f"qw_bench_{name}_{n}_{round_}_{steps_per_batch}") as url:
                             result = bench_backend(title, url, partial(postgres_bytes, url), args, tree, case)
                     results.append((case, round_, name, result))
         mlflow_rate = None if args.skip_mlflow else bench_mlflow(args, workdir)
@@ -569,6 +584,28 @@ def print_summary(results: list[tuple[Case, int, str, dict[str, Any]]], mlflow_r
         print(line)
     if mlflow_rate:
         print(f"MLflow: {mlflow_rate:,.0f} points/s")
+    print_batch_ratios(results)
+
+
+def print_batch_ratios(results: list[tuple[Case, int, str, dict[str, Any]]]) -> None:
+    """With several batch sizes: each tree's points/s with the smallest batches ÷ with the largest, per setting and
+    round (issue 21's goal: 1-step ≥ 0.5 × 16-step), and the CPU a request of each."""
+    sizes = sorted({case.steps for case, *_ in results})
+    if len(sizes) < 2:
+        return
+    small, large = sizes[0], sizes[-1]
+    runs: dict[tuple[Case, int, str], dict[int, dict[str, Any]]] = {
+        (replace(case, steps=0), round_, name): {} for case, round_, name, _ in results
+    }
+    for case, round_, name, r in results:
+        runs[(replace(case, steps=0), round_, name)][case.steps] = r
+    print(f"\n== {small}-step ÷ {large}-step points/s, same tree and round\n| case | tree | ratio | CPU ms/req |")
+    print("|---|---|---|---|")
+    for (case, round_, name), by_size in runs.items():
+        ratio = by_size[small]["points_per_second"] / by_size[large]["points_per_second"]
+        cpu = " / ".join(f"{by_size[n]['cpu_ms_per_request']:.2f}" for n in (small, large))
+        setting = str(case).rsplit(", ", 1)[0]
+        print(f"| {setting} | {name} r{round_ + 1} | {ratio:.3f} | {cpu} |")
 
 
 if __name__ == "__main__":
