@@ -157,7 +157,7 @@ def measure(settings: Settings, args: argparse.Namespace) -> None:
 class _NoEngine:
     """An alert engine that evaluated nothing yet (a collector just started)."""
 
-    def latest_series(self) -> list[object]:
+    def latest_states(self) -> list[object]:
         return []
 
 

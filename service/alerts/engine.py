@@ -91,11 +91,10 @@ class SeriesSnapshot:
 
 @dataclass(frozen=True)
 class _Staged:
-    """The rows of series states one batch wrote, published to :meth:`AlertEngine.latest_series` once committed."""
+    """The rows of series states one batch wrote, published to :meth:`AlertEngine.latest_states` once committed."""
 
     run: str
     rank: int
-    series_names: dict[str, str]
     written: dict[str, tuple[int, RuleStates]]
 
 
@@ -151,9 +150,8 @@ class AlertEngine:
         self._rules = RuleCache()
         self._firing = FiringLists()
         # The series state rows this process wrote last, by (run, rank) and rule name: (token, states), kept as the
-        # evaluator's rows (replaced after a commit; snapshots built only when read), and each rule's series name.
+        # evaluator's rows (replaced after a commit, never changed: the exposition reads them as they are).
         self._written: dict[tuple[str, int], dict[str, tuple[int, RuleStates]]] = {}
-        self._series_names: dict[str, str] = {}
         self._latest_lock = threading.Lock()
         self._threads = threading.local()
         self.remediation: Remediation | None = None
@@ -188,14 +186,13 @@ class AlertEngine:
 
     def after_commit(self, batch: IngestBatch) -> None:
         """:class:`~quantwatch.service.batch.IngestObserver` hook: publish the committed series states to
-        :meth:`latest_series` and hand new outbox rows to the delivery worker."""
+        :meth:`latest_states` and hand new outbox rows to the delivery worker."""
         pending: _Pending | None = batch.observed.get(self)
         if pending is None:
             return
         staged, pending.staged = pending.staged, None
         if staged is not None:
             with self._latest_lock:
-                self._series_names.update(staged.series_names)
                 self._written.setdefault((staged.run, staged.rank), {}).update(staged.written)
         self._send(pending)
 
@@ -263,7 +260,7 @@ class AlertEngine:
         stored = self._stored_states(session, run, rank, names, head.series_tokens)
         rows, transitions = evaluate_rows([rule for _, rule in rules], RankBatch(run, rank, layers, columns), stored)
         written = repository.upsert_series_states(session, run, rank, ids, rows)
-        pending.staged = _Staged(run, rank, {rule.name: rule.series for _, rule in rules}, written)
+        pending.staged = _Staged(run, rank, written)
         if not transitions:
             return 0
         by_group: dict[tuple[int, str], list[SeriesTransition]] = {}
@@ -456,21 +453,17 @@ class AlertEngine:
         return self._thread_pending().take_outbox()
 
     # -- reads for Prometheus and the API ----------------------------------------------------------------------
-    def latest_series(self) -> list[SeriesSnapshot]:
-        """Streak and status of every series this process evaluated since it started (in memory, no database).
+    def latest_states(self) -> list[tuple[str, int, RuleStates]]:
+        """(run, rank, states) of every rule's states of every (run, rank) this process evaluated since it started
+        (in memory, no database; a batch publishes new states objects, never changes them).
 
-        For the Prometheus exposition's scrape path: cheap, and current for the series this replica ingests.
-        :meth:`series_snapshot` reads the authoritative state of all replicas from the database.
+        For the Prometheus exposition's scrape path: current for the series this replica ingests, and as many
+        objects as (run, rank, rule)s, not series (a rule on 512 layers of 64 ranks is 32,768 series: building an
+        object for each held the GIL, and ingest with it, for 0.5 s a scrape). :meth:`series_snapshot` reads the
+        authoritative state of all replicas from the database.
         """
         with self._latest_lock:
-            return [
-                SeriesSnapshot(
-                    rule, run, rank, layer, self._series_names[rule], state.status.value, state.streak, state.last_step
-                )
-                for (run, rank), rows in self._written.items()
-                for _, states in rows.values()
-                for (rule, layer), state in states.items()
-            ]
+            return [(run, rank, states) for (run, rank), rows in self._written.items() for _, states in rows.values()]
 
     def series_snapshot(self, session: Session, runs: Iterable[str] | None = None) -> list[SeriesSnapshot]:
         """Every series' streak and status (optionally for some runs) from the database, whichever replica wrote it."""

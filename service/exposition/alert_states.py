@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
+
+from quantwatch.service.alerts.columns import STATUSES, ColumnStates, RuleStates
 
 __all__ = [
     "DELIVERY_STATUSES",
@@ -52,7 +56,7 @@ DeliveryCounts = Callable[[], Mapping[str, int]]
 
 
 class SeriesSnapshotLike(Protocol):
-    """One evaluator series as :meth:`AlertEngine.latest_series` returns it (per rank)."""
+    """One stored series of one rank, as the restore reads it at start (:class:`StoredSeries`)."""
 
     @property
     def rule(self) -> str:
@@ -82,8 +86,8 @@ class SeriesSnapshotLike(Protocol):
 class AlertEngineLike(Protocol):
     """The alert evaluator, as far as the exposition reads it."""
 
-    def latest_series(self) -> Sequence[SeriesSnapshotLike]:
-        """Streak and status of every series this process evaluated."""
+    def latest_states(self) -> Sequence[tuple[str, int, RuleStates]]:
+        """(run, rank, one rule's states) of every (run, rank, rule) this process evaluated."""
         ...
 
 
@@ -108,33 +112,80 @@ def _no_series() -> Sequence[SeriesSnapshotLike]:
     return ()
 
 
+# By a series' stored status code (its index in STATUSES): its severity, and whether it is exported whatever its streak.
+_SEVERITY = np.array([STATE_RANK[status.value] for status in STATUSES], dtype=np.int8)
+_ALWAYS = np.array([status.value in EXPORTED_ALERT_STATES for status in STATUSES], dtype=bool)
+_STATE_OF = {STATE_RANK[state]: state for state in ("inactive", *EXPORTED_ALERT_STATES)}
+
+
 def alert_series_source(
     engine: AlertEngineLike, restored: Callable[[], Sequence[SeriesSnapshotLike]] = _no_series
 ) -> AlertSeriesSource:
     """Alert series of the evaluator's in-memory state, one per (rule, run, layer) across ranks.
 
     The streak exported is the longest of the ranks and the state the most severe, matching the evaluator's
-    episodes, which are per (rule, run, layer) however many ranks breach. ``restored`` gives the series read from
-    the database at start (see :mod:`.restore`): each counts until this process evaluates the same (rule, run, rank,
-    layer) itself, whose state is then newer.
+    episodes, which are per (rule, run, layer) however many ranks breach; a series counts when its streak is non-zero
+    or it is pending or firing. ``restored`` gives the series read from the database at start (see :mod:`.restore`):
+    each counts until this process evaluates the same (rule, run, rank, layer) itself, whose state is then newer.
+    The ranks of a (rule, run) whose states share their layers (every rank of a data-parallel job) are combined as
+    arrays, one entry per layer: a scrape's cost grows with (run, rank, rule)s, not with series.
     """
 
     def source() -> list[AlertSeries]:
-        snapshots: Iterable[SeriesSnapshotLike] = engine.latest_series()
+        live = engine.latest_states()
+        columns: dict[tuple[str, str, tuple[str, ...]], list[ColumnStates]] = {}
+        merged: dict[tuple[str, str, str], tuple[int, int]] = {}
+        for run, _, states in live:
+            if isinstance(states, ColumnStates):
+                columns.setdefault((states.rule, run, states.layers), []).append(states)
+            else:  # a scalar rule's one series
+                for (rule, layer), state in states.items():
+                    _merge(merged, (rule, run, layer), state.status.value, state.streak)
+        for (rule, run, layers), ranks in columns.items():
+            for layer, streak, severity in _combined(layers, ranks):
+                _merge_severity(merged, (rule, run, layer), severity, streak)
         stored = restored()
         if stored:
-            latest = {(s.rule, s.run, s.rank, s.layer): s for s in stored}
-            latest.update({(s.rule, s.run, s.rank, s.layer): s for s in snapshots})
-            snapshots = latest.values()
-        merged: dict[tuple[str, str, str], tuple[int, str]] = {}
-        for snap in snapshots:
-            if snap.streak <= 0 and snap.status not in EXPORTED_ALERT_STATES:
-                continue
-            key = (snap.rule, snap.run, snap.layer)
-            streak, state = merged.get(key, (0, "inactive"))
-            if STATE_RANK.get(snap.status, 0) > STATE_RANK.get(state, 0):
-                state = snap.status
-            merged[key] = (max(streak, snap.streak), state)
-        return [AlertSeries(rule, run, layer, streak, state) for (rule, run, layer), (streak, state) in merged.items()]
+            evaluated = {(run, rank, rule): states for run, rank, states in live for rule in _rules_of(states)}
+            for snap in stored:
+                newer = evaluated.get((snap.run, snap.rank, snap.rule))
+                if newer is None or (snap.rule, snap.layer) not in newer:
+                    _merge(merged, (snap.rule, snap.run, snap.layer), snap.status, snap.streak)
+        return [
+            AlertSeries(rule, run, layer, streak, _STATE_OF[severity])
+            for (rule, run, layer), (streak, severity) in merged.items()
+        ]
 
     return source
+
+
+def _rules_of(states: Mapping[tuple[str, str], object]) -> set[str]:
+    """The rule names of one rule's states (one name: :class:`ColumnStates` holds one rule's series)."""
+    return {states.rule} if isinstance(states, ColumnStates) else {rule for rule, _ in states}
+
+
+def _combined(layers: tuple[str, ...], ranks: list[ColumnStates]) -> Iterator[tuple[str, int, int]]:
+    """(layer, longest streak, highest severity) of the layers where some rank's series counts."""
+    seen = np.stack([states.seen for states in ranks])
+    status = np.stack([states.status for states in ranks])
+    streak = np.stack([states.streak for states in ranks])
+    counts = seen & ((streak > 0) | _ALWAYS[status])
+    longest = np.where(counts, streak, 0).max(axis=0)
+    severity = np.where(counts, _SEVERITY[status], 0).max(axis=0)
+    for position in np.flatnonzero(counts.any(axis=0)).tolist():
+        yield layers[position], int(longest[position]), int(severity[position])
+
+
+def _merge(
+    merged: dict[tuple[str, str, str], tuple[int, int]], key: tuple[str, str, str], status: str, streak: int
+) -> None:
+    """Count one rank's series of ``key`` (when its streak is non-zero or it is pending or firing)."""
+    if streak > 0 or status in EXPORTED_ALERT_STATES:
+        _merge_severity(merged, key, STATE_RANK.get(status, 0), streak)
+
+
+def _merge_severity(
+    merged: dict[tuple[str, str, str], tuple[int, int]], key: tuple[str, str, str], severity: int, streak: int
+) -> None:
+    longest, worst = merged.get(key, (0, 0))
+    merged[key] = (max(longest, streak), max(worst, severity))

@@ -8,6 +8,8 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +17,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from quantwatch import __version__
+from quantwatch.service.alerts.columns import ColumnStates
+from quantwatch.service.alerts.evaluator import SeriesState, SeriesStatus
 from quantwatch.service.exposition import (
     AlertSeries,
     BackgroundRenderer,
@@ -22,10 +26,12 @@ from quantwatch.service.exposition import (
     LatestValueCache,
     QuantWatchCollector,
     StepValues,
+    alert_series_source,
     layer_family_name,
     render_exposition,
     run_family_name,
 )
+from quantwatch.service.exposition.alert_states import EXPORTED_ALERT_STATES, STATE_RANK, StoredSeries
 
 DATA = Path(__file__).parent / "data"
 
@@ -419,3 +425,74 @@ def test_scrapes_concurrent_with_ingest_and_the_renderer_are_whole_and_never_sta
         renderer.stop()
     assert errors == []
     assert render_exposition(registry) == generate_latest(registry)
+
+
+def _per_series_merge(live: list[tuple[str, int, Any]], stored: list[StoredSeries]) -> dict[tuple, tuple[int, str]]:
+    """The exposition's alert series as it merged them one series object at a time (the oracle): every rank's series
+    by (rule, run, rank, layer), the evaluator's over the restored; those with a streak or pending or firing
+    combined per (rule, run, layer), longest streak and most severe state."""
+    latest = {(s.rule, s.run, s.rank, s.layer): (s.status, s.streak) for s in stored}
+    for run, rank, states in live:
+        for (rule, layer), state in states.items():
+            latest[(rule, run, rank, layer)] = (state.status.value, state.streak)
+    merged: dict[tuple, tuple[int, str]] = {}
+    for (rule, run, _, layer), (status, streak) in latest.items():
+        if streak <= 0 and status not in EXPORTED_ALERT_STATES:
+            continue
+        longest, state = merged.get((rule, run, layer), (0, "inactive"))
+        if STATE_RANK.get(status, 0) > STATE_RANK.get(state, 0):
+            state = status
+        merged[(rule, run, layer)] = (max(longest, streak), state)
+    return merged
+
+
+def test_alert_series_combine_ranks_as_the_per_series_merge_did() -> None:
+    """Ranks' column states combined as arrays give what merging every series did: ranks sharing their layers and
+    not, unseen layers, scalar rules, and restored series that the evaluator's own replace or do not."""
+    rng = np.random.default_rng(7)
+    statuses = list(SeriesStatus)
+    for _ in range(60):
+        layers = tuple(f"l{i}" for i in range(int(rng.integers(1, 9))))
+        live: list[tuple[str, int, Any]] = []
+        for run in ("a", "b")[: int(rng.integers(1, 3))]:
+            for rank in range(int(rng.integers(1, 5))):
+                for rule in ("r1", "r2"):
+                    own = layers if rng.random() < 0.8 else layers[::-1][: max(1, len(layers) - 1)]
+                    n = len(own)
+                    live.append(
+                        (
+                            run,
+                            rank,
+                            ColumnStates(
+                                rule,
+                                own,
+                                rng.random(n) < 0.8,
+                                rng.integers(0, len(statuses), n).astype(np.int8),
+                                rng.integers(0, 50, n),
+                                rng.integers(0, 4, n) * (rng.random(n) < 0.6),
+                                np.zeros(n, dtype=np.int64),
+                                rng.random(n),
+                            ),
+                        )
+                    )
+                status = statuses[int(rng.integers(len(statuses)))]
+                live.append((run, rank, {("loss", ""): SeriesState(status, 3, int(rng.integers(0, 3)))}))
+        stored = [
+            StoredSeries(
+                str(rng.choice(["r1", "r2", "loss"])),
+                str(rng.choice(["a", "b", "gone"])),
+                int(rng.integers(0, 5)),
+                str(rng.choice([*layers, "", "old"])),
+                statuses[int(rng.integers(len(statuses)))].value,
+                int(rng.integers(0, 6)),
+            )
+            for _ in range(int(rng.integers(0, 12)))
+        ]
+        # The database holds one row per (rule, run, rank, layer).
+        stored = list({(s.rule, s.run, s.rank, s.layer): s for s in stored}.values())
+        engine = SimpleNamespace(latest_states=lambda live=live: live)
+        got = {
+            (a.rule, a.run, a.layer): (a.streak_steps, a.state)
+            for a in alert_series_source(engine, lambda s=stored: s)()
+        }
+        assert got == _per_series_merge(live, stored)

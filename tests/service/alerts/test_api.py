@@ -135,7 +135,11 @@ def test_ingest_fires_lists_and_redelivers(make_app: Callable[..., Any], receive
         assert [(a["rule"], a["layer"], a["firing"]["step"]) for a in firing] == [("attn_drift", "attn.q", 2)]
         assert client.get("/api/v1/alerts", params={"run": "other"}).json() == []
         alerts = client.app.state.alerts  # the read methods the Prometheus exposition calls
-        latest = {(s.rule, s.run, s.rank, s.layer): (s.status, s.streak) for s in alerts.latest_series()}
+        latest = {
+            (rule, run, rank, layer): (state.status.value, state.streak)
+            for run, rank, states in alerts.latest_states()
+            for (rule, layer), state in states.items()
+        }
         assert latest[("attn_drift", "gpt", 0, "attn.q")] == ("firing", 2)
         assert latest[("quantwatch_output_deviation", "gpt", 0, "attn.q")] == ("pending", 2)
         assert latest[("quantwatch_output_deviation", "gpt", 0, "mlp.fc1")] == ("inactive", 0)
