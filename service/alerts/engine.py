@@ -53,6 +53,7 @@ from quantwatch.service.alerts.repository import insert_ignore
 from quantwatch.service.alerts.rules import ReceiverSpec, Rule
 from quantwatch.service.alerts.tables import EpisodeRow, ReceiverRow
 from quantwatch.service.alerts.webhooks import Notification, alertmanager_body, webhook_body
+from quantwatch.service.periodic import positive_seconds
 
 if TYPE_CHECKING:
     from quantwatch.service.batch import IngestBatch, StoredRun
@@ -139,7 +140,10 @@ class AlertEngine:
         dispatch: Callable[[list[int]], None] | None = None,
         clock: Callable[[], float] = time.time,
         formats: LayerFormatRecorder | None = None,
+        states_ttl_seconds: float = 3600.0,
     ) -> None:
+        """``states_ttl_seconds``: how long the states of a (run, rank) that sends nothing stay in memory (see
+        :meth:`latest_states`; the collector passes its ``metrics_run_ttl_seconds``)."""
         self.external_url = external_url
         self.delivery_horizon_seconds = delivery_horizon_seconds
         self.formats = formats if formats is not None else LayerFormatRecorder()
@@ -152,6 +156,12 @@ class AlertEngine:
         # The series state rows this process wrote last, by (run, rank) and rule name: (token, states), kept as the
         # evaluator's rows (replaced after a commit, never changed: the exposition reads them as they are).
         self._written: dict[tuple[str, int], dict[str, tuple[int, RuleStates]]] = {}
+        # When each (run, rank)'s states were published last, and when the next look for idle ones is due: a
+        # collector running for weeks sees thousands of (run, rank)s, each ~120 kB of states at 512 layers with the
+        # shipped rules.
+        self._published: dict[tuple[str, int], float] = {}
+        self._states_ttl = positive_seconds("states_ttl_seconds", states_ttl_seconds)
+        self._next_forget = 0.0
         self._latest_lock = threading.Lock()
         self._threads = threading.local()
         self.remediation: Remediation | None = None
@@ -192,9 +202,23 @@ class AlertEngine:
             return
         staged, pending.staged = pending.staged, None
         if staged is not None:
+            now = self._clock()
             with self._latest_lock:
                 self._written.setdefault((staged.run, staged.rank), {}).update(staged.written)
+                self._published[(staged.run, staged.rank)] = now
+                if now >= self._next_forget:
+                    self._forget_idle(now)
         self._send(pending)
+
+    def _forget_idle(self, now: float) -> None:
+        """Drop the states of the (run, rank)s that published none for ``states_ttl_seconds`` (the lock held): their
+        next batch reads them from the database, and /metrics exports no run idle that long (the restore's series
+        of the runs stored before a restart come from the database too). Looked at 8 times a TTL at most."""
+        idle = [key for key, at in self._published.items() if at < now - self._states_ttl]
+        for key in idle:
+            del self._published[key]
+            del self._written[key]
+        self._next_forget = now + self._states_ttl / 8
 
     def send_enqueued(self) -> None:
         """After a commit of ``evaluate`` or ``notify``: dispatch the leased outbox rows this thread wrote and wake the
@@ -454,8 +478,8 @@ class AlertEngine:
 
     # -- reads for Prometheus and the API ----------------------------------------------------------------------
     def latest_states(self) -> list[tuple[str, int, RuleStates]]:
-        """(run, rank, states) of every rule's states of every (run, rank) this process evaluated since it started
-        (in memory, no database; a batch publishes new states objects, never changes them).
+        """(run, rank, states) of every rule's states of every (run, rank) this process evaluated in the last
+        ``states_ttl_seconds`` (in memory, no database; a batch publishes new states objects, never changes them).
 
         For the Prometheus exposition's scrape path: current for the series this replica ingests, and as many
         objects as (run, rank, rule)s, not series (a rule on 512 layers of 64 ranks is 32,768 series: building an

@@ -38,6 +38,7 @@ def install_alerts(app: FastAPI, settings: Settings, store: Store) -> tuple[Aler
         delivery_horizon_seconds=settings.alert_delivery_horizon_seconds,
         wake=worker.wake,
         dispatch=worker.dispatch,
+        states_ttl_seconds=settings.metrics_run_ttl_seconds,
     )
     with write_session(store.factory) as session:
         sync_rules_file(session, engine, rules_file)

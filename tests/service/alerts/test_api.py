@@ -125,6 +125,37 @@ def test_receivers_keep_secrets_write_only(make_app: Callable[..., Any], whsec: 
         assert client.get("/api/v1/receivers").json() == []
 
 
+def _live(alerts: Any) -> dict[tuple[str, int, str, str], tuple[str, int]]:
+    """The engine's in-memory series (what /metrics reads) by (run, rank, rule, layer): (status, streak)."""
+    return {
+        (run, rank, rule, layer): (state.status.value, state.streak)
+        for run, rank, states in alerts.latest_states()
+        for (rule, layer), state in states.items()
+    }
+
+
+def test_states_of_ranks_idle_past_the_ttl_leave_memory_and_come_back_from_the_database(
+    make_app: Callable[..., Any],
+) -> None:
+    with TestClient(make_app(metrics_run_ttl_seconds=0.5)) as client:
+        assert client.post("/api/v1/rules", json=RULE).status_code == 201
+        assert client.post("/api/v1/ingest", json=batch("gpt", range(1, 3), 0.5, rank=1)).status_code == 200
+        alerts = client.app.state.alerts
+        assert _live(alerts)[("gpt", 1, "attn_drift", "attn.q")] == ("firing", 2)
+        time.sleep(0.6)
+        assert client.post("/api/v1/ingest", json=batch("other", range(1, 2), 0.0)).status_code == 200
+        assert {(run, rank) for run, rank, *_ in _live(alerts)} == {("other", 0)}  # gpt's rank 1: idle past the TTL
+        # Its next batch goes on from the states stored: the streaks count on (the shipped rule, pending for 2
+        # steps, fires at its third), the firing episode stays the one of step 2.
+        assert client.post("/api/v1/ingest", json=batch("gpt", range(3, 4), 0.5, rank=1)).status_code == 200
+        assert _live(alerts)[("gpt", 1, "attn_drift", "attn.q")] == ("firing", 3)
+        firing = client.get("/api/v1/alerts", params={"state": "firing", "run": "gpt"}).json()
+        assert sorted((a["rule"], a["layer"], a["firing"]["step"]) for a in firing) == [
+            ("attn_drift", "attn.q", 2),
+            ("quantwatch_output_deviation", "attn.q", 3),
+        ]
+
+
 def test_ingest_fires_lists_and_redelivers(make_app: Callable[..., Any], receivers: Callable[..., Any]) -> None:
     hook = receivers()
     with TestClient(make_app()) as client:
@@ -135,14 +166,10 @@ def test_ingest_fires_lists_and_redelivers(make_app: Callable[..., Any], receive
         assert [(a["rule"], a["layer"], a["firing"]["step"]) for a in firing] == [("attn_drift", "attn.q", 2)]
         assert client.get("/api/v1/alerts", params={"run": "other"}).json() == []
         alerts = client.app.state.alerts  # the read methods the Prometheus exposition calls
-        latest = {
-            (rule, run, rank, layer): (state.status.value, state.streak)
-            for run, rank, states in alerts.latest_states()
-            for (rule, layer), state in states.items()
-        }
-        assert latest[("attn_drift", "gpt", 0, "attn.q")] == ("firing", 2)
-        assert latest[("quantwatch_output_deviation", "gpt", 0, "attn.q")] == ("pending", 2)
-        assert latest[("quantwatch_output_deviation", "gpt", 0, "mlp.fc1")] == ("inactive", 0)
+        latest = _live(alerts)
+        assert latest[("gpt", 0, "attn_drift", "attn.q")] == ("firing", 2)
+        assert latest[("gpt", 0, "quantwatch_output_deviation", "attn.q")] == ("pending", 2)
+        assert latest[("gpt", 0, "quantwatch_output_deviation", "mlp.fc1")] == ("inactive", 0)
         with client.app.state.store.factory() as session:
             stored = alerts.series_snapshot(session, ["gpt"])
         assert sorted((s.rule, s.layer, s.series, s.status, s.streak, s.last_step) for s in stored) == [
