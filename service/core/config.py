@@ -152,7 +152,11 @@ class Settings(BaseSettings):
         default=64, ge=1, le=100_000, description="Layers exported to /metrics per (run, metric): the worst K."
     )
     metrics_run_ttl_seconds: float = Field(
-        default=3600.0, gt=0, le=366 * 86400, description="Runs idle longer than this drop out of /metrics."
+        default=3600.0,
+        gt=0,
+        le=366 * 86400,
+        description="Runs idle longer than this drop out of /metrics, and ranks idle that long their alert states out "
+        "of memory.",
     )
 
     @field_validator("tokens")
