@@ -187,5 +187,6 @@ def _merge(
 def _merge_severity(
     merged: dict[tuple[str, str, str], tuple[int, int]], key: tuple[str, str, str], severity: int, streak: int
 ) -> None:
+    """Keep ``key``'s longest streak and highest severity (0 inactive, 1 pending, 2 firing) of those counted."""
     longest, worst = merged.get(key, (0, 0))
     merged[key] = (max(longest, streak), max(worst, severity))
