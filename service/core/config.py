@@ -103,6 +103,14 @@ class Settings(BaseSettings):
         le=100_000,
         description="Ingest requests held at once (reading, queued, storing); more get 429 with Retry-After.",
     )
+    ingest_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Ingest requests decoded and stored at once, the others held on the event loop till one ends; "
+        "unset: 4 on PostgreSQL (more threads only contend for the GIL), all of them on SQLite (its group commit "
+        "queues the writers itself).",
+    )
     ingest_read_timeout_seconds: float = Field(
         default=30.0, gt=0, le=3600, description="Longest wait for an ingest body to arrive; slower gets 408."
     )

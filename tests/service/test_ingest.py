@@ -6,6 +6,7 @@ import gzip
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -387,6 +388,74 @@ def test_ingest_beyond_the_pending_limit_gets_429_with_retry_after_and_loses_not
             assert accepted.json() == {"batch_id": "second", "duplicate": False, "points": 1}
             assert other.get("/api/v1/runs/gate").json()["points"] == 2
             assert 'quantwatch_ingest_requests_total{outcome="throttled"} 1.0' in other.get("/metrics").text
+
+
+class _HeldAfterCommit:
+    """An ingest observer that holds every stored batch's worker thread after its commit until released, counting
+    how many it holds at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = 0
+        self.most = 0
+        self.release = threading.Event()
+
+    def on_batch(self, session: Any, run_row: Any, batch: Any) -> None:
+        pass
+
+    def after_commit(self, batch: Any) -> None:
+        with self.lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+        try:
+            assert self.release.wait(30), "the test never released the batches"
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+@pytest.mark.parametrize("threads", [2, None])
+def test_ingest_threads_bound_the_requests_stored_at_once(
+    threads: int | None,
+    database_url: str,
+    make_app: Callable[..., Any],
+    make_batch: Callable[..., Any],
+    encode_batch: Callable[..., Any],
+) -> None:
+    """Over real HTTP, 6 requests at once: with ``ingest_threads`` 2 two are stored at a time and the others wait
+    their turn, all stored in the end; unset, 4 at a time on PostgreSQL and all 6 on SQLite (its group commit queues
+    them itself)."""
+    from quantwatch.service.server import BackgroundServer
+
+    app = make_app(ingest_threads=threads)
+    held = _HeldAfterCommit()
+    app.state.ingest_observers.append(held)
+    expected = threads or (4 if database_url.startswith("postgresql") else 6)
+    docs = [make_batch("threads", ["a"], [1], {"m": np.array([[float(r)]])}, rank=r) for r in range(6)]
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        answers: list[int] = []
+
+        def send(doc: dict[str, Any]) -> None:
+            with httpx.Client(base_url=server.url, timeout=60) as own:
+                body, headers = encode_batch(doc)
+                answers.append(own.post("/api/v1/ingest", content=body, headers=headers).status_code)
+
+        senders = [threading.Thread(target=send, args=(doc,)) for doc in docs]
+        for sender in senders:
+            sender.start()
+        try:
+            deadline = time.monotonic() + 20
+            while held.active < expected and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.3)  # time for a request past the bound to come through, were there none
+            assert held.active == expected
+            assert held.most == expected
+        finally:
+            held.release.set()
+            for sender in senders:
+                sender.join(30)
+        assert answers == [200] * 6
+        assert http.get("/api/v1/runs/threads").json()["points"] == 6
 
 
 def test_a_stalled_upload_gets_408_and_frees_its_slot(

@@ -13,9 +13,9 @@ import time
 import zlib
 from typing import Any
 
+import anyio
 import orjson
 from fastapi import APIRouter, FastAPI, Request, Response
-from starlette.concurrency import run_in_threadpool
 from starlette.routing import Route
 
 from quantwatch.protocol import ingest_json_schema
@@ -158,7 +158,7 @@ async def ingest(request: Request) -> Response:
             stored = store.ingest(batch, observers)
             return stored, alerts.firing_of(batch)
 
-        result, firing = await run_in_threadpool(work)
+        result, firing = await anyio.to_thread.run_sync(work, limiter=gate.limiter())
         WRITE_HEALTH.of(app).succeeded()
         gate.record(time.perf_counter() - started)
     finally:
