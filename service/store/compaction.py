@@ -113,10 +113,8 @@ class Compactor:
                 tail = self.points.rank_tail(conn, run_id, rank, frontier, target, n_layers)
                 start = frontier // BLOCK_STEPS * BLOCK_STEPS  # whole blocks: a frontier may not be on a block's edge
                 if start < frontier:  # (after compact_all, or from before 0004): the rows before it may be folded
-                    for nid, rows in tail.items():
-                        key = {"run_id": run_id, "rank": rank, "nid": nid}
-                        head = self.points.read(conn, key, start, frontier - 1, None, n_layers)
-                        tail[nid] = merge([head, rows])
+                    heads = self.points.read_many(conn, run_id, rank, list(tail), start, frontier - 1, n_layers)
+                    tail = {nid: merge([heads[nid], rows]) for nid, rows in tail.items()}
                 matrices = {nid: (rows.steps, rows.values) for nid, rows in tail.items()}
                 if matrices:
                     self.rollups.write(conn, run_id, rank, matrices, set(), n_layers, target)

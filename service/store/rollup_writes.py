@@ -108,17 +108,15 @@ class RollupWriter:
         Blocks above the base level are written only where they end at or before ``complete_before`` (the frontier).
         """
         base = LEVELS[0]
-        contents: dict[int, tuple[I64, F32]] = {}
-        for nid, (steps, values) in matrices.items():
-            if nid in replaced:
-                # Replaced values cannot be subtracted from a min or max: recompute the touched blocks from raw.
-                touched = steps // base
-                lo, hi = int(touched.min()) * base, (int(touched.max()) + 1) * base - 1
-                # Behind the frontier, so some of these steps may be in chunks.
-                raw = self.points.read(conn, {"run_id": run_id, "rank": rank, "nid": nid}, lo, hi, None, n_layers)
+        contents = {nid: matrix for nid, matrix in matrices.items() if nid not in replaced}
+        redo = [nid for nid in matrices if nid in replaced]
+        if redo:
+            # Replaced values cannot be subtracted from a min or max: the touched blocks recomputed from raw, every
+            # replaced metric's read together (behind the frontier, so some of these steps may be in chunks).
+            touched = np.concatenate([matrices[nid][0] for nid in redo]) // base
+            lo, hi = int(touched.min()) * base, (int(touched.max()) + 1) * base - 1
+            for nid, raw in self.points.read_many(conn, run_id, rank, redo, lo, hi, n_layers).items():
                 contents[nid] = (raw.steps, raw.values)
-            else:
-                contents[nid] = (steps, values)
         level_parts: Blocks = {}
         for nids in _alike({nid: (steps.tobytes(),) for nid, (steps, _) in contents.items()}):
             # The metrics of a batch share its steps: their blocks are reduced in one pass, side by side.
@@ -198,7 +196,8 @@ class RollupWriter:
             return _split(nids, found, combined, n_layers)
         # A child not stored (too few samples, or no steps at all): the parents short of children from raw.
         lo, hi = int(short[0]) * level, (int(short[-1]) + 1) * level - 1
-        raws = list(self.step_partials(conn, run_id, rank, nids, lo, hi, n_layers).values())
+        partials = self.step_partials(conn, run_id, rank, nids, lo, hi, n_layers)
+        raws = [partials[nid] for nid in nids]
         kept = np.flatnonzero(full)
 
         def with_raw(steps: I64, values: Partials, done: Partials) -> tuple[I64, Partials]:
@@ -244,10 +243,10 @@ class RollupWriter:
     def step_partials(
         self, conn: Connection, run_id: int, rank: int, nids: Sequence[int], lo: int, hi: int, n_layers: int
     ) -> dict[int, tuple[I64, Partials]]:
-        """Partials of each series ``nids`` of (run, rank) over [lo, hi], in the order of ``nids``: one per raw
-        point, and before the rank's retention cut, whose raw points are gone, one per base block (keyed by its first
-        step; retention stores every base block of the steps it drops: :meth:`store_base_blocks`). The series are
-        read together (a parent short of children is read for every metric of the rank)."""
+        """Partials of each series ``nids`` of (run, rank) over [lo, hi]: one per raw point, and before the rank's
+        retention cut, whose raw points are gone, one per base block (keyed by its first step; retention stores every
+        base block of the steps it drops: :meth:`store_base_blocks`). The series are read together (a parent short of
+        children is read for every metric of the rank)."""
         base = LEVELS[0]
         cut = max(lo, min(hi + 1, read_raw_from(conn, run_id, rank)))
         none = (np.zeros(0, dtype=np.int64), Partials.empty(0, n_layers))
