@@ -477,8 +477,8 @@ class AlertEngine:
         return self._thread_pending().take_outbox()
 
     # -- reads for Prometheus and the API ----------------------------------------------------------------------
-    def latest_states(self) -> list[tuple[str, int, RuleStates]]:
-        """(run, rank, states) of every rule's states of every (run, rank) this process evaluated in the last
+    def latest_states(self) -> list[tuple[str, int, str, RuleStates]]:
+        """(run, rank, rule name, states) of every rule's states of every (run, rank) this process evaluated in the last
         ``states_ttl_seconds`` (in memory, no database; a batch publishes new states objects, never changes them).
 
         For the Prometheus exposition's scrape path: current for the series this replica ingests, and as many
@@ -487,7 +487,11 @@ class AlertEngine:
         authoritative state of all replicas from the database.
         """
         with self._latest_lock:
-            return [(run, rank, states) for (run, rank), rows in self._written.items() for _, states in rows.values()]
+            return [
+                (run, rank, rule, states)
+                for (run, rank), rows in self._written.items()
+                for rule, (_, states) in rows.items()
+            ]
 
     def series_snapshot(self, session: Session, runs: Iterable[str] | None = None) -> list[SeriesSnapshot]:
         """Every series' streak and status (optionally for some runs) from the database, whichever replica wrote it."""

@@ -86,8 +86,8 @@ class SeriesSnapshotLike(Protocol):
 class AlertEngineLike(Protocol):
     """The alert evaluator, as far as the exposition reads it."""
 
-    def latest_states(self) -> Sequence[tuple[str, int, RuleStates]]:
-        """(run, rank, one rule's states) of every (run, rank, rule) this process evaluated."""
+    def latest_states(self) -> Sequence[tuple[str, int, str, RuleStates]]:
+        """(run, rank, rule name, that rule's states) of every (run, rank, rule) this process evaluated."""
         ...
 
 
@@ -135,9 +135,9 @@ def alert_series_source(
         live = engine.latest_states()
         columns: dict[tuple[str, str, tuple[str, ...]], list[ColumnStates]] = {}
         merged: dict[tuple[str, str, str], tuple[int, int]] = {}
-        for run, _, states in live:
+        for run, _, rule, states in live:
             if isinstance(states, ColumnStates):
-                columns.setdefault((states.rule, run, states.layers), []).append(states)
+                columns.setdefault((rule, run, states.layers), []).append(states)
             else:  # a scalar rule's one series
                 for (rule, layer), state in states.items():
                     _merge(merged, (rule, run, layer), state.status.value, state.streak)
@@ -146,7 +146,7 @@ def alert_series_source(
                 _merge_severity(merged, (rule, run, layer), severity, streak)
         stored = restored()
         if stored:
-            evaluated = {(run, rank, rule): states for run, rank, states in live for rule in _rules_of(states)}
+            evaluated = {(run, rank, rule): states for run, rank, rule, states in live}
             for snap in stored:
                 newer = evaluated.get((snap.run, snap.rank, snap.rule))
                 if newer is None or (snap.rule, snap.layer) not in newer:
@@ -157,11 +157,6 @@ def alert_series_source(
         ]
 
     return source
-
-
-def _rules_of(states: Mapping[tuple[str, str], object]) -> set[str]:
-    """The rule names of one rule's states (one name: :class:`ColumnStates` holds one rule's series)."""
-    return {states.rule} if isinstance(states, ColumnStates) else {rule for rule, _ in states}
 
 
 def _combined(layers: tuple[str, ...], ranks: list[ColumnStates]) -> Iterator[tuple[str, int, int]]:

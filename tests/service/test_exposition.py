@@ -427,12 +427,14 @@ def test_scrapes_concurrent_with_ingest_and_the_renderer_are_whole_and_never_sta
     assert render_exposition(registry) == generate_latest(registry)
 
 
-def _per_series_merge(live: list[tuple[str, int, Any]], stored: list[StoredSeries]) -> dict[tuple, tuple[int, str]]:
+def _per_series_merge(
+    live: list[tuple[str, int, str, Any]], stored: list[StoredSeries]
+) -> dict[tuple, tuple[int, str]]:
     """The exposition's alert series as it merged them one series object at a time (the oracle): every rank's series
     by (rule, run, rank, layer), the evaluator's over the restored; those with a streak or pending or firing
     combined per (rule, run, layer), longest streak and most severe state."""
     latest = {(s.rule, s.run, s.rank, s.layer): (s.status, s.streak) for s in stored}
-    for run, rank, states in live:
+    for run, rank, _, states in live:
         for (rule, layer), state in states.items():
             latest[(rule, run, rank, layer)] = (state.status.value, state.streak)
     merged: dict[tuple, tuple[int, str]] = {}
@@ -453,7 +455,7 @@ def test_alert_series_combine_ranks_as_the_per_series_merge_did() -> None:
     statuses = list(SeriesStatus)
     for _ in range(60):
         layers = tuple(f"l{i}" for i in range(int(rng.integers(1, 9))))
-        live: list[tuple[str, int, Any]] = []
+        live: list[tuple[str, int, str, Any]] = []
         for run in ("a", "b")[: int(rng.integers(1, 3))]:
             for rank in range(int(rng.integers(1, 5))):
                 for rule in ("r1", "r2"):
@@ -463,6 +465,7 @@ def test_alert_series_combine_ranks_as_the_per_series_merge_did() -> None:
                         (
                             run,
                             rank,
+                            rule,
                             ColumnStates(
                                 rule,
                                 own,
@@ -476,7 +479,7 @@ def test_alert_series_combine_ranks_as_the_per_series_merge_did() -> None:
                         )
                     )
                 status = statuses[int(rng.integers(len(statuses)))]
-                live.append((run, rank, {("loss", ""): SeriesState(status, 3, int(rng.integers(0, 3)))}))
+                live.append((run, rank, "loss", {("loss", ""): SeriesState(status, 3, int(rng.integers(0, 3)))}))
         stored = [
             StoredSeries(
                 str(rng.choice(["r1", "r2", "loss"])),

@@ -129,7 +129,7 @@ def _live(alerts: Any) -> dict[tuple[str, int, str, str], tuple[str, int]]:
     """The engine's in-memory series (what /metrics reads) by (run, rank, rule, layer): (status, streak)."""
     return {
         (run, rank, rule, layer): (state.status.value, state.streak)
-        for run, rank, states in alerts.latest_states()
+        for run, rank, _, states in alerts.latest_states()
         for (rule, layer), state in states.items()
     }
 
