@@ -458,6 +458,24 @@ def test_ingest_threads_bound_the_requests_stored_at_once(
         assert http.get("/api/v1/runs/threads").json()["points"] == 6
 
 
+@pytest.mark.parametrize("value", [0, -3, 1025, "many"])
+def test_a_bad_ingest_threads_names_the_setting(value: object) -> None:
+    from pydantic import ValidationError
+
+    from quantwatch.service.core.config import Settings
+
+    with pytest.raises(ValidationError, match="ingest_threads"):
+        Settings(ingest_threads=value)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "hour", True])
+def test_a_bad_states_ttl_names_the_argument(value: object) -> None:
+    from quantwatch.service.alerts.engine import AlertEngine
+
+    with pytest.raises(ValueError, match="states_ttl_seconds"):
+        AlertEngine(external_url="http://x", delivery_horizon_seconds=60, states_ttl_seconds=value)  # type: ignore[arg-type]
+
+
 def test_a_stalled_upload_gets_408_and_frees_its_slot(
     make_app: Callable[..., Any], make_batch: Callable[..., Any], encode_batch: Callable[..., Any]
 ) -> None:
